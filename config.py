@@ -1,0 +1,307 @@
+"""One typed config for train.py, evaluate.py and predict.py: defaults, presets and --key=value overrides.
+
+    python train.py [preset.py|preset.json ...] [--key=value ...]      later arguments win; --help lists the keys
+
+Values are Python literals (`--learning_rate=3e-4`, `--compile=False`, `--prompt_template='"..."'`); for a text
+field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). Preset .py files are parsed
+with `ast`, never executed: only top-level `name = <literal>` lines. `python config.py` prints the reference
+table of all keys in Markdown.
+"""
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
+PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
+
+
+def competition_file(name, fallback):
+    """The Kaggle competition's input file when running on Kaggle, else the local path."""
+    path = os.path.join(KAGGLE_INPUT, name)
+    return path if os.path.exists(path) else fallback
+
+
+def option(default, help, choices=None):
+    """A config field with its one-line doc (and allowed values); a callable default is evaluated per Config."""
+    metadata = {"help": help, "choices": choices}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Config:
+    # data
+    train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
+                            f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, else data/train.csv")
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv")
+    test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
+                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv")
+    sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
+                                        "sample submission whose ids submission.csv must match; '' = no check")
+    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)")
+    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)")
+    id_column: str = option("", "id column; '' = auto (id)")
+    val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''")
+    split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)")
+    prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
+                                                   "summary and <|endoftext|>; must contain {dialogue} once")
+    train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)")
+    data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and settings)")
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here")
+    # model
+    init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
+                                    "or a local transformers model directory")
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py load; '' = out_dir/best.pt")
+    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)")
+    n_head: int = option(12, "attention heads (init_from='scratch' only)")
+    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)")
+    block_size: int = option(1024, "longest sequence in tokens, a multiple of 8; longer dialogues are cut")
+    dropout: float = option(0.0, "dropout probability while training")
+    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)")
+    # optimization
+    batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and accumulation")
+    micro_batch_size: int = option(8, "sequences per forward pass on one rank")
+    max_iters: int = option(300, "optimizer steps")
+    learning_rate: float = option(2e-4, "peak learning rate")
+    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay")
+    warmup_iters: int = option(20, "steps of linear warmup")
+    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters")
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
+    seed: int = option(1337, "seed of the data order, dropout and sampling")
+    # evaluation and logging
+    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps")
+    eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split")
+    rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE")
+    best_metric: str = option("rougeL", "which score picks the checkpoint kept as best", ("rougeL", "val_loss"))
+    log_interval: int = option(10, "print training loss every this many steps")
+    # system
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
+                        ("auto", "float32", "bfloat16", "float16"))
+    compile: bool = option(True, "torch.compile the model on CUDA (never on CPU, where compiling costs more than it saves)")
+    backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none",
+                          ("auto", "ddp", "accelerate", "none"))
+    nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (multi-GPU hosts without "
+                                           "working peer-to-peer, e.g. Kaggle's 2xT4)")
+    dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
+    # generation
+    max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size")
+    num_beams: int = option(1, "beam search width; 1 = greedy or sampling")
+    temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1)")
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off")
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off")
+    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter")
+    repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary")
+    no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off")
+    gen_batch_size: int = option(32, "dialogues summarized per generate() call")
+
+    def __post_init__(self):
+        check_values(self)
+
+
+def check_values(cfg):
+    """Raise UserError naming the first key whose value cannot work."""
+    for f in fields(cfg):
+        choices = f.metadata["choices"]
+        if choices and getattr(cfg, f.name) not in choices:
+            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
+    positive = ("batch_size", "micro_batch_size", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
+                "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
+    non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
+                    "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
+                    "temperature")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise UserError(f"{name}={getattr(cfg, name)} must be > 0")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
+    for name in ("val_fraction", "dropout", "beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
+    if cfg.learning_rate <= 0:
+        raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.repetition_penalty <= 0:
+        raise UserError(f"repetition_penalty={cfg.repetition_penalty} must be > 0 (1.0 = off)")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise UserError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(f"n_embd={cfg.n_embd} is not a multiple of n_head={cfg.n_head}")
+    if cfg.block_size % 8:
+        raise UserError(f"block_size={cfg.block_size} must be a multiple of 8 (batches are padded to multiples of 8)")
+    if cfg.init_from in GPT2_NAMES and cfg.block_size > 1024:
+        raise UserError(f"block_size={cfg.block_size} exceeds GPT-2's 1024 positions: use block_size <= 1024 "
+                        f"or init_from='scratch'")
+    if cfg.max_new_tokens >= cfg.block_size:
+        raise UserError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for the prompt in "
+                        f"block_size={cfg.block_size}: make it smaller than block_size")
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
+    if cfg.num_beams > 1 and cfg.temperature > 0:
+        raise UserError(f"num_beams={cfg.num_beams} is beam search, which does not sample: use temperature=0.0 "
+                        f"or num_beams=1")
+    if cfg.best_metric == "rougeL" and cfg.rouge_samples == 0:
+        raise UserError("best_metric='rougeL' needs rouge_samples > 0 (or use best_metric='val_loss')")
+    try:
+        ok = cfg.prompt_template.count("{dialogue}") == 1 and cfg.prompt_template.format(dialogue="") is not None
+    except (KeyError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
+                        f"other braces (write {{{{ and }}}} for literal ones)")
+
+
+def grad_accum_steps(cfg, world_size):
+    """Micro-batches each rank runs per optimizer step so that all ranks together process batch_size sequences."""
+    per_pass = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_pass:
+        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size = "
+                        f"{cfg.micro_batch_size} * {world_size} = {per_pass}: set --batch_size to a multiple of "
+                        f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides {cfg.batch_size}")
+    return cfg.batch_size // per_pass
+
+
+# ---- parsing --------------------------------------------------------------------------------------------
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def check_key(key, source):
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "run with --help to list the keys"
+        raise UserError(f"unknown config key {key!r} in {source}: {hint}")
+
+
+def typed(key, value, source):
+    """`value` as the field's type (an int is accepted for a float), or UserError naming the key."""
+    check_key(key, source)
+    kind = FIELDS[key].type
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise UserError(f"{key} expects {kind.__name__}, got {value!r} ({type(value).__name__}) in {source}")
+    return value
+
+
+def parse_override(arg):
+    """'--key=value' -> (key, value) with the value as a Python literal, or as text for a text field."""
+    key, eq, text = arg[2:].partition("=")
+    if not arg.startswith("--") or not eq:
+        raise UserError(f"cannot read argument {arg!r}: use --key=value, or a preset .py/.json file")
+    source = f"--{key}={text}"
+    check_key(key, source)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if FIELDS[key].type is str and not isinstance(value, str):
+        value = text
+    return key, typed(key, value, source)
+
+
+def read_preset(path):
+    """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
+    if not os.path.isfile(path):
+        raise UserError(f"preset {path} does not exist: pass an existing .py or .json file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"preset {path} is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"preset {path} must hold a JSON object of key: value")
+        return {key: typed(key, value, path) for key, value in values.items()}
+    if not path.endswith(".py"):
+        raise UserError(f"preset {path} must end in .py or .json")
+    try:
+        tree = ast.parse(text, filename=path)
+    except SyntaxError as e:
+        raise UserError(f"preset {path} line {e.lineno}: syntax error: {e.msg}") from None
+    values = {}
+    for node in tree.body:
+        source = f"{path} line {node.lineno}"
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise UserError(f"{source}: only `name = <literal>` lines are allowed in a preset, got "
+                            f"{ast.get_source_segment(text, node)!r}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise UserError(f"{source}: {ast.get_source_segment(text, node.value)!r} is not a literal "
+                            f"(write the value itself, e.g. 256, not 8 * 32)") from None
+        values[node.targets[0].id] = typed(node.targets[0].id, value, source)
+    return values
+
+
+def load_config(argv, base=None):
+    """The Config from `base` (default: the defaults) updated by presets and --key=value overrides, in order."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip() + "\n\n" + help_text())
+        raise SystemExit(0)
+    values = dataclasses.asdict(base) if base is not None else {}
+    for arg in argv:
+        if arg.startswith("--"):
+            key, value = parse_override(arg)
+            values[key] = value
+        else:
+            values.update(read_preset(arg))
+    return Config(**values)
+
+
+def read_config(path):
+    """A config saved by save_config (or any preset), on top of the defaults."""
+    return load_config([path])
+
+
+def save_config(cfg, path):
+    """Write the resolved config as JSON, atomically (temp file + rename)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def format_config(cfg):
+    """The resolved config, one `key = value` line per field, for printing once on rank 0."""
+    width = max(map(len, FIELDS))
+    return "\n".join(f"{name:<{width}} = {getattr(cfg, name)!r}" for name in FIELDS)
+
+
+def help_text():
+    defaults = Config()
+    return "\n".join(f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items())
+
+
+def markdown_reference():
+    """The README's config reference: one table row per key."""
+    defaults = Config()
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, f in FIELDS.items():
+        default = repr(getattr(defaults, name)).replace("|", "\\|")
+        rows.append(f"| `{name}` | {f.type.__name__} | `{default}` | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_reference())

@@ -1,0 +1,25 @@
+"""Tiny from-scratch model on CPU, end to end in minutes: python train.py config/demo.py"""
+init_from = "scratch"
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 256
+dropout = 0.0
+train_csv = "data/demo/train.csv"
+test_csv = "data/demo/test.csv"
+sample_submission_csv = ""
+out_dir = "out-demo"
+batch_size = 32
+micro_batch_size = 8
+max_iters = 60
+eval_interval = 20
+log_interval = 5
+learning_rate = 1e-3
+min_lr = 1e-4
+warmup_iters = 5
+rouge_samples = 16
+max_new_tokens = 32
+gen_batch_size = 16
+device = "cpu"
+dtype = "float32"
+compile = False

@@ -1,0 +1,312 @@
+import itertools
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import data
+from config import PROMPT_TEMPLATE, Config, UserError
+from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
+
+enc = get_tokenizer()
+
+
+def dialogue(i, turns=3):
+    return "\n".join(f"Person{i % 5}: message {i}-{t} about the plan for {'tomorrow' * (t % 3)}."
+                     for t in range(turns))
+
+
+def write_rows(path, n, start=0, turns=3):
+    rows = [{"id": str(start + i), "dialogue": dialogue(start + i, turns + i % 7),
+             "summary": f"Person{i % 5} talks about plan {start + i}."} for i in range(n)]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return rows
+
+
+def make_cfg(tmp_path, **overrides):
+    values = dict(train_csv=str(tmp_path / "train.csv"), test_csv=str(tmp_path / "test.csv"),
+                  data_cache_dir=str(tmp_path / "cache"), block_size=256, max_new_tokens=32, init_from="scratch",
+                  batch_size=16, micro_batch_size=4)
+    values.update(overrides)
+    return Config(**values)
+
+
+def user_error(call):
+    with pytest.raises(UserError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---- reading CSVs ------------------------------------------------------------------------------------------
+
+def test_columns_are_auto_detected_or_taken_from_config(tmp_path):
+    path = tmp_path / "cnn.csv"
+    pd.DataFrame({"ID": ["a", "b"], " Article": ["x y", "z"], "highlights": ["s1", "s2"]}).to_csv(path, index=False)
+    table = data.read_table(str(path), "train_csv", make_cfg(tmp_path))
+    assert (table.ids, table.dialogues, table.summaries) == (["a", "b"], ["x y", "z"], ["s1", "s2"])
+    pd.DataFrame({"conv": ["x"], "gist": ["s"], "dialogue": ["other"]}).to_csv(path, index=False)
+    table = data.read_table(str(path), "train_csv", make_cfg(tmp_path, dialogue_column="conv", summary_column="gist"))
+    assert (table.ids, table.dialogues, table.summaries) == (["0"], ["x"], ["s"])
+
+
+def test_missing_column_lists_the_columns_found(tmp_path):
+    path = tmp_path / "train.csv"
+    pd.DataFrame({"id": [1], "dialogue": ["x"], "gist": ["s"]}).to_csv(path, index=False)
+    message = user_error(lambda: data.read_table(str(path), "train_csv", make_cfg(tmp_path)))
+    assert str(path) in message and "'id', 'dialogue', 'gist'" in message and "--summary_column=" in message
+    message = user_error(lambda: data.read_table(str(path), "train_csv", make_cfg(tmp_path, summary_column="sum")))
+    assert "'sum'" in message
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "does not exist"),
+    (b"", "is empty"),
+    (b"\n\n", "is empty"),
+    (b"\xef\xbb\xbf\r\n", "is empty"),
+    (b"id,dialogue,summary\r\n", "no data rows"),
+    (b'id;;dialogue;;summary\n1;;"A: hi, you";;greeting\n2;;B: yo;;hey\n', "not comma-separated"),
+    (b"id;;dialogue;;summary\n1;;A: hi;;greeting\n", "not comma-separated"),
+    (b"id\tdialogue\tsummary\n1\tA: hi\tgreeting\n", "not comma-separated"),
+    (b'id,dialogue,summary\n1,"A: hi,greet\n2,B: x, y, z\n', "not a readable CSV"),
+])
+def test_unreadable_files_are_one_clear_error(tmp_path, content, expected):
+    path = tmp_path / "train.csv"
+    if content is not None:
+        path.write_bytes(content)
+    message = user_error(lambda: data.read_table(str(path), "train_csv", make_cfg(tmp_path)))
+    assert expected in message and str(path) in message and "train_csv" in message
+
+
+def test_bom_crlf_quoted_newlines_emoji_and_non_utf8_bytes(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_bytes(b'\xef\xbb\xbfid,dialogue,summary\r\n'
+                     b'1,"Amanda: caf\xe9?\r\nJerry: sure \xf0\x9f\x98\x80\r\n",Coffee \xe2\x98\x95\r\n'
+                     b'2,"A: ""quoted""\rB: ok",Quotes.\r\n')
+    table = data.read_table(str(path), "train_csv", make_cfg(tmp_path))
+    assert table.ids == ["1", "2"]
+    assert table.dialogues == ["Amanda: café?\nJerry: sure 😀", 'A: "quoted"\nB: ok']
+    assert table.summaries == ["Coffee ☕", "Quotes."]
+
+
+def test_empty_dialogue_or_summary_rows_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "train.csv"
+    pd.DataFrame({"id": list("abcdef"), "dialogue": ["x", "", "y", None, "  \r\n ", "z"],
+                  "summary": ["s", "s", None, "s", "s", "t"]}).to_csv(path, index=False)
+    table = data.read_table(str(path), "train_csv", make_cfg(tmp_path))
+    assert (table.ids, table.empty) == (["a", "f"], 4)
+    path.write_text("id,dialogue,summary\n1,,\n2, , \n")
+    assert "every row has an empty" in user_error(lambda: data.read_table(str(path), "train_csv", make_cfg(tmp_path)))
+
+
+def test_test_csv_keeps_every_row_and_rejects_duplicate_ids(tmp_path):
+    path = tmp_path / "test.csv"
+    pd.DataFrame({"id": ["7", "8", "9"], "dialogue": ["x", "", "z"]}).to_csv(path, index=False)
+    table = data.read_test(make_cfg(tmp_path))
+    assert (table.ids, table.dialogues, table.summaries, table.empty) == (["7", "8", "9"], ["x", "", "z"], None, 1)
+    pd.DataFrame({"id": ["7", "8", "7", "8", "1"], "dialogue": list("abcde")}).to_csv(path, index=False)
+    message = user_error(lambda: data.read_test(make_cfg(tmp_path)))
+    assert "2 duplicated id(s), e.g. 7, 8" in message and "test_csv" in message
+    pd.DataFrame({"key": ["7"], "dialogue": ["a"]}).to_csv(path, index=False)
+    assert "no id column" in user_error(lambda: data.read_test(make_cfg(tmp_path)))
+
+
+# ---- splits, examples, masks ------------------------------------------------------------------------------
+
+def test_validation_split_is_deterministic_or_taken_from_validation_csv(tmp_path):
+    write_rows(tmp_path / "train.csv", 100)
+    cfg = make_cfg(tmp_path)
+    first, second = data.load_datasets(cfg), data.load_datasets(cfg)
+    assert first.val.ids == second.val.ids and len(first.val) == 5 and len(first.train) == 95
+    assert sorted(first.train.ids + first.val.ids, key=int) == [str(i) for i in range(100)]
+    other = data.load_datasets(make_cfg(tmp_path, split_seed=1))
+    assert other.val.ids != first.val.ids
+    write_rows(tmp_path / "val.csv", 7, start=1000)
+    given = data.load_datasets(make_cfg(tmp_path, validation_csv=str(tmp_path / "val.csv")))
+    assert len(given.train) == 100 and given.val.ids == [str(1000 + i) for i in range(7)]
+
+
+def test_targets_are_the_summary_and_eos_token_by_token(tmp_path):
+    rows = write_rows(tmp_path / "train.csv", 6)
+    splits = data.load_datasets(make_cfg(tmp_path, val_fraction=0.0))
+    examples = splits.train
+    x, y = data.collate(examples, np.arange(6))
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape and x.shape[1] % 8 == 0
+    assert x.shape[1] == -(-int(examples.lengths.max() - 1) // 8) * 8
+    for i, row in enumerate(rows):
+        prompt = enc.encode_ordinary(PROMPT_TEMPLATE.format(dialogue=row["dialogue"]))
+        sequence = prompt + enc.encode_ordinary(row["summary"]) + [EOT_ID]
+        n = len(sequence) - 1
+        assert x[i, :n].tolist() == sequence[:-1] and (x[i, n:] == EOT_ID).all()
+        targets = y[i][y[i] != -1].tolist()
+        assert targets == enc.encode_ordinary(row["summary"]) + [EOT_ID]
+        assert (y[i, len(prompt) - 1:n] != -1).all() and (y[i, :len(prompt) - 1] == -1).all()
+        assert (y[i, n:] == -1).all()
+    _, y_all = data.collate(examples, np.arange(6), train_on_prompt=True)
+    for i in range(6):
+        sequence = examples.sequence(i).tolist()
+        assert y_all[i][y_all[i] != -1].tolist() == sequence[1:]
+
+
+def test_long_dialogue_is_cut_never_the_summary_header_or_cue(tmp_path):
+    long_dialogue = dialogue(0, turns=60)
+    summary = "Person0 talks about the plan for a very long time."
+    pd.DataFrame({"id": [1, 2], "dialogue": [long_dialogue, "A: short."],
+                  "summary": [summary, "Short."]}).to_csv(tmp_path / "train.csv", index=False)
+    splits = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
+    examples = splits.train
+    assert examples.cut == 1 and any("cut the end of 1 dialogue" in note for note in splits.notes)
+    head, tail = data.template_tokens(PROMPT_TEMPLATE)
+    summary_tokens = enc.encode_ordinary(summary) + [EOT_ID]
+    sequence = examples.sequence(0).tolist()
+    prompt_len = int(examples.prompt_lens[0])
+    assert len(sequence) == 64 + 1
+    assert sequence[:len(head)] == head and sequence[prompt_len - len(tail):prompt_len] == tail
+    assert sequence[prompt_len:] == summary_tokens
+    assert sequence[len(head):prompt_len - len(tail)] == enc.encode_ordinary(long_dialogue)[:prompt_len - len(head) - len(tail)]
+    assert data.encode_prompt(long_dialogue, prompt_len) == sequence[:prompt_len]
+    x, y = data.collate(examples, [0])
+    assert x.shape == (1, 64) and y[0][y[0] != -1].tolist() == summary_tokens
+
+
+def test_summary_that_cannot_fit_is_skipped_and_counted(tmp_path):
+    pd.DataFrame({"id": [1, 2], "dialogue": ["A: hi.", "B: yo."],
+                  "summary": ["word " * 80, "Fine."]}).to_csv(tmp_path / "train.csv", index=False)
+    splits = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
+    assert splits.train.ids == ["2"] and splits.train.too_long == 1
+    assert any("skipped 1 example(s) whose summary alone" in note for note in splits.notes)
+
+
+def test_encode_prompt_matches_the_plain_template_and_keeps_the_cue():
+    text = "Amanda: I baked cookies. Do you want some?\r\nJerry: Sure! 🍪"
+    assert data.encode_prompt(text, 1000) == enc.encode_ordinary(PROMPT_TEMPLATE.format(dialogue=data.clean_text(text)))
+    template = "Chat:\n{dialogue}\nTL;DR:"
+    cut = data.encode_prompt(text, 12, template)
+    assert len(cut) == 12 and cut[:3] == enc.encode_ordinary("Chat:\n") and enc.decode(cut).endswith("\nTL;DR:")
+    assert "lower max_new_tokens" in user_error(lambda: data.encode_prompt(text, 5, template))
+
+
+# ---- the tokenized cache ----------------------------------------------------------------------------------
+
+def test_cache_is_reused_and_invalidated_by_csv_template_and_block_size(tmp_path, monkeypatch):
+    calls = []
+    original = data.tokenize_table
+    monkeypatch.setattr(data, "tokenize_table", lambda *args, **kw: calls.append(1) or original(*args, **kw))
+    write_rows(tmp_path / "train.csv", 20)
+    cfg = make_cfg(tmp_path)
+    first = data.load_datasets(cfg)
+    second = data.load_datasets(cfg)
+    assert len(calls) == 1 and np.array_equal(first.train.tokens, second.train.tokens)
+    assert not [f for f in os.listdir(cfg.data_cache_dir) if ".tmp" in f]
+    write_rows(tmp_path / "train.csv", 21)
+    assert len(data.load_datasets(cfg).train) + len(data.load_datasets(cfg).val) == 21 and len(calls) == 2
+    other_template = data.load_datasets(make_cfg(tmp_path, prompt_template="Chat: {dialogue}\nSummary:"))
+    assert len(calls) == 3 and enc.decode(other_template.train.sequence(0).tolist()).startswith("Chat: ")
+    data.load_datasets(make_cfg(tmp_path, block_size=128))
+    assert len(calls) == 4 and len(os.listdir(cfg.data_cache_dir)) == 4
+
+
+def test_main_rank_builds_the_cache_while_the_others_wait(tmp_path, monkeypatch):
+    write_rows(tmp_path / "train.csv", 20)
+    cfg = make_cfg(tmp_path)
+    events = []
+    original = data.tokenize_table
+    monkeypatch.setattr(data, "tokenize_table", lambda *a, **kw: events.append("tokenize") or original(*a, **kw))
+
+    def barrier():  # in a real job rank 0 reaches the barrier after writing the cache
+        events.append("barrier")
+        data.load_datasets(cfg, is_main=True)
+
+    worker = data.load_datasets(cfg, is_main=False, barrier=barrier)
+    assert events == ["barrier", "tokenize"]
+    assert worker.train.ids == data.load_datasets(cfg).train.ids
+
+
+# ---- sampling and batches ---------------------------------------------------------------------------------
+
+def lognormal_lengths(n, seed=0):
+    """SAMSum-like sequence lengths: median ~156, mean ~187, a long right tail up to 792."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(156), 0.6, n), 30, 792).astype(int)
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 4])
+def test_ranks_together_see_what_one_process_sees(micro_batch_size):
+    lengths = lognormal_lengths(37)
+    batch_size = 16
+    single = LengthGroupedSampler(lengths, batch_size, micro_batch_size, seed=3)
+    other_micro = LengthGroupedSampler(lengths, batch_size, 8, seed=3)
+    for step in range(12):
+        expected = sorted(single.global_batch(step).tolist())
+        assert len(expected) == batch_size and sorted(other_micro.global_batch(step).tolist()) == expected
+        for world_size in (1, 2, 4):
+            per_rank = [single.micro_batches(step, rank, world_size) for rank in range(world_size)]
+            assert len({len(batches) for batches in per_rank}) == 1
+            assert len(per_rank[0]) == batch_size // (micro_batch_size * world_size)
+            assert all(len(b) == micro_batch_size for batches in per_rank for b in batches)
+            seen = sorted(i for batches in per_rank for b in batches for i in b.tolist())
+            assert seen == expected
+
+
+def test_resuming_at_step_k_continues_the_same_stream():
+    lengths = lognormal_lengths(50)
+    before = LengthGroupedSampler(lengths, 8, 2, seed=5)
+    stream = [[b.tolist() for b in before.micro_batches(step, 1, 2)] for step in range(30)]
+    resumed = LengthGroupedSampler(lengths, 8, 2, seed=5)
+    assert [[b.tolist() for b in resumed.micro_batches(step, 1, 2)] for step in range(17, 30)] == stream[17:]
+    reseeded = LengthGroupedSampler(lengths, 8, 2, seed=6)
+    assert [[b.tolist() for b in reseeded.micro_batches(step, 1, 2)] for step in range(30)] != stream
+
+
+def test_every_example_is_seen_once_per_epoch_and_epochs_reshuffle():
+    n, batch_size = 50, 8
+    sampler = LengthGroupedSampler(lognormal_lengths(n), batch_size, 4, seed=0)
+    steps = n * 16 // batch_size  # 16 epochs end exactly at a step boundary
+    seen = np.concatenate([sampler.global_batch(step) for step in range(steps)])
+    assert np.array_equal(np.bincount(seen, minlength=n), np.full(n, 16))
+    first, second = sampler.stream(0, n), sampler.stream(n, n)
+    assert sorted(first) == sorted(second) == list(range(n)) and not np.array_equal(first, second)
+    assert sampler.epoch(steps) == 16
+
+
+def test_micro_batches_group_by_length_and_balance_ranks():
+    lengths = lognormal_lengths(4000)
+    sampler = LengthGroupedSampler(lengths, 256, 8, seed=0)
+    batches = sampler.micro_batches(0)
+    assert all(lengths[a].max() >= lengths[b].max() for a, b in itertools.pairwise(batches))
+    tokens = [sum(int(lengths[b].max()) for b in sampler.micro_batches(0, rank, 4)) for rank in range(4)]
+    assert max(tokens) / min(tokens) < 1.1
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 16])
+def test_padding_stays_under_ten_percent_on_samsum_like_lengths(micro_batch_size):
+    lengths = lognormal_lengths(14732)
+    assert 0 < data.padding_fraction(lengths, 256, micro_batch_size, steps=20) <= 0.10
+
+
+def test_global_target_count_matches_the_ranks_batches(tmp_path):
+    write_rows(tmp_path / "train.csv", 30)
+    cfg = make_cfg(tmp_path, val_fraction=0.0, batch_size=16, micro_batch_size=2)
+    train = data.load_datasets(cfg).train
+    for train_on_prompt in (False, True):
+        cfg_t = make_cfg(tmp_path, val_fraction=0.0, batch_size=16, micro_batch_size=2, train_on_prompt=train_on_prompt)
+        ranks = [TrainBatches(train, cfg_t, rank, 2) for rank in range(2)]
+        for step in (0, 1, 5):
+            batches = [xy for r in ranks for xy in r.micro_batches(step)]
+            assert len(batches) == 8 and all(x.shape[0] == 2 and x.shape[1] <= cfg.block_size for x, _ in batches)
+            assert ranks[0].target_tokens(step) == ranks[1].target_tokens(step) == sum(
+                int((y != -1).sum()) for _, y in batches)
+
+
+def test_eval_batches_cover_the_split_once(tmp_path):
+    write_rows(tmp_path / "train.csv", 23)
+    examples = data.load_datasets(make_cfg(tmp_path, val_fraction=0.0)).train
+    targets = examples.target_counts().sum()
+    per_rank = [list(data.eval_batches(examples, 4, rank, 2)) for rank in range(2)]
+    assert [len(b) for b in per_rank] == [3, 3]
+    assert sum(int((y != -1).sum()) for batches in per_rank for _, y in batches) == targets
+    limited = [list(data.eval_batches(examples, 4, rank, 2, max_batches=3)) for rank in range(2)]
+    assert sum(x.shape[0] for batches in limited for x, _ in batches) == 12

@@ -87,6 +87,8 @@ class Config:
     rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE")
     best_metric: str = option("rougeL", "which score picks the checkpoint kept as best", ("rougeL", "val_loss"))
     log_interval: int = option(10, "print training loss every this many steps")
+    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt")
+    predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)")
     # system
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",

@@ -13,7 +13,9 @@ from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 import data
+from checkpoint import load_checkpoint, model_from_checkpoint
 from config import UserError, load_config
+from model import GPT
 from runtime import Runtime
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -67,9 +69,6 @@ def rouge(predictions, references):
 def load_model(cfg, device, pretrained=False):
     """The model to score: a checkpoint (ckpt, else out_dir/best.pt) or, with pretrained=True (the user typed
     --init_from=gpt2|<hf dir>), GPT-2 weights without fine-tuning."""
-    from model import GPT
-    from train import load_checkpoint, model_from_checkpoint
-
     if pretrained:
         try:
             model = GPT.from_pretrained(cfg.init_from)

@@ -5,7 +5,6 @@
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     notebook_launcher(train.main, (["--backend=accelerate", ...],), num_processes=2)   from a notebook
 """
-import contextlib
 import json
 import math
 import os
@@ -18,8 +17,10 @@ from tqdm import tqdm
 
 import data
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
-from evaluate import rouge, summarize
+from evaluate import evaluate, rouge, summarize
+from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
+from predict import predict
 from runtime import Runtime, peak_flops
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
@@ -30,51 +31,14 @@ def main(argv=None):
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         with Runtime(cfg) as rt:
             Trainer(cfg, rt).fit()
+            if cfg.evaluate_after:
+                evaluate(cfg, rt)
+            if cfg.predict_after:
+                predict(cfg, rt)
     except UserError as e:
         rank = os.environ.get("RANK")
         print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-# ---- checkpoints ------------------------------------------------------------------------------------------
-
-def save_checkpoint(state, path):
-    """Write to a temp file in the same directory, fsync, then atomically rename over `path`, so a crash or a
-    full disk leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def load_checkpoint(path):
-    """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers."""
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise UserError(f"{path} is not a checkpoint written by train.py")
-    return ckpt
-
-
-def model_from_checkpoint(ckpt, path):
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
-    return model
 
 
 def build_model(cfg):

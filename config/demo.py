@@ -23,3 +23,5 @@ gen_batch_size = 16
 device = "cpu"
 dtype = "float32"
 compile = False
+evaluate_after = True
+predict_after = True

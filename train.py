@@ -296,9 +296,9 @@ def plot_metrics(jsonl_path, png_path):
         points = [(r["iter"], r[key]) for r in evals if key in r]
         if points:
             ax_rouge.plot(*zip(*points), "o-", label=key)
+            ax_rouge.legend()
     ax_rouge.set_xlabel("iter")
-    ax_rouge.set_ylabel("F1")
-    ax_rouge.legend()
+    ax_rouge.set_ylabel("ROUGE F1")
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp)

@@ -1,3 +1,6 @@
+import random
+
+import pandas as pd
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -18,3 +21,32 @@ def tiny_hf_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_hf_dir):
     return GPT2LMHeadModel.from_pretrained(tiny_hf_dir).eval()
+
+
+NAMES = ["Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate", "Mike", "Anna", "Olivia", "Noah"]
+PLANS = ["bake cookies", "watch a movie", "have dinner", "finish the report", "go to the party",
+         "buy tickets", "grab coffee", "play tennis"]
+DAYS = ["on Monday", "on Tuesday", "tonight", "tomorrow", "on Friday", "at the weekend"]
+
+
+def synthetic_rows(n, seed):
+    """Short two-person dialogues about a plan, each with a one-sentence summary a tiny model can learn."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.sample(NAMES, 2)
+        plan, day = rng.choice(PLANS), rng.choice(DAYS)
+        dialogue = f"{a}: Hi {b}, shall we {plan} {day}?\n{b}: Yes, let's {plan} {day}.\n{a}: Great, see you."
+        rows.append({"id": f"d{seed}-{i}", "dialogue": dialogue, "summary": f"{a} and {b} will {plan} {day}."})
+    return rows
+
+
+@pytest.fixture
+def write_csv(tmp_path):
+    """write_csv(name, n, seed=0, test=False) -> path of a CSV of synthetic dialogues (no summary if test)."""
+    def write(name, n, seed=0, test=False):
+        frame = pd.DataFrame(synthetic_rows(n, seed))
+        path = tmp_path / name
+        (frame.drop(columns="summary") if test else frame).to_csv(path, index=False)
+        return str(path)
+    return write

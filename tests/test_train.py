@@ -1,0 +1,176 @@
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint
+from config import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
+        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
+        "--warmup_iters=2", "--learning_rate=3e-3"]
+PARITY = [*TINY, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]
+
+
+def run(cmd, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def assert_same_losses(got, expected, rel=1e-4):
+    assert [r["iter"] for r in got] == [r["iter"] for r in expected]
+    for g, e in zip(got, expected):
+        for key in ("loss", "val_loss"):
+            if key in e:
+                assert g[key] == pytest.approx(e[key], rel=rel), (key, g["iter"])
+
+
+@pytest.fixture(scope="module")
+def parity_data(tmp_path_factory):
+    from conftest import synthetic_rows
+    import pandas as pd
+    folder = tmp_path_factory.mktemp("parity")
+    pd.DataFrame(synthetic_rows(120, seed=1)).to_csv(folder / "train.csv", index=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single_process(parity_data):
+    out = parity_data / "single"
+    train.main([*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
+                "--micro_batch_size=4", f"--out_dir={out}"])
+    return metrics(out)
+
+
+LAUNCHES = {
+    "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
+    "torchrun_ddp": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                                  "--micro_batch_size=4"],
+    "torchrun_accelerate": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                                         "--micro_batch_size=4", "--backend=accelerate"],
+    "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
+        from accelerate import notebook_launcher
+        import train
+        notebook_launcher(train.main, ({[*args, "--micro_batch_size=2", "--backend=accelerate"]!r},),
+                          num_processes=2, use_port={free_port()!r})
+        """)],
+}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
+    """Single process with accumulation == 2 DDP ranks == 2 Accelerate ranks == notebook_launcher, loss for loss."""
+    out = parity_data / launch
+    args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
+            f"--out_dir={out}"]
+    result = run(LAUNCHES[launch](args))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(metrics(out), single_process)
+
+
+def test_exact_resume_is_bit_identical(write_csv, tmp_path):
+    csv = write_csv("train.csv", 80)
+    common = [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+              "--micro_batch_size=4", "--eval_interval=4", "--lr_decay_iters=8", "--rouge_samples=2",
+              "--dropout=0.1"]
+    train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'straight'}"])
+    train.main([*common, "--max_iters=4", f"--out_dir={tmp_path / 'resumed'}"])
+    train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'resumed'}", "--init_from=resume"])
+    straight = load_checkpoint(str(tmp_path / "straight" / "ckpt.pt"))
+    resumed = load_checkpoint(str(tmp_path / "resumed" / "ckpt.pt"))
+    assert resumed["iter_num"] == straight["iter_num"] == 8
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+    assert [r["loss"] for r in metrics(tmp_path / "resumed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
+
+
+def test_checkpoint_has_clean_keys_and_everything_to_resume(write_csv, tmp_path):
+    csv = write_csv("train.csv", 40)
+    train.main([*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+                "--micro_batch_size=4", "--max_iters=2", "--eval_interval=2", "--rouge_samples=2",
+                f"--out_dir={tmp_path}"])
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert {"model", "model_args", "optimizer", "scaler", "iter_num", "config", "rng"} <= set(ckpt)
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    assert os.path.exists(tmp_path / "best.pt") and os.path.exists(tmp_path / "metrics.png")
+
+
+def test_sigkill_during_checkpoint_write_leaves_a_loadable_checkpoint(write_csv, tmp_path):
+    csv = write_csv("train.csv", 40)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}",
+         "--batch_size=8", "--micro_batch_size=8", "--max_iters=100000", "--eval_interval=1", "--rouge_samples=0",
+         "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "ckpt.pt").exists():  # first wait for one complete checkpoint
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        while not any(name.startswith("ckpt.pt.tmp") for name in os.listdir(out)):  # then catch the next write
+            assert time.time() < deadline and proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    ckpt = load_checkpoint(str(out / "ckpt.pt"))
+    assert ckpt["iter_num"] >= 1
+    train.main([*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+                "--micro_batch_size=8", f"--max_iters={ckpt['iter_num'] + 1}", "--eval_interval=1",
+                "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}",
+                "--init_from=resume"])
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == ckpt["iter_num"] + 1
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_with_code_in_its_pickle_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = RunsCode()
+    payload.marker = marker
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "model_args": {}, "payload": payload}, path, pickle_module=pickle)
+    with pytest.raises(UserError, match="weights_only"):
+        load_checkpoint(str(path))
+    assert not marker.exists()
+    result = run([sys.executable, "evaluate.py", f"--ckpt={path}", f"--out_dir={tmp_path}", "--device=cpu"])
+    assert result.returncode != 0 and not marker.exists()
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error:")
+
+
+def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
+    """A tiny model fine-tuned on 64 dialogues summarizes those same dialogues almost perfectly."""
+    csv = write_csv("train.csv", 64)
+    train.main([f"--train_csv={csv}", f"--validation_csv={csv}", f"--out_dir={tmp_path}",
+                f"--data_cache_dir={tmp_path / 'cache'}", "--init_from=scratch", "--device=cpu", "--dtype=float32",
+                "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=128",
+                "--max_new_tokens=24", "--batch_size=16", "--micro_batch_size=16", "--max_iters=150",
+                "--eval_interval=150", "--learning_rate=1e-2", "--min_lr=1e-3", "--warmup_iters=5",
+                "--weight_decay=0", "--rouge_samples=64", "--gen_batch_size=64", "--log_interval=1000"])
+    final = metrics(tmp_path)[-1]
+    assert final["rougeL"] >= 0.95, final

@@ -1,4 +1,5 @@
-"""Checkpoint files: written atomically by rank 0, read back with weights_only so a file cannot run code."""
+"""Checkpoint files: written atomically by rank 0, read back with weights_only so a file cannot run code; and
+the check that out_dir can take them."""
 import contextlib
 import os
 
@@ -6,6 +7,17 @@ import torch
 
 from config import UserError
 from model import GPT, GPTConfig
+
+
+def make_out_dir(path):
+    """Create out_dir and check that a file can be written there, before any work whose results would be lost."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
 
 
 def save_checkpoint(state, path):
@@ -18,9 +30,13 @@ def save_checkpoint(state, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, OSError):  # e.g. a full disk: the user's to fix, and nothing was lost
+            kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
+            raise UserError(f"cannot write {path} ({e.strerror or e}): {kept}; free some space or choose another "
+                            f"--out_dir") from None
         raise
 
 
@@ -39,7 +55,11 @@ def load_checkpoint(path):
 
 
 def model_from_checkpoint(ckpt, path):
-    model = GPT(GPTConfig(**ckpt["model_args"]))
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
+        raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
+                        f"{str(e) or type(e).__name__}") from None
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:

@@ -26,8 +26,8 @@ VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-class TokenizerFileError(ValueError):
-    pass
+class TokenizerFileError(UserError):
+    """A BPE file that is not OpenAI's: refused, since its tokens would silently differ from GPT-2's."""
 
 
 def bpe_files():

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import asdict
 
 import torch
@@ -18,7 +19,7 @@ from tqdm import tqdm
 import data
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
 from evaluate import evaluate, rouge, summarize
-from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
 from predict import predict
 from runtime import Runtime, peak_flops
@@ -26,7 +27,9 @@ from runtime import Runtime, peak_flops
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 
 def main(argv=None):
-    """Entry point for the command line and for notebook_launcher; user errors end in one line."""
+    """Entry point for the command line and for notebook_launcher; user errors end in one line, and so does a
+    crash of one rank of a distributed job (after its traceback), naming the rank."""
+    rank = os.environ.get("RANK")
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         with Runtime(cfg) as rt:
@@ -36,9 +39,17 @@ def main(argv=None):
             if cfg.predict_after:
                 predict(cfg, rt)
     except UserError as e:
-        rank = os.environ.get("RANK")
         print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        if rank is None:
+            raise
+        # Among the launcher's reports and the other ranks' errors (e.g. "connection closed by peer") the
+        # root cause is this rank's last line.
+        traceback.print_exc()
+        first_line = str(e).strip().partition("\n")[0]
+        print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
+        sys.exit(1)
 
 
 def build_model(cfg):
@@ -50,6 +61,9 @@ def build_model(cfg):
         path = os.path.join(cfg.out_dir, "ckpt.pt")
         ckpt = load_checkpoint(path)
         model = model_from_checkpoint(ckpt, path)
+        if model.config.block_size != cfg.block_size:
+            raise UserError(f"{path} was trained with block_size={model.config.block_size}, not {cfg.block_size}: "
+                            f"resume with --block_size={model.config.block_size}")
         return model, ckpt
     try:
         model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
@@ -224,6 +238,11 @@ class Trainer:
     def checkpoint(self, stats):
         """Rank 0 writes ckpt.pt, and best.pt when the configured metric improved; the others wait."""
         cfg, rt = self.cfg, self.rt
+        if not math.isfinite(stats["val_loss"]):  # diverged weights are not worth resuming from
+            if rt.is_main:
+                print(f"warning: val_loss is {stats['val_loss']} at iter {self.iter_num}; keeping the previous "
+                      f"checkpoints", file=sys.stderr)
+            return
         metric = cfg.best_metric if cfg.best_metric in stats else "val_loss"
         score = stats[metric] if metric != "val_loss" else -stats[metric]
         improved = math.isfinite(score) and (self.best_score is None or score > self.best_score)
@@ -256,16 +275,6 @@ class Trainer:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
             plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
-
-
-def make_out_dir(path):
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
 
 
 def compile_model(model):

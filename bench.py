@@ -1,6 +1,6 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process.
 
-python bench.py [--section=generate|all] [--model=small|gpt2] [--json]
+python bench.py [--section=data|train|generate|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import json
@@ -13,26 +13,36 @@ import time
 import numpy as np
 import torch
 
-from data import EOT_ID, get_tokenizer
+import data
+from config import PROMPT_TEMPLATE
+from data import EOT_ID
 from model import GPT
 
 SAMSUM_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "samsum-validation.csv")
-TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 
 
-def samsum_prompts(n, seed=0):
-    """Prompt token lists with SAMSum's lengths: the real validation dialogues when ../shared has them, else
-    random tokens with lengths from a log-normal fitted to SAMSum prompts (median ~130, long right tail)."""
+def samsum_examples(n, seed=0):
+    """(prompt tokens, summary tokens) pairs with SAMSum's lengths: the real validation dialogues when ../shared
+    has them, else random tokens with lengths from log-normals fitted to SAMSum (prompt median ~130 tokens,
+    summary mean ~25), and which of the two it is."""
     rng = np.random.default_rng(seed)
     if os.path.exists(SAMSUM_CSV):
         import pandas as pd
-        dialogues = pd.read_csv(SAMSUM_CSV)["dialogue"].dropna().tolist()
-        picked = rng.choice(len(dialogues), size=min(n, len(dialogues)), replace=False)
-        enc = get_tokenizer()
-        return [enc.encode_ordinary(TEMPLATE.format(dialogue=dialogues[i])) for i in picked], "samsum"
-    lengths = np.clip(rng.lognormal(mean=np.log(130), sigma=0.6, size=n), 16, 760).astype(int)
-    return [rng.integers(0, EOT_ID, size=k).tolist() for k in lengths], "synthetic"
+        frame = pd.read_csv(SAMSUM_CSV).dropna()
+        picked = rng.choice(len(frame), size=min(n, len(frame)), replace=False)
+        enc = data.get_tokenizer()
+        return [(data.encode_prompt(frame["dialogue"].iloc[i], 1024 - 80, PROMPT_TEMPLATE),
+                 enc.encode_ordinary(frame["summary"].iloc[i])) for i in picked], "samsum"
+    prompt_lengths = np.clip(rng.lognormal(np.log(130), 0.6, size=n), 16, 760).astype(int)
+    summary_lengths = np.clip(rng.lognormal(np.log(22), 0.5, size=n), 3, 76).astype(int)
+    return [(rng.integers(0, EOT_ID, size=p).tolist(), rng.integers(0, EOT_ID, size=k).tolist())
+            for p, k in zip(prompt_lengths, summary_lengths)], "synthetic"
+
+
+def samsum_prompts(n, seed=0):
+    examples, source = samsum_examples(n, seed)
+    return [prompt for prompt, _ in examples], source
 
 
 def make_models(shape, device):
@@ -198,7 +208,102 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     return rows
 
 
-SECTIONS = {"generate": bench_generate}
+def training_examples(n):
+    """An Examples set (prompt + summary + EOS, prompt masked) of n SAMSum-length rows, as data.py builds it."""
+    pairs, source = samsum_examples(n)
+    sequences = [p + s + [EOT_ID] for p, s in pairs]
+    lengths = np.array([len(q) for q in sequences])
+    return data.Examples(tokens=np.concatenate(sequences).astype(np.uint16),
+                         offsets=np.concatenate([[0], np.cumsum(lengths)]),
+                         prompt_lens=np.array([len(p) for p, _ in pairs]), ids=[], dialogues=[], summaries=[]), source
+
+
+def bench_data(args, device):
+    examples, source = training_examples(args.data_examples)
+    rows = [dict(section="data", figure="padding_fraction_fixed_1024",
+                 value=1 - float((examples.lengths - 1).mean()) / 1024)]
+    for micro in (8, 16):
+        rows.append(dict(section="data", figure=f"padding_fraction_ours_micro_batch_{micro}",
+                         value=data.padding_fraction(examples.lengths, 256, micro, steps=50), target="<= 0.10"))
+    rows.append(dict(section="data", figure="setup", value=f"{len(examples)} {source} examples, batch 256, 50 steps"))
+    return rows
+
+
+def matmul_ceiling(device, size=2048, repeats=5):
+    """FLOP/s of a large fp32 matmul on this device: what the training step's FLOP/s is compared with."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
+    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
+    return 2 * size**3 * repeats / seconds
+
+
+def bench_train(args, device):
+    """Forward + backward throughput in real (non-pad) tokens/s on identical length-grouped micro-batches:
+    ours; transformers' GPT2LMHeadModel (same weights, attention mask, labels); and the reference notebook's
+    approach, every row padded to 1024 with logits at every position."""
+    hf, ours = make_models(args.model, device)
+    hf.train(), ours.train()
+    examples, source = training_examples(args.train_batches * args.micro_batch)
+    sampler = data.LengthGroupedSampler(examples.lengths, len(examples), args.micro_batch, seed=0)
+    batches = [data.collate(examples, idx) for idx in sampler.micro_batches(0)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    real_tokens = int((examples.lengths - 1).sum())
+    F = torch.nn.functional
+    # Padded to 1024, every micro-batch costs the same whatever its rows: time one, credit it the average
+    # micro-batch's real tokens.
+    x0, y0 = batches[0]
+    padded = (F.pad(x0, (0, 1024 - x0.size(1)), value=EOT_ID), F.pad(y0, (0, 1024 - y0.size(1)), value=-1))
+
+    def ours_step():
+        for x, y in batches:
+            _, loss = ours(x, y)
+            loss.backward()
+        ours.zero_grad(set_to_none=True)
+
+    def hf_step():
+        for x, y in batches:
+            # HF shifts labels itself (labels[:, t + 1] is the target of position t): one extra pad column.
+            ids = F.pad(x, (0, 1), value=EOT_ID)
+            labels = F.pad(y.masked_fill(y == -1, -100), (1, 0), value=-100)
+            hf(input_ids=ids, attention_mask=(ids != EOT_ID).long(), labels=labels).loss.backward()
+        hf.zero_grad(set_to_none=True)
+
+    def padded_1024_step():
+        logits, _ = ours(padded[0])
+        F.cross_entropy(logits.flatten(0, 1), padded[1].flatten(), ignore_index=-1).backward()
+        ours.zero_grad(set_to_none=True)
+
+    _, seconds, memory = interleaved({"ours": ours_step, "transformers": hf_step}, device, args.repeats)
+    with PeakMemory(device) as padded_memory:
+        _, padded_seconds = timed(padded_1024_step, device)
+    rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
+            "padded_1024": real_tokens / len(batches) / padded_seconds}
+    # Model FLOPs of our step: 6 per parameter per token through the blocks, lm_head only at the targets
+    # (that is all ours computes), attention 12 * layers * width * length per token.
+    targets = sum(int((y != -1).sum()) for _, y in batches)
+    head = ours.lm_head.weight.numel()
+    mean_len = real_tokens / len(examples)
+    flops = (6 * (ours.num_params() - head) * real_tokens + 6 * head * targets
+             + 12 * ours.config.n_layer * ours.config.n_embd * mean_len * real_tokens) / seconds["ours"]
+    ceiling = matmul_ceiling(device)
+    return [
+        dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
+        dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
+             peak_mb=memory["transformers"]),
+        dict(section="train", figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"],
+             peak_mb=padded_memory.peak_mb),
+        dict(section="train", figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"],
+             target=">= 1.0"),
+        dict(section="train", figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"],
+             target=">= 5"),
+        dict(section="train", figure="ours_flops_fraction_of_matmul_ceiling", value=flops / ceiling),
+        dict(section="train", figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
+             f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
+             f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s, median of {args.repeats}, {device}"),
+    ]
+
+
+SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate}
 
 
 def main():
@@ -212,6 +317,9 @@ def main():
     parser.add_argument("--gen_batch", type=int, default=16)
     parser.add_argument("--naive_prompts", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--data_examples", type=int, default=818)
+    parser.add_argument("--train_batches", type=int, default=2)
+    parser.add_argument("--micro_batch", type=int, default=4)
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}

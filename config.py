@@ -13,6 +13,7 @@ import difflib
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass, field, fields
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
@@ -93,7 +94,9 @@ class Config:
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
                         ("auto", "float32", "bfloat16", "float16"))
-    compile: bool = option(True, "torch.compile the model on CUDA (never on CPU, where compiling costs more than it saves)")
+    compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
+                                         "compiling costs more than a short run saves), True/False = on/off anywhere",
+                                 ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none",
                           ("auto", "ddp", "accelerate", "none"))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (multi-GPU hosts without "
@@ -119,7 +122,7 @@ def check_values(cfg):
     for f in fields(cfg):
         choices = f.metadata["choices"]
         if choices and getattr(cfg, f.name) not in choices:
-            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(choices)}")
+            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(map(str, choices))}")
     positive = ("batch_size", "micro_batch_size", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
                 "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
     non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
@@ -190,14 +193,23 @@ def check_key(key, source):
         raise UserError(f"unknown config key {key!r} in {source}: {hint}")
 
 
+def types_of(f):
+    """The types a field accepts: (int,), or (bool, str) for `bool | str`."""
+    return typing.get_args(f.type) or (f.type,)
+
+
+def type_name(f):
+    return " or ".join(kind.__name__ for kind in types_of(f))
+
+
 def typed(key, value, source):
     """`value` as the field's type (an int is accepted for a float), or UserError naming the key."""
     check_key(key, source)
-    kind = FIELDS[key].type
-    if kind is float and type(value) is int:
+    kinds = types_of(FIELDS[key])
+    if kinds == (float,) and type(value) is int:
         return float(value)
-    if type(value) is not kind:
-        raise UserError(f"{key} expects {kind.__name__}, got {value!r} ({type(value).__name__}) in {source}")
+    if type(value) not in kinds:
+        raise UserError(f"{key} expects {type_name(FIELDS[key])}, got {value!r} ({type(value).__name__}) in {source}")
     return value
 
 
@@ -301,7 +313,7 @@ def markdown_reference():
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for name, f in FIELDS.items():
         default = repr(getattr(defaults, name)).replace("|", "\\|")
-        rows.append(f"| `{name}` | {f.type.__name__} | `{default}` | {f.metadata['help']} |")
+        rows.append(f"| `{name}` | {type_name(f)} | `{default}` | {f.metadata['help']} |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,7 @@
 """GPT-2 in the shape of nanoGPT, loadable from transformers, with a batched KV-cache generator."""
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,14 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
+    def training_flops(self, tokens, targets, attended):
+        """Model FLOPs of a training step (forward + backward = 3x forward, 2 per multiply-add) over `tokens`
+        tokens of which `targets` are supervised: the blocks at every token, lm_head at the targets only (all
+        that forward computes), and attention, with `attended` = the sum of squared sequence lengths."""
+        head = self.lm_head.weight.numel()
+        return (6 * (self.num_params() - head) * tokens + 6 * head * targets
+                + 12 * self.config.n_layer * self.config.n_embd * attended)
+
     def forward(self, idx, targets=None):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
         With targets (B, T; -1 = ignore): the mean cross-entropy over non-ignored targets, and logits None,
@@ -200,8 +209,20 @@ class GPT(nn.Module):
     # ---- generation -------------------------------------------------------------------------------------
 
     def compile_decode(self, **compile_kwargs):
-        """Use a torch.compile'd single-token decode step in generate() from now on (worth it on CUDA)."""
-        self._compiled_decode = torch.compile(self.forward_cached, dynamic=True, **compile_kwargs)
+        """Use a torch.compile'd single-token decode step in generate() from now on. Compiling happens at the
+        first call (and at a recompile); if it fails: one warning line, and eager decoding from then on."""
+        compiled = torch.compile(self.forward_cached, dynamic=True, **compile_kwargs)
+
+        def decode(*args):
+            if self._compiled_decode is decode:
+                try:
+                    return compiled(*args)
+                except Exception as e:  # a failed step wrote nothing the eager retry does not overwrite
+                    warn_compile_failed(e, "decoding eagerly")
+                    self._compiled_decode = None
+            return self.forward_cached(*args)
+
+        self._compiled_decode = decode
 
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0, top_k=None, top_p=None,
@@ -239,6 +260,14 @@ class GPT(nn.Module):
                     generator.manual_seed(seed)
             new_tokens = sample(decode, logits, state, kv_caches, processors, eos_token_id, generator)
         return [cut_at_eos(row, eos_token_id) for row in new_tokens.tolist()]
+
+
+def warn_compile_failed(error, fallback):
+    """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
+    error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
+    reason = str(error).strip().splitlines()
+    print(f"warning: torch.compile failed ({type(error).__name__}: {reason[0] if reason else ''}); {fallback}",
+          file=sys.stderr)
 
 
 def cut_at_eos(tokens, eos_token_id):

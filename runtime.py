@@ -1,7 +1,8 @@
-"""Where the job runs: process group (none, torchrun DDP or Accelerate), device, precision, peak FLOPS."""
+"""Where the job runs: process group (none, torchrun DDP or Accelerate), device, precision, compile, peak FLOPS."""
 import contextlib
 import datetime
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -9,22 +10,25 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError
 
-# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity). Longer names first: "A100" before "A10".
-PEAK_TFLOPS = [
-    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
-    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
-    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
-    ("A10", {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2}),
-    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),
-    ("V100", {"float16": 125.0, "float32": 15.7}),
-    ("T4", {"float16": 65.0, "float32": 8.1}),
-]
+# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
+# more specific names first.
+PEAK_TFLOPS = {
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H100 PCIE": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "A10": {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "V100": {"float16": 125.0, "float32": 15.7},
+    "T4": {"float16": 65.0, "float32": 8.1},
+}
 
 
 def peak_flops(device_name, dtype):
-    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() for a dtype name, or None if unknown."""
-    for key, table in PEAK_TFLOPS:
-        if key in device_name.upper():
+    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
+    dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
+    for key, table in PEAK_TFLOPS.items():
+        if re.search(rf"\b{key}\b", device_name.upper()):
             return table[dtype] * 1e12 if dtype in table else None
     return None
 
@@ -41,6 +45,12 @@ def choose_precision(requested, device_type, capability=None):
         raise UserError(f"dtype=bfloat16 needs a GPU of compute capability >= 8.0, this one is "
                         f"{capability[0]}.{capability[1]} (e.g. a T4): use --dtype=float16 or --dtype=auto")
     return requested, requested == "float16"
+
+
+def use_compile(requested, device_type):
+    """The config's `compile`: 'auto' compiles on CUDA only (on CPU a short run spends more time compiling than
+    it saves), True and False force it on or off on any device."""
+    return requested is True or (requested == "auto" and device_type == "cuda")
 
 
 def resolve_backend(requested, environ):
@@ -87,6 +97,7 @@ class Runtime:
         self.is_main = self.rank == 0
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability)
+        self.compile = use_compile(cfg.compile, self.device.type)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def __enter__(self):

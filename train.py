@@ -3,7 +3,7 @@
     python train.py [preset.py|preset.json] [--key=value ...]                  one process (CPU or one GPU)
     torchrun --nproc_per_node=N --standalone train.py [...]                     DDP, N processes
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
-    notebook_launcher(train.main, (["--backend=accelerate", ...],), num_processes=2)   from a notebook
+    train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
 """
 import json
 import math
@@ -20,11 +20,12 @@ import data
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
 from evaluate import evaluate, rouge, summarize
 from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, warn_compile_failed
 from predict import predict
 from runtime import Runtime, peak_flops
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
+
 
 def main(argv=None):
     """Entry point for the command line and for notebook_launcher; user errors end in one line, and so does a
@@ -127,8 +128,13 @@ class Trainer:
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         if ckpt is not None:
             self.restore(ckpt)
-        self.wrapped = rt.wrap(compile_model(self.model) if cfg.compile and rt.device.type == "cuda" else self.model)
-        self.flops_per_token = 6 * self.model.num_params()
+        trained = self.model
+        if rt.compile:
+            x, y = self.batches.micro_batches(self.iter_num)[0]
+            trained = compile_model(self.model, x.to(rt.device), y.to(rt.device), rt.autocast())
+            if trained is not self.model:
+                self.model.compile_decode()  # for ROUGE
+        self.wrapped = rt.wrap(trained)
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
             print(format_config(cfg))
@@ -151,34 +157,34 @@ class Trainer:
 
     def fit(self):
         cfg, rt = self.cfg, self.rt
-        bar = tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
-                   desc="training", unit="it")
-        bad_steps = 0
-        while self.iter_num < cfg.max_iters:
-            lr = learning_rate(self.iter_num, cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            start = time.perf_counter()
-            loss, tokens = self.train_step(self.iter_num)
-            seconds = time.perf_counter() - start
-            self.iter_num += 1
-            bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
-            if bad_steps >= NAN_PATIENCE:
-                raise UserError(f"loss is {loss} for {bad_steps} iterations in a row (iter {self.iter_num}); "
-                                f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
-                                f"Lower learning_rate or use dtype=float32/bfloat16")
-            stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "tokens_per_s": tokens / seconds,
-                     "ms_per_iter": 1000 * seconds}
-            if self.peak:
-                stats["mfu"] = self.flops_per_token * tokens / seconds / rt.world_size / self.peak
-            if rt.device.type == "cuda":
-                stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-            if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
-                stats.update(self.evaluate())
-                self.checkpoint(stats)
-            if rt.is_main:
-                self.log(stats, bar)
-        bar.close()
+        # closed by `with` also when an error ends the run, so the error starts on a line of its own
+        with tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
+                  desc="training", unit="it") as bar:
+            bad_steps = 0
+            while self.iter_num < cfg.max_iters:
+                lr = learning_rate(self.iter_num, cfg)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                start = time.perf_counter()
+                loss, tokens = self.train_step(self.iter_num)
+                seconds = time.perf_counter() - start
+                self.iter_num += 1
+                bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
+                if bad_steps >= NAN_PATIENCE:
+                    raise UserError(f"loss is {loss} for {bad_steps} iterations in a row (iter {self.iter_num}); "
+                                    f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
+                                    f"Lower learning_rate or use dtype=float32/bfloat16")
+                stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "tokens_per_s": tokens / seconds,
+                         "ms_per_iter": 1000 * seconds}
+                if self.peak:
+                    stats["mfu"] = self.step_flops(self.iter_num - 1) / seconds / rt.world_size / self.peak
+                if rt.device.type == "cuda":
+                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+                if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
+                    stats.update(self.evaluate())
+                    self.checkpoint(stats)
+                if rt.is_main:
+                    self.log(stats, bar)
 
     def train_step(self, step):
         """One optimizer step over global batch `step`; returns its mean loss per target token (over all ranks)
@@ -208,6 +214,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         global_batch = self.batches.sampler.global_batch(step)
         return loss, int((self.train_set.lengths[global_batch] - 1).sum())
+
+    def step_flops(self, step):
+        """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
+        lengths = self.train_set.lengths[self.batches.sampler.global_batch(step)] - 1
+        return self.model.training_flops(int(lengths.sum()), self.batches.target_tokens(step),
+                                         int((lengths ** 2).sum()))
 
     @torch.no_grad()
     def evaluate(self):
@@ -277,14 +289,49 @@ class Trainer:
             plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
 
 
-def compile_model(model):
-    """torch.compile, or the eager model with one warning line if compilation is unavailable."""
+def compile_model(model, x, y, autocast):
+    """torch.compile'd `model`, tried on one forward and backward of batch (x, y) now, because compiling happens
+    lazily at the first call; the eager model, with one warning line, if that fails. Leaves no gradients behind
+    and draws no random numbers."""
+    rng = rng_state()
     try:
-        return torch.compile(model)
-    except Exception as e:  # compile support varies by platform and torch build
-        print(f"warning: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-              f"training eagerly", file=sys.stderr)
+        compiled = torch.compile(model)
+        with autocast:
+            _, loss = compiled(x, y)
+        loss.backward()
+        return compiled
+    except Exception as e:  # compile support varies by platform, GPU, compiler and torch build
+        warn_compile_failed(e, "training eagerly")
         return model
+    finally:
+        model.zero_grad(set_to_none=True)
+        set_rng_state(rng)
+
+
+def notebook_main(argv=(), num_processes=2, port=29500):
+    """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4), with Accelerate's
+    notebook_launcher. The processes are forked, so nothing in the notebook may have used CUDA before."""
+    try:
+        load_config(argv)  # a mistake in the arguments ends here, before any process starts
+        if torch.cuda.is_initialized():
+            raise UserError("CUDA was already initialised in this notebook (a cell used the GPU), and processes "
+                            "forked from it cannot use CUDA: restart the kernel and call notebook_main first")
+        from accelerate import notebook_launcher
+        try:
+            notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
+                              use_port=str(port))
+        except torch.distributed.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise UserError(f"port {port} is in use, probably by the processes of an earlier launch that are "
+                            f"still running: restart the kernel, or pass port=<another port>") from None
+        except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
+            if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
+                raise
+            raise UserError(f"{str(e).splitlines()[0]} (restart the kernel and call notebook_main first)") from None
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def plot_metrics(jsonl_path, png_path):

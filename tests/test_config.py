@@ -17,7 +17,7 @@ def error_of(argv):
 
 def test_defaults_reproduce_the_competition_setup():
     cfg = Config()
-    assert (cfg.init_from, cfg.batch_size, cfg.dtype, cfg.compile) == ("gpt2", 256, "auto", True)
+    assert (cfg.init_from, cfg.batch_size, cfg.dtype, cfg.compile) == ("gpt2", 256, "auto", "auto")
     assert cfg.prompt_template == "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 
 
@@ -40,7 +40,8 @@ def test_overrides_are_literals_typed_by_field():
 @pytest.mark.parametrize("arg, expected", [
     ("--batch_size=8.5", "batch_size expects int"),
     ("--batch_size=True", "batch_size expects int"),
-    ("--compile=yes", "compile expects bool"),
+    ("--compile=yes", "compile='yes' is not one of auto, True, False"),
+    ("--compile=1", "compile expects bool or str"),
     ("--learning_rate=fast", "learning_rate expects float"),
     ("--lerning_rate=1e-3", "did you mean 'learning_rate'?"),
     ("--micro_batchsize=4", "did you mean 'micro_batch_size'?"),
@@ -66,7 +67,7 @@ def test_py_preset_is_read_not_executed_and_later_arguments_win(tmp_path):
     ("batch_size = 8 * 32\n", "line 1: '8 * 32' is not a literal"),
     ("open('x', 'w')\n", "line 1"),
     ("batch_size = 64\nlerning_rate = 1e-3\n", "line 2: did you mean 'learning_rate'?"),
-    ("compile = 'no'\n", "compile expects bool"),
+    ("compile = 1\n", "compile expects bool or str"),
     ("batch_size = (\n", "syntax error"),
 ])
 def test_bad_py_preset(tmp_path, body, expected):
@@ -135,9 +136,9 @@ def test_shipped_presets_load(preset):
     grad_accum_steps(cfg, 2 if "t4x2" in preset else 1)
     if preset == "config/demo.py":
         assert (cfg.init_from, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.device) == \
-            ("scratch", 2, 2, 64, 256, "cpu")
+            ("scratch", 2, 2, 64, 128, "cpu")
         assert (cfg.train_csv, cfg.test_csv, cfg.out_dir, cfg.batch_size, cfg.micro_batch_size) == \
-            ("data/demo/train.csv", "data/demo/test.csv", "out-demo", 32, 8)
+            ("data/demo/train.csv", "data/demo/test.csv", "out-demo", 32, 32)
 
 
 def test_help_and_reference_document_every_key(capsys):

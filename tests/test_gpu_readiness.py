@@ -1,0 +1,389 @@
+"""The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
+proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU autocast, torch.compile (inductor)
+against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, scripts/gpu_check."""
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+
+import pandas as pd
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import evaluate
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import UserError, load_config
+from conftest import synthetic_rows
+from model import GPT, GPTConfig
+from runtime import Runtime, choose_precision, peak_flops, use_compile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
+        "--device=cpu", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",
+        "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--dropout=0.0"]
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- precision, compile and peak FLOPS from the device's properties -------------------------------------------
+
+@pytest.mark.parametrize("requested, device_type, capability, expected", [
+    ("auto", "cuda", (7, 5), ("float16", True)),  # T4
+    ("auto", "cuda", (7, 0), ("float16", True)),  # V100
+    ("auto", "cuda", (8, 0), ("bfloat16", False)),  # A100
+    ("auto", "cuda", (8, 9), ("bfloat16", False)),  # L4
+    ("auto", "cuda", (9, 0), ("bfloat16", False)),  # H100
+    ("auto", "cpu", None, ("float32", False)),
+    ("bfloat16", "cpu", None, ("bfloat16", False)),
+    ("float16", "cpu", None, ("float16", True)),
+    ("float32", "cuda", (7, 5), ("float32", False)),
+    ("float16", "cuda", (9, 0), ("float16", True)),
+])
+def test_precision_is_a_function_of_the_device_properties(requested, device_type, capability, expected):
+    assert choose_precision(requested, device_type, capability) == expected
+
+
+def test_bfloat16_on_a_t4_is_one_clear_error():
+    with pytest.raises(UserError) as info:
+        choose_precision("bfloat16", "cuda", (7, 5))
+    assert "\n" not in str(info.value)
+    assert "compute capability >= 8.0" in str(info.value) and "7.5" in str(info.value)
+    assert "--dtype=float16" in str(info.value)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """fake_gpu(name, capability): torch.cuda reports one such GPU (nothing runs on it)."""
+    def install(name, capability):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return install
+
+
+@pytest.mark.parametrize("name, capability, dtype, scaler, peak", [
+    ("Tesla T4", (7, 5), "float16", True, 65e12),
+    ("Tesla V100-SXM2-16GB", (7, 0), "float16", True, 125e12),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "bfloat16", False, 312e12),
+])
+def test_runtime_reads_precision_compile_and_peak_from_the_gpu(fake_gpu, name, capability, dtype, scaler, peak):
+    fake_gpu(name, capability)
+    rt = Runtime(load_config(["--device=cuda", "--backend=none"]))
+    assert (rt.device.type, rt.dtype, rt.use_scaler, rt.compile) == ("cuda", dtype, scaler, True)
+    assert peak_flops(rt.device_name, rt.dtype) == peak
+
+
+def test_runtime_refuses_bfloat16_on_a_t4(fake_gpu):
+    fake_gpu("Tesla T4", (7, 5))
+    with pytest.raises(UserError, match="compute capability >= 8.0"):
+        Runtime(load_config(["--device=cuda", "--dtype=bfloat16"]))
+
+
+def test_cpu_is_float32_and_not_compiled_unless_asked():
+    rt = Runtime(load_config(["--device=cpu"]))
+    assert (rt.dtype, rt.use_scaler, rt.compile) == ("float32", False, False)
+    rt = Runtime(load_config(["--device=cpu", "--dtype=bfloat16", "--compile=True"]))
+    assert (rt.dtype, rt.use_scaler, rt.compile) == ("bfloat16", False, True)
+
+
+@pytest.mark.parametrize("requested, device_type, expected", [
+    ("auto", "cuda", True), ("auto", "cpu", False), (True, "cpu", True), (False, "cuda", False)])
+def test_compile_auto_means_on_cuda_only(requested, device_type, expected):
+    assert use_compile(requested, device_type) is expected
+
+
+def test_nccl_variables_are_set_only_when_asked(monkeypatch):
+    for name in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    Runtime(load_config(["--device=cpu"]))
+    assert "NCCL_P2P_DISABLE" not in os.environ and "NCCL_IB_DISABLE" not in os.environ
+    Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
+    assert os.environ["NCCL_P2P_DISABLE"] == os.environ["NCCL_IB_DISABLE"] == "1"
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own environment wins
+    Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
+    assert os.environ["NCCL_P2P_DISABLE"] == "0"
+
+
+@pytest.mark.parametrize("name, dtype, tflops", [
+    ("Tesla T4", "float16", 65), ("Tesla T4", "float32", 8.1), ("Tesla T4", "bfloat16", None),
+    ("Tesla V100-PCIE-16GB", "float16", 125), ("Tesla V100-SXM2-32GB", "bfloat16", None),
+    ("NVIDIA A10", "bfloat16", 125), ("NVIDIA L4", "float16", 121),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312), ("NVIDIA A100 80GB PCIe", "float32", 19.5),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989), ("NVIDIA H100 PCIe", "bfloat16", 756),
+    ("NVIDIA H200", "float16", 989),
+    ("NVIDIA L40S", "bfloat16", None), ("NVIDIA A10G", "float16", None), ("NVIDIA GeForce RTX 4090", "float16", None),
+    ("cpu", "float32", None),
+])
+def test_peak_flops_by_device_name_and_dtype(name, dtype, tflops):
+    assert peak_flops(name, dtype) == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_training_flops_match_pytorchs_flop_counter():
+    """MFU's numerator: the matmul FLOPs of forward + backward, lm_head at the targets only."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32, bias=False))
+    x = torch.randint(0, 256, (3, 48))
+    y = torch.full_like(x, -1)
+    y[:, -10:] = x[:, -10:]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as count:
+        _, loss = model(x, y)
+        loss.backward()
+    # LayerNorm weights count as 6 FLOPs per token in the formula but are no matmul: 0.6% here.
+    assert model.training_flops(tokens=3 * 48, targets=3 * 10, attended=3 * 48**2) == \
+        pytest.approx(count.get_total_flops(), rel=0.01)
+
+
+# ---- fp16 + GradScaler on CPU -----------------------------------------------------------------------------
+
+@pytest.fixture
+def fp16_args(write_csv, tmp_path):
+    csv = write_csv("train.csv", 40)
+    return [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path / 'out'}",
+            "--dtype=float16", "--compile=False", "--max_iters=2"]
+
+
+def test_fp16_gradscaler_skips_an_overflowing_step_and_training_goes_on(fp16_args):
+    cfg = load_config(fp16_args)
+    rt = Runtime(cfg)
+    trainer = train.Trainer(cfg, rt)
+    assert rt.use_scaler and trainer.scaler.is_enabled()
+    with rt.autocast():
+        assert trainer.model.lm_head(torch.zeros(1, 32)).dtype == torch.float16
+    # A scale of 2**40 overflows fp16 gradients; backing off by 2**-30 makes the next step's scale 2**10.
+    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=2.0**-30))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    loss, _ = trainer.train_step(0)
+    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    loss, _ = trainer.train_step(1)
+    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10
+    assert not torch.equal(trainer.model.lm_head.weight, before["lm_head.weight"])
+
+
+def test_checkpoint_carries_the_scaler_state_into_a_resumed_run(fp16_args):
+    cfg = load_config(fp16_args)
+    rt = Runtime(cfg)
+    trainer = train.Trainer(cfg, rt)
+    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**7, growth_interval=11))
+    trainer.fit()
+    saved = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"))["scaler"]
+    assert (saved["scale"], saved["growth_interval"]) == (2.0**7, 11)
+    resumed = train.Trainer(load_config([*fp16_args, "--init_from=resume", "--max_iters=3"]), rt)
+    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
+
+
+# ---- torch.compile on CPU (inductor) ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_dialogues(tmp_path_factory):
+    """Dialogues longer than block_size, so every training row is cut to it: one shape, one compilation."""
+    folder = tmp_path_factory.mktemp("compile")
+    rows = [dict(row, dialogue="\n".join([row["dialogue"]] * 3)) for row in synthetic_rows(48, seed=2)]
+    pd.DataFrame(rows).to_csv(folder / "train.csv", index=False)
+    return folder
+
+
+def compile_args(folder):
+    return [*TINY, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}", "--eval_interval=2",
+            "--lr_decay_iters=6"]  # the same schedule however many steps a run stops after
+
+
+@pytest.fixture(scope="module")
+def eager_run(long_dialogues):
+    out = long_dialogues / "eager"
+    train.main([*compile_args(long_dialogues), "--compile=False", "--max_iters=6", f"--out_dir={out}"])
+    return metrics(out)
+
+
+@pytest.fixture(scope="module")
+def compiled_then_eager_then_compiled(long_dialogues):
+    """Six steps: two compiled, two eager resumed from the compiled run's checkpoint, two compiled resumed from
+    the eager run's checkpoint. Returns the metrics and what compile_model returned each time."""
+    out = long_dialogues / "mixed"
+    returned = []
+    real_compile_model = train.compile_model
+    train.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
+    try:
+        for compile, iters, init in [(True, 2, "scratch"), (False, 4, "resume"), (True, 6, "resume")]:
+            train.main([*compile_args(long_dialogues), f"--compile={compile}", f"--max_iters={iters}",
+                        f"--init_from={init}", f"--out_dir={out}"])
+    finally:
+        train.compile_model = real_compile_model
+    return metrics(out), returned, out
+
+
+def test_compiled_training_matches_eager_across_checkpoints(eager_run, compiled_then_eager_then_compiled):
+    mixed, returned, _ = compiled_then_eager_then_compiled
+    assert len(returned) == 2 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in returned)
+    assert [r["iter"] for r in mixed] == [r["iter"] for r in eager_run] == [1, 2, 3, 4, 5, 6]
+    for got, expected in zip(mixed, eager_run):
+        for key in ("loss", "val_loss"):
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], abs=1e-4), (key, got["iter"])
+
+
+def test_cpu_logs_tokens_per_second_and_no_mfu(eager_run):
+    assert all(r["tokens_per_s"] > 0 and "mfu" not in r for r in eager_run)
+
+
+def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(compiled_then_eager_then_compiled):
+    _, _, out = compiled_then_eager_then_compiled
+    ckpt = load_checkpoint(str(out / "ckpt.pt"))  # written by the last, compiled, run
+    assert ckpt["iter_num"] == 6 and ckpt["config"]["compile"] is True
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    model = model_from_checkpoint(ckpt, "ckpt.pt")  # strict load_state_dict
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("compile, compiles", [(True, True), ("auto", False), (False, False)])
+def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compiled_then_eager_then_compiled,
+                                                                          monkeypatch, compile, compiles):
+    _, _, out = compiled_then_eager_then_compiled
+    calls = []
+    monkeypatch.setattr(GPT, "compile_decode", lambda self: calls.append(self))
+    model = evaluate.load_model(load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}",
+                                                            "--max_new_tokens=16"]),
+                                torch.device("cpu"))
+    assert calls == ([model] if compiles else [])
+
+
+def greedy_case(tiny_hf_dir):
+    """The tiny transformers-initialised model, prompts of many lengths, and an EOS id it emits mid-way for some
+    prompts only, so rows leave the batch at different steps (the compiled step sees many shapes)."""
+    model = GPT.from_pretrained(tiny_hf_dir).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 41, 60)]
+    counts = {}
+    for row in model.generate(prompts, 16, eos_token_id=-1):
+        for token in set(row[2:14]):
+            counts[token] = counts.get(token, 0) + 1
+    eos = max(counts, key=counts.get)
+    assert 1 < counts[eos] < len(prompts)
+    return model, prompts, eos
+
+
+def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
+    model, prompts, eos = greedy_case(tiny_hf_dir)
+    eager = model.generate(prompts, 16, eos_token_id=eos)
+    assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
+    model.compile_decode()
+    assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    assert "torch.compile failed" not in capfd.readouterr().err
+
+
+# ---- a compile that fails falls back to eager (placed last: it fakes torch.compile) ----------------------------
+
+@pytest.fixture
+def broken_compiler(monkeypatch):
+    """torch.compile as it fails on a machine without a working compiler: lazily, at the first call."""
+    def crash(graph_module, example_inputs):
+        raise RuntimeError("simulated compiler crash")
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **kwargs, backend=crash))
+
+
+def warnings_in(err):
+    return [line for line in err.splitlines() if "torch.compile failed" in line]
+
+
+def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, eager_run, broken_compiler, capfd):
+    out = long_dialogues / "fallback"
+    train.main([*compile_args(long_dialogues), "--compile=True", "--max_iters=2", f"--out_dir={out}"])
+    assert warnings_in(capfd.readouterr().err) == [
+        "warning: torch.compile failed (RuntimeError: simulated compiler crash); training eagerly"]
+    for got, expected in zip(metrics(out), eager_run[:2]):
+        assert got["loss"] == expected["loss"]
+
+
+def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
+    model, prompts, eos = greedy_case(tiny_hf_dir)
+    eager = model.generate(prompts, 16, eos_token_id=eos)
+    model.compile_decode()
+    assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    assert warnings_in(capfd.readouterr().err) == [
+        "warning: torch.compile failed (RuntimeError: simulated compiler crash); decoding eagerly"]
+
+
+# ---- Kaggle notebook ----------------------------------------------------------------------------------------
+
+NOTEBOOK_ARGS = ["--device=cpu", "--init_from=scratch"]
+
+
+def one_error_line(capsys, exit_info):
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_notebook_refuses_when_cuda_was_initialised_before_launching(monkeypatch, capsys):
+    import accelerate
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(accelerate, "notebook_launcher", lambda *a, **k: pytest.fail("launched anyway"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.notebook_main(NOTEBOOK_ARGS)
+    err = one_error_line(capsys, exit_info)
+    assert "CUDA was already initialised" in err and "restart the kernel" in err
+
+
+def test_notebook_surfaces_accelerates_own_check_in_one_line(monkeypatch, capsys):
+    from accelerate.state import AcceleratorState
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {"initialized": True})  # an Accelerator made in a cell
+    with pytest.raises(SystemExit) as exit_info:
+        train.notebook_main(NOTEBOOK_ARGS)
+    err = one_error_line(capsys, exit_info)
+    assert "the `Accelerator` should only be initialized inside your training function" in err
+
+
+def test_notebook_explains_a_port_in_use(capsys):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            train.notebook_main(NOTEBOOK_ARGS, port=port)
+    err = one_error_line(capsys, exit_info)
+    assert f"port {port} is in use" in err
+
+
+def test_notebook_checks_the_arguments_before_launching(monkeypatch, capsys):
+    import accelerate
+    monkeypatch.setattr(accelerate, "notebook_launcher", lambda *a, **k: pytest.fail("launched anyway"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.notebook_main(["--lerning_rate=1e-3"])
+    assert "did you mean 'learning_rate'?" in one_error_line(capsys, exit_info)
+
+
+def test_notebook_launches_main_with_accelerate(monkeypatch):
+    import accelerate
+    launches = []
+    monkeypatch.setattr(accelerate, "notebook_launcher", lambda *args, **kwargs: launches.append((args, kwargs)))
+    train.notebook_main(NOTEBOOK_ARGS, num_processes=2, port=29123)
+    assert launches == [((train.main, ([*NOTEBOOK_ARGS, "--backend=accelerate"],)),
+                         {"num_processes": 2, "use_port": "29123"})]
+
+
+# ---- scripts/gpu_check ----------------------------------------------------------------------------------------
+
+def test_gpu_check_script_parses_and_its_python_runs_on_cpu(capsys):
+    assert subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", "gpu_check.sh")]).returncode == 0
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "scripts", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    gpu_check.main(["--device=cpu", "--model=tiny", "--dtypes=float32,float16", "--compile=False", "--iters=2",
+                    "--gen_prompts=2", "--max_new_tokens=4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3].split()[:3] == ["dtype", "compile", "train"]
+    for line, dtype in zip(lines[-2:], ("float32", "float16")):
+        cells = line.split()
+        assert cells[:2] == [dtype, "False"] and float(cells[2]) > 0 and cells[3] == "-"  # no MFU on CPU
+        assert float(cells[7]) > 0 and ("GradScaler" in line) == (dtype == "float16")

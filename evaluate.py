@@ -1,6 +1,9 @@
 """ROUGE of a checkpoint on the validation split, and the batched summarizer train.py and predict.py share.
 
-    python evaluate.py [preset] [--ckpt=path | --init_from=gpt2|<hf dir>] [--key=value ...]
+    python evaluate.py [preset] [--ckpt=path | --init_from=gpt2|<hf dir>|scratch] [--key=value ...]
+
+--init_from scores GPT-2 without fine-tuning, or an untrained model (scratch, with the preset's shape) as a
+baseline; without it the checkpoint (--ckpt, default out_dir/best.pt) is scored.
 """
 import json
 import os
@@ -9,32 +12,37 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 import data
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint
 from config import UserError, load_config
-from model import GPT
-from runtime import Runtime
+from model import GPT, GPTConfig
+from runtime import Runtime, use_compile
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
-def summarize(model, dialogues, cfg, autocast, progress=False):
+def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_size=1):
     """Greedy (or as configured) summaries of `dialogues`, in their order, with the batched KV-cache generator.
-    Batches are length-sorted so left padding stays small."""
+    Batches are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every
+    world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the same dialogues
+    whatever the number of ranks, so sharded output is exactly the single-process output."""
     enc = data.get_tokenizer()
     max_prompt = model.config.block_size - cfg.max_new_tokens
-    prompts = [data.encode_prompt(d, max_prompt, cfg.prompt_template) for d in dialogues]
+    # A template without text around {dialogue} gives an empty dialogue no tokens; start from <|endoftext|>.
+    prompts = [data.encode_prompt(d, max_prompt, cfg.prompt_template) or [data.EOT_ID] for d in dialogues]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    summaries = [""] * len(prompts)
+    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
+    summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()
-    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
+               dynamic_ncols=True)
     start = time.perf_counter()
-    for s in range(0, len(order), cfg.gen_batch_size):
-        batch = order[s:s + cfg.gen_batch_size]
+    for batch in batches:
         with autocast:
             new_tokens = model.generate(
                 [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
@@ -48,6 +56,16 @@ def summarize(model, dialogues, cfg, autocast, progress=False):
     bar.close()
     model.train(was_training)
     return summaries
+
+
+def summarize_sharded(model, dialogues, cfg, rt):
+    """Every rank summarizes its share of `dialogues`; all of them, in order, on rank 0 (None elsewhere)."""
+    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=rt.is_main, rank=rt.rank,
+                     world_size=rt.world_size)
+    shards = rt.all_gather_objects(mine)
+    if not rt.is_main:
+        return None
+    return [next(s for s in column if s is not None) for column in zip(*shards)]
 
 
 def rouge_per_example(predictions, references):
@@ -66,21 +84,30 @@ def rouge(predictions, references):
     return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
 
 
-def load_model(cfg, device, pretrained=False):
-    """The model to score: a checkpoint (ckpt, else out_dir/best.pt) or, with pretrained=True (the user typed
-    --init_from=gpt2|<hf dir>), GPT-2 weights without fine-tuning."""
-    if pretrained:
+def load_model(cfg, device, init_from=""):
+    """The model to score: a checkpoint (ckpt, else out_dir/best.pt), or with init_from (the user typed
+    --init_from=...) GPT-2 weights without fine-tuning, or an untrained model ('scratch', a baseline)."""
+    if init_from == "scratch":
+        torch.manual_seed(cfg.seed)
+        model, source = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                      n_embd=cfg.n_embd, bias=cfg.bias)), "init_from=scratch"
+    elif init_from:
         try:
-            model = GPT.from_pretrained(cfg.init_from)
+            model, source = GPT.from_pretrained(init_from), f"init_from={init_from}"
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
     else:
-        path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
-        model = model_from_checkpoint(load_checkpoint(path), path)
-    if cfg.max_new_tokens >= model.config.block_size:
-        raise UserError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for the dialogue in the model's "
-                        f"block_size {model.config.block_size}")
-    return model.to(device).eval()
+        source = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
+        model = model_from_checkpoint(load_checkpoint(source), source)
+    head, tail = data.template_tokens(cfg.prompt_template)
+    if model.config.block_size - cfg.max_new_tokens <= len(head) + len(tail):
+        raise UserError(f"{source} has block_size={model.config.block_size}, too small for max_new_tokens="
+                        f"{cfg.max_new_tokens} plus the {len(head) + len(tail)}-token prompt template: use "
+                        f"max_new_tokens < {model.config.block_size - len(head) - len(tail)}")
+    model = model.to(device).eval()
+    if use_compile(cfg.compile, model.lm_head.weight.device.type):
+        model.compile_decode()
+    return model
 
 
 def bootstrap_interval(values, samples=1000, seed=0):
@@ -91,15 +118,16 @@ def bootstrap_interval(values, samples=1000, seed=0):
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def evaluate(cfg, rt, pretrained=False):
+def evaluate(cfg, rt, init_from=""):
+    """ROUGE of the model on the whole validation split: a table on stdout, eval_predictions.csv and
+    eval_metrics.json in out_dir. Returns the report on rank 0, None on the other ranks."""
+    if rt.is_main:
+        make_out_dir(cfg.out_dir)
     val = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier).val
-    model = load_model(cfg, rt.device, pretrained)
-    mine = list(range(len(val.ids)))[rt.rank::rt.world_size]
-    predictions = summarize(model, [val.dialogues[i] for i in mine], cfg, rt.autocast(), progress=rt.is_main)
-    gathered = dict(pair for shard in rt.all_gather_objects(list(zip(mine, predictions))) for pair in shard)
+    model = load_model(cfg, rt.device, init_from)
+    predictions = summarize_sharded(model, val.dialogues, cfg, rt)
     if not rt.is_main:
         return None
-    predictions = [gathered[i] for i in range(len(val.ids))]
     scores = rouge_per_example(predictions, val.summaries)
     enc = data.get_tokenizer()
     report = {t: {"mean": float(np.mean(v)), "ci95": bootstrap_interval(v)} for t, v in scores.items()}
@@ -108,10 +136,12 @@ def evaluate(cfg, rt, pretrained=False):
     report["mean_reference_tokens"] = float(np.mean([len(enc.encode_ordinary(r)) for r in val.summaries]))
     frame = pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                           "prediction": predictions, **{t: scores[t] for t in ("rouge1", "rouge2", "rougeL")}})
-    write_atomic(lambda p: frame.to_csv(p, index=False), os.path.join(cfg.out_dir, "eval_predictions.csv"))
-    write_atomic(lambda p: open(p, "w").write(json.dumps(report, indent=2)),
-                 os.path.join(cfg.out_dir, "eval_metrics.json"))
+    predictions_csv = os.path.join(cfg.out_dir, "eval_predictions.csv")
+    metrics_json = os.path.join(cfg.out_dir, "eval_metrics.json")
+    write_atomic(lambda f: frame.to_csv(f, index=False), predictions_csv)
+    write_atomic(lambda f: json.dump(report, f, indent=2), metrics_json)
     print(format_report(report))
+    print(f"wrote {predictions_csv} and {metrics_json}")
     return report
 
 
@@ -127,8 +157,10 @@ def format_report(report):
 
 
 def write_atomic(write, path):
+    """write(text file) into a temp file next to `path`, then rename it over `path`."""
     tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        write(f)
     os.replace(tmp, path)
 
 
@@ -136,8 +168,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(argv)
+        # init_from in a preset is how training started; only --init_from= on the command line replaces the checkpoint
+        init_from = next((cfg.init_from for a in argv if a.startswith("--init_from=")), "")
         with Runtime(cfg) as rt:
-            evaluate(cfg, rt, pretrained=any(a.startswith("--init_from=") for a in argv))
+            evaluate(cfg, rt, init_from)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,44 +9,57 @@ import sys
 import pandas as pd
 
 import data
+from checkpoint import make_out_dir
 from config import UserError, load_config
-from evaluate import load_model, summarize
+from evaluate import load_model, summarize_sharded, write_atomic
 from runtime import Runtime
 
 
 def write_submission(ids, summaries, path):
     """One row per id, in order; summaries folded to one line. Written to a temp file, then renamed."""
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
-    tmp = f"{path}.tmp{os.getpid()}"
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    write_atomic(lambda f: frame.to_csv(f, index=False), path)
 
 
-def check_against_sample(ids, sample_path):
-    sample = pd.read_csv(sample_path, dtype=str, keep_default_na=False)
+def check_against_sample(ids, path):
+    """UserError unless the sample submission has the columns id,summary and exactly the test ids."""
+    if not os.path.isfile(path):
+        raise UserError(f"sample_submission_csv {path} does not exist: pass --sample_submission_csv=PATH, or "
+                        f"--sample_submission_csv='' to skip the check")
+    try:
+        sample = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise UserError(f"sample_submission_csv {path} is not a readable CSV ({str(e).strip().splitlines()[-1]})") from None
+    sample.columns = [c.strip() for c in sample.columns]
     if list(sample.columns) != ["id", "summary"]:
-        raise UserError(f"{sample_path} has columns {list(sample.columns)}, expected ['id', 'summary']")
-    missing, extra = set(sample["id"]) - set(ids), set(ids) - set(sample["id"])
+        raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary']")
+    sample_ids = set(sample["id"].str.strip())
+    missing, extra = sample_ids - set(ids), set(ids) - sample_ids
     if missing or extra:
-        raise UserError(f"test ids differ from {sample_path}: {len(missing)} missing, {len(extra)} extra "
-                        f"(e.g. {sorted(missing or extra)[:3]})")
+        raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
+                        f"in test_csv, {len(extra)} test ids are not in it (e.g. {sorted(missing or extra)[:3]})")
 
 
 def predict(cfg, rt):
+    """Summarize every test dialogue (sharded across ranks); rank 0 writes out_dir/submission.csv and returns
+    its path."""
+    if rt.is_main:
+        make_out_dir(cfg.out_dir)
     test = data.read_test(cfg)
-    model = load_model(cfg, rt.device)
-    mine = list(range(len(test.ids)))[rt.rank::rt.world_size]
-    summaries = summarize(model, [test.dialogues[i] for i in mine], cfg, rt.autocast(), progress=rt.is_main)
-    gathered = dict(pair for shard in rt.all_gather_objects(list(zip(mine, summaries))) for pair in shard)
-    if not rt.is_main:
-        return
-    summaries = [gathered[i] for i in range(len(test.ids))]
     if cfg.sample_submission_csv:
         check_against_sample(test.ids, cfg.sample_submission_csv)
+    model = load_model(cfg, rt.device)
+    summaries = summarize_sharded(model, test.dialogues, cfg, rt)
+    if not rt.is_main:
+        return None
     path = os.path.join(cfg.out_dir, "submission.csv")
     write_submission(test.ids, summaries, path)
-    empty = sum(not s.strip() for s in summaries)
-    print(f"wrote {len(summaries)} summaries to {path}" + (f" ({empty} empty: the model produced nothing)" if empty else ""))
+    if test.empty:
+        print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")
+    empty = sum(not s.split() for s in summaries)
+    print(f"wrote {len(summaries)} summaries to {path}"
+          + (f" ({empty} empty: the model produced nothing for them)" if empty else ""))
+    return path
 
 
 def main(argv=None):

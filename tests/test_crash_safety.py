@@ -1,0 +1,130 @@
+"""Crashes: SIGKILL at random moments never leaves an unloadable checkpoint and resuming goes on from it; a full
+disk while saving keeps the previous checkpoint byte for byte; one rank of a torchrun job failing ends the job."""
+import errno
+import io
+import multiprocessing
+import os
+import random
+import re
+import subprocess
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from conftest import synthetic_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
+        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--batch_size=4",
+        "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
+KILLS = 20
+
+
+def train_logged(args, log):
+    """Body of a forked trainer: train.main(args), printing into `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    train.main(args)
+
+
+def wait_for(condition, proc, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.exitcode is None, f"the trainer exited ({proc.exitcode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def file_version(path):
+    """Changes whenever `path` is replaced by a new file."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def test_sigkill_at_random_moments_never_loses_the_checkpoint(tmp_path):
+    """20 times: start (or resume) training with a checkpoint every step, wait until it has written a newer
+    ckpt.pt, then SIGKILL it after a random delay or while it writes a checkpoint; ckpt.pt and best.pt must
+    load, and the next resume must carry on past ckpt.pt's iteration."""
+    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    out = tmp_path / "out"
+    ckpt_path = str(out / "ckpt.pt")
+    args = [*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--max_iters=100000", "--eval_interval=1"]
+    # Forked from a server that has imported train already: a fresh interpreter would spend seconds on imports.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train", "matplotlib.pyplot"])
+    rng = random.Random(0)
+    last_iter, moments = 0, []
+    for kill in range(KILLS):
+        before = file_version(ckpt_path)
+        proc = context.Process(target=train_logged, args=([*args, f"--init_from={'resume' if kill else 'scratch'}"],
+                                                          str(tmp_path / "train.log")))
+        proc.start()
+        wait_for(lambda: file_version(ckpt_path) not in (None, before), proc, "a new ckpt.pt")
+        if kill % 2:
+            writing = (f"ckpt.pt.tmp{proc.pid}", f"best.pt.tmp{proc.pid}")
+            wait_for(lambda: any(name in writing for name in os.listdir(out)), proc, "a checkpoint write")
+            moments.append("while writing")
+        else:
+            time.sleep(rng.uniform(0, 0.5))
+        proc.kill()
+        proc.join()
+        ckpt = load_checkpoint(ckpt_path)
+        model_from_checkpoint(ckpt, ckpt_path)
+        model_from_checkpoint(load_checkpoint(str(out / "best.pt")), str(out / "best.pt"))
+        assert ckpt["iter_num"] > last_iter, f"kill {kill}: resume did not go past iter {last_iter}"
+        last_iter = ckpt["iter_num"]
+    assert len(moments) == KILLS // 2
+    train.main([*args, "--init_from=resume", f"--max_iters={last_iter + 1}"])
+    assert load_checkpoint(ckpt_path)["iter_num"] == last_iter + 1
+
+
+def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    out = tmp_path / "out"
+    real_save = torch.save
+    previous = {}
+
+    def save_until_the_disk_is_full(obj, f, *args, **kwargs):
+        if not os.path.basename(f.name).startswith("ckpt.pt.tmp") or not (out / "ckpt.pt").exists():
+            return real_save(obj, f, *args, **kwargs)
+        previous["bytes"] = (out / "ckpt.pt").read_bytes()
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[:buffer.tell() // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+    with pytest.raises(SystemExit) as exit:
+        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+                    f"--out_dir={out}", "--max_iters=3", "--eval_interval=1"])
+    assert exit.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: cannot write \S+ckpt\.pt \(No space left on device\): \S+ckpt\.pt still holds the "
+                        r"previous checkpoint; free some space or choose another --out_dir", last_line)
+    assert (out / "ckpt.pt").read_bytes() == previous["bytes"]
+    assert not [name for name in os.listdir(out) if ".tmp" in name]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(tmp_path):
+    """tests/faulty_rank.py makes rank 1 raise in step 2; the job must end (not hang in a collective) with a
+    non-zero exit and a last line from rank 1 that says what happened."""
+    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    result = subprocess.run(
+        ["torchrun", "--nproc_per_node=2", "--standalone", "tests/faulty_rank.py", *TINY, "--micro_batch_size=2",
+         f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+         f"--out_dir={tmp_path / 'out'}", "--max_iters=10", "--eval_interval=100", "--dist_timeout=30"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode != 0
+    assert re.search(r"^(\[rank1\]: )?error \(rank 1\): RuntimeError: injected fault in step 2$", result.stderr,
+                     re.MULTILINE), result.stderr[-3000:]

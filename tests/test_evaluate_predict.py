@@ -1,0 +1,117 @@
+"""evaluate.py and predict.py on a briefly trained tiny model: the report is what rouge-score computes from the
+written predictions, submission.csv has test.csv's ids in order, and two ranks write what one process writes."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from rouge_score import rouge_scorer
+
+import evaluate
+import predict
+import train
+from conftest import synthetic_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]
+# ids a careless writer would mangle: leading zeros, a float-looking one, a comma, a quote, a space
+TRICKY_IDS = ["007", "1e3", "a,b", 'say "hi"', "two words", "12", "0", "x-1", "NaN", "10", "9"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained for a few steps, long enough that its summaries overlap the references only in part."""
+    folder = tmp_path_factory.mktemp("trained")
+    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
+    pd.DataFrame(synthetic_rows(24, seed=3)).to_csv(folder / "validation.csv", index=False)
+    test = pd.DataFrame(synthetic_rows(len(TRICKY_IDS), seed=4)).drop(columns="summary")
+    test["id"] = TRICKY_IDS
+    # different lengths, so length-sorted generation batches differ from file order
+    test["dialogue"] = [d + "\nTom: and one more thing." * (i % 4) for i, d in enumerate(test["dialogue"])]
+    test.to_csv(folder / "test.csv", index=False)
+    train.main([*MODEL, "--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128",
+                f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
+                f"--test_csv={folder / 'test.csv'}", f"--out_dir={folder / 'out'}",
+                f"--data_cache_dir={folder / 'cache'}", "--batch_size=16", "--micro_batch_size=16",
+                "--max_iters=60", "--eval_interval=60", "--learning_rate=1e-2", "--warmup_iters=5",
+                "--rouge_samples=0", "--best_metric=val_loss", "--log_interval=1000"])
+    return folder
+
+
+def args(folder, out_dir, *extra):
+    return [*MODEL, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
+            f"--test_csv={folder / 'test.csv'}", f"--data_cache_dir={folder / 'cache'}",
+            f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={out_dir}", "--sample_submission_csv=", *extra]
+
+
+def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_path, capsys):
+    evaluate.main(args(trained, tmp_path))
+    printed = capsys.readouterr().out
+    frame = pd.read_csv(tmp_path / "eval_predictions.csv", dtype=str, keep_default_na=False)
+    report = json.loads((tmp_path / "eval_metrics.json").read_text())
+    validation = pd.read_csv(trained / "validation.csv", dtype=str)
+    assert frame["id"].tolist() == validation["id"].tolist()
+    assert frame["reference"].tolist() == validation["summary"].tolist()
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    scores = [scorer.score(r, p) for r, p in zip(frame["reference"], frame["prediction"])]
+    for kind in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
+        f1 = [s[kind].fmeasure for s in scores]
+        assert report[kind]["mean"] == pytest.approx(sum(f1) / len(f1), abs=1e-12)
+        low, high = report[kind]["ci95"]
+        assert low <= report[kind]["mean"] <= high
+        assert f"{kind:<10} {report[kind]['mean']:>7.4f}" in printed
+        if kind != "rougeLsum":
+            assert [float(v) for v in frame[kind]] == pytest.approx(f1, abs=1e-9)
+    # partly learned: scores spread between wrong and right, so the comparisons above are not between constants
+    assert len(set(frame["rougeL"])) >= 5 and 0 < report["rougeL"]["mean"] < 0.95
+    assert report["n"] == len(validation) and str(tmp_path / "eval_predictions.csv") in printed
+
+
+def test_submission_has_the_test_ids_in_order_and_no_missing_summary(trained, tmp_path, capsys):
+    predict.main(args(trained, tmp_path))
+    printed = capsys.readouterr().out
+    assert f"wrote {len(TRICKY_IDS)} summaries to {tmp_path / 'submission.csv'}" in printed
+    submission = pd.read_csv(tmp_path / "submission.csv", dtype=str, keep_default_na=False)
+    assert list(submission.columns) == ["id", "summary"]
+    assert submission["id"].tolist() == TRICKY_IDS  # "NaN" included: test.csv's ids are text
+    # an empty summary (the model produced nothing) is the only thing a default CSV reader sees as missing,
+    # and predict.py reports how many there are
+    missing = pd.read_csv(tmp_path / "submission.csv")["summary"].isna()
+    assert missing.tolist() == (submission["summary"] == "").tolist()
+    reported = re.search(r"\((\d+) empty: the model produced nothing", printed)
+    assert missing.sum() == (int(reported[1]) if reported else 0) < len(TRICKY_IDS) // 2
+
+
+def test_two_ranks_write_the_submission_one_process_writes(trained, tmp_path):
+    predict.main(args(trained, tmp_path / "single"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    result = subprocess.run(["torchrun", "--nproc_per_node=2", "--standalone", "predict.py",
+                             *args(trained, tmp_path / "sharded")], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wrote 11 summaries") == 1  # rank 0 only
+    single = (tmp_path / "single" / "submission.csv").read_bytes()
+    assert (tmp_path / "sharded" / "submission.csv").read_bytes() == single
+
+
+def test_summaries_are_written_as_single_lines_and_read_back_unchanged(tmp_path):
+    path = str(tmp_path / "submission.csv")
+    predict.write_submission(["1", "2", "3"], ["Tom will\ncome\r\n at 5.", "", 'A, "quoted" one'], path)
+    back = pd.read_csv(path, dtype=str, keep_default_na=False)
+    assert back.values.tolist() == [["1", "Tom will come at 5."], ["2", ""], ["3", 'A, "quoted" one']]
+    assert os.listdir(tmp_path) == ["submission.csv"]
+
+
+def test_a_sample_submission_with_other_ids_is_one_error_line(trained, tmp_path, capsys):
+    sample = tmp_path / "sample_submission.csv"
+    pd.DataFrame({"id": TRICKY_IDS[:-1] + ["extra"], "summary": ""}).to_csv(sample, index=False)
+    with pytest.raises(SystemExit) as exit:
+        predict.main([*args(trained, tmp_path / "out"), f"--sample_submission_csv={sample}"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: test_csv ids differ from sample_submission_csv")
+    assert "1 of its ids are not in test_csv, 1 test ids are not in it" in err
+    assert not (tmp_path / "out" / "submission.csv").exists()

@@ -128,3 +128,40 @@ def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(tmp_path):
     assert result.returncode != 0
     assert re.search(r"^(\[rank1\]: )?error \(rank 1\): RuntimeError: injected fault in step 2$", result.stderr,
                      re.MULTILINE), result.stderr[-3000:]
+
+
+def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(tmp_path, monkeypatch, capsys):
+    """From the 5th training step on every loss is NaN: no update is applied, and after train.NAN_PATIENCE such
+    steps the run ends with one error line; best.pt (written at iter 4) is byte for byte what it was."""
+    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    out = tmp_path / "out"
+    real_forward = train.GPT.forward
+    seen = {"steps": 0}
+
+    def nan_from_step_5(model, idx, targets=None):
+        logits, loss = real_forward(model, idx, targets)
+        if model.training:
+            seen["steps"] += 1
+            if seen["steps"] == 5:
+                seen["best.pt"] = (out / "best.pt").read_bytes()
+            if seen["steps"] >= 5:
+                seen.setdefault("weights", []).append({k: v.clone() for k, v in model.state_dict().items()})
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(train.GPT, "forward", nan_from_step_5)
+    with pytest.raises(SystemExit) as exit:
+        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+                    f"--out_dir={out}", "--max_iters=20", "--eval_interval=4"])
+    assert exit.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: loss is nan for {train.NAN_PATIENCE} iterations in a row \(iter 7\); stopped\. "
+                        r"\S+/best\.pt and ckpt\.pt are untouched since the last eval\. Lower learning_rate or use "
+                        r"dtype=float32/bfloat16", last_line), last_line
+    assert seen["steps"] == 4 + train.NAN_PATIENCE
+    assert (out / "best.pt").read_bytes() == seen["best.pt"]
+    best = load_checkpoint(str(out / "best.pt"))
+    assert best["iter_num"] == 4
+    # the weights before each NaN step are those of iter 4: no NaN step changed them
+    assert len(seen["weights"]) == train.NAN_PATIENCE
+    assert all(torch.equal(best["model"][k], v) for weights in seen["weights"] for k, v in weights.items())

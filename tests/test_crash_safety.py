@@ -87,6 +87,15 @@ def test_sigkill_at_random_moments_never_loses_the_checkpoint(tmp_path):
     assert load_checkpoint(ckpt_path)["iter_num"] == last_iter + 1
 
 
+def error_line_of_training(tmp_path, out, capsys, *extra):
+    """Train on tmp_path/train.csv into `out`; the run must end with exit code 2: its last stderr line."""
+    with pytest.raises(SystemExit) as exit:
+        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+                    f"--out_dir={out}", *extra])
+    assert exit.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
     pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
     out = tmp_path / "out"
@@ -103,11 +112,7 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
-    with pytest.raises(SystemExit) as exit:
-        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
-                    f"--out_dir={out}", "--max_iters=3", "--eval_interval=1"])
-    assert exit.value.code == 2
-    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=3", "--eval_interval=1")
     assert re.fullmatch(r"error: cannot write \S+ckpt\.pt \(No space left on device\): \S+ckpt\.pt still holds the "
                         r"previous checkpoint; free some space or choose another --out_dir", last_line)
     assert (out / "ckpt.pt").read_bytes() == previous["bytes"]
@@ -150,11 +155,7 @@ def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(tmp_pa
         return logits, loss
 
     monkeypatch.setattr(train.GPT, "forward", nan_from_step_5)
-    with pytest.raises(SystemExit) as exit:
-        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
-                    f"--out_dir={out}", "--max_iters=20", "--eval_interval=4"])
-    assert exit.value.code == 2
-    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=20", "--eval_interval=4")
     assert re.fullmatch(rf"error: loss is nan for {train.NAN_PATIENCE} iterations in a row \(iter 7\); stopped\. "
                         r"\S+/best\.pt and ckpt\.pt are untouched since the last eval\. Lower learning_rate or use "
                         r"dtype=float32/bfloat16", last_line), last_line

@@ -38,13 +38,19 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x, kv_cache=None, input_pos=None, mask=None):
+    def forward(self, x, kv_cache=None, input_pos=None, mask=None, lengths=None):
         """Causal attention over x; with kv_cache, x's keys/values are first written into cache slots
-        input_pos and the queries attend to the cache slots that `mask` (B, 1, T, cache_len) allows."""
+        input_pos and the queries attend to the cache slots that `mask` (B, 1, T, cache_len) allows.
+        With `lengths`, x (1, T, C) is prompts packed back to back: each attends causally within itself
+        and its keys/values go into its own cache row (KVCache.fill)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if kv_cache is None:
+        if lengths is not None:
+            kv_cache.fill(k, v, lengths)
+            y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
+                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], dim=2)
+        elif kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
         else:
@@ -76,8 +82,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, input_pos=None, mask=None):
-        x = x + self.attn(self.ln_1(x), kv_cache, input_pos, mask)
+    def forward(self, x, kv_cache=None, input_pos=None, mask=None, lengths=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, input_pos, mask, lengths)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -89,15 +95,28 @@ class KVCache:
         self.max_len = max_len
         self.k = self.v = None
 
+    def allocate(self, rows, k):
+        _, H, _, D = k.shape
+        self.k = k.new_zeros(rows, H, self.max_len, D)
+        self.v = k.new_zeros(rows, H, self.max_len, D)
+
     def update(self, input_pos, k, v, length):
         """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
         if self.k is None:
-            B, H, _, D = k.shape
-            self.k = k.new_zeros(B, H, self.max_len, D)
-            self.v = v.new_zeros(B, H, self.max_len, D)
+            self.allocate(k.size(0), k)
         self.k.index_copy_(2, input_pos, k)
         self.v.index_copy_(2, input_pos, v)
         return self.k[:, :, :length], self.v[:, :, :length]
+
+    def fill(self, k, v, lengths):
+        """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
+        max(lengths) - 1: the left-padded layout that decoding continues."""
+        if self.k is None:
+            self.allocate(len(lengths), k)
+        end = max(lengths)
+        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
+            self.k[row, :, end - k_row.size(2):end] = k_row[0]
+            self.v[row, :, end - v_row.size(2):end] = v_row[0]
 
     def select_rows(self, rows):
         """Keep (or reorder, for beam search) the rows given by index tensor `rows`."""
@@ -174,6 +193,19 @@ class GPT(nn.Module):
             x = block(x, cache, input_pos, mask)
         return self.lm_head(self.transformer.ln_f(x[:, -1]))
 
+    def prefill(self, prompts, kv_caches):
+        """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each
+        prompt's cache row (left-padded layout). Returns the logits of each prompt's last position (B, vocab)."""
+        device = self.lm_head.weight.device
+        lengths = [len(p) for p in prompts]
+        idx = torch.tensor([[t for p in prompts for t in p]], device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)
+        for block, cache in zip(self.transformer.h, kv_caches):
+            x = block(x, cache, lengths=lengths)
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        return self.lm_head(self.transformer.ln_f(x[0, last]))
+
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""
         assert block_size <= self.config.block_size
@@ -244,7 +276,7 @@ class GPT(nn.Module):
         device = self.lm_head.weight.device
         state = DecodeState(prompts, max_new_tokens, device)
         kv_caches = [KVCache(state.max_len) for _ in self.transformer.h]
-        logits = self.forward_cached(state.tokens, state.positions, state.input_pos, kv_caches, state.prefill_mask())
+        logits = self.prefill(prompts, kv_caches)
         processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, temperature, top_k, top_p)
         decode = self._compiled_decode or self.forward_cached
         if num_beams > 1:
@@ -291,14 +323,6 @@ class DecodeState:
         self.positions = (slots[None, :P] - self.pad[:, None]).clamp(min=0)
         self.input_pos = slots[:P]
         self.step = 0
-
-    def prefill_mask(self):
-        P = self.prompt_len
-        causal = torch.ones(P, P, dtype=torch.bool, device=self.history.device).tril()
-        mask = causal[None] & self.slot_filled[:, None, :P]
-        # A pad query would see no key at all (NaN in softmax): let it see itself; its output is never used.
-        mask |= torch.eye(P, dtype=torch.bool, device=mask.device)
-        return mask[:, None]
 
     def append(self, next_tokens):
         """Record each row's next token and point the state at the slot it goes into."""

@@ -25,17 +25,24 @@ def test_logits_match_transformers_with_padding(ours, tiny_hf):
     assert ref.abs().max().item() > 1.0  # the comparison is not between two near-zero tensors
 
 
-def test_left_padded_prefill_matches_unpadded(ours):
-    # The generator's prefill over a left-padded batch must equal each prompt run alone.
-    from model import DecodeState, KVCache
+def test_packed_prefill_matches_each_prompt_alone(ours):
+    # The generator's prefill runs the prompts back to back in one sequence: each prompt's last logits and
+    # its cache row (right-aligned, the left-padded layout decoding continues) must equal the prompt run alone.
+    from model import KVCache
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13]]
-    state = DecodeState(prompts, 4, torch.device("cpu"))
-    caches = [KVCache(state.max_len) for _ in ours.transformer.h]
+    caches = [KVCache(len(prompts[0]) + 4) for _ in ours.transformer.h]
     with torch.no_grad():
-        last = ours.forward_cached(state.tokens, state.positions, state.input_pos, caches, state.prefill_mask())
+        last = ours.prefill(prompts, caches)
         for row, p in enumerate(prompts):
-            alone, _ = ours(torch.tensor([p]))
-            assert torch.allclose(last[row], alone[0, -1], atol=1e-5)
+            alone_caches = [KVCache(len(p)) for _ in ours.transformer.h]
+            alone = ours.prefill([p], alone_caches)
+            assert torch.allclose(last[row], alone[0], atol=1e-5)
+            full, _ = ours(torch.tensor([p]))
+            assert torch.allclose(last[row], full[0, -1], atol=1e-5)
+            end = len(prompts[0])
+            for cache, alone_cache in zip(caches, alone_caches):
+                assert torch.allclose(cache.k[row, :, end - len(p):end], alone_cache.k[0], atol=1e-5)
+                assert torch.allclose(cache.v[row, :, end - len(p):end], alone_cache.v[0], atol=1e-5)
 
 
 def test_loss_ignores_minus_one_and_matches_full_logits(ours):

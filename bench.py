@@ -3,6 +3,8 @@
 python bench.py [--section=data|train|generate|all] [--model=small|gpt2] [--json]
 """
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -59,7 +61,8 @@ def make_models(shape, device):
 
 
 class PeakMemory:
-    """Peak memory above the start of the block: CUDA max_memory_allocated, or sampled RSS on CPU."""
+    """Peak memory above the start of the block: CUDA max_memory_allocated, or sampled RSS on CPU (after handing
+    freed heap back to the OS, so that memory an earlier figure freed is not reused unseen)."""
 
     def __init__(self, device):
         self.device, self.peak_mb = device, 0.0
@@ -80,6 +83,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
         else:
+            gc.collect()
+            ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
             self._base, self._done = self.rss_mb(), threading.Event()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()

@@ -191,7 +191,7 @@ class GPT(nn.Module):
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for block, cache in zip(self.transformer.h, kv_caches):
             x = block(x, cache, input_pos, mask)
-        return self.lm_head(self.transformer.ln_f(x[:, -1]))
+        return self.next_token_logits(x[:, -1])
 
     def prefill(self, prompts, kv_caches):
         """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each
@@ -204,7 +204,12 @@ class GPT(nn.Module):
         for block, cache in zip(self.transformer.h, kv_caches):
             x = block(x, cache, lengths=lengths)
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
-        return self.lm_head(self.transformer.ln_f(x[0, last]))
+        return self.next_token_logits(x[0, last])
+
+    def next_token_logits(self, x):
+        """lm_head over one hidden state per row (B, C) -> (B, vocab), as W @ x^T: at these shapes the CPU BLAS
+        runs that 1.6-3x faster than x @ W^T, and this matmul is most of a decode step."""
+        return (self.lm_head.weight @ self.transformer.ln_f(x).t()).t()
 
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""

@@ -88,31 +88,25 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """One layer's keys and values, (rows, heads, max_len, head_dim), preallocated on the first write (in the
-    dtype the layer computes in, e.g. fp16 under autocast) and then written in place."""
+    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
+    dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
 
     def __init__(self, max_len):
         self.max_len = max_len
         self.k = self.v = None
 
-    def allocate(self, rows, k):
-        _, H, _, D = k.shape
-        self.k = k.new_zeros(rows, H, self.max_len, D)
-        self.v = k.new_zeros(rows, H, self.max_len, D)
-
     def update(self, input_pos, k, v, length):
         """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
-        if self.k is None:
-            self.allocate(k.size(0), k)
         self.k.index_copy_(2, input_pos, k)
         self.v.index_copy_(2, input_pos, v)
         return self.k[:, :, :length], self.v[:, :, :length]
 
     def fill(self, k, v, lengths):
         """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
-        max(lengths) - 1: the left-padded layout that decoding continues."""
-        if self.k is None:
-            self.allocate(len(lengths), k)
+        max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
+        _, H, _, D = k.shape
+        self.k = k.new_zeros(len(lengths), H, self.max_len, D)
+        self.v = k.new_zeros(len(lengths), H, self.max_len, D)
         end = max(lengths)
         for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
             self.k[row, :, end - k_row.size(2):end] = k_row[0]
@@ -315,7 +309,7 @@ class DecodeState:
     """The left-padded batch being decoded: token history, which cache slots hold real tokens, positions."""
 
     def __init__(self, prompts, max_new_tokens, device):
-        B, P = len(prompts), max(len(p) for p in prompts)
+        P = max(len(p) for p in prompts)
         self.prompt_len, self.max_len = P, P + max_new_tokens
         # Left padding repeats each row's first token, so padding never adds a token the row does not have
         # (repetition penalty scatters over the history); pad slots are masked out of attention.
@@ -324,9 +318,10 @@ class DecodeState:
         self.pad = torch.tensor([P - len(p) for p in prompts], device=device)
         slots = torch.arange(self.max_len, device=device)
         self.slot_filled = (slots[None, :] >= self.pad[:, None]) & (slots[None, :] < P)
-        self.tokens = self.history[:, :P]
-        self.positions = (slots[None, :P] - self.pad[:, None]).clamp(min=0)
-        self.input_pos = slots[:P]
+        # The position and cache slot of each row's last prompt token; append() moves them on.
+        self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)
+        self.input_pos = slots[P - 1:P]
+        self.tokens = None
         self.step = 0
 
     def append(self, next_tokens):
@@ -335,8 +330,8 @@ class DecodeState:
         self.history[:, slot] = next_tokens
         self.slot_filled[:, slot] = True
         self.tokens = next_tokens[:, None]
-        self.positions = self.positions[:, -1:] + 1
-        self.input_pos = self.input_pos[-1:] + 1
+        self.positions = self.positions + 1
+        self.input_pos = self.input_pos + 1
         self.step += 1
 
     def decode_mask(self):

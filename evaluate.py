@@ -20,7 +20,7 @@ import data
 from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint
 from config import UserError, load_config
 from model import GPT, GPTConfig
-from runtime import Runtime, use_compile
+from runtime import Runtime
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -84,7 +84,7 @@ def rouge(predictions, references):
     return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
 
 
-def load_model(cfg, device, init_from=""):
+def load_model(cfg, rt, init_from=""):
     """The model to score: a checkpoint (ckpt, else out_dir/best.pt), or with init_from (the user typed
     --init_from=...) GPT-2 weights without fine-tuning, or an untrained model ('scratch', a baseline)."""
     if init_from == "scratch":
@@ -104,8 +104,8 @@ def load_model(cfg, device, init_from=""):
         raise UserError(f"{source} has block_size={model.config.block_size}, too small for max_new_tokens="
                         f"{cfg.max_new_tokens} plus the {len(head) + len(tail)}-token prompt template: use "
                         f"max_new_tokens < {model.config.block_size - len(head) - len(tail)}")
-    model = model.to(device).eval()
-    if use_compile(cfg.compile, model.lm_head.weight.device.type):
+    model = model.to(rt.device).eval()
+    if rt.compile:
         model.compile_decode()
     return model
 
@@ -124,7 +124,7 @@ def evaluate(cfg, rt, init_from=""):
     if rt.is_main:
         make_out_dir(cfg.out_dir)
     val = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier).val
-    model = load_model(cfg, rt.device, init_from)
+    model = load_model(cfg, rt, init_from)
     predictions = summarize_sharded(model, val.dialogues, cfg, rt)
     if not rt.is_main:
         return None

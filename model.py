@@ -239,10 +239,10 @@ class GPT(nn.Module):
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def compile_decode(self, **compile_kwargs):
+    def compile_decode(self):
         """Use a torch.compile'd single-token decode step in generate() from now on. Compiling happens at the
         first call (and at a recompile); if it fails: one warning line, and eager decoding from then on."""
-        compiled = torch.compile(self.forward_cached, dynamic=True, **compile_kwargs)
+        compiled = torch.compile(self.forward_cached, dynamic=True)
 
         def decode(*args):
             if self._compiled_decode is decode:

@@ -249,9 +249,9 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
     _, _, out = compiled_then_eager_then_compiled
     calls = []
     monkeypatch.setattr(GPT, "compile_decode", lambda self: calls.append(self))
-    model = evaluate.load_model(load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}",
-                                                            "--max_new_tokens=16"]),
-                                torch.device("cpu"))
+    cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--max_new_tokens=16",
+                       "--device=cpu"])
+    model = evaluate.load_model(cfg, Runtime(cfg))
     assert calls == ([model] if compiles else [])
 
 

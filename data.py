@@ -111,10 +111,11 @@ class Table:
     digest: str  # sha256 of the file's bytes and the columns read
 
 
-def read_table(path, key, cfg, test=False):
-    """A CSV as a Table, or UserError naming the file, the config key and what to do."""
+def read_frame(path, key, missing_hint=None):
+    """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
+    (BOM, Windows-1252 bytes), or UserError naming the file, the config key and what to do."""
     if not os.path.isfile(path):
-        raise UserError(f"{key} {path} does not exist: pass --{key}=PATH to the CSV")
+        raise UserError(f"{key} {path} does not exist: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:
         raw = f.read()
     text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
@@ -130,6 +131,12 @@ def read_table(path, key, cfg, test=False):
     if frame.shape[1] == 1 and any(sep in frame.columns[0] for sep in ";\t|"):
         raise UserError(f"{key} {path} is not comma-separated (its header {frame.columns[0]!r} reads as one "
                         f"column): save it as CSV with ',' between fields")
+    return raw, frame
+
+
+def read_table(path, key, cfg, test=False):
+    """A CSV as a Table, or UserError naming the file, the config key and what to do."""
+    raw, frame = read_frame(path, key)
     if frame.empty:
         raise UserError(f"{key} {path} has a header but no data rows")
     dialogue = find_column(frame, cfg.dialogue_column, DIALOGUE_COLUMNS, "dialogue", key, path)

@@ -23,14 +23,8 @@ def write_submission(ids, summaries, path):
 
 def check_against_sample(ids, path):
     """UserError unless the sample submission has the columns id,summary and exactly the test ids."""
-    if not os.path.isfile(path):
-        raise UserError(f"sample_submission_csv {path} does not exist: pass --sample_submission_csv=PATH, or "
-                        f"--sample_submission_csv='' to skip the check")
-    try:
-        sample = pd.read_csv(path, dtype=str, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise UserError(f"sample_submission_csv {path} is not a readable CSV ({str(e).strip().splitlines()[-1]})") from None
-    sample.columns = [c.strip() for c in sample.columns]
+    _, sample = data.read_frame(path, "sample_submission_csv",
+                                "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
     if list(sample.columns) != ["id", "summary"]:
         raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary']")
     sample_ids = set(sample["id"].str.strip())
@@ -48,7 +42,7 @@ def predict(cfg, rt):
     test = data.read_test(cfg)
     if cfg.sample_submission_csv:
         check_against_sample(test.ids, cfg.sample_submission_csv)
-    model = load_model(cfg, rt.device)
+    model = load_model(cfg, rt)
     summaries = summarize_sharded(model, test.dialogues, cfg, rt)
     if not rt.is_main:
         return None

@@ -13,6 +13,7 @@ from rouge_score import rouge_scorer
 import evaluate
 import predict
 import train
+from config import UserError
 from conftest import synthetic_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,3 +116,12 @@ def test_a_sample_submission_with_other_ids_is_one_error_line(trained, tmp_path,
     assert err.count("\n") == 0 and err.startswith("error: test_csv ids differ from sample_submission_csv")
     assert "1 of its ids are not in test_csv, 1 test ids are not in it" in err
     assert not (tmp_path / "out" / "submission.csv").exists()
+
+
+def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
+    # BOM, CRLF and Windows-1252 bytes: read as data.py reads the competition CSVs, so the ids compare equal
+    sample = tmp_path / "sample_submission.csv"
+    sample.write_bytes(b"\xef\xbb\xbfid,summary\r\n007,\r\ncaf\xe9,x\r\n")
+    predict.check_against_sample(["007", "café"], str(sample))
+    with pytest.raises(UserError, match="1 of its ids are not in test_csv"):
+        predict.check_against_sample(["007", "cafe"], str(sample))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
 class UserError(Exception):
@@ -104,14 +105,22 @@ class Config:
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
     # generation
     max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size")
+    min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it")
     num_beams: int = option(1, "beam search width; 1 = greedy or sampling")
-    temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1)")
+    temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam candidate)")
     top_k: int = option(0, "sample only among the k most likely tokens; 0 = off")
     top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off")
+    epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off")
     length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter")
     repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary")
     no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off")
+    mbr_samples: int = option(0, "minimum Bayes risk decoding: sample this many summaries per dialogue (needs "
+                                 "temperature > 0) and keep the one that agrees most with the others; 0 = off")
+    mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", ROUGE_TYPES)
+    mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
     gen_batch_size: int = option(32, "dialogues summarized per generate() call")
+    sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
+                            "'num_beams=1,4 length_penalty=0.8,1.0' (keys apart by spaces, values by commas)")
 
     def __post_init__(self):
         check_values(self)
@@ -127,14 +136,14 @@ def check_values(cfg):
                 "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
     non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
                     "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
-                    "temperature")
+                    "temperature", "mbr_samples")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be > 0")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
-    for name in ("val_fraction", "dropout", "beta1", "beta2"):
+    for name in ("val_fraction", "dropout", "beta1", "beta2", "epsilon"):
         if not 0 <= getattr(cfg, name) < 1:
             raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
     if cfg.learning_rate <= 0:
@@ -157,9 +166,14 @@ def check_values(cfg):
                         f"block_size={cfg.block_size}: make it smaller than block_size")
     if cfg.batch_size % cfg.micro_batch_size:
         raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
-    if cfg.num_beams > 1 and cfg.temperature > 0:
+    if not 0 <= cfg.min_new_tokens <= cfg.max_new_tokens:
+        raise UserError(f"min_new_tokens={cfg.min_new_tokens} must be in [0, max_new_tokens={cfg.max_new_tokens}]")
+    if cfg.mbr_samples and cfg.temperature == 0:
+        raise UserError(f"mbr_samples={cfg.mbr_samples} samples its candidates: set temperature > 0 (e.g. 0.7)")
+    if cfg.num_beams > 1 and cfg.temperature > 0 and not (cfg.mbr_samples and cfg.mbr_include_beam):
         raise UserError(f"num_beams={cfg.num_beams} is beam search, which does not sample: use temperature=0.0 "
-                        f"or num_beams=1")
+                        f"or num_beams=1 (or, for MBR's beam candidate, mbr_samples > 0 and mbr_include_beam=True)")
+    parse_sweep(cfg.sweep)
     if cfg.best_metric == "rougeL" and cfg.rouge_samples == 0:
         raise UserError("best_metric='rougeL' needs rouge_samples > 0 (or use best_metric='val_loss')")
     try:
@@ -169,6 +183,29 @@ def check_values(cfg):
     if not ok:
         raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
                         f"other braces (write {{{{ and }}}} for literal ones)")
+
+
+SWEEP_KEYS = ("min_new_tokens", "num_beams", "temperature", "top_k", "top_p", "epsilon", "length_penalty",
+              "repetition_penalty", "no_repeat_ngram_size", "mbr_samples", "mbr_metric", "mbr_include_beam", "seed",
+              "gen_batch_size")
+
+
+def parse_sweep(text):
+    """'num_beams=1,4 length_penalty=0.8,1.0' -> every combination, as [{key: value}, ...] (the last key varies
+    fastest); [] for ''. Values are read as --key=value would be."""
+    settings = [{}] if text.strip() else []
+    for group in text.split():
+        key, eq, values = group.partition("=")
+        if not eq or not values:
+            raise UserError(f"sweep={text!r}: cannot read {group!r}, write key=value1,value2,...")
+        if key not in SWEEP_KEYS:
+            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; sweep one of {', '.join(SWEEP_KEYS)}")
+        try:
+            typed_values = [parse_override(f"--{key}={value}")[1] for value in values.split(",")]
+        except UserError as e:
+            raise UserError(f"sweep={text!r}: {e}") from None
+        settings = [dict(s, **{key: v}) for s in settings for v in typed_values]
+    return settings
 
 
 def grad_accum_steps(cfg, world_size):

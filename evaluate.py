@@ -1,10 +1,12 @@
-"""ROUGE of a checkpoint on the validation split, and the batched summarizer train.py and predict.py share.
+"""ROUGE of a checkpoint on the validation split, or of several decoding settings side by side (--sweep).
 
     python evaluate.py [preset] [--ckpt=path | --init_from=gpt2|<hf dir>|scratch] [--key=value ...]
+    python evaluate.py [preset] --sweep="num_beams=1,4 length_penalty=0.8,1.0,1.2"
 
 --init_from scores GPT-2 without fine-tuning, or an untrained model (scratch, with the preset's shape) as a
 baseline; without it the checkpoint (--ckpt, default out_dir/best.pt) is scored.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -13,75 +15,14 @@ import time
 import numpy as np
 import pandas as pd
 import torch
-from rouge_score import rouge_scorer
-from tqdm import tqdm
 
 import data
 from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint
-from config import UserError, load_config
+from config import ROUGE_TYPES, UserError, load_config, parse_sweep
+from generate import summarize_sharded
+from metrics import rouge_per_example
 from model import GPT, GPTConfig
 from runtime import Runtime
-
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-
-
-def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_size=1):
-    """Greedy (or as configured) summaries of `dialogues`, in their order, with the batched KV-cache generator.
-    Batches are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every
-    world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the same dialogues
-    whatever the number of ranks, so sharded output is exactly the single-process output."""
-    enc = data.get_tokenizer()
-    max_prompt = model.config.block_size - cfg.max_new_tokens
-    # A template without text around {dialogue} gives an empty dialogue no tokens; start from <|endoftext|>.
-    prompts = [data.encode_prompt(d, max_prompt, cfg.prompt_template) or [data.EOT_ID] for d in dialogues]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
-    summaries = [None] * len(prompts)
-    was_training = model.training
-    model.eval()
-    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
-               dynamic_ncols=True)
-    start = time.perf_counter()
-    for batch in batches:
-        with autocast:
-            new_tokens = model.generate(
-                [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
-                temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, num_beams=cfg.num_beams,
-                length_penalty=cfg.length_penalty, repetition_penalty=cfg.repetition_penalty,
-                no_repeat_ngram_size=cfg.no_repeat_ngram_size, seed=cfg.seed)
-        for i, tokens in zip(batch, new_tokens):
-            summaries[i] = enc.decode(tokens).strip()
-        bar.update(len(batch))
-        bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
-    bar.close()
-    model.train(was_training)
-    return summaries
-
-
-def summarize_sharded(model, dialogues, cfg, rt):
-    """Every rank summarizes its share of `dialogues`; all of them, in order, on rank 0 (None elsewhere)."""
-    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=rt.is_main, rank=rt.rank,
-                     world_size=rt.world_size)
-    shards = rt.all_gather_objects(mine)
-    if not rt.is_main:
-        return None
-    return [next(s for s in column if s is not None) for column in zip(*shards)]
-
-
-def rouge_per_example(predictions, references):
-    """rouge-score F1 (Porter stemmer on) for each (prediction, reference) pair: {type: [f1, ...]}."""
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    scores = {t: [] for t in ROUGE_TYPES}
-    for prediction, reference in zip(predictions, references):
-        result = scorer.score(reference, prediction)
-        for t in ROUGE_TYPES:
-            scores[t].append(result[t].fmeasure)
-    return scores
-
-
-def rouge(predictions, references):
-    """Mean ROUGE F1 over the pairs: {type: mean}."""
-    return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
 
 
 def load_model(cfg, rt, init_from=""):
@@ -129,11 +70,10 @@ def evaluate(cfg, rt, init_from=""):
     if not rt.is_main:
         return None
     scores = rouge_per_example(predictions, val.summaries)
-    enc = data.get_tokenizer()
     report = {t: {"mean": float(np.mean(v)), "ci95": bootstrap_interval(v)} for t, v in scores.items()}
     report["n"] = len(predictions)
-    report["mean_generated_tokens"] = float(np.mean([len(enc.encode_ordinary(p)) for p in predictions]))
-    report["mean_reference_tokens"] = float(np.mean([len(enc.encode_ordinary(r)) for r in val.summaries]))
+    report["mean_generated_tokens"] = mean_tokens(predictions)
+    report["mean_reference_tokens"] = mean_tokens(val.summaries)
     frame = pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                           "prediction": predictions, **{t: scores[t] for t in ("rouge1", "rouge2", "rougeL")}})
     predictions_csv = os.path.join(cfg.out_dir, "eval_predictions.csv")
@@ -143,6 +83,62 @@ def evaluate(cfg, rt, init_from=""):
     print(format_report(report))
     print(f"wrote {predictions_csv} and {metrics_json}")
     return report
+
+
+def mean_tokens(texts):
+    enc = data.get_tokenizer()
+    return float(np.mean([len(enc.encode_ordinary(text)) for text in texts]))
+
+
+def sweep(cfg, rt, init_from=""):
+    """Score every decoding setting of cfg.sweep on the validation split with one loaded model: a table on
+    stdout and in out_dir/sweep.csv and sweep.md, and the best setting (ROUGE-L) as flags for predict.py.
+    Every setting is checked before any work. Returns the table's rows on rank 0, None on the other ranks."""
+    settings = parse_sweep(cfg.sweep)
+    configs = []
+    for setting in settings:
+        try:
+            configs.append(dataclasses.replace(cfg, **setting))
+        except UserError as e:
+            raise UserError(f"sweep setting {' '.join(f'{k}={v}' for k, v in setting.items())}: {e}") from None
+    if rt.is_main:
+        make_out_dir(cfg.out_dir)
+    val = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier).val
+    model = load_model(cfg, rt, init_from)
+    rows = []
+    for i, (setting, setting_cfg) in enumerate(zip(settings, configs)):
+        label = " ".join(f"{k}={v}" for k, v in setting.items())
+        if rt.is_main:
+            print(f"setting {i + 1}/{len(settings)}: {label}")
+        start = time.perf_counter()
+        predictions = summarize_sharded(model, val.dialogues, setting_cfg, rt)
+        seconds = time.perf_counter() - start
+        if rt.is_main:
+            scores = {t: float(np.mean(v)) for t, v in rouge_per_example(predictions, val.summaries).items()}
+            rows.append({"setting": label, "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
+                         "rougeL": scores["rougeL"], "mean_tokens": mean_tokens(predictions),
+                         "summaries_per_s": len(predictions) / seconds})
+    if not rt.is_main:
+        return None
+    table = format_sweep(rows)
+    paths = [os.path.join(cfg.out_dir, name) for name in ("sweep.csv", "sweep.md")]
+    write_atomic(lambda f: pd.DataFrame(rows).to_csv(f, index=False), paths[0])
+    write_atomic(lambda f: f.write(table + "\n"), paths[1])
+    best = max(rows, key=lambda row: row["rougeL"])
+    flags = " ".join(f"--{k}={v}" for k, v in settings[rows.index(best)].items())
+    print(table)
+    print(f"wrote {paths[0]} and {paths[1]}")
+    print(f"best ROUGE-L {best['rougeL']:.4f}: {best['setting']}; pass to predict.py: {flags}")
+    return rows
+
+
+def format_sweep(rows):
+    lines = [f"ROUGE F1 of {len(rows)} decoding settings on the validation split",
+             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['setting']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} | "
+              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def format_report(report):
@@ -171,7 +167,7 @@ def main(argv=None):
         # init_from in a preset is how training started; only --init_from= on the command line replaces the checkpoint
         init_from = next((cfg.init_from for a in argv if a.startswith("--init_from=")), "")
         with Runtime(cfg) as rt:
-            evaluate(cfg, rt, init_from)
+            (sweep if cfg.sweep else evaluate)(cfg, rt, init_from)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,8 @@ import pandas as pd
 import data
 from checkpoint import make_out_dir
 from config import UserError, load_config
-from evaluate import load_model, summarize_sharded, write_atomic
+from evaluate import load_model, write_atomic
+from generate import summarize_sharded
 from runtime import Runtime
 
 

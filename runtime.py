@@ -3,6 +3,7 @@ import contextlib
 import datetime
 import os
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,14 @@ def use_compile(requested, device_type):
     """The config's `compile`: 'auto' compiles on CUDA only (on CPU a short run spends more time compiling than
     it saves), True and False force it on or off on any device."""
     return requested is True or (requested == "auto" and device_type == "cuda")
+
+
+def warn_compile_failed(error, fallback):
+    """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
+    error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
+    reason = str(error).strip().splitlines()
+    print(f"warning: torch.compile failed ({type(error).__name__}: {reason[0] if reason else ''}); {fallback}",
+          file=sys.stderr)
 
 
 def resolve_backend(requested, environ):

@@ -18,11 +18,13 @@ from tqdm import tqdm
 
 import data
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
-from evaluate import evaluate, rouge, summarize
+from evaluate import evaluate
 from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
-from model import GPT, GPTConfig, warn_compile_failed
+from generate import summarize
+from metrics import rouge
+from model import GPT, GPTConfig
 from predict import predict
-from runtime import Runtime, peak_flops
+from runtime import Runtime, peak_flops, warn_compile_failed
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 

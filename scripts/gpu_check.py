@@ -100,7 +100,7 @@ def generate_case(args, dtype, compile, device, eager_outputs):
     same = sum(a == b for a, b in zip(outputs, eager_outputs[dtype])) if dtype in eager_outputs else None
     return dict(gen_tokens_per_s=len(prompts) * args.max_new_tokens / seconds,
                 same=f"{same}/{len(outputs)}" if compile and same is not None else "-",
-                compiled=model._compiled_decode is not None)
+                compiled=model.decode_compiled)
 
 
 COLUMNS = [("dtype", "<9"), ("compile", "<7"), ("train tok/s", ">11"), ("MFU", ">6"), ("ms/iter", ">8"),

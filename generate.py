@@ -1,0 +1,434 @@
+"""Decoding, in the spirit of gpt-fast's generate.py: the KV cache, the decode state, transformers' logits
+processors, greedy and sampled decoding, beam search with n-best lists, minimum Bayes risk (MBR) decoding, the
+torch.compile'd decode step, and the batched summarizer that train.py, evaluate.py and predict.py share."""
+import copy
+import time
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+import data
+from metrics import mbr_select
+from runtime import warn_compile_failed
+
+
+class Sequence(NamedTuple):
+    """One generated continuation: its tokens (cut before EOS); the sum of the log-probabilities of the generated
+    tokens, EOS included, after the logits processors (as beam search scores them); and the number of generated
+    tokens, EOS included, which beam search's length penalty divides by (logprob / length ** length_penalty)."""
+    tokens: list
+    logprob: float
+    length: int
+
+
+@torch.inference_mode()
+def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0, top_k=None, top_p=None,
+             epsilon=0.0, num_beams=1, length_penalty=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+             min_new_tokens=0, seed=None, num_return_sequences=1, mbr_samples=0, mbr_metric="rougeL",
+             mbr_include_beam=False, output_scores=False):
+    """Continue each prompt (a list of token-id lists, any lengths) by up to max_new_tokens tokens, at least
+    min_new_tokens before EOS. Returns, prompt by prompt in the prompts' order, num_return_sequences new-token
+    lists cut before EOS (Sequence objects with output_scores=True).
+    - temperature=0: greedy; num_beams>1: beam search as transformers' (early_stopping=False), whose n-best
+      (num_return_sequences <= num_beams) are the best finished hypotheses, best first.
+    - temperature>0: sampling (top_k, top_p, epsilon as transformers' epsilon_cutoff), seeded by `seed`;
+      num_return_sequences samples per prompt, identical ones adjacent.
+    - mbr_samples=N>0: per prompt, N samples (plus the greedy/beam result with mbr_include_beam) from one
+      prefill, and the one with the highest mean mbr_metric against the others is returned.
+    Prompts longer than block_size - max_new_tokens keep their last tokens."""
+    block_size = model.config.block_size
+    if not 0 < max_new_tokens < block_size:
+        raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
+    if mbr_samples and (temperature <= 0 or num_return_sequences != 1):
+        raise ValueError("MBR samples its candidates and returns one sequence per prompt: use temperature > 0 "
+                         "and num_return_sequences=1")
+    if num_beams > 1 and temperature > 0 and not (mbr_samples and mbr_include_beam):
+        raise ValueError("beam search is deterministic: use temperature=0.0 with num_beams > 1")
+    if not mbr_samples and not 0 < num_return_sequences <= (num_beams if temperature == 0 else float("inf")):
+        raise ValueError(f"num_return_sequences={num_return_sequences} needs sampling (temperature > 0) or "
+                         f"num_beams >= num_return_sequences")
+    if not prompts:
+        return []
+    prompts = [list(p)[-(block_size - max_new_tokens):] for p in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = model.lm_head.weight.device
+    state = DecodeState(prompts, max_new_tokens, device)
+    kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
+    logits = model.prefill(prompts, kv_caches)
+    processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, min_new_tokens, eos_token_id,
+                                  temperature, top_k, top_p, epsilon)
+    run = Decoding(decoder(model), processors, eos_token_id, output_scores)
+
+    def deterministic(state, kv_caches):
+        if num_beams > 1:
+            return run.beam_search(logits, state, kv_caches, num_beams, length_penalty, num_return_sequences)
+        return [[s for s, _ in row] for row in run.sample(logits, state, kv_caches, None, [1] * len(prompts))]
+
+    if temperature == 0:
+        results = deterministic(state, kv_caches)
+    else:
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        if mbr_samples:
+            every_row = torch.arange(len(prompts), device=device)
+            best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
+                    if mbr_include_beam else [[] for _ in prompts])
+            samples = run.sample(logits, state, kv_caches, generator, [mbr_samples] * len(prompts))
+            results = [[mbr_pick(b[:1], s, mbr_metric)] for b, s in zip(best, samples)]
+        else:
+            samples = run.sample(logits, state, kv_caches, generator, [num_return_sequences] * len(prompts))
+            results = [[s for s, n in row for _ in range(n)] for row in samples]
+    return [s if output_scores else s.tokens for row in results for s in row]
+
+
+def summary_text(tokens):
+    return data.get_tokenizer().decode(tokens).strip()
+
+
+def mbr_pick(best, samples, metric):
+    """The MBR choice among `best` (the greedy/beam result, or nothing) and the distinct `samples` ((Sequence,
+    count) pairs); ties go to the greedy/beam result, then to the most frequent sample."""
+    samples = sorted(samples, key=lambda pair: -pair[1])
+    candidates = [(s, 1) for s in best] + samples
+    texts = [summary_text(s.tokens) for s, _ in candidates]
+    return candidates[mbr_select(texts, [n for _, n in candidates], metric)][0]
+
+
+class KVCache:
+    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
+    dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.k = self.v = None
+
+    def update(self, input_pos, k, v, length):
+        """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k[:, :, :length], self.v[:, :, :length]
+
+    def fill(self, k, v, lengths):
+        """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
+        max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
+        _, H, _, D = k.shape
+        self.k = k.new_zeros(len(lengths), H, self.max_len, D)
+        self.v = k.new_zeros(len(lengths), H, self.max_len, D)
+        end = max(lengths)
+        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
+            self.k[row, :, end - k_row.size(2):end] = k_row[0]
+            self.v[row, :, end - v_row.size(2):end] = v_row[0]
+
+    def select_rows(self, rows):
+        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
+        selected = KVCache(self.max_len)
+        selected.k, selected.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        return selected
+
+
+class DecodeState:
+    """The left-padded batch being decoded: token history, which cache slots hold real tokens, positions."""
+
+    def __init__(self, prompts, max_new_tokens, device):
+        P = max(len(p) for p in prompts)
+        self.prompt_len, self.max_len = P, P + max_new_tokens
+        # Left padding repeats each row's first token, so padding never adds a token the row does not have
+        # (repetition penalty scatters over the history); pad slots are masked out of attention.
+        history = [[p[0]] * (P - len(p)) + p + [0] * max_new_tokens for p in prompts]
+        self.history = torch.tensor(history, dtype=torch.long, device=device)
+        self.pad = torch.tensor([P - len(p) for p in prompts], device=device)
+        slots = torch.arange(self.max_len, device=device)
+        self.slot_filled = (slots[None, :] >= self.pad[:, None]) & (slots[None, :] < P)
+        # The position and cache slot of each row's last prompt token; append() moves them on.
+        self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)
+        self.input_pos = slots[P - 1:P]
+        self.tokens = None
+        self.step = 0  # tokens generated so far
+
+    def append(self, next_tokens):
+        """Record each row's next token and point the state at the slot it goes into."""
+        slot = self.prompt_len + self.step
+        self.history[:, slot] = next_tokens
+        self.slot_filled[:, slot] = True
+        self.tokens = next_tokens[:, None]
+        self.positions = self.positions + 1
+        self.input_pos = self.input_pos + 1
+        self.step += 1
+
+    def decode_mask(self):
+        return self.slot_filled[:, None, None, :self.prompt_len + self.step]
+
+    def seen_tokens(self):
+        return self.history[:, :self.prompt_len + self.step]
+
+    def new_tokens(self):
+        return self.history[:, self.prompt_len:self.prompt_len + self.step]
+
+    def select_rows(self, rows):
+        """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
+        selected = copy.copy(self)
+        selected.history, selected.pad = self.history[rows], self.pad[rows]
+        selected.slot_filled, selected.positions = self.slot_filled[rows], self.positions[rows]
+        selected.tokens = None if self.tokens is None else self.tokens[rows]
+        return selected
+
+
+class LogitsProcessors:
+    """transformers' logits processors and warpers, in its order: repetition penalty, no-repeat n-grams, EOS
+    masked before min_new_tokens (MinNewTokensLengthLogitsProcessor), then (sampling only) temperature, top-k,
+    top-p and epsilon."""
+
+    def __init__(self, repetition_penalty, no_repeat_ngram_size, min_new_tokens, eos_token_id, temperature,
+                 top_k, top_p, epsilon):
+        self.repetition_penalty, self.no_repeat_ngram_size = repetition_penalty, no_repeat_ngram_size
+        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
+        self.temperature, self.top_k, self.top_p, self.epsilon = temperature, top_k, top_p, epsilon
+
+    def penalize(self, scores, state):
+        """The processed scores, a new tensor where a processor applies (`scores` itself is never changed)."""
+        if self.repetition_penalty != 1.0:
+            seen = state.seen_tokens()
+            s = scores.gather(1, seen)
+            scores = scores.scatter(1, seen, torch.where(s < 0, s * self.repetition_penalty,
+                                                         s / self.repetition_penalty))
+        if self.no_repeat_ngram_size > 0:
+            n, banned = self.no_repeat_ngram_size, []
+            for row, (seq, pad) in enumerate(zip(state.seen_tokens().tolist(), state.pad.tolist())):
+                seq = seq[pad:]
+                prefix = tuple(seq[len(seq) - n + 1:])
+                banned += [(row, seq[i + n - 1]) for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == prefix]
+            if banned:
+                scores = scores.index_put(tuple(torch.tensor(banned, device=scores.device).t()),
+                                          torch.tensor(-float("inf"), device=scores.device))
+        if state.step < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
+            scores = scores.index_fill(1, torch.tensor([self.eos_token_id], device=scores.device), -float("inf"))
+        return scores
+
+    def warp(self, logits):
+        logits = logits / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=False)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= 1 - self.top_p
+            remove[:, -1] = False
+            logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+        if self.epsilon > 0:
+            remove = (logits.softmax(dim=-1) < self.epsilon) & (logits < logits.max(dim=-1, keepdim=True).values)
+            logits = logits.masked_fill(remove, -float("inf"))
+        return logits
+
+
+class Decoding:
+    """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
+
+    def __init__(self, decode, processors, eos_token_id, with_logprob):
+        self.decode, self.processors, self.eos = decode, processors, eos_token_id
+        self.with_logprob = with_logprob
+
+    def step(self, state, kv_caches):
+        return self.decode(state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
+
+    def sample(self, logits, state, kv_caches, generator, counts):
+        """Greedy (generator None) or sampled decoding, where prompt row r stands for counts[r] samples.
+        Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
+        per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
+        model cost little more than one. Rows leave the batch at EOS, so the remaining rows get cheaper.
+        Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
+        device, V = logits.device, logits.size(-1)
+        max_new = state.max_len - state.prompt_len
+        results = [[] for _ in counts]
+        owner = torch.arange(len(counts), device=device)
+        counts = torch.tensor(counts, device=device)
+        logprob = torch.zeros(len(counts), device=device)
+        for step in range(max_new):
+            rows = torch.arange(len(counts), device=device)
+            scores = self.processors.penalize(logits.float(), state)
+            if generator is None:
+                parent, tokens = rows, scores.argmax(dim=-1)
+            else:
+                probs = self.processors.warp(scores).softmax(dim=-1)
+                drawn = torch.multinomial(probs, int(counts.max()), replacement=True, generator=generator)
+                taken = torch.arange(drawn.size(1), device=device)[None, :] < counts[:, None]
+                pairs, counts = torch.unique(rows[:, None].expand_as(drawn)[taken] * V + drawn[taken],
+                                             return_counts=True)
+                parent, tokens = pairs // V, pairs % V
+            if self.with_logprob:
+                logprob = logprob[parent] + scores[parent, tokens] - scores.logsumexp(dim=-1)[parent]
+            owner = owner[parent]
+            stop = (tokens == self.eos) | (step == max_new - 1)
+            if stop.any():
+                done = stop.nonzero().squeeze(1)
+                seqs = torch.cat((state.new_tokens()[parent[done]], tokens[done, None]), dim=1)
+                for r, seq, lp, n in zip(owner[done].tolist(), seqs.tolist(), logprob[done].tolist(),
+                                         counts[done].tolist()):
+                    results[r].append((Sequence(cut_at_eos(seq, self.eos), lp, step + 1), n))
+                alive = (~stop).nonzero().squeeze(1)
+                if len(alive) == 0:
+                    break
+                parent, tokens, counts, logprob, owner = (t[alive] for t in (parent, tokens, counts, logprob, owner))
+            if not torch.equal(parent, rows):
+                state = state.select_rows(parent)
+                kv_caches = [cache.select_rows(parent) for cache in kv_caches]
+            state.append(tokens)
+            logits = self.step(state, kv_caches)
+        return results
+
+    def beam_search(self, logits, state, kv_caches, num_beams, length_penalty, num_return_sequences):
+        """transformers' beam search (early_stopping=False): each step keeps the 2*num_beams best continuations;
+        those ending in EOS (or at the length limit) among the top num_beams become finished hypotheses scored
+        sum_logprob / new_len**length_penalty; a batch item stops once no running beam can beat its worst
+        finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
+        B, V, K = logits.size(0), logits.size(-1), num_beams
+        max_new = state.max_len - state.prompt_len
+        device = logits.device
+        expand = torch.arange(B, device=device).repeat_interleave(K)
+        state = state.select_rows(expand)
+        kv_caches = [cache.select_rows(expand) for cache in kv_caches]
+        logits = logits[expand]
+        running_scores = torch.full((B, K), -1e9, device=device)
+        running_scores[:, 0] = 0.0
+        running_seqs = torch.full((B, K, max_new), self.eos, dtype=torch.long, device=device)
+        finished_seqs = running_seqs.clone()
+        finished_scores = torch.full((B, K), -1e9, device=device)
+        finished_logprobs = torch.zeros(B, K, device=device)
+        finished_lengths = torch.zeros(B, K, dtype=torch.long, device=device)
+        is_finished = torch.zeros(B, K, dtype=torch.bool, device=device)
+        improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
+        top_k_mask = torch.arange(2 * K, device=device) < K
+        batch_offset = torch.arange(B, device=device)[:, None] * K
+        for step in range(max_new):
+            log_probs = self.processors.penalize(F.log_softmax(logits.float(), dim=-1), state)
+            log_probs = (log_probs.view(B, K, V) + running_scores[:, :, None]).view(B, K * V)
+            topk_scores, topk_ids = torch.topk(log_probs, 2 * K)
+            source_beam, token = topk_ids // V, topk_ids % V
+            topk_seqs = running_seqs.gather(1, source_beam[:, :, None].expand(-1, -1, max_new)).clone()
+            topk_seqs[:, :, step] = token
+            hits_stop = (token == self.eos) | (step + 1 == max_new)
+
+            still_running = topk_scores - 1e9 * hits_stop.float()
+            keep = torch.topk(still_running, K).indices
+            running_seqs = topk_seqs.gather(1, keep[:, :, None].expand(-1, -1, max_new))
+            running_scores = still_running.gather(1, keep)
+            parent = source_beam.gather(1, keep)
+
+            just_finished = hits_stop & top_k_mask
+            candidate = topk_scores / ((step + 1) ** length_penalty)
+            candidate = candidate - 1e9 * (~improvable).float() - 1e9 * (~just_finished).float()
+            merged_scores = torch.cat((finished_scores, candidate), dim=1)
+            best = torch.topk(merged_scores, K).indices
+            finished_scores = merged_scores.gather(1, best)
+            finished_seqs = torch.cat((finished_seqs, topk_seqs), 1).gather(1, best[:, :, None].expand(-1, -1, max_new))
+            finished_logprobs = torch.cat((finished_logprobs, topk_scores), 1).gather(1, best)
+            finished_lengths = torch.cat((finished_lengths, torch.full_like(token, step + 1)), 1).gather(1, best)
+            is_finished = torch.cat((is_finished, just_finished), dim=1).gather(1, best)
+
+            best_running = running_scores[:, :1] / ((step + 1) ** length_penalty)
+            worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True).values, -1e9)
+            improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
+            if not improvable.any() or hits_stop.all():
+                break
+            reorder = (batch_offset + parent).view(-1)
+            state = state.select_rows(reorder)
+            kv_caches = [cache.select_rows(reorder) for cache in kv_caches]
+            state.append(running_seqs[:, :, step].reshape(-1))
+            logits = self.step(state, kv_caches)
+        n = num_return_sequences
+        return [[Sequence(cut_at_eos(seq, self.eos), lp, length) for seq, lp, length in zip(*row)]
+                for row in zip(finished_seqs[:, :n].tolist(), finished_logprobs[:, :n].tolist(),
+                               finished_lengths[:, :n].tolist())]
+
+
+def cut_at_eos(tokens, eos_token_id):
+    return tokens[:tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
+
+
+# ---- the compiled decode step ---------------------------------------------------------------------------------
+
+compiled_step = None  # torch.compile(decode_step), made by compile_decode(); one for all models
+
+
+def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
+    return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
+
+
+def compile_decode(model):
+    """Decode `model` with a torch.compile'd step from now on. The step takes the model as an argument, so the
+    compiled code runs whichever model it is given (a copy.deepcopy of this one decodes with its own weights).
+    Compiling happens at the first call (and at a recompile); if it fails: one warning line, and eager decoding
+    of this model from then on."""
+    global compiled_step
+    compiled_step = torch.compile(decode_step, dynamic=True)
+    model.decode_compiled = True
+
+
+def decoder(model):
+    """decode(tokens, positions, input_pos, kv_caches, mask) -> next-token logits, compiled or eager."""
+    def decode(*args):
+        if model.decode_compiled:
+            try:
+                return compiled_step(model, *args)
+            except Exception as e:  # a failed step wrote nothing the eager retry does not overwrite
+                warn_compile_failed(e, "decoding eagerly")
+                model.decode_compiled = False
+        return decode_step(model, *args)
+    return decode
+
+
+# ---- the summarizer -------------------------------------------------------------------------------------------
+
+def decoding_options(cfg):
+    """generate()'s keyword arguments from the config's generation keys."""
+    return dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, epsilon=cfg.epsilon,
+                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty, repetition_penalty=cfg.repetition_penalty,
+                no_repeat_ngram_size=cfg.no_repeat_ngram_size, min_new_tokens=cfg.min_new_tokens, seed=cfg.seed,
+                mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
+
+
+def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_size=1):
+    """One summary per dialogue, in their order, decoded as the config says, with the batched KV-cache generator.
+    Batches are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every
+    world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the same dialogues
+    whatever the number of ranks, so sharded output is exactly the single-process output."""
+    max_prompt = model.config.block_size - cfg.max_new_tokens
+    # A template without text around {dialogue} gives an empty dialogue no tokens; start from <|endoftext|>.
+    prompts = [data.encode_prompt(d, max_prompt, cfg.prompt_template) or [data.EOT_ID] for d in dialogues]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
+    summaries = [None] * len(prompts)
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
+               dynamic_ncols=True)
+    start = time.perf_counter()
+    for batch in batches:
+        with autocast:
+            new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
+                                  **decoding_options(cfg))
+        for i, tokens in zip(batch, new_tokens):
+            summaries[i] = summary_text(tokens)
+        bar.update(len(batch))
+        bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
+    bar.close()
+    model.train(was_training)
+    return summaries
+
+
+def summarize_sharded(model, dialogues, cfg, rt):
+    """Every rank summarizes its share of `dialogues`; all of them, in order, on rank 0 (None elsewhere)."""
+    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=rt.is_main, rank=rt.rank,
+                     world_size=rt.world_size)
+    shards = rt.all_gather_objects(mine)
+    if not rt.is_main:
+        return None
+    return [next(s for s in column if s is not None) for column in zip(*shards)]

@@ -212,21 +212,24 @@ class LogitsProcessors:
             scores = scores.index_fill(1, torch.tensor([self.eos_token_id], device=scores.device), -float("inf"))
         return scores
 
-    def warp(self, logits):
-        logits = logits / self.temperature
+    def warp(self, scores):
+        """(logits, token ids) of what a row samples among, warped. With top_k that is a (rows, k) slice, so the
+        rest of the vocabulary costs one topk pass instead of several full-width passes; else the whole
+        vocabulary (token ids None)."""
+        ids = None
         if self.top_k:
-            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
+            scores, ids = torch.topk(scores, min(self.top_k, scores.size(-1)))  # sorted, best first
+        logits = scores / self.temperature
         if self.top_p is not None and self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=False)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            remove = cumulative <= 1 - self.top_p
-            remove[:, -1] = False
-            logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+            sorted_logits, order = (logits, None) if ids is not None else torch.sort(logits, descending=True)
+            # drop the tokens after the smallest prefix that reaches top_p (the first one always stays)
+            probs = sorted_logits.softmax(dim=-1)
+            remove = probs.cumsum(dim=-1) - probs >= self.top_p
+            logits = logits.masked_fill(remove if order is None else remove.scatter(1, order, remove), -float("inf"))
         if self.epsilon > 0:
             remove = (logits.softmax(dim=-1) < self.epsilon) & (logits < logits.max(dim=-1, keepdim=True).values)
             logits = logits.masked_fill(remove, -float("inf"))
-        return logits
+        return logits, ids
 
 
 class Decoding:
@@ -257,15 +260,18 @@ class Decoding:
             if generator is None:
                 parent, tokens = rows, scores.argmax(dim=-1)
             else:
-                probs = self.processors.warp(scores).softmax(dim=-1)
-                drawn = torch.multinomial(probs, int(counts.max()), replacement=True, generator=generator)
+                logits, ids = self.processors.warp(scores)
+                drawn = torch.multinomial(logits.softmax(dim=-1), int(counts.max()), replacement=True,
+                                          generator=generator)
+                if ids is not None:
+                    drawn = ids.gather(1, drawn)
                 taken = torch.arange(drawn.size(1), device=device)[None, :] < counts[:, None]
                 pairs, counts = torch.unique(rows[:, None].expand_as(drawn)[taken] * V + drawn[taken],
                                              return_counts=True)
                 parent, tokens = pairs // V, pairs % V
+            logprob, owner = logprob[parent], owner[parent]
             if self.with_logprob:
-                logprob = logprob[parent] + scores[parent, tokens] - scores.logsumexp(dim=-1)[parent]
-            owner = owner[parent]
+                logprob = logprob + scores[parent, tokens] - scores.logsumexp(dim=-1)[parent]
             stop = (tokens == self.eos) | (step == max_new - 1)
             if stop.any():
                 done = stop.nonzero().squeeze(1)

@@ -28,7 +28,10 @@ class MemoizedTokenizer(tokenizers.Tokenizer):
     every other, and stemming is most of what a score costs."""
 
     def __init__(self):
-        self.tokenize = functools.cache(tokenizers.DefaultTokenizer(use_stemmer=True).tokenize)
+        self.tokens = functools.cache(tokenizers.DefaultTokenizer(use_stemmer=True).tokenize)
+
+    def tokenize(self, text):
+        return self.tokens(text)
 
 
 def mbr_select(candidates, counts, metric="rougeL"):

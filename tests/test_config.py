@@ -113,6 +113,14 @@ def test_missing_preset_and_other_extensions(tmp_path):
     (["--block_size=2048"], "init_from='scratch'"),
     (["--batch_size=100"], "batch_size=100 is not a multiple of micro_batch_size=8"),
     (["--num_beams=4", "--temperature=0.7"], "temperature=0.0"),
+    (["--num_beams=4", "--temperature=0.7", "--mbr_samples=8", "--mbr_include_beam=False"], "mbr_include_beam=True"),
+    (["--mbr_samples=8"], "mbr_samples=8 samples its candidates: set temperature > 0"),
+    (["--min_new_tokens=129"], "min_new_tokens=129 must be in [0, max_new_tokens=128]"),
+    (["--mbr_metric=bleu"], "mbr_metric='bleu' is not one of rouge1, rouge2, rougeL, rougeLsum"),
+    (["--epsilon=1.5"], "epsilon=1.5 must be in [0, 1)"),
+    (["--sweep=num_beams"], "cannot read 'num_beams', write key=value1,value2"),
+    (["--sweep=learning_rate=1e-3,1e-4"], "'learning_rate' is not a decoding setting"),
+    (["--sweep=num_beams=1,four"], "sweep='num_beams=1,four': num_beams expects int"),
     (["--prompt_template=no placeholder"], "{dialogue}"),
     (["--prompt_template='{dialogue} {x}'"], "{dialogue}"),
     (["--val_fraction=1.0"], "val_fraction"),
@@ -121,6 +129,17 @@ def test_missing_preset_and_other_extensions(tmp_path):
 ])
 def test_values_that_cannot_work_are_rejected(argv, expected):
     assert expected in error_of(argv)
+
+
+def test_mbr_with_a_beam_candidate_may_sample_and_search_beams():
+    cfg = load_config(["--num_beams=4", "--temperature=0.7", "--mbr_samples=8"])
+    assert (cfg.num_beams, cfg.mbr_samples, cfg.mbr_include_beam) == (4, 8, True)
+
+
+def test_sweep_is_every_combination_typed_by_field():
+    assert config.parse_sweep("num_beams=1,4 length_penalty=0.8,1 mbr_metric=rouge1") == [
+        {"num_beams": n, "length_penalty": p, "mbr_metric": "rouge1"} for n in (1, 4) for p in (0.8, 1.0)]
+    assert config.parse_sweep("") == []
 
 
 def test_grad_accum_steps():

@@ -1,6 +1,9 @@
 import pytest
 import torch
+from rouge_score import rouge_scorer
 
+from generate import summary_text
+from metrics import mbr_select
 from model import GPT
 
 MAX_NEW = 24
@@ -120,3 +123,107 @@ def test_bad_arguments_are_clear_errors(ours):
     with pytest.raises(ValueError, match="at least one token"):
         ours.generate([[1, 2], []], 4)
     assert ours.generate([], 4) == []
+
+
+# ---- n-best, min_new_tokens, sampling with shared samples, MBR ------------------------------------------------
+
+def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, prompts, eos):
+    k, beams, penalty = 3, 4, 0.8
+    got = ours.generate(prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty,
+                        num_return_sequences=k, output_scores=True)
+    assert len(got) == 8 * k
+    plain = ours.generate(prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty)
+    assert [s.tokens for s in got[::k]] == plain  # the first of each n-best list is beam search's answer
+    ended_early = 0
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts[:8]):
+            out = tiny_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=eos, eos_token_id=eos,
+                                   num_beams=beams, length_penalty=penalty, num_return_sequences=k,
+                                   output_scores=True, return_dict_in_generate=True)
+            mine = got[i * k:(i + 1) * k]
+            assert [s.tokens for s in mine] == [cut(row[len(prompt):], eos) for row in out.sequences.tolist()]
+            scores = [s.logprob / s.length ** penalty for s in mine]
+            assert scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+            assert scores == sorted(scores, reverse=True)
+            ended_early += sum(s.length < MAX_NEW for s in mine)
+    assert ended_early > 0  # some hypotheses finished at EOS, so lengths and scores are not all alike
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
+def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs):
+    free = ours.generate(prompts[:10], MAX_NEW, eos_token_id=eos, **kwargs)
+    got = ours.generate(prompts[:10], MAX_NEW, eos_token_id=eos, min_new_tokens=10, **kwargs)
+    assert any(len(row) < 10 for row in free) and all(len(row) >= 10 for row in got)
+    with torch.no_grad():
+        for prompt, row in zip(prompts[:10], got):
+            assert row == hf_generate(tiny_hf, prompt, eos, min_new_tokens=10, **kwargs)
+
+
+def test_n_samples_are_reproducible_with_seed(ours, prompts, eos):
+    def draw(seed):
+        return ours.generate(prompts[:6], MAX_NEW, eos_token_id=eos, temperature=1.5, top_k=4,
+                             num_return_sequences=5, seed=seed)
+    a = draw(7)
+    assert len(a) == 30 and a == draw(7) and a != draw(8)
+    assert all(len({tuple(row) for row in a[i:i + 5]}) > 1 for i in range(0, 30, 5))  # samples, not copies
+
+
+def test_shared_samples_follow_the_model_distribution(ours):
+    # N samples of a prompt are decoded as one row per distinct prefix, each standing for its count of samples:
+    # the frequencies of all 9 two-token continuations (top_k=3) must match p(a) * p(b | a).
+    prompt, temperature, n = [5, 17, 300, 9000], 3.0, 8000
+
+    def top3(seq):
+        with torch.no_grad():
+            logits = ours(torch.tensor([seq]))[0][0, -1] / temperature
+        values, ids = logits.topk(3)
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+
+    exact = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
+    assert min(exact.values()) > 0.01
+    rows = ours.generate([prompt], 2, eos_token_id=-1, temperature=temperature, top_k=3, num_return_sequences=n,
+                         seed=0)
+    counts = {}
+    for row in rows:
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert set(counts) <= set(exact) and sum(counts.values()) == n
+    for sequence, p in exact.items():
+        assert abs(counts.get(sequence, 0) / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5, sequence
+
+
+def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
+    greedy = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
+    for include_beam in (False, True):  # top_k=1 samples are all the greedy summary
+        assert ours.generate(prompts, MAX_NEW, eos_token_id=eos, temperature=1.0, top_k=1, seed=0, mbr_samples=6,
+                             mbr_include_beam=include_beam) == greedy
+
+
+def test_mbr_select_picks_the_consensus():
+    candidates = ["tom and ann will meet at noon", "ann will meet tom at noon", "tom and ann will meet",
+                  "the weather is bad today", "tom will cook dinner"]
+    assert mbr_select(candidates, [1] * 5) == 0
+    assert mbr_select(candidates, [1, 1, 1, 6, 1]) == 3  # six samples said the same thing
+    assert mbr_select(["x", "y z"], [1, 3]) == 1 and mbr_select(["x", "y z"], [3, 1]) == 0
+    assert mbr_select(["tom will come", "tom will come"], [1, 1]) == 0
+    assert mbr_select(["a b", "a c", "c d"], [1, 1, 1], metric="rouge1") == 1
+
+
+def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
+    options = dict(eos_token_id=eos, temperature=1.0, top_k=3, seed=11)
+    n, few = 8, prompts[:8]
+    picked = ours.generate(few, 12, mbr_samples=n, mbr_include_beam=True, **options)
+    samples = ours.generate(few, 12, num_return_sequences=n, **options)  # the same draws: same seed, one prefill
+    greedy = ours.generate(few, 12, eos_token_id=eos)
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    unique_best = 0
+    for i, prompt in enumerate(few):
+        texts = [summary_text(t) for t in [greedy[i], *samples[i * n:(i + 1) * n]]]
+        utility = [sum(scorer.score(texts[j], texts[c])["rougeL"].fmeasure for j in range(len(texts)) if j != c)
+                   / (len(texts) - 1) for c in range(len(texts))]
+        best = max(utility)
+        assert utility[texts.index(summary_text(picked[i]))] == pytest.approx(best, abs=1e-12)
+        if sum(u == pytest.approx(best, abs=1e-12) for u in utility) == texts.count(texts[utility.index(best)]):
+            unique_best += 1
+            assert summary_text(picked[i]) == texts[utility.index(best)]
+    assert unique_best >= 6 and picked != greedy[:len(few)]

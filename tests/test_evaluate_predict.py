@@ -71,6 +71,43 @@ def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_p
     assert report["n"] == len(validation) and str(tmp_path / "eval_predictions.csv") in printed
 
 
+def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys, monkeypatch):
+    loads = []
+    real_load_model = evaluate.load_model
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: loads.append(1) or real_load_model(*a, **k))
+    # temperature 5 samples nonsense: the best setting is not in the first rows
+    evaluate.main(args(trained, tmp_path / "sweep", "--sweep=temperature=5.0,0.0 repetition_penalty=1.0,1.3"))
+    printed = capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert loads == [1] and table["setting"].tolist() == [
+        "temperature=5.0 repetition_penalty=1.0", "temperature=5.0 repetition_penalty=1.3",
+        "temperature=0.0 repetition_penalty=1.0", "temperature=0.0 repetition_penalty=1.3"]
+    assert list(table.columns) == ["setting", "rouge1", "rouge2", "rougeL", "mean_tokens", "summaries_per_s"]
+    assert (table["summaries_per_s"] > 0).all() and (table["mean_tokens"] > 0).all()
+    markdown = (tmp_path / "sweep" / "sweep.md").read_text()
+    for row in table.itertuples():
+        assert f"| {row.setting} | {row.rouge1:.4f} | {row.rouge2:.4f} | {row.rougeL:.4f} |" in markdown
+    best = table.loc[table["rougeL"].idxmax()]
+    assert best["setting"].startswith("temperature=0.0") and table["rougeL"][:2].max() < best["rougeL"] - 0.1
+    flags = " ".join(f"--{kv}" for kv in best["setting"].split())
+    assert f"best ROUGE-L {best['rougeL']:.4f}: {best['setting']}; pass to predict.py: {flags}" in printed
+    # the greedy row is what evaluate.py reports for the same settings
+    evaluate.main(args(trained, tmp_path / "plain"))
+    report = json.loads((tmp_path / "plain" / "eval_metrics.json").read_text())
+    greedy = table.set_index("setting").loc["temperature=0.0 repetition_penalty=1.0"]
+    assert greedy["rougeL"] == pytest.approx(report["rougeL"]["mean"], abs=1e-12)
+    assert greedy["mean_tokens"] == pytest.approx(report["mean_generated_tokens"], abs=1e-9)
+
+
+def test_a_sweep_setting_that_cannot_work_is_one_error_line_before_any_work(trained, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        evaluate.main(args(trained, tmp_path / "out", "--sweep=num_beams=1,2 temperature=0,0.7"))
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: sweep setting num_beams=2 temperature=0.7: num_beams=2")
+    assert not (tmp_path / "out").exists()
+
+
 def test_submission_has_the_test_ids_in_order_and_no_missing_summary(trained, tmp_path, capsys):
     predict.main(args(trained, tmp_path))
     printed = capsys.readouterr().out

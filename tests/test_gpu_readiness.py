@@ -1,6 +1,7 @@
 """The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
 proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU autocast, torch.compile (inductor)
 against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, scripts/gpu_check."""
+import copy
 import importlib.util
 import json
 import math
@@ -15,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import evaluate
+import generate
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import UserError, load_config
@@ -276,6 +278,28 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
     model.compile_decode()
     assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    assert "torch.compile failed" not in capfd.readouterr().err
+
+
+def test_a_deepcopy_after_compile_decode_decodes_with_its_own_weights(tiny_hf_dir, monkeypatch, capfd):
+    # dynamo with its eager backend: what matters is which weights the compiled step reads, not inductor's code
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
+    model, prompts, eos = greedy_case(tiny_hf_dir)
+    model.compile_decode()
+    original = model.generate(prompts, 16, eos_token_id=eos)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.transformer.h[1].mlp.c_proj.weight.mul_(-1.0)
+    eager_twin = copy.deepcopy(twin)
+    eager_twin.decode_compiled = False
+    calls = []
+    real_step = generate.compiled_step
+    monkeypatch.setattr(generate, "compiled_step", lambda m, *args: calls.append(m) or real_step(m, *args))
+    assert twin.generate(prompts, 16, eos_token_id=eos) == eager_twin.generate(prompts, 16, eos_token_id=eos)
+    assert twin.generate(prompts, 16, eos_token_id=eos) != original
+    assert model.generate(prompts, 16, eos_token_id=eos) == original
+    assert any(m is twin for m in calls) and any(m is model for m in calls) and not any(m is eager_twin for m in calls)
     assert "torch.compile failed" not in capfd.readouterr().err
 
 

@@ -1,13 +1,17 @@
-"""Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process.
+"""Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
+against speed of the decoding methods.
 
-python bench.py [--section=data|train|generate|all] [--model=small|gpt2] [--json]
+python bench.py [--section=data|train|generate|decode|all] [--model=small|gpt2] [--json]
 """
 import argparse
+import contextlib
 import ctypes
+import dataclasses
 import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -16,11 +20,17 @@ import numpy as np
 import torch
 
 import data
-from config import PROMPT_TEMPLATE
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import PROMPT_TEMPLATE, load_config
 from data import EOT_ID
+from generate import summarize
+from metrics import rouge
 from model import GPT
+from runtime import Runtime
 
-SAMSUM_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "samsum-validation.csv")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SAMSUM_CSV = os.path.join(ROOT, "..", "shared", "data", "samsum-validation.csv")
 MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 
 
@@ -308,7 +318,76 @@ def bench_train(args, device):
     ]
 
 
-SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate}
+# MBR's candidates: samples at temperature 0.7 among the 50 most likely tokens, none below probability 0.02
+# (epsilon sampling), plus the greedy summary
+MBR_SAMPLING = dict(temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True)
+DECODINGS = {"greedy": {}, "beam4": dict(num_beams=4), "mbr8": dict(mbr_samples=8, **MBR_SAMPLING),
+             "mbr16": dict(mbr_samples=16, **MBR_SAMPLING)}
+# A tiny model trained from scratch on the SAMSum rows that are not held out (val_fraction of them are)
+SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv=", "--block_size=256",
+               "--max_new_tokens=48", "--batch_size=16", "--micro_batch_size=16", "--max_iters=300",
+               "--eval_interval=300", "--rouge_samples=0", "--best_metric=val_loss"]
+
+
+def bench_decode(args, device):
+    """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
+    (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
+    on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%."""
+    with tempfile.TemporaryDirectory() as tmp:
+        demo = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
+                "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
+        demo += [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
+                 for split in ("train", "validation", "test")]
+        demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
+        if os.path.exists(demo_ckpt):
+            rows = compare_decodings("demo", load_config(demo), demo_ckpt, device)
+            source = "out-demo/best.pt"
+        else:
+            rows = compare_decodings("demo", train_quietly([*demo, f"--out_dir={tmp}/demo"]), None, device)
+            source = "trained here with config/demo.py"
+        if os.path.exists(SAMSUM_CSV):
+            cfg = train_quietly([*demo, f"--train_csv={SAMSUM_CSV}", *SAMSUM_TINY, f"--out_dir={tmp}/samsum"])
+            rows += compare_decodings("samsum", cfg, None, device)
+            source += (f"; samsum model: 2 layers, 64 wide, trained {cfg.max_iters} steps from scratch on "
+                       f"{1 - cfg.val_fraction:.0%} of {os.path.basename(SAMSUM_CSV)}, scored on the rest")
+        else:
+            rows.append(dict(section="decode", figure="samsum", value=f"skipped: {SAMSUM_CSV} not found"))
+    rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
+                     f"{MBR_SAMPLING}; one timed run each after a warm-up, {device}"))
+    return rows
+
+
+def train_quietly(argv):
+    """Train as train.py would (its log on stderr, so stdout stays the benchmark's); returns the config."""
+    cfg = load_config(argv)
+    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
+        train.Trainer(cfg, rt).fit()
+    return cfg
+
+
+def compare_decodings(name, cfg, ckpt, device):
+    path = ckpt or os.path.join(cfg.out_dir, "best.pt")
+    model = model_from_checkpoint(load_checkpoint(path), path).to(device).eval()
+    val = data.load_datasets(cfg).val
+    summarize(model, val.dialogues[:4], cfg, contextlib.nullcontext())  # warm-up: tokenizer, allocator
+    rows, scores, seconds = [], {}, {}
+    for method, options in DECODINGS.items():
+        run_cfg = dataclasses.replace(cfg, **options)
+        predictions, seconds[method] = timed(
+            lambda: summarize(model, val.dialogues, run_cfg, contextlib.nullcontext()), device)
+        scores[method] = rouge(predictions, val.summaries)
+        rows.append(dict(section="decode", figure=f"{name}:{method}_rougeL", value=scores[method]["rougeL"],
+                         rouge1=scores[method]["rouge1"], rouge2=scores[method]["rouge2"],
+                         summaries_per_s=len(predictions) / seconds[method]))
+    rows += [dict(section="decode", figure=f"{name}:mbr16_rougeL_gain_points",
+                  value=100 * (scores["mbr16"]["rougeL"] - scores["greedy"]["rougeL"]), target=">= 1"),
+             dict(section="decode", figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"],
+                  target="<= 4"),
+             dict(section="decode", figure=f"{name}:dialogues", value=len(val.dialogues))]
+    return rows
+
+
+SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode}
 
 
 def main():
@@ -337,6 +416,8 @@ def main():
                 value = f"{row['value']:.2f}" if isinstance(row["value"], float) else row["value"]
                 extra = f"  (target {row['target']})" if "target" in row else ""
                 extra += f"  peak {row['peak_mb']:.0f} MiB" if "peak_mb" in row else ""
+                extra += "".join(f"  {key} {row[key]:.4f}" for key in ("rouge1", "rouge2") if key in row)
+                extra += f"  {row['summaries_per_s']:.1f} summaries/s" if "summaries_per_s" in row else ""
                 print(f"{row['section']:<9} {row['figure']:<44} {value}{extra}")
 
 

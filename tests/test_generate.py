@@ -227,3 +227,27 @@ def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
             unique_best += 1
             assert summary_text(picked[i]) == texts[utility.index(best)]
     assert unique_best >= 6 and picked != greedy[:len(few)]
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50), dict(temperature=1.3, top_p=0.8),
+                                      dict(temperature=0.7, top_k=50, top_p=0.9, epsilon=0.02),
+                                      dict(temperature=1.0, epsilon=0.05)])
+def test_sampling_warpers_match_transformers(settings):
+    from transformers import (EpsilonLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+    from generate import LogitsProcessors
+    scores = torch.randn(6, 500, generator=torch.Generator().manual_seed(0)) * 3
+    expected = TemperatureLogitsWarper(settings["temperature"])(None, scores)
+    if settings.get("top_k"):
+        expected = TopKLogitsWarper(settings["top_k"])(None, expected)
+    if settings.get("top_p"):
+        expected = TopPLogitsWarper(settings["top_p"])(None, expected)
+    if settings.get("epsilon"):
+        expected = EpsilonLogitsWarper(settings["epsilon"])(None, expected)
+    processors = LogitsProcessors(1.0, 0, 0, 0, settings["temperature"], settings.get("top_k", 0),
+                                  settings.get("top_p", 1.0), settings.get("epsilon", 0.0))
+    logits, ids = processors.warp(scores)
+    got = logits if ids is None else torch.full_like(scores, -float("inf")).scatter(1, ids, logits)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert 1 < (~torch.isinf(got)).sum(1).min() and (~torch.isinf(got)).sum(1).max() < 500  # warped, not all/one
+    assert torch.allclose(got.softmax(-1), expected.softmax(-1), atol=1e-6)

@@ -171,9 +171,14 @@ class GPT(nn.Module):
         return self.next_token_logits(x[0, last])
 
     def next_token_logits(self, x):
-        """lm_head over one hidden state per row (B, C) -> (B, vocab), as W @ x^T: at these shapes the CPU BLAS
-        runs that 1.6-3x faster than x @ W^T, and this matmul is most of a decode step."""
-        return (self.lm_head.weight @ self.transformer.ln_f(x).t()).t()
+        """lm_head over one hidden state per row (B, C) -> (B, vocab), the matmul most of a decode step is. Up to
+        a decode batch of rows the CPU BLAS runs it as W @ x^T up to 1.7x faster than x @ W^T; from 64 rows on
+        (MBR's samples) x @ W^T wins, as the argmax/top-k that follow read its contiguous rows 2-2.5x faster than
+        the transposed product's (measured at 64-512 rows, 64 and 384 wide)."""
+        x = self.transformer.ln_f(x)
+        if x.size(0) < 64:
+            return (self.lm_head.weight @ x.t()).t()
+        return x @ self.lm_head.weight.t()
 
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""

@@ -375,10 +375,12 @@ def compare_decodings(name, cfg, ckpt, device):
         run_cfg = dataclasses.replace(cfg, **options)
         predictions, seconds[method] = timed(
             lambda: summarize(model, val.dialogues, run_cfg, contextlib.nullcontext()), device)
-        scores[method] = rouge(predictions, val.summaries)
-        rows.append(dict(section="decode", figure=f"{name}:{method}_rougeL", value=scores[method]["rougeL"],
-                         rouge1=scores[method]["rouge1"], rouge2=scores[method]["rouge2"],
-                         summaries_per_s=len(predictions) / seconds[method]))
+        score = scores[method] = rouge(predictions, val.summaries)
+        rate = len(predictions) / seconds[method]
+        rows.append(dict(section="decode", figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
+                         rougeL=score["rougeL"], summaries_per_s=rate,
+                         value=f"ROUGE-1 {score['rouge1']:.4f}  ROUGE-2 {score['rouge2']:.4f}  ROUGE-L "
+                               f"{score['rougeL']:.4f}  {rate:.1f} summaries/s"))
     rows += [dict(section="decode", figure=f"{name}:mbr16_rougeL_gain_points",
                   value=100 * (scores["mbr16"]["rougeL"] - scores["greedy"]["rougeL"]), target=">= 1"),
              dict(section="decode", figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"],
@@ -416,8 +418,6 @@ def main():
                 value = f"{row['value']:.2f}" if isinstance(row["value"], float) else row["value"]
                 extra = f"  (target {row['target']})" if "target" in row else ""
                 extra += f"  peak {row['peak_mb']:.0f} MiB" if "peak_mb" in row else ""
-                extra += "".join(f"  {key} {row[key]:.4f}" for key in ("rouge1", "rouge2") if key in row)
-                extra += f"  {row['summaries_per_s']:.1f} summaries/s" if "summaries_per_s" in row else ""
                 print(f"{row['section']:<9} {row['figure']:<44} {value}{extra}")
 
 

@@ -18,7 +18,6 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2Toke
 import data
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import FIELDS, GPT2_NAMES, Config, UserError, load_config
-from evaluate import write_atomic
 from model import CONV1D_WEIGHTS
 
 
@@ -28,7 +27,7 @@ def to_transformers(model):
     c = model.config
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
                                     n_layer=c.n_layer, n_head=c.n_head, resid_pdrop=c.dropout,
-                                    embd_pdrop=c.dropout, attn_pdrop=c.dropout))
+                                    embd_pdrop=c.dropout, attn_pdrop=c.dropout, pad_token_id=data.EOT_ID))
     ours = model.state_dict()
     state = {}
     for name, p in hf.state_dict().items():
@@ -182,8 +181,8 @@ def export(cfg, argv):
         hf.generation_config = generation_config(asdict(run))
         hf.save_pretrained(tmp)
         save_tokenizer(tmp, model.config.block_size)
-        write_atomic(lambda f: f.write(model_card(ckpt, run, os.path.basename(target))),
-                     os.path.join(tmp, "README.md"))
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(model_card(ckpt, run, os.path.basename(target)))
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None

@@ -232,3 +232,31 @@ def test_overwrite_replaces_an_export_atomically(run, capsys, monkeypatch, tmp_p
     export.main([ckpt, f"--export_dir={target}", "--overwrite=True", "--num_beams=2"])
     assert json.load(open(target / "generation_config.json"))["num_beams"] == 2
     assert os.listdir(tmp_path) == ["hf"]
+
+
+def tensorboard_losses(folder):
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("loss")]
+
+
+def test_tensorboard_follows_resumes_and_fresh_runs(write_csv, tmp_path):
+    """A run resumed from an earlier checkpoint hides the steps it redoes (TensorBoard shows each step once, as
+    last trained); a fresh run moves the earlier run's events aside with its other files."""
+    out = tmp_path / "out"
+    args = [*MODEL, f"--train_csv={write_csv('train.csv', 32)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--batch_size=8", "--micro_batch_size=8", "--eval_interval=2", "--rouge_samples=0",
+            "--best_metric=val_loss", "--eval_val_batches=1", "--log_to=tensorboard"]
+    train.main([*args, "--max_iters=2"])
+    at_step_2 = (out / "ckpt.pt").read_bytes()
+    train.main([*args, "--max_iters=4", "--init_from=resume", "--learning_rate=1e-3"])
+    (out / "ckpt.pt").write_bytes(at_step_2)  # as if the run had crashed after step 4 but before its checkpoint
+    train.main([*args, "--max_iters=4", "--init_from=resume"])
+    last = {row["iter"]: row["loss"] for row in metrics(out)}  # later rows of a step win, as in TensorBoard
+    logged = tensorboard_losses(out / "tensorboard")
+    assert [step for step, _ in logged] == [1, 2, 3, 4]
+    assert [value for _, value in logged] == pytest.approx([last[step] for step in (1, 2, 3, 4)], rel=1e-6)
+    train.main([*args, "--max_iters=1"])
+    assert [step for step, _ in tensorboard_losses(out / "tensorboard")] == [1]
+    (previous,) = out.glob("previous-run-*")
+    assert [step for step, _ in tensorboard_losses(previous / "tensorboard")] == [1, 2, 3, 4]

@@ -65,7 +65,7 @@ class Config:
     # model
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
                                     "or a local transformers model directory")
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py load; '' = out_dir/best.pt")
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt")
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
                                "out_dir/baseline-<name>/")

@@ -73,6 +73,8 @@ def model_card(ckpt, run, name):
     """README.md of the folder: what the model is, how it was trained and scored, and how to prompt it."""
     metrics = ckpt.get("metrics", {})
     scores = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in metrics)
+    if "rougeL" in metrics:
+        scores += f" (ROUGE F1 on up to {run.rouge_samples} validation dialogues)"
     validation = (os.path.basename(run.validation_csv) if run.validation_csv
                   else f"{run.val_fraction:.0%} of {os.path.basename(run.train_csv)} held out")
     base = run.init_from if run.init_from in GPT2_NAMES else f"{run.init_from} (init_from)"
@@ -95,7 +97,7 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 | training data | {os.path.basename(run.train_csv)} |
 | validation data | {validation} |
 | steps | {ckpt.get("iter_num", "?")} (batch {run.batch_size} sequences of up to {block_size} tokens) |
-| validation scores at that step | {scores or "none recorded"} (ROUGE F1 on up to {run.rouge_samples} validation dialogues) |
+| validation scores at that step | {scores or "none recorded"} |
 | decoding | generation_config.json: {decoding}, up to {run.max_new_tokens} new tokens |
 
 ## Prompt

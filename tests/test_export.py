@@ -6,7 +6,6 @@ import os
 import sys
 import types
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import pandas as pd
 import pytest

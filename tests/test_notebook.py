@@ -5,7 +5,6 @@ import socket
 
 import nbformat
 import pandas as pd
-import pytest
 from nbclient import NotebookClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

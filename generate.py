@@ -430,11 +430,9 @@ def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_siz
     return summaries
 
 
-def summarize_sharded(model, dialogues, cfg, rt):
-    """Every rank summarizes its share of `dialogues`; all of them, in order, on rank 0 (None elsewhere)."""
-    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=rt.is_main, rank=rt.rank,
+def summarize_sharded(model, dialogues, cfg, rt, progress=True):
+    """Every rank summarizes its share of `dialogues`; all of them, in order, on every rank."""
+    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=progress and rt.is_main, rank=rt.rank,
                      world_size=rt.world_size)
     shards = rt.all_gather_objects(mine)
-    if not rt.is_main:
-        return None
     return [next(s for s in column if s is not None) for column in zip(*shards)]

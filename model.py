@@ -15,6 +15,8 @@ PRETRAINED = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
+# transformers' GPT-2 uses Conv1D for these, whose weights are the transpose of nn.Linear's.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 @dataclass
@@ -180,6 +182,15 @@ class GPT(nn.Module):
             return (self.lm_head.weight @ x.t()).t()
         return x @ self.lm_head.weight.t()
 
+    def set_dropout(self, p):
+        """Change the dropout probability everywhere (a resumed run may train with another one)."""
+        self.config.dropout = p
+        for module in self.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = p
+            elif isinstance(module, CausalSelfAttention):
+                module.dropout = p
+
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""
         assert block_size <= self.config.block_size
@@ -193,7 +204,7 @@ class GPT(nn.Module):
 
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
             raise FileNotFoundError(
-                f"init_from={name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
+                f"{name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32)
         except OSError as e:
@@ -204,12 +215,9 @@ class GPT(nn.Module):
                            dropout=dropout, bias=True)
         model = cls(config)
         sd_hf = hf.state_dict()
-        # HF's GPT-2 uses Conv1D, whose weights are the transpose of nn.Linear's.
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         with torch.no_grad():
             for name, p in model.state_dict().items():
-                src = sd_hf["lm_head.weight" if name == "lm_head.weight" else name]
-                p.copy_(src.t() if name.endswith(transposed) else src)
+                p.copy_(sd_hf[name].t() if name.endswith(CONV1D_WEIGHTS) else sd_hf[name])
         return model
 
     # ---- generation: generate.py ----------------------------------------------------------------------------

@@ -260,8 +260,8 @@ class Decoding:
             if generator is None:
                 parent, tokens = rows, scores.argmax(dim=-1)
             else:
-                logits, ids = self.processors.warp(scores)
-                drawn = torch.multinomial(logits.softmax(dim=-1), int(counts.max()), replacement=True,
+                warped, ids = self.processors.warp(scores)
+                drawn = torch.multinomial(warped.softmax(dim=-1), int(counts.max()), replacement=True,
                                           generator=generator)
                 if ids is not None:
                     drawn = ids.gather(1, drawn)

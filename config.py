@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class UserError(Exception):
@@ -82,6 +83,15 @@ class Config:
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
     seed: int = option(1337, "seed of the data order, dropout and sampling")
+    # memory: bigger models on the same GPUs (bench.py --section=memory says what fits)
+    gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
+                                                 "keeping them: far less activation memory for ~1/3 more compute")
+    lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
+                               "lora_targets; best.pt holds the merged weights")
+    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank")
+    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training")
+    lora_targets: str = option(",".join(LORA_TARGETS), f"comma-separated Linear layers of each block that get "
+                                                        f"adapters, among {', '.join(LORA_TARGETS)}")
     # evaluation and logging
     eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps")
     eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split")
@@ -127,18 +137,24 @@ def check_values(cfg):
                 "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
     non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
                     "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
-                    "temperature")
+                    "temperature", "lora_rank")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be > 0")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
-    for name in ("val_fraction", "dropout", "beta1", "beta2"):
+    for name in ("val_fraction", "dropout", "beta1", "beta2", "lora_dropout"):
         if not 0 <= getattr(cfg, name) < 1:
             raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
     if cfg.learning_rate <= 0:
         raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
+    if cfg.lora_alpha <= 0:
+        raise UserError(f"lora_alpha={cfg.lora_alpha} must be > 0")
+    for target in lora_target_list(cfg) or [""]:
+        if target not in LORA_TARGETS:
+            raise UserError(f"lora_targets={cfg.lora_targets!r}: {target!r} is not one of {', '.join(LORA_TARGETS)} "
+                            f"(give one or more, comma-separated)")
     if not 0 < cfg.top_p <= 1:
         raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.repetition_penalty <= 0:
@@ -169,6 +185,10 @@ def check_values(cfg):
     if not ok:
         raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
                         f"other braces (write {{{{ and }}}} for literal ones)")
+
+
+def lora_target_list(cfg):
+    return [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
 
 
 def grad_accum_steps(cfg, world_size):

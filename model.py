@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 PRETRAINED = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
@@ -137,6 +138,7 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self._compiled_decode = None
+        self.gradient_checkpointing = False  # set by the trainer (config key gradient_checkpointing)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -168,7 +170,11 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; its activations are recomputed (same dropout masks) in backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None

@@ -174,3 +174,32 @@ def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
                 "--weight_decay=0", "--rouge_samples=64", "--gen_batch_size=64", "--log_interval=1000"])
     final = metrics(tmp_path)[-1]
     assert final["rougeL"] >= 0.95, final
+
+
+def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, single_process):
+    """torchrun's c10d rendezvous as 2 nodes x 1 process (what several machines run) trains exactly what
+    1 node x 2 processes does, and the same as one process."""
+    args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
+            "--micro_batch_size=4"]
+    one_node = run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                    f"--out_dir={parity_data / 'one_node'}"])
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    nodes = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+                               "--rdzv_id=test", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                               "--rdzv_conf=join_timeout=60", "--local_addr=127.0.0.1", "--max_restarts=0",
+                               "train.py", *args, f"--out_dir={parity_data / 'two_nodes'}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    assert sum("x 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of 2 ranks, logged by rank 0
+    two_nodes = metrics(parity_data / "two_nodes")
+    assert [r["loss"] for r in two_nodes] == [r["loss"] for r in metrics(parity_data / "one_node")]
+    assert_same_losses(two_nodes, single_process)

@@ -1,12 +1,17 @@
-"""Checkpoint files: written atomically by rank 0, read back with weights_only so a file cannot run code; and
-the check that out_dir can take them."""
-import contextlib
+"""Checkpoint files: written atomically by rank 0, read back with weights_only so a file cannot run code; the
+check that out_dir can take them, and moving an earlier run's files aside before a fresh run."""
+import datetime
 import os
 
 import torch
 
 from config import UserError
+from files import atomic_write
 from model import GPT, GPTConfig
+
+# What a training run (and evaluate.py/predict.py after it) writes into out_dir.
+RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",
+             "eval_metrics.json", "submission.csv")
 
 
 def make_out_dir(path):
@@ -20,24 +25,34 @@ def make_out_dir(path):
         raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
 
 
+def archive_previous_run(out_dir):
+    """Move the files of an earlier run in out_dir (RUN_FILES) into out_dir/previous-run-<its time>/, so a fresh
+    run neither appends to its metrics nor overwrites its checkpoints. Returns a line saying so, or None."""
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    if not found:
+        return None
+    newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
+    stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
+    folder, n = os.path.join(out_dir, f"previous-run-{stamp}"), 1
+    while os.path.exists(folder):
+        n += 1
+        folder = os.path.join(out_dir, f"previous-run-{stamp}-{n}")
+    os.makedirs(folder)
+    for name in found:
+        os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
+            f"--init_from=resume instead)")
+
+
 def save_checkpoint(state, path):
-    """Write to a temp file in the same directory, fsync, then atomically rename over `path`, so a crash or a
-    full disk leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """torch.save(state) atomically, so a crash or a full disk leaves the previous checkpoint intact."""
     try:
-        with open(tmp, "wb") as f:
+        with atomic_write(path, "wb") as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError):  # e.g. a full disk: the user's to fix, and nothing was lost
-            kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
-            raise UserError(f"cannot write {path} ({e.strerror or e}): {kept}; free some space or choose another "
-                            f"--out_dir") from None
-        raise
+    except OSError as e:  # e.g. a full disk: the user's to fix, and nothing was lost
+        kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
+        raise UserError(f"cannot write {path} ({e.strerror or e}): {kept}; free some space or choose another "
+                        f"--out_dir") from None
 
 
 def load_checkpoint(path):

@@ -16,6 +16,8 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 
+from files import atomic_write
+
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -64,6 +66,9 @@ class Config:
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
                                     "or a local transformers model directory")
     ckpt: str = option("", "checkpoint evaluate.py/predict.py load; '' = out_dir/best.pt")
+    baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
+                               "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
+                               "out_dir/baseline-<name>/")
     n_layer: int = option(12, "transformer blocks (init_from='scratch' only)")
     n_head: int = option(12, "attention heads (init_from='scratch' only)")
     n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)")
@@ -307,13 +312,11 @@ def read_config(path):
 
 
 def save_config(cfg, path):
-    """Write the resolved config as JSON, atomically (temp file + rename)."""
+    """Write the resolved config as JSON, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 def format_config(cfg):

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from config import PROMPT_TEMPLATE, UserError
+from files import atomic_write
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -253,10 +254,8 @@ def cached_tokens(table, cfg, is_main=True, barrier=no_op):
     if is_main and not os.path.exists(path):
         arrays = tokenize_table(table, cfg.prompt_template, cfg.block_size, progress=True)
         os.makedirs(cfg.data_cache_dir, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with atomic_write(path, "wb") as f:
             np.savez(f, **arrays)
-        os.replace(tmp, path)
     barrier()
     with np.load(path) as f:
         return {name: f[name] for name in f.files}

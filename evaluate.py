@@ -1,9 +1,10 @@
 """ROUGE of a checkpoint on the validation split, and the batched summarizer train.py and predict.py share.
 
-    python evaluate.py [preset] [--ckpt=path | --init_from=gpt2|<hf dir>|scratch] [--key=value ...]
+    python evaluate.py [preset] [--ckpt=path | --baseline=scratch|gpt2|<hf dir>] [--key=value ...]
 
---init_from scores GPT-2 without fine-tuning, or an untrained model (scratch, with the preset's shape) as a
-baseline; without it the checkpoint (--ckpt, default out_dir/best.pt) is scored.
+Scores the checkpoint (--ckpt, default out_dir/best.pt), whatever init_from the training flags say; --baseline
+scores GPT-2 without fine-tuning or an untrained model (scratch, the preset's shape) instead, into
+out_dir/baseline-<name>/.
 """
 import json
 import os
@@ -19,6 +20,7 @@ from tqdm import tqdm
 import data
 from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint
 from config import UserError, load_config
+from files import atomic_write
 from model import GPT, GPTConfig
 from runtime import Runtime
 
@@ -58,13 +60,11 @@ def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_siz
     return summaries
 
 
-def summarize_sharded(model, dialogues, cfg, rt):
-    """Every rank summarizes its share of `dialogues`; all of them, in order, on rank 0 (None elsewhere)."""
-    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=rt.is_main, rank=rt.rank,
+def summarize_sharded(model, dialogues, cfg, rt, progress=True):
+    """Every rank summarizes its share of `dialogues`; all of them, in order, on every rank."""
+    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=progress and rt.is_main, rank=rt.rank,
                      world_size=rt.world_size)
     shards = rt.all_gather_objects(mine)
-    if not rt.is_main:
-        return None
     return [next(s for s in column if s is not None) for column in zip(*shards)]
 
 
@@ -84,21 +84,28 @@ def rouge(predictions, references):
     return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
 
 
-def load_model(cfg, rt, init_from=""):
-    """The model to score: a checkpoint (ckpt, else out_dir/best.pt), or with init_from (the user typed
-    --init_from=...) GPT-2 weights without fine-tuning, or an untrained model ('scratch', a baseline)."""
-    if init_from == "scratch":
+def load_model(cfg, rt):
+    """The model to score, and first a line on rank 0 saying which weights it is: the checkpoint (ckpt, else
+    out_dir/best.pt) with its iter and best score, or the baseline the config names (GPT-2 without fine-tuning,
+    or an untrained model of the preset's shape)."""
+    if cfg.baseline == "scratch":
         torch.manual_seed(cfg.seed)
-        model, source = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                                      n_embd=cfg.n_embd, bias=cfg.bias)), "init_from=scratch"
-    elif init_from:
+        model = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                              n_embd=cfg.n_embd, bias=cfg.bias))
+        source = described = f"baseline=scratch (untrained, {cfg.n_layer} layers x {cfg.n_embd})"
+    elif cfg.baseline:
         try:
-            model, source = GPT.from_pretrained(init_from), f"init_from={init_from}"
+            model = GPT.from_pretrained(cfg.baseline)
         except FileNotFoundError as e:
-            raise UserError(str(e)) from None
+            raise UserError(f"baseline={e}") from None
+        source = described = f"baseline={cfg.baseline} (not fine-tuned)"
     else:
         source = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
-        model = model_from_checkpoint(load_checkpoint(source), source)
+        ckpt = load_checkpoint(source)
+        model = model_from_checkpoint(ckpt, source)
+        described = f"{source} ({describe_checkpoint(ckpt)})"
+    if rt.is_main:
+        print(f"weights: {described}")
     head, tail = data.template_tokens(cfg.prompt_template)
     if model.config.block_size - cfg.max_new_tokens <= len(head) + len(tail):
         raise UserError(f"{source} has block_size={model.config.block_size}, too small for max_new_tokens="
@@ -110,6 +117,23 @@ def load_model(cfg, rt, init_from=""):
     return model
 
 
+def describe_checkpoint(ckpt):
+    """'iter 300, best rougeL 0.4123, val_loss 2.1034' from what train.py saved with the weights."""
+    metrics = ckpt.get("metrics", {})
+    best_metric = ckpt.get("config", {}).get("best_metric", "val_loss")
+    scores = [f"best {best_metric} {metrics[best_metric]:.4f}" if best_metric in metrics else ""]
+    scores += [f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rougeL") if k in metrics and k != best_metric]
+    return ", ".join([f"iter {ckpt.get('iter_num', '?')}", *filter(None, scores)])
+
+
+def output_dir(cfg):
+    """Where evaluate.py/predict.py write: out_dir for the checkpoint, out_dir/baseline-<name> for a baseline, so
+    a baseline's outputs never replace the checkpoint's."""
+    if not cfg.baseline:
+        return cfg.out_dir
+    return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
+
+
 def bootstrap_interval(values, samples=1000, seed=0):
     """95% percentile bootstrap interval of the mean."""
     values = np.asarray(values, dtype=float)
@@ -118,13 +142,14 @@ def bootstrap_interval(values, samples=1000, seed=0):
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def evaluate(cfg, rt, init_from=""):
+def evaluate(cfg, rt):
     """ROUGE of the model on the whole validation split: a table on stdout, eval_predictions.csv and
-    eval_metrics.json in out_dir. Returns the report on rank 0, None on the other ranks."""
+    eval_metrics.json in output_dir. Returns the report on rank 0, None on the other ranks."""
+    out = output_dir(cfg)
     if rt.is_main:
-        make_out_dir(cfg.out_dir)
+        make_out_dir(out)
     val = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier).val
-    model = load_model(cfg, rt, init_from)
+    model = load_model(cfg, rt)
     predictions = summarize_sharded(model, val.dialogues, cfg, rt)
     if not rt.is_main:
         return None
@@ -136,10 +161,12 @@ def evaluate(cfg, rt, init_from=""):
     report["mean_reference_tokens"] = float(np.mean([len(enc.encode_ordinary(r)) for r in val.summaries]))
     frame = pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                           "prediction": predictions, **{t: scores[t] for t in ("rouge1", "rouge2", "rougeL")}})
-    predictions_csv = os.path.join(cfg.out_dir, "eval_predictions.csv")
-    metrics_json = os.path.join(cfg.out_dir, "eval_metrics.json")
-    write_atomic(lambda f: frame.to_csv(f, index=False), predictions_csv)
-    write_atomic(lambda f: json.dump(report, f, indent=2), metrics_json)
+    predictions_csv = os.path.join(out, "eval_predictions.csv")
+    metrics_json = os.path.join(out, "eval_metrics.json")
+    with atomic_write(predictions_csv) as f:
+        frame.to_csv(f, index=False)
+    with atomic_write(metrics_json) as f:
+        json.dump(report, f, indent=2)
     print(format_report(report))
     print(f"wrote {predictions_csv} and {metrics_json}")
     return report
@@ -156,22 +183,11 @@ def format_report(report):
     return "\n".join(lines)
 
 
-def write_atomic(write, path):
-    """write(text file) into a temp file next to `path`, then rename it over `path`."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = load_config(argv)
-        # init_from in a preset is how training started; only --init_from= on the command line replaces the checkpoint
-        init_from = next((cfg.init_from for a in argv if a.startswith("--init_from=")), "")
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
         with Runtime(cfg) as rt:
-            evaluate(cfg, rt, init_from)
+            evaluate(cfg, rt)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

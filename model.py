@@ -211,6 +211,15 @@ class GPT(nn.Module):
         runs that 1.6-3x faster than x @ W^T, and this matmul is most of a decode step."""
         return (self.lm_head.weight @ self.transformer.ln_f(x).t()).t()
 
+    def set_dropout(self, p):
+        """Change the dropout probability everywhere (a resumed run may train with another one)."""
+        self.config.dropout = p
+        for module in self.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = p
+            elif isinstance(module, CausalSelfAttention):
+                module.dropout = p
+
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""
         assert block_size <= self.config.block_size
@@ -224,7 +233,7 @@ class GPT(nn.Module):
 
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
             raise FileNotFoundError(
-                f"init_from={name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
+                f"{name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32)
         except OSError as e:

@@ -1,6 +1,6 @@
 """Write submission.csv (id,summary) for test.csv with a trained checkpoint.
 
-    python predict.py [preset] [--ckpt=path] [--key=value ...]
+    python predict.py [preset] [--ckpt=path | --baseline=...] [--key=value ...]
     torchrun --nproc_per_node=2 predict.py [...]          the test set is sharded; rank 0 writes the file
 """
 import os
@@ -11,14 +11,16 @@ import pandas as pd
 import data
 from checkpoint import make_out_dir
 from config import UserError, load_config
-from evaluate import load_model, summarize_sharded, write_atomic
+from evaluate import load_model, output_dir, summarize_sharded
+from files import atomic_write
 from runtime import Runtime
 
 
 def write_submission(ids, summaries, path):
     """One row per id, in order; summaries folded to one line. Written to a temp file, then renamed."""
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
-    write_atomic(lambda f: frame.to_csv(f, index=False), path)
+    with atomic_write(path) as f:
+        frame.to_csv(f, index=False)
 
 
 def check_against_sample(ids, path):
@@ -35,10 +37,11 @@ def check_against_sample(ids, path):
 
 
 def predict(cfg, rt):
-    """Summarize every test dialogue (sharded across ranks); rank 0 writes out_dir/submission.csv and returns
-    its path."""
+    """Summarize every test dialogue (sharded across ranks); rank 0 writes submission.csv into output_dir (out_dir,
+    or out_dir/baseline-<name> for a baseline) and returns its path."""
+    out = output_dir(cfg)
     if rt.is_main:
-        make_out_dir(cfg.out_dir)
+        make_out_dir(out)
     test = data.read_test(cfg)
     if cfg.sample_submission_csv:
         check_against_sample(test.ids, cfg.sample_submission_csv)
@@ -46,7 +49,7 @@ def predict(cfg, rt):
     summaries = summarize_sharded(model, test.dialogues, cfg, rt)
     if not rt.is_main:
         return None
-    path = os.path.join(cfg.out_dir, "submission.csv")
+    path = os.path.join(out, "submission.csv")
     write_submission(test.ids, summaries, path)
     if test.empty:
         print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")

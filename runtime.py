@@ -33,10 +33,24 @@ def peak_flops(device_name, dtype):
     return None
 
 
-def choose_precision(requested, device_type, capability=None):
-    """(dtype name, use GradScaler) from the config's `dtype` and the device's properties alone.
+ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
+
+
+def choose_precision(requested, device_type, capability=None, accelerate_precision="no"):
+    """(dtype name, use GradScaler) from the config's `dtype`, the device's properties and, under `accelerate
+    launch`, Accelerate's mixed_precision ('no' is its default when the user chose nothing, so it defers to us).
     CUDA: bf16 from compute capability 8.0 (A100, H100, L4, A10), else fp16 + GradScaler (T4 is 7.5, V100 7.0).
     CPU: fp32 unless asked otherwise."""
+    if accelerate_precision not in ACCELERATE_PRECISIONS:
+        raise UserError(f"Accelerate's mixed_precision={accelerate_precision!r} is not supported here: use 'no', "
+                        f"'fp16' or 'bf16' (accelerate launch --mixed_precision=...) and this trainer's --dtype")
+    adopted = ACCELERATE_PRECISIONS[accelerate_precision]
+    if adopted and requested == "auto":
+        requested = adopted
+    elif adopted and requested != adopted:
+        raise UserError(f"--dtype={requested} disagrees with Accelerate's mixed_precision={accelerate_precision} "
+                        f"(from accelerate config, --mixed_precision or ACCELERATE_MIXED_PRECISION): set one of "
+                        f"them only, e.g. --dtype=auto to follow Accelerate, or accelerate launch --mixed_precision=no")
     if requested == "auto":
         if device_type != "cuda":
             return "float32", False
@@ -47,9 +61,18 @@ def choose_precision(requested, device_type, capability=None):
     return requested, requested == "float16"
 
 
-def use_compile(requested, device_type):
+def use_compile(requested, device_type, accelerate_dynamo="no"):
     """The config's `compile`: 'auto' compiles on CUDA only (on CPU a short run spends more time compiling than
-    it saves), True and False force it on or off on any device."""
+    it saves), True and False force it on or off on any device. Under `accelerate launch`, Accelerate's dynamo
+    backend 'inductor' turns 'auto' on (we compile, with our trial and fallback); it contradicts compile=False."""
+    if accelerate_dynamo not in ("no", "inductor"):
+        raise UserError(f"Accelerate's dynamo_backend={accelerate_dynamo} is not supported: this trainer compiles with "
+                        f"inductor (--compile=True); set accelerate's dynamo_backend to no or inductor")
+    if accelerate_dynamo == "inductor":
+        if requested is False:
+            raise UserError(f"--compile=False disagrees with Accelerate's dynamo_backend={accelerate_dynamo} (from "
+                            f"accelerate config, --dynamo_backend or ACCELERATE_DYNAMO_BACKEND): drop one of them")
+        return True
     return requested is True or (requested == "auto" and device_type == "cuda")
 
 
@@ -60,6 +83,17 @@ def resolve_backend(requested, environ):
     if any(key.startswith("ACCELERATE_") for key in environ):
         return "accelerate"
     return "ddp" if "RANK" in environ and "WORLD_SIZE" in environ else "none"
+
+
+def accelerate_settings(environ):
+    """(mixed_precision, dynamo backend) that `accelerate launch` passes in the environment, lower case; refuses
+    the distributed types this trainer does not implement through Accelerate."""
+    for key, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if environ.get(key, "false").lower() in ("1", "true", "yes"):
+            raise UserError(f"the Accelerate config asks for {what}, which this trainer does not run through "
+                            f"Accelerate: use `accelerate launch --multi_gpu` (DDP) or torchrun with --backend=fsdp")
+    return (environ.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+            environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
 
 
 class Runtime:
@@ -74,11 +108,16 @@ class Runtime:
         if cfg.nccl_p2p_disable:
             os.environ.setdefault("NCCL_P2P_DISABLE", "1")
             os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        accelerate_precision = accelerate_dynamo = "no"
         if self.backend == "accelerate":
             from accelerate import Accelerator
             from accelerate.utils import InitProcessGroupKwargs
-            self.accelerator = Accelerator(cpu=not want_cuda, kwargs_handlers=[
-                InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
+            accelerate_precision, accelerate_dynamo = accelerate_settings(os.environ)
+            # Precision and compile are ours (decided below, from Accelerate's settings too): Accelerate must not
+            # add an autocast or a torch.compile of its own around the model.
+            self.accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no", dynamo_backend="no",
+                                           kwargs_handlers=[InitProcessGroupKwargs(
+                                               timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
             self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
             self.device = self.accelerator.device
         elif self.backend == "ddp":
@@ -96,9 +135,18 @@ class Runtime:
             self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if want_cuda else "cpu"))
         self.is_main = self.rank == 0
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability)
-        self.compile = use_compile(cfg.compile, self.device.type)
+        self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
+        self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.decided_by = [f"Accelerate's {name}={value}" for name, value in
+                           (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))
+                           if value != "no"]
+
+    def describe(self):
+        """What runs, in words: the line the trainer prints (and what it prints is what runs)."""
+        return (f"{self.dtype}{' with GradScaler' if self.use_scaler else ''} on {self.device_name}, "
+                f"{'torch.compile' if self.compile else 'eager'}, backend {self.backend}"
+                + (f" (following {', '.join(self.decided_by)})" if self.decided_by else ""))
 
     def __enter__(self):
         return self

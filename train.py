@@ -5,6 +5,7 @@
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
 """
+import collections
 import json
 import math
 import os
@@ -18,13 +19,18 @@ from tqdm import tqdm
 
 import data
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
-from evaluate import evaluate, rouge, summarize
-from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
+from checkpoint import archive_previous_run, load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
+from evaluate import evaluate, rouge, summarize_sharded
+from files import atomic_write
 from model import GPT, GPTConfig, warn_compile_failed
 from predict import predict
 from runtime import Runtime, peak_flops
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
+SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias")  # a resumed run cannot change these (block_size: checked apart)
+# What a resumed run may change, and what it applies it to; the rest of the config simply takes effect.
+OPTIMIZER_KEYS = ("weight_decay", "beta1", "beta2")
 
 
 def main(argv=None):
@@ -62,14 +68,21 @@ def build_model(cfg):
         path = os.path.join(cfg.out_dir, "ckpt.pt")
         ckpt = load_checkpoint(path)
         model = model_from_checkpoint(ckpt, path)
+        if "optimizer" not in ckpt:
+            raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
         if model.config.block_size != cfg.block_size:
             raise UserError(f"{path} was trained with block_size={model.config.block_size}, not {cfg.block_size}: "
                             f"resume with --block_size={model.config.block_size}")
+        for key in SHAPE_KEYS:
+            if ckpt["config"].get(key, getattr(cfg, key)) != getattr(cfg, key):
+                raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: the "
+                                f"model's shape cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
+        model.set_dropout(cfg.dropout)
         return model, ckpt
     try:
         model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
     except FileNotFoundError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"init_from={e}") from None
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model, None
@@ -84,15 +97,62 @@ def configure_optimizer(model, cfg, device_type):
                              fused=device_type == "cuda")
 
 
-def learning_rate(it, cfg):
-    """Linear warmup, then cosine decay to min_lr at lr_decay_iters."""
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    if it >= decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+def apply_hyperparameters(optimizer, cfg):
+    """Set the config's AdamW settings on the groups configure_optimizer made (a resumed optimizer's state
+    dict brings back the old ones)."""
+    decay, no_decay = optimizer.param_groups
+    decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
+    for group in optimizer.param_groups:
+        group["betas"] = (cfg.beta1, cfg.beta2)
+
+
+def lr_schedule(run_config):
+    """The LR schedule a run starts with (a dict, saved in ckpt.pt): linear warmup to learning_rate over
+    warmup_iters, cosine decay to min_lr at lr_decay_iters (0 = max_iters), then min_lr."""
+    c = run_config
+    return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
+            "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
+
+
+def learning_rate(it, schedule):
+    s = schedule
+    if it < s["warmup_iters"]:
+        return s["peak_lr"] * (it - s["start"] + 1) / (s["warmup_iters"] - s["start"] + 1)
+    if it >= s["decay_iters"]:
+        return s["min_lr"]
+    ratio = (it - s["warmup_iters"]) / max(1, s["decay_iters"] - s["warmup_iters"])
+    return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["peak_lr"] - s["min_lr"])
+
+
+def resumed_schedule(schedule, saved, cfg, it):
+    """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
+    max_iters does not stretch its decay: the LR stays at min_lr after it). A changed lr_decay_iters or min_lr
+    decays from the current LR to min_lr at the new horizon, a changed learning_rate from that LR instead."""
+    if cfg.warmup_iters != saved["warmup_iters"]:
+        raise UserError(f"warmup_iters cannot change when resuming (the run started with {saved['warmup_iters']}): "
+                        f"resume with --warmup_iters={saved['warmup_iters']}, or use --lr_decay_iters to reshape "
+                        f"the rest of the schedule")
+    changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
+    if not changed:
+        return schedule
+    horizon = cfg.lr_decay_iters or cfg.max_iters
+    if it < schedule["warmup_iters"]:  # still warming up: finish the warmup, then decay to the new horizon
+        return dict(schedule, peak_lr=cfg.learning_rate, min_lr=cfg.min_lr, decay_iters=horizon)
+    start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
+    return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
+
+
+def describe_schedule(schedule, it, max_iters):
+    """One line: what the LR does from step `it` to max_iters."""
+    lr, s = learning_rate(it, schedule), schedule
+    if it >= s["decay_iters"] or lr == s["min_lr"]:
+        plan = f"stays at min_lr until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
+    elif s["decay_iters"] <= max_iters:
+        plan = f"cosine decay to min_lr {s['min_lr']:.2e} at iter {s['decay_iters']}, constant after it until iter {max_iters}"
+    else:
+        plan = (f"cosine decay to {learning_rate(max_iters - 1, s):.2e} at iter {max_iters} (it would reach min_lr "
+                f"{s['min_lr']:.2e} at iter {s['decay_iters']})")
+    return f"learning rate at iter {it}: {lr:.2e}; {plan}"
 
 
 def rng_state():
@@ -116,6 +176,10 @@ class Trainer:
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         if rt.is_main:
             make_out_dir(cfg.out_dir)
+            if cfg.init_from != "resume":
+                moved = archive_previous_run(cfg.out_dir)
+                if moved:
+                    print(moved)
         splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
         self.train_set, self.val_set = splits.train, splits.val
         self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
@@ -125,9 +189,11 @@ class Trainer:
         self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
         self.iter_num, self.best_score = 0, None
+        self.schedule = lr_schedule(asdict(cfg))
+        self.skipped, self.recent_skips = 0, collections.deque(maxlen=SKIP_WINDOW)
+        self.skip_warned_at = -SKIP_WINDOW
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-        if ckpt is not None:
-            self.restore(ckpt)
+        resume_notes = self.restore(ckpt) if ckpt is not None else []
         trained = self.model
         if rt.compile:
             x, y = self.batches.micro_batches(self.iter_num)[0]
@@ -138,22 +204,35 @@ class Trainer:
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
             print(format_config(cfg))
-            for note in splits.notes:
+            for note in [*splits.notes, *resume_notes]:
                 print(note)
             print(f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                   f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                   f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                  f"{self.model.num_params() / 1e6:.1f}M parameters; {rt.dtype} on {rt.device_name}"
-                  f"{' with GradScaler' if rt.use_scaler else ''}; backend {rt.backend}")
+                  f"{self.model.num_params() / 1e6:.1f}M parameters; {rt.describe()}")
             save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
     def restore(self, ckpt):
+        """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
+        hyperparameters this run's config changed applied. Returns the lines that say so."""
+        cfg, saved = self.cfg, ckpt["config"]
         self.optimizer.load_state_dict(ckpt["optimizer"])
+        apply_hyperparameters(self.optimizer, cfg)
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_score = ckpt["iter_num"], ckpt["best_score"]
+        self.skipped = ckpt.get("skipped_steps", 0)
         if self.rt.rank < len(ckpt["rng"]):
             set_rng_state(ckpt["rng"][self.rt.rank])
+        schedule = ckpt.get("schedule") or lr_schedule(saved)
+        self.schedule = resumed_schedule(schedule, saved, cfg, self.iter_num)
+        changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*OPTIMIZER_KEYS, "dropout", "grad_clip")
+                   if k in saved and saved[k] != getattr(cfg, k)]
+        notes = [f"resuming {cfg.out_dir}/ckpt.pt at iter {self.iter_num}; "
+                 + describe_schedule(self.schedule, self.iter_num, cfg.max_iters)]
+        if changed:
+            notes.append(f"changed since the checkpoint, applied from iter {self.iter_num}: {', '.join(changed)}")
+        return notes
 
     def fit(self):
         cfg, rt = self.cfg, self.rt
@@ -162,11 +241,11 @@ class Trainer:
                   desc="training", unit="it") as bar:
             bad_steps = 0
             while self.iter_num < cfg.max_iters:
-                lr = learning_rate(self.iter_num, cfg)
+                lr = learning_rate(self.iter_num, self.schedule)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 start = time.perf_counter()
-                loss, tokens = self.train_step(self.iter_num)
+                loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
                 seconds = time.perf_counter() - start
                 self.iter_num += 1
                 bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
@@ -174,8 +253,12 @@ class Trainer:
                     raise UserError(f"loss is {loss} for {bad_steps} iterations in a row (iter {self.iter_num}); "
                                     f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
                                     f"Lower learning_rate or use dtype=float32/bfloat16")
-                stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "tokens_per_s": tokens / seconds,
-                         "ms_per_iter": 1000 * seconds}
+                self.skipped += skipped
+                self.recent_skips.append(skipped)
+                stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                         "tokens_per_s": tokens / seconds, "ms_per_iter": 1000 * seconds}
+                if self.scaler.is_enabled():
+                    stats.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped)
                 if self.peak:
                     stats["mfu"] = self.step_flops(self.iter_num - 1) / seconds / rt.world_size / self.peak
                 if rt.device.type == "cuda":
@@ -187,8 +270,9 @@ class Trainer:
                     self.log(stats, bar)
 
     def train_step(self, step):
-        """One optimizer step over global batch `step`; returns its mean loss per target token (over all ranks)
-        and the number of real tokens all ranks processed."""
+        """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
+        the number of real tokens all ranks processed, the gradient norm before clipping, and whether the step
+        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss)."""
         cfg, rt = self.cfg, self.rt
         micro_batches = self.batches.micro_batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
@@ -205,15 +289,17 @@ class Trainer:
                 self.scaler.scale(loss * targets * scale).backward()
             loss_sum += loss.detach().float() * targets
         loss = (rt.all_reduce_sum(loss_sum) * scale / rt.world_size).item()
+        grad_norm, skipped = math.nan, True
         if math.isfinite(loss):
-            if cfg.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.scaler.unscale_(self.optimizer)  # true gradients, for the norm and the clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf).item()
+            loss_scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # with fp16, skips the update if any gradient overflowed
             self.scaler.update()
+            skipped = self.scaler.get_scale() < loss_scale
         self.optimizer.zero_grad(set_to_none=True)
         global_batch = self.batches.sampler.global_batch(step)
-        return loss, int((self.train_set.lengths[global_batch] - 1).sum())
+        return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped
 
     def step_flops(self, step):
         """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
@@ -223,8 +309,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Validation loss (all ranks' shares summed) and ROUGE on a fixed validation subset, generated in
-        shards across ranks and gathered; every rank returns the same numbers."""
+        """Validation loss (all ranks' shares summed) and ROUGE on a fixed validation subset, summarized in the
+        same batches as one process would (summarize_sharded); every rank returns the same numbers."""
         cfg, rt = self.cfg, self.rt
         self.model.eval()
         totals = torch.zeros(2, device=rt.device)
@@ -238,17 +324,15 @@ class Trainer:
         rt.all_reduce_sum(totals)
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
         if cfg.rouge_samples > 0:
-            subset = list(range(min(cfg.rouge_samples, len(self.val_set))))[rt.rank::rt.world_size]
-            dialogues = [self.val_set.dialogues[i] for i in subset]
-            mine = list(zip(subset, summarize(self.model, dialogues, cfg, rt.autocast())))
-            predicted = dict(pair for shard in rt.all_gather_objects(mine) for pair in shard)
-            order = sorted(predicted)
-            metrics.update(rouge([predicted[i] for i in order], [self.val_set.summaries[i] for i in order]))
+            n = min(cfg.rouge_samples, len(self.val_set))
+            predictions = summarize_sharded(self.model, self.val_set.dialogues[:n], cfg, rt, progress=False)
+            metrics.update(rouge(predictions, self.val_set.summaries[:n]))
         self.model.train()
         return metrics
 
     def checkpoint(self, stats):
-        """Rank 0 writes ckpt.pt, and best.pt when the configured metric improved; the others wait."""
+        """Rank 0 writes ckpt.pt (all that resuming needs), and best.pt (weights, config, metrics) when the
+        configured metric improved; the others wait."""
         cfg, rt = self.cfg, self.rt
         if not math.isfinite(stats["val_loss"]):  # diverged weights are not worth resuming from
             if rt.is_main:
@@ -262,13 +346,14 @@ class Trainer:
             self.best_score = score
         rng = rt.all_gather_objects(rng_state())
         if rt.is_main:
-            state = {"model": self.model.state_dict(), "model_args": asdict(self.model.config),
-                     "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                     "iter_num": self.iter_num, "best_score": self.best_score, "config": asdict(cfg),
-                     "rng": rng, "metrics": {k: v for k, v in stats.items() if isinstance(v, float)}}
-            save_checkpoint(state, os.path.join(cfg.out_dir, "ckpt.pt"))
+            weights = {"model": self.model.state_dict(), "model_args": asdict(self.model.config),
+                       "iter_num": self.iter_num, "best_score": self.best_score, "config": asdict(cfg),
+                       "metrics": {k: v for k, v in stats.items() if isinstance(v, float)}}
+            save_checkpoint({**weights, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                             "rng": rng, "schedule": self.schedule, "skipped_steps": self.skipped},
+                            os.path.join(cfg.out_dir, "ckpt.pt"))
             if improved:
-                save_checkpoint(state, os.path.join(cfg.out_dir, "best.pt"))
+                save_checkpoint(weights, os.path.join(cfg.out_dir, "best.pt"))
         rt.barrier()
 
     def log(self, stats, bar):
@@ -281,8 +366,15 @@ class Trainer:
             postfix["mfu"] = f"{100 * stats['mfu']:.1f}%"
         if "peak_mem_gb" in stats:
             postfix["mem"] = f"{stats['peak_mem_gb']:.1f}G"
+        if self.scaler.is_enabled():
+            postfix["skipped"] = self.skipped
         bar.set_postfix(postfix)
         bar.update(1)
+        if sum(self.recent_skips) > SKIP_WARN and self.iter_num - self.skip_warned_at >= SKIP_WINDOW:
+            self.skip_warned_at = self.iter_num
+            bar.write(f"warning: the fp16 GradScaler skipped {sum(self.recent_skips)} of the last {SKIP_WINDOW} steps "
+                      f"(loss scale now {self.scaler.get_scale():g}): gradients keep overflowing; lower "
+                      f"learning_rate, or use --dtype=bfloat16 (Ampere or newer) or --dtype=float32", file=sys.stderr)
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
@@ -356,10 +448,9 @@ def plot_metrics(jsonl_path, png_path):
     ax_rouge.set_xlabel("iter")
     ax_rouge.set_ylabel("ROUGE F1")
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_write(png_path, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
-    os.replace(tmp, png_path)
 
 
 if __name__ == "__main__":

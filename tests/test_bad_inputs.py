@@ -23,7 +23,6 @@ from conftest import synthetic_rows
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16", "--device=cpu",
         "--dtype=float32", "--compile=False"]
-# train.py only: given --init_from, evaluate.py scores that model instead of the checkpoint
 ONE_STEP = ["--init_from=scratch", "--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
@@ -157,8 +156,8 @@ CASES = [
      ERROR, r"out_dir \S+ is not writable"),
     ("wrong value type", "evaluate", lambda f: f.evaluate("--max_new_tokens=lots"), ERROR,
      r"max_new_tokens expects int, got 'lots'"),
-    ("init_from path does not exist", "evaluate", lambda f: f.evaluate(f"--init_from={f.tmp / 'no-model'}"), ERROR,
-     r"init_from='\S*no-model' is neither one of gpt2"),
+    ("baseline path does not exist", "evaluate", lambda f: f.evaluate(f"--baseline={f.tmp / 'no-model'}"), ERROR,
+     r"baseline='\S*no-model' is neither one of gpt2"),
     ("checkpoint does not exist", "evaluate", lambda f: f.evaluate(f"--ckpt={f.tmp / 'nope.pt'}"), ERROR,
      r"nope\.pt does not exist: train first"),
     ("checkpoint of another model shape", "evaluate",

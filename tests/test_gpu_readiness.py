@@ -160,11 +160,11 @@ def test_fp16_gradscaler_skips_an_overflowing_step_and_training_goes_on(fp16_arg
     # A scale of 2**40 overflows fp16 gradients; backing off by 2**-30 makes the next step's scale 2**10.
     trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=2.0**-30))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    loss, _ = trainer.train_step(0)
-    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10
+    loss, _, grad_norm, skipped = trainer.train_step(0)
+    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and skipped and not math.isfinite(grad_norm)
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
-    loss, _ = trainer.train_step(1)
-    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10
+    loss, _, grad_norm, skipped = trainer.train_step(1)
+    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and not skipped and math.isfinite(grad_norm)
     assert not torch.equal(trainer.model.lm_head.weight, before["lm_head.weight"])
 
 

@@ -41,7 +41,7 @@ def free_port():
 def assert_same_losses(got, expected, rel=1e-4):
     assert [r["iter"] for r in got] == [r["iter"] for r in expected]
     for g, e in zip(got, expected):
-        for key in ("loss", "val_loss"):
+        for key in ("loss", "val_loss", "rougeL"):
             if key in e:
                 assert g[key] == pytest.approx(e[key], rel=rel), (key, g["iter"])
 

@@ -1,0 +1,22 @@
+"""The one way this project writes a file: into a temp file next to it, fsync'd, then renamed over it, so a crash
+or a full disk never leaves a half-written file under the real name."""
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="w"):
+    """`with atomic_write(path) as f:` writes f to `path` atomically; on any error the temp file is removed and
+    `path` keeps what it held. Text mode is UTF-8 with newlines written as given (CSV writers pick their own)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
+    try:
+        with open(tmp, mode, **text) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,271 @@
+"""The run does what it says: precision under Accelerate, the LR schedule and hyperparameters across a resume,
+fresh runs into a used out_dir, which weights evaluate.py/predict.py score, slim best.pt, gradient and fp16
+step statistics."""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evaluate
+import predict
+import train
+from checkpoint import load_checkpoint
+from config import UserError, load_config
+from runtime import Runtime, choose_precision, use_compile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
+        "--max_new_tokens=16", "--device=cpu", "--compile=False", "--log_interval=1", "--warmup_iters=2",
+        "--learning_rate=3e-3", "--batch_size=8", "--micro_batch_size=4", "--rouge_samples=0",
+        "--best_metric=val_loss", "--sample_submission_csv="]
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run(cmd, env=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | dict(env or {})
+    return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture
+def args(write_csv, tmp_path):
+    csv = write_csv("train.csv", 40)
+    return [*TINY, f"--train_csv={csv}", f"--test_csv={write_csv('test.csv', 5, seed=7, test=True)}",
+            f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path / 'out'}"]
+
+
+# ---- precision and compile under Accelerate -----------------------------------------------------------------
+
+@pytest.mark.parametrize("requested, device, capability, accelerate, expected", [
+    ("auto", "cuda", (7, 5), "no", ("float16", True)),  # a plain `accelerate launch` on a T4 keeps fp16
+    ("auto", "cuda", (7, 5), "fp16", ("float16", True)),  # adopted, with a GradScaler
+    ("auto", "cuda", (8, 0), "fp16", ("float16", True)),
+    ("auto", "cuda", (8, 0), "bf16", ("bfloat16", False)),
+    ("auto", "cpu", None, "bf16", ("bfloat16", False)),
+    ("bfloat16", "cuda", (9, 0), "bf16", ("bfloat16", False)),  # both say the same
+    ("float32", "cuda", (9, 0), "no", ("float32", False)),
+])
+def test_accelerates_mixed_precision_is_adopted_or_deferred_to(requested, device, capability, accelerate, expected):
+    assert choose_precision(requested, device, capability, accelerate) == expected
+
+
+@pytest.mark.parametrize("requested, device, capability, accelerate, message", [
+    ("float32", "cpu", None, "bf16", "--dtype=float32 disagrees with Accelerate's mixed_precision=bf16"),
+    ("float16", "cuda", (8, 0), "bf16", "--dtype=float16 disagrees with Accelerate's mixed_precision=bf16"),
+    ("auto", "cuda", (7, 5), "bf16", "compute capability >= 8.0"),  # bf16 is refused on a T4 whoever asks
+    ("auto", "cuda", (9, 0), "fp8", "mixed_precision='fp8' is not supported"),
+])
+def test_a_disagreement_with_accelerate_is_one_error_line(requested, device, capability, accelerate, message):
+    with pytest.raises(UserError, match=message) as info:
+        choose_precision(requested, device, capability, accelerate)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("requested, device, dynamo, expected", [
+    ("auto", "cpu", "inductor", True), (True, "cpu", "inductor", True), ("auto", "cpu", "no", False),
+    (False, "cuda", "no", False), ("auto", "cuda", "no", True)])
+def test_accelerates_dynamo_backend_decides_compile_with_ours(requested, device, dynamo, expected):
+    assert use_compile(requested, device, dynamo) is expected
+
+
+@pytest.mark.parametrize("requested, dynamo, message", [
+    (False, "inductor", "--compile=False disagrees with Accelerate's dynamo_backend=inductor"),
+    ("auto", "aot_eager", "dynamo_backend=aot_eager is not supported")])
+def test_accelerates_dynamo_backend_against_compile_is_one_error_line(requested, dynamo, message):
+    with pytest.raises(UserError, match=message):
+        use_compile(requested, "cpu", dynamo)
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_an_accelerate_config_for_fsdp_or_deepspeed_is_refused(args, variable):
+    result = run([sys.executable, "train.py", *args, "--max_iters=1"], env={variable: "true"})
+    assert result.returncode == 2 and result.stderr.startswith("error: the Accelerate config asks for")
+    assert result.stderr.strip().count("\n") == 0
+
+
+def test_accelerate_bf16_with_dtype_float32_stops_with_one_line(args):
+    result = run([sys.executable, "train.py", *args, "--max_iters=1", "--dtype=float32"],
+                 env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0
+    assert "--dtype=float32 disagrees with Accelerate's mixed_precision=bf16" in result.stderr
+
+
+def test_accelerate_bf16_with_dtype_auto_trains_exactly_like_our_bfloat16(args, tmp_path):
+    """Accelerate's bf16 is adopted as our bf16 autocast, and Accelerate adds no autocast of its own."""
+    common = [*args, "--max_iters=3", "--eval_interval=3"]
+    under = run([sys.executable, "train.py", *common, "--dtype=auto", f"--out_dir={tmp_path / 'acc'}"],
+                env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    plain = run([sys.executable, "train.py", *common, "--dtype=bfloat16", f"--out_dir={tmp_path / 'plain'}"])
+    assert under.returncode == 0 and plain.returncode == 0, under.stderr[-2000:] + plain.stderr[-2000:]
+    assert "bfloat16 on cpu, eager, backend accelerate (following Accelerate's mixed_precision=bf16)" in under.stdout
+    assert "bfloat16 on cpu, eager, backend none" in plain.stdout
+    got, expected = metrics(tmp_path / "acc"), metrics(tmp_path / "plain")
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+    assert got[-1]["val_loss"] == expected[-1]["val_loss"]
+    fp32 = run([sys.executable, "train.py", *common, "--dtype=float32", f"--out_dir={tmp_path / 'fp32'}"])
+    assert fp32.returncode == 0 and metrics(tmp_path / "fp32")[0]["loss"] != got[0]["loss"]  # bf16 did run
+
+
+# ---- resuming: the LR schedule and changed hyperparameters --------------------------------------------------
+
+def test_a_fresh_schedule_is_warmup_then_cosine_to_min_lr():
+    schedule = train.lr_schedule({"warmup_iters": 2, "learning_rate": 1e-3, "min_lr": 1e-4, "lr_decay_iters": 0,
+                                  "max_iters": 10})
+    lrs = [train.learning_rate(it, schedule) for it in range(12)]
+    assert lrs[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])
+    assert lrs[2] == pytest.approx(1e-3) and lrs[10:] == [1e-4, 1e-4]
+    assert lrs[6] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 4 / 8)) * 9e-4)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+
+
+def test_resume_with_a_larger_max_iters_never_raises_the_lr(args, tmp_path, capsys):
+    train.main([*args, "--max_iters=6", "--eval_interval=6"])
+    capsys.readouterr()
+    train.main([*args, "--max_iters=12", "--eval_interval=6", "--init_from=resume"])
+    out = capsys.readouterr().out
+    lrs = [r["lr"] for r in metrics(tmp_path / "out")]
+    assert len(lrs) == 12 and lrs[6] <= lrs[5] and max(lrs[6:]) <= lrs[5]
+    assert lrs[6:] == [2e-5] * 6  # the 6-step run's decay had ended at min_lr: it stays there
+    assert "learning rate at iter 6: " in out and "stays at min_lr until iter 12" in out
+
+
+def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_path, capsys):
+    train.main([*args, "--max_iters=6", "--eval_interval=6", "--lr_decay_iters=10"])
+    train.main([*args, "--max_iters=12", "--eval_interval=6", "--lr_decay_iters=12", "--init_from=resume"])
+    lrs = [r["lr"] for r in metrics(tmp_path / "out")]
+    old = train.lr_schedule({"warmup_iters": 2, "learning_rate": 3e-3, "min_lr": 2e-5, "lr_decay_iters": 10,
+                             "max_iters": 6})
+    assert lrs[6] == pytest.approx(train.learning_rate(6, old))  # continues from where the run was
+    assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12]))  # and decays to min_lr at the new horizon
+    assert lrs[11] > 2e-5 and "cosine decay to min_lr 2.00e-05 at iter 12" in capsys.readouterr().out
+
+
+def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, monkeypatch, capsys):
+    train.main([*args, "--max_iters=3", "--eval_interval=3"])
+    clipped_to = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm, **kw: clipped_to.append(max_norm) or real_clip(params, max_norm, **kw))
+    resume = [*args, "--max_iters=4", "--eval_interval=4", "--init_from=resume"]
+    cfg = load_config([*resume, "--weight_decay=0", "--grad_clip=0.5", "--beta2=0.9", "--dropout=0.25"])
+    trainer = train.Trainer(cfg, Runtime(cfg))
+    assert "changed since the checkpoint, applied from iter 3: weight_decay 0.1 -> 0.0, beta2 0.95 -> 0.9, " \
+           "dropout 0.0 -> 0.25, grad_clip 1.0 -> 0.5" in capsys.readouterr().out
+    trainer.fit()
+    assert clipped_to == [0.5]
+    groups = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and groups[0]["betas"] == (0.9, 0.9)
+    drops = [m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and set(drops) == {0.25} and trainer.model.transformer.h[0].attn.dropout == 0.25
+
+
+@pytest.mark.parametrize("change, message", [
+    ("--n_layer=2", "trained with n_layer=1, not 2: the model's shape cannot change"),
+    ("--warmup_iters=5", "warmup_iters cannot change when resuming"),
+])
+def test_what_a_resumed_run_cannot_change_stops_it_with_one_line(args, change, message):
+    train.main([*args, "--max_iters=2", "--eval_interval=2"])
+    cfg = load_config([*args, "--max_iters=4", "--init_from=resume", change])
+    with pytest.raises(UserError, match=message):
+        train.Trainer(cfg, Runtime(cfg))
+
+
+# ---- out_dir: a fresh run never loses or mixes with an earlier one ----------------------------------------
+
+def test_a_second_fresh_run_moves_the_first_aside(args, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main([*args, "--max_iters=2", "--eval_interval=2"])
+    predict.main([*args])
+    first = {name: (out / name).read_bytes() for name in os.listdir(out) if (out / name).is_file()}
+    assert {"ckpt.pt", "best.pt", "metrics.jsonl", "config.json", "submission.csv"} <= set(first)
+    capsys.readouterr()
+    train.main([*args, "--max_iters=3", "--eval_interval=3", "--learning_rate=1e-3"])
+    moved_line = next(line for line in capsys.readouterr().out.splitlines() if "held an earlier run" in line)
+    previous = [p for p in out.iterdir() if p.name.startswith("previous-run-")]
+    assert len(previous) == 1 and str(previous[0]) in moved_line
+    assert {name: (previous[0] / name).read_bytes() for name in os.listdir(previous[0])} == first
+    assert [r["iter"] for r in metrics(out)] == [1, 2, 3]  # nothing of the first run's rows
+    assert not (out / "submission.csv").exists()
+    train.main([*args, "--max_iters=1", "--eval_interval=1"])  # a third run: a second folder, nothing overwritten
+    assert len([p for p in out.iterdir() if p.name.startswith("previous-run-")]) == 2
+
+
+# ---- which weights evaluate.py and predict.py score ---------------------------------------------------------
+
+def test_evaluate_with_the_training_flags_scores_and_names_the_checkpoint(args, write_csv, tmp_path, capsys):
+    val = write_csv("val.csv", 6, seed=5)
+    flags = [*args, f"--validation_csv={val}", "--max_iters=30", "--eval_interval=30", "--rouge_samples=6",
+             "--best_metric=rougeL", "--learning_rate=1e-2"]
+    train.main(flags)
+    best = load_checkpoint(str(tmp_path / "out" / "best.pt"))
+    capsys.readouterr()
+    evaluate.main(flags)
+    report = json.loads((tmp_path / "out" / "eval_metrics.json").read_text())
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"weights: {tmp_path / 'out' / 'best.pt'} (iter 30, best rougeL ")
+    assert report["rougeL"]["mean"] == pytest.approx(best["metrics"]["rougeL"], abs=1e-12)
+    assert report["rougeL"]["mean"] > 0
+    checkpoint_predictions = (tmp_path / "out" / "eval_predictions.csv").read_bytes()
+    evaluate.main([*flags, "--baseline=scratch"])
+    assert "weights: baseline=scratch (untrained" in capsys.readouterr().out
+    baseline = json.loads((tmp_path / "out" / "baseline-scratch" / "eval_metrics.json").read_text())
+    assert baseline["rougeL"]["mean"] < report["rougeL"]["mean"]
+    assert (tmp_path / "out" / "eval_predictions.csv").read_bytes() == checkpoint_predictions
+
+
+def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(args, tmp_path, capsys):
+    train.main([*args, "--max_iters=2", "--eval_interval=2"])
+    out = tmp_path / "out"
+    best, ckpt = load_checkpoint(str(out / "best.pt")), load_checkpoint(str(out / "ckpt.pt"))
+    assert set(best) == {"model", "model_args", "config", "metrics", "iter_num", "best_score"}
+    assert {"optimizer", "scaler", "rng", "schedule"} <= set(ckpt)
+    assert os.path.getsize(out / "best.pt") < os.path.getsize(out / "ckpt.pt") / 2
+    capsys.readouterr()
+    predict.main(args)
+    assert capsys.readouterr().out.startswith(f"weights: {out / 'best.pt'} (iter 2, best val_loss ")
+    assert len((out / "submission.csv").read_text().splitlines()) == 6
+    os.replace(out / "best.pt", out / "ckpt.pt")
+    cfg = load_config([*args, "--max_iters=3", "--init_from=resume"])
+    with pytest.raises(UserError, match="holds weights only"):
+        train.Trainer(cfg, Runtime(cfg))
+
+
+# ---- gradient norm and fp16 skipped steps ------------------------------------------------------------------
+
+def test_grad_norm_is_the_norm_before_clipping(args):
+    cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
+    trainer = train.Trainer(cfg, Runtime(cfg))
+    reference = copy.deepcopy(trainer.model)
+    scale = 1 / trainer.batches.target_tokens(0)
+    for x, y in trainer.batches.micro_batches(0):
+        _, loss = reference(x, y)
+        (loss * (y != -1).sum() * scale).backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    _, _, grad_norm, skipped = trainer.train_step(0)
+    assert grad_norm == pytest.approx(expected, rel=1e-5) and expected > 1e-3 and not skipped
+
+
+def test_fp16_overflow_steps_show_as_skipped_and_warn(args, tmp_path, capsys):
+    cfg = load_config([*args, "--dtype=float16", "--max_iters=8", "--eval_interval=8"])
+    trainer = train.Trainer(cfg, Runtime(cfg))
+    # A scale this large overflows every fp16 gradient; backing off slowly keeps it overflowing.
+    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=0.99))
+    trainer.fit()
+    rows = metrics(tmp_path / "out")
+    assert [r["skipped_steps"] for r in rows] == list(range(1, 9))
+    assert all(math.isfinite(r["loss"]) and r["loss_scale"] < 2.0**40 for r in rows)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: the fp16")]
+    assert len(warnings) == 1 and "skipped 6 of the last 20 steps" in warnings[0]
+    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=1.0, backoff_factor=0.5))
+    _, _, grad_norm, skipped = trainer.train_step(8)
+    assert not skipped and math.isfinite(grad_norm)

@@ -59,7 +59,7 @@ def build(shape, n_layer, with_lora, device):
     with torch.device(device):
         model = GPT(config)
     if with_lora:
-        lora.add_adapters(model, Config(lora_rank=LORA_RANK))
+        lora.add_adapters(model, **lora.settings(Config(lora_rank=LORA_RANK)))
     return model
 
 
@@ -160,7 +160,7 @@ def per_rank(mode, states, activations):
 
 
 def bench_memory(args, samsum_csv):
-    x, y, batch = longest_micro_batch(samsum_csv)
+    x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
     names = args.memory_models.split(",")
     rows = []
     for name in names:

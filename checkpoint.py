@@ -5,6 +5,7 @@ import os
 
 import torch
 
+import lora
 from config import UserError
 from files import atomic_write
 from model import GPT, GPTConfig
@@ -60,7 +61,8 @@ def load_checkpoint(path):
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: ranks loading the same file share its pages, and tensors are read when used
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
@@ -75,6 +77,8 @@ def model_from_checkpoint(ckpt, path):
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
+    if lora.has_adapters(ckpt["model"]):  # a LoRA run's ckpt.pt: base weights and adapters, unmerged
+        lora.add_adapters(model, **lora.settings(ckpt["config"]))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:

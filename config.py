@@ -112,8 +112,9 @@ class Config:
     compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
                                          "compiling costs more than a short run saves), True/False = on/off anywhere",
                                  ("auto", True, False))
-    backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none",
-                          ("auto", "ddp", "accelerate", "none"))
+    backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
+                                  "(under torchrun) shards weights, gradients and optimizer state across the ranks",
+                          ("auto", "ddp", "fsdp", "accelerate", "none"))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (multi-GPU hosts without "
                                            "working peer-to-peer, e.g. Kaggle's 2xT4)")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
@@ -156,7 +157,7 @@ def check_values(cfg):
         raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
     if cfg.lora_alpha <= 0:
         raise UserError(f"lora_alpha={cfg.lora_alpha} must be > 0")
-    for target in lora_target_list(cfg) or [""]:
+    for target in lora_target_list(cfg.lora_targets) or [""]:
         if target not in LORA_TARGETS:
             raise UserError(f"lora_targets={cfg.lora_targets!r}: {target!r} is not one of {', '.join(LORA_TARGETS)} "
                             f"(give one or more, comma-separated)")
@@ -192,8 +193,8 @@ def check_values(cfg):
                         f"other braces (write {{{{ and }}}} for literal ones)")
 
 
-def lora_target_list(cfg):
-    return [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+def lora_target_list(lora_targets):
+    return [t.strip() for t in lora_targets.split(",") if t.strip()]
 
 
 def grad_accum_steps(cfg, world_size):

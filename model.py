@@ -214,11 +214,9 @@ class GPT(nn.Module):
     def set_dropout(self, p):
         """Change the dropout probability everywhere (a resumed run may train with another one)."""
         self.config.dropout = p
-        for module in self.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = p
-            elif isinstance(module, CausalSelfAttention):
-                module.dropout = p
+        self.transformer.drop.p = p
+        for block in self.transformer.h:  # these only: LoRA adapters keep their own dropout (lora_dropout)
+            block.attn.resid_dropout.p = block.mlp.dropout.p = block.attn.dropout = p
 
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""

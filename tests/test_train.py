@@ -67,6 +67,9 @@ LAUNCHES = {
     "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
     "torchrun_ddp": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
                                   "--micro_batch_size=4"],
+    "torchrun_fsdp_checkpointing": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                                                 "--micro_batch_size=4", "--backend=fsdp",
+                                                 "--gradient_checkpointing=True"],
     "torchrun_accelerate": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
                                          "--micro_batch_size=4", "--backend=accelerate"],
     "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
@@ -80,7 +83,8 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
-    """Single process with accumulation == 2 DDP ranks == 2 Accelerate ranks == notebook_launcher, loss for loss."""
+    """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
+    ranks == notebook_launcher, loss for loss."""
     out = parity_data / launch
     args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
             f"--out_dir={out}"]

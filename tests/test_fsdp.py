@@ -1,5 +1,6 @@
 """FSDP (backend=fsdp under torchrun, 2 gloo ranks on CPU): exact resume, a best.pt that one process scores the
 same, LoRA on FSDP; and gradient checkpointing under torch.compile."""
+import contextlib
 import json
 import os
 import subprocess
@@ -8,8 +9,10 @@ import sys
 import pytest
 import torch
 
+import lora
 import train
 from checkpoint import load_checkpoint
+from config import load_config
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,3 +77,30 @@ def test_lora_on_fsdp_trains_like_lora_on_one_process(args, tmp_path):
     fsdp_best, single_best = (load_checkpoint(str(tmp_path / d / "best.pt"))["model"] for d in ("fsdp", "single"))
     for name, tensor in single_best.items():
         assert torch.allclose(fsdp_best[name], tensor, atol=1e-6), name
+
+
+def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
+    """torch.compile (inductor, on CPU) of a LoRA model with checkpointed blocks: compiled, not the eager
+    fallback, with the eager loss and gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    model.gradient_checkpointing = True
+    x = torch.randint(0, 64, (2, 32))
+    y = torch.randint(0, 64, (2, 32))
+    runs = []
+    for compiled in (False, True):
+        trained = train.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
+        _, loss = trained(x, y)
+        loss.backward()
+        runs.append((trained, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        model.zero_grad(set_to_none=True)
+    (_, loss, grads), (compiled_model, compiled_loss, compiled_grads) = runs
+    assert isinstance(compiled_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled_loss == pytest.approx(loss, abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(compiled_grads[name], grad, atol=1e-5), name

@@ -182,9 +182,9 @@ def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
 
 def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, single_process):
     """torchrun's c10d rendezvous as 2 nodes x 1 process (what several machines run) trains exactly what
-    1 node x 2 processes does, and the same as one process."""
+    1 node x 2 processes does, and the same as one process; both DDP with gradient checkpointing."""
     args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
-            "--micro_batch_size=4"]
+            "--micro_batch_size=4", "--gradient_checkpointing=True"]
     one_node = run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
                     f"--out_dir={parity_data / 'one_node'}"])
     assert one_node.returncode == 0, one_node.stderr[-3000:]

@@ -7,6 +7,7 @@ import re
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel
@@ -127,6 +128,9 @@ class Runtime:
             if "RANK" not in os.environ:
                 raise UserError(f"backend={self.backend} needs torchrun: torchrun --nproc_per_node=N --standalone "
                                 f"train.py --backend={self.backend}")
+            if self.backend == "fsdp" and not hasattr(torch.distributed.fsdp, "fully_shard"):
+                raise UserError(f"backend=fsdp needs PyTorch 2.6 or newer (fully_shard), this is {torch.__version__}: "
+                                f"upgrade torch, or use backend=ddp")
             self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             self.device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
@@ -175,10 +179,9 @@ class Runtime:
         the root (embeddings, ln_f, the tied lm_head). Its parameters become DTensors (build the optimizer after
         this) in fp32, and autocast computes as under DDP. Other backends: the model unchanged."""
         if self.backend == "fsdp":
-            from torch.distributed.fsdp import fully_shard
             for block in model.transformer.h:
-                fully_shard(block)
-            fully_shard(model)
+                torch.distributed.fsdp.fully_shard(block)
+            torch.distributed.fsdp.fully_shard(model)
         return model
 
     def wrap(self, model):

@@ -104,3 +104,15 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     assert compiled_loss == pytest.approx(loss, abs=1e-5)
     for name, grad in grads.items():
         assert torch.allclose(compiled_grads[name], grad, atol=1e-5), name
+
+
+def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(args, tmp_path):
+    """fp16 with GradScaler under FSDP: an inf in rank 1's gradient shard alone (rank 0's are finite) skips the
+    update on both ranks and halves the scale, as one process would."""
+    out = tmp_path / "out"
+    run(["torchrun", "--nproc_per_node=2", "--standalone", "tests/overflow_rank.py", *args, "--backend=fsdp",
+         "--dtype=float16", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}"])
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]  # written by rank 0
+    assert [r["skipped_steps"] for r in rows] == [1, 1]
+    assert rows[1]["loss_scale"] == rows[0]["loss_scale"] == 2.0**15

@@ -93,11 +93,13 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     assert_same_losses(metrics(out), single_process)
 
 
-def test_exact_resume_is_bit_identical(write_csv, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True"]],
+                         ids=["full", "lora"])
+def test_exact_resume_is_bit_identical(write_csv, tmp_path, mode):
     csv = write_csv("train.csv", 80)
     common = [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
               "--micro_batch_size=4", "--eval_interval=4", "--lr_decay_iters=8", "--rouge_samples=2",
-              "--dropout=0.1"]
+              "--dropout=0.1", *mode]
     train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'straight'}"])
     train.main([*common, "--max_iters=4", f"--out_dir={tmp_path / 'resumed'}"])
     train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'resumed'}", "--init_from=resume"])

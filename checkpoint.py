@@ -12,7 +12,7 @@ from model import GPT, GPTConfig
 
 # What a training run (and evaluate.py/predict.py after it) writes into out_dir.
 RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",
-             "eval_metrics.json", "submission.csv")
+             "eval_metrics.json", "submission.csv", "tensorboard", "wandb")
 
 
 def make_out_dir(path):
@@ -71,16 +71,21 @@ def load_checkpoint(path):
     return ckpt
 
 
-def model_from_checkpoint(ckpt, path):
+def model_from_checkpoint(ckpt, path, keep_adapters=False):
+    """The checkpoint's model. A LoRA run's ckpt.pt holds the base weights and the adapters: merged into a plain
+    GPT (as in best.pt), or with keep_adapters (to resume) kept as they are."""
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
-    if lora.has_adapters(ckpt["model"]):  # a LoRA run's ckpt.pt: base weights and adapters, unmerged
+    state = ckpt["model"]
+    if lora.has_adapters(state) and keep_adapters:
         lora.add_adapters(model, **lora.settings(ckpt["config"]))
+    elif lora.has_adapters(state):
+        state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(state)
     except RuntimeError as e:
         raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
     return model

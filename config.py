@@ -20,6 +20,7 @@ from files import atomic_write
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
+LOG_DESTINATIONS = ("tensorboard", "wandb")
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -65,7 +66,7 @@ class Config:
     # model
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
                                     "or a local transformers model directory")
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py load; '' = out_dir/best.pt")
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt")
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
                                "out_dir/baseline-<name>/")
@@ -105,6 +106,10 @@ class Config:
     log_interval: int = option(10, "print training loss every this many steps")
     evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt")
     predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)")
+    log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard (out_dir/tensorboard), "
+                             "wandb; '' = nowhere else")
+    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project")
+    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up")
     # system
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
@@ -128,6 +133,9 @@ class Config:
     repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary")
     no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off")
     gen_batch_size: int = option(32, "dialogues summarized per generate() call")
+    # export
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)")
+    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")
 
     def __post_init__(self):
         check_values(self)
@@ -165,6 +173,10 @@ def check_values(cfg):
         raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.repetition_penalty <= 0:
         raise UserError(f"repetition_penalty={cfg.repetition_penalty} must be > 0 (1.0 = off)")
+    unknown = [d for d in cfg.log_to.split(",") if d and d not in LOG_DESTINATIONS]
+    if unknown:
+        raise UserError(f"log_to={cfg.log_to!r}: {unknown[0]!r} is not one of {', '.join(LOG_DESTINATIONS)} "
+                        f"(comma-separated, no spaces)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise UserError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
     if cfg.n_embd % cfg.n_head:

@@ -15,6 +15,8 @@ PRETRAINED = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
+# transformers' GPT-2 uses Conv1D for these, whose weights are the transpose of nn.Linear's.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 @dataclass
@@ -242,12 +244,9 @@ class GPT(nn.Module):
                            dropout=dropout, bias=True)
         model = cls(config)
         sd_hf = hf.state_dict()
-        # HF's GPT-2 uses Conv1D, whose weights are the transpose of nn.Linear's.
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         with torch.no_grad():
             for name, p in model.state_dict().items():
-                src = sd_hf["lm_head.weight" if name == "lm_head.weight" else name]
-                p.copy_(src.t() if name.endswith(transposed) else src)
+                p.copy_(sd_hf[name].t() if name.endswith(CONV1D_WEIGHTS) else sd_hf[name])
         return model
 
     # ---- generation -------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from model import GPT, GPTConfig, warn_compile_failed
 from predict import predict
 from runtime import Runtime, peak_flops
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
+from tracking import Tracker
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
@@ -67,7 +68,7 @@ def build_model(cfg):
     if cfg.init_from == "resume":
         path = os.path.join(cfg.out_dir, "ckpt.pt")
         ckpt = load_checkpoint(path)
-        model = model_from_checkpoint(ckpt, path)
+        model = model_from_checkpoint(ckpt, path, keep_adapters=True)
         if "optimizer" not in ckpt:
             raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
         if model.config.block_size != cfg.block_size:
@@ -132,6 +133,7 @@ class Trainer:
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
+        self.tracker = Tracker(cfg, rt.is_main)
         if rt.is_main:
             make_out_dir(cfg.out_dir)
             if cfg.init_from != "resume":
@@ -196,8 +198,8 @@ class Trainer:
     def fit(self):
         cfg, rt = self.cfg, self.rt
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
-                  desc="training", unit="it") as bar:
+        with self.tracker, tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main,
+                                dynamic_ncols=True, desc="training", unit="it") as bar:
             bad_steps = 0
             while self.iter_num < cfg.max_iters:
                 lr = learning_rate(self.iter_num, self.schedule)
@@ -342,6 +344,7 @@ class Trainer:
         if self.iter_num % self.cfg.log_interval == 0 or "val_loss" in stats:
             with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(stats) + "\n")
+            self.tracker.log(stats)
         postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
                    "tok/s": f"{stats['tokens_per_s']:.0f}", "ms/it": f"{stats['ms_per_iter']:.0f}"}
         if "mfu" in stats:

@@ -9,7 +9,7 @@ import evaluate
 import lora
 import predict
 import train
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint
 from config import load_config
 from model import GPT, GPTConfig
 
@@ -110,6 +110,9 @@ def test_lora_training_changes_only_the_adapters_and_best_pt_is_merged(lora_args
             assert torch.equal(tensor, base[name.replace(".base_layer", "")]), name
     best = load_checkpoint(str(out / "best.pt"))["model"]
     assert list(best) == list(base)
+    # ckpt.pt read by evaluate.py/predict.py/export.py (--ckpt=.../ckpt.pt): a plain GPT, adapters merged
+    plain = model_from_checkpoint(load_checkpoint(str(out / "ckpt.pt")), "ckpt.pt")
+    assert list(plain.state_dict()) == list(base)
     for name, tensor in base.items():
         if name.endswith(ADAPTED):
             assert 0 < torch.linalg.matrix_rank(best[name] - tensor) <= 4, name

@@ -1,6 +1,6 @@
 """The README stays true to the code: its config table is config.markdown_reference(), the --key=value flags its
-commands pass to train.py/evaluate.py/predict.py are real config keys, the files its commands name exist, and its
-test command is the one CI runs."""
+commands pass to train.py/evaluate.py/predict.py/export.py are real config keys, the files it names exist, and
+its test command is the one CI runs."""
 import os
 import re
 
@@ -15,7 +15,7 @@ REGENERATE = ("python -c \"import re,config as c;p='README.md';t=open(p).read();
               "r'(<!-- config-reference:start -->\\n).*?(<!-- config-reference:end -->)',"
               "lambda m:m[1]+c.markdown_reference()+'\\n'+m[2],t,flags=re.S))\"")
 # a command line that runs one of the config-driven scripts (possibly behind torchrun / accelerate launch)
-SCRIPT = re.compile(r"(?:^|\s)(?:\S*/)?(?:train|evaluate|predict)\.py(?=\s|$)")
+SCRIPT = re.compile(r"(?:^|\s)(?:\S*/)?(?:train|evaluate|predict|export)\.py(?=\s|$)")
 # a repo-relative file a command names
 PATH = re.compile(r"(?<![\w./<-])(?:[\w-]+/)*[\w-]+\.(?:py|sh)(?![\w/])")
 TEST_COMMAND = "python -m pytest -q"
@@ -84,10 +84,11 @@ def test_command_keys_are_config_fields(readme):
 def test_command_paths_exist(readme):
     named = {path for line in code_lines(readme) for path in PATH.findall(line)}
     for required in ("config/demo.py", "config/kaggle_t4x2.py", "scripts/gpu_check.sh", "bench.py",
-                     "train.py", "evaluate.py", "predict.py"):
+                     "train.py", "evaluate.py", "predict.py", "export.py"):
         assert required in named, f"README's commands do not mention {required}"
-    assert "data/make_demo.py" in readme
-    missing = sorted(p for p in named | {"data/make_demo.py"} if not os.path.isfile(os.path.join(ROOT, p)))
+    in_prose = {"data/make_demo.py", "notebooks/kaggle_t4x2.ipynb"}
+    assert all(path in readme for path in in_prose)
+    missing = sorted(p for p in named | in_prose if not os.path.isfile(os.path.join(ROOT, p)))
     assert not missing, f"README names files that do not exist: {missing}"
 
 

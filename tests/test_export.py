@@ -1,0 +1,261 @@
+"""export.py hands a trained model to transformers unchanged (logits, greedy and beam outputs through the exported
+tokenizer, template and generation_config.json), init_from=<export> trains on from it, and log_to sends
+metrics.jsonl's rows to TensorBoard and W&B."""
+import json
+import os
+import sys
+import types
+from contextlib import nullcontext
+
+import pandas as pd
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2LMHeadModel, GPT2TokenizerFast
+
+import data
+import export
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import UserError, load_config
+from conftest import synthetic_rows
+from evaluate import summarize
+from test_tokenizer import TEXTS
+from tracking import Tracker
+
+# decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
+DECODING = ["--max_new_tokens=20", "--repetition_penalty=1.3", "--no_repeat_ngram_size=3"]
+MODEL = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128", "--device=cpu",
+         "--dtype=float32", "--compile=False", "--batch_size=16", "--micro_batch_size=16", "--warmup_iters=5",
+         "--learning_rate=1e-2", "--log_interval=1", *DECODING]
+
+
+class FakeWandb(types.ModuleType):
+    """Records what the tracker hands to wandb (init, log, finish)."""
+
+    def __init__(self, logged_in=True):
+        super().__init__("wandb")
+        self.logged_in, self.inits, self.rows, self.exit_codes = logged_in, [], [], []
+
+    def login(self, prompt=True, verify=True):
+        assert not prompt and not verify, "the login check must not prompt or go to the network"
+        return self.logged_in
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, row, step):
+        self.rows.append((step, row))
+
+    def finish(self, exit_code=None):
+        self.exit_codes.append(exit_code)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny model trained 60 steps with TensorBoard and (fake) W&B logging, and its export."""
+    folder = tmp_path_factory.mktemp("export")
+    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
+    pd.DataFrame(synthetic_rows(24, seed=3)).to_csv(folder / "validation.csv", index=False)
+    args = [*MODEL, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
+            f"--data_cache_dir={folder / 'cache'}", f"--out_dir={folder / 'out'}"]
+    wandb = FakeWandb()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "wandb", wandb)
+        train.main([*args, "--max_iters=60", "--eval_interval=30", "--rouge_samples=4", "--log_to=tensorboard,wandb",
+                    "--wandb_run_name=tiny"])
+    export.main([f"--ckpt={folder / 'out' / 'best.pt'}", f"--export_dir={folder / 'hf'}"])
+    ckpt = load_checkpoint(str(folder / "out" / "best.pt"))
+    return types.SimpleNamespace(folder=folder, args=args, wandb=wandb, ckpt=ckpt, hf_dir=str(folder / "hf"),
+                                 model=model_from_checkpoint(ckpt, "best.pt").eval(),
+                                 cfg=load_config([*args, "--max_iters=40"]))
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def hf_summaries(path, dialogues, template):
+    """What a transformers user gets: the exported tokenizer, the template, generate() with no arguments."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    summaries = []
+    for dialogue in dialogues:
+        inputs = tokenizer(template.format(dialogue=dialogue.strip()), return_tensors="pt")
+        with torch.no_grad():
+            output = model.generate(**inputs)
+        summaries.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return summaries
+
+
+def test_exported_logits_equal_ours(run):
+    hf = GPT2LMHeadModel.from_pretrained(run.hf_dir).eval()
+    assert hf.config.n_positions == run.model.config.block_size == 128
+    idx = torch.randint(0, 50257, (3, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, run.model(idx)[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+
+
+@pytest.mark.parametrize("overrides", [[], ["--num_beams=3", "--length_penalty=0.6"]], ids=["greedy", "beam"])
+def test_transformers_generate_with_the_exported_settings_equals_ours(run, overrides, tmp_path):
+    path = run.hf_dir
+    if overrides:  # decoding keys given to export.py replace the run's
+        path = str(tmp_path / "beam")
+        export.main([f"--ckpt={run.folder / 'out' / 'best.pt'}", f"--export_dir={path}", *overrides])
+    dialogues = [row["dialogue"] for row in synthetic_rows(16, seed=7)]
+    cfg = load_config([*run.args, *overrides])
+    ours = summarize(run.model, dialogues, cfg, nullcontext())
+    assert len(set(ours)) > 4, ours  # a model that learned something, not one repeated string
+    assert hf_summaries(path, dialogues, cfg.prompt_template) == ours
+    settings = GenerationConfig.from_pretrained(path)  # older transformers leave default values out of the file
+    assert settings.max_new_tokens == 20 and settings.no_repeat_ngram_size == 3
+    assert settings.num_beams == (3 if overrides else 1) and settings.do_sample is False
+
+
+def test_exported_tokenizer_encodes_like_ours(run):
+    tokenizer = GPT2TokenizerFast.from_pretrained(run.hf_dir)
+    enc = data.get_tokenizer()
+    for text in [*TEXTS, "a <|endoftext|> b", run.cfg.prompt_template]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == enc.encode_ordinary(text), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == data.EOT_ID
+    assert tokenizer.padding_side == "left"
+    for name in ("vocab.json", "merges.txt"):
+        assert os.path.isfile(os.path.join(run.hf_dir, name))
+
+
+def test_model_card_has_the_template_and_the_run(run):
+    card = open(os.path.join(run.hf_dir, "README.md")).read()
+    assert repr(run.cfg.prompt_template) in card
+    assert "train.csv" in card and "validation.csv" in card
+    assert f"| steps | {run.ckpt['iter_num']} " in card
+    assert f"rougeL {run.ckpt['metrics']['rougeL']:.4f}" in card
+
+
+def test_init_from_export_starts_at_the_checkpoints_loss(run, tmp_path):
+    out = tmp_path / "more"
+    train.main([*run.args, f"--init_from={run.hf_dir}", f"--out_dir={out}", "--max_iters=1", "--rouge_samples=0",
+                "--best_metric=val_loss"])
+    cfg = load_config([*run.args, f"--init_from={run.hf_dir}"])
+    train_set = data.load_datasets(cfg).train
+    (x, y), = data.TrainBatches(train_set, cfg, 0, 1).micro_batches(0)
+    with torch.no_grad():
+        _, expected = run.model(x, y)
+    assert metrics(out)[0]["loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(run):
+    rows = metrics(run.folder / "out")
+    events = EventAccumulator(str(run.folder / "out" / "tensorboard"))
+    events.Reload()
+    keys = {key for row in rows for key in row} - {"iter"}
+    assert {"loss", "lr", "val_loss", "rougeL"} <= keys
+    assert set(events.Tags()["scalars"]) == keys
+    for key in keys:
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        expected = [(row["iter"], row[key]) for row in rows if key in row]
+        assert [s for s, _ in logged] == [s for s, _ in expected], key
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), key  # float32
+    start = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert hparams["learning_rate"].number_value == pytest.approx(1e-2)
+    assert hparams["init_from"].string_value == "scratch" and hparams["n_embd"].number_value == 64
+
+
+def test_wandb_gets_every_row_and_the_config(run):
+    rows = metrics(run.folder / "out")
+    (init,) = run.wandb.inits
+    assert init["config"] == json.load(open(run.folder / "out" / "config.json"))
+    assert init["name"] == "tiny" and init["project"] == run.cfg.wandb_project
+    assert run.wandb.rows == [(row["iter"], {k: v for k, v in row.items() if k != "iter"}) for row in rows]
+    assert run.wandb.exit_codes == [0]
+
+
+def one_line_error(capsys, main, argv):
+    """The `error: ...` line that main(argv) exits with (code 2), after whatever progress it printed before."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    assert err.endswith("\n") and err.splitlines()[-1].startswith("error: "), err
+    return err.splitlines()[-1]
+
+
+def test_wandb_problems_stop_the_run_first_in_one_line(monkeypatch, capsys, tmp_path):
+    argv = ["--log_to=wandb", f"--out_dir={tmp_path}", "--train_csv=does-not-exist.csv"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    assert "needs the wandb package: pip install wandb" in one_line_error(capsys, train.main, argv)
+    Tracker(load_config(argv), is_main=False)  # other ranks never import it
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(logged_in=False))
+    assert "wandb login" in one_line_error(capsys, train.main, argv)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    Tracker(load_config(argv), is_main=True)
+    with pytest.raises(UserError, match="'tensorbord' is not one of"):
+        load_config(["--log_to=tensorboard,tensorbord"])
+
+
+def test_export_refuses_in_one_line(run, capsys, tmp_path):
+    ckpt = f"--ckpt={run.folder / 'out' / 'best.pt'}"
+    assert "missing.pt does not exist" in one_line_error(capsys, export.main, [f"--ckpt={tmp_path / 'missing.pt'}",
+                                                                             f"--export_dir={tmp_path / 'x'}"])
+    assert "--export_dir=DIR" in one_line_error(capsys, export.main, [ckpt])
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("keep me")
+    assert "not empty" in one_line_error(capsys, export.main, [ckpt, f"--export_dir={busy}"])
+    assert "will not delete it" in one_line_error(capsys, export.main, [ckpt, f"--export_dir={busy}",
+                                                                        "--overwrite=True"])
+    assert os.listdir(busy) == ["notes.txt"]
+
+
+def test_overwrite_replaces_an_export_atomically(run, capsys, monkeypatch, tmp_path):
+    target = tmp_path / "hf"
+    ckpt = f"--ckpt={run.folder / 'out' / 'best.pt'}"
+    export.main([ckpt, f"--export_dir={target}"])
+    before = {name: (target / name).read_bytes() for name in os.listdir(target)}
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(export, "save_tokenizer", full_disk)
+    err = one_line_error(capsys, export.main, [ckpt, f"--export_dir={target}", "--overwrite=True", "--num_beams=2"])
+    assert "No space left on device" in err
+    assert {name: (target / name).read_bytes() for name in os.listdir(target)} == before
+    assert os.listdir(tmp_path) == ["hf"]  # no temporary folder left behind
+    monkeypatch.undo()
+    export.main([ckpt, f"--export_dir={target}", "--overwrite=True", "--num_beams=2"])
+    assert GenerationConfig.from_pretrained(target).num_beams == 2
+    assert os.listdir(tmp_path) == ["hf"]
+
+
+def tensorboard_losses(folder):
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("loss")]
+
+
+def test_tensorboard_follows_resumes_and_fresh_runs(write_csv, tmp_path):
+    """A run resumed from an earlier checkpoint hides the steps it redoes (TensorBoard shows each step once, as
+    last trained); a fresh run moves the earlier run's events aside with its other files."""
+    out = tmp_path / "out"
+    args = [*MODEL, f"--train_csv={write_csv('train.csv', 32)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--batch_size=8", "--micro_batch_size=8", "--eval_interval=2", "--rouge_samples=0",
+            "--best_metric=val_loss", "--eval_val_batches=1", "--log_to=tensorboard"]
+    train.main([*args, "--max_iters=2"])
+    at_step_2 = (out / "ckpt.pt").read_bytes()
+    train.main([*args, "--max_iters=4", "--init_from=resume", "--learning_rate=1e-3"])
+    (out / "ckpt.pt").write_bytes(at_step_2)  # as if the run had crashed after step 4 but before its checkpoint
+    train.main([*args, "--max_iters=4", "--init_from=resume"])
+    last = {row["iter"]: row["loss"] for row in metrics(out)}  # later rows of a step win, as in TensorBoard
+    logged = tensorboard_losses(out / "tensorboard")
+    assert [step for step, _ in logged] == [1, 2, 3, 4]
+    assert [value for _, value in logged] == pytest.approx([last[step] for step in (1, 2, 3, 4)], rel=1e-6)
+    train.main([*args, "--max_iters=1"])
+    assert [step for step, _ in tensorboard_losses(out / "tensorboard")] == [1]
+    (previous,) = out.glob("previous-run-*")
+    assert [step for step, _ in tensorboard_losses(previous / "tensorboard")] == [1, 2, 3, 4]

@@ -328,7 +328,7 @@ def main():
     parser.add_argument("--train_batches", type=int, default=2)
     parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
-    parser.add_argument("--memory_micro_batch", type=int, default=8)
+    parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()

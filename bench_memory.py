@@ -9,11 +9,12 @@ two all-gathered blocks (the one computing and the one prefetched) and their uns
 Activations are measured: a forward pass of the longest micro-batch of a SAMSum epoch under fp16 autocast on the
 CPU, with torch.autograd.graph.saved_tensors_hooks counting the bytes of every distinct storage autograd keeps
 for backward (parameters excluded; autocast's fp16 weight copies included, as they are kept too). It runs on a
-model of the real width with 1 and with 2 blocks: the difference is one block, the rest is embeddings, ln_f,
-lm_head and the loss; the total is rest + n_layer x block. With gradient checkpointing autograd keeps each
-block's input only, and backward recomputes one block at a time, so one block's full activations are added.
-Not counted: backward's transient buffers and the CUDA context. On CPU, like on a T4, scaled_dot_product_attention
-keeps O(T) state (no T x T attention matrix).
+one-block model of the real width, and each storage is credited to the block or to the rest (embeddings, ln_f,
+lm_head, the loss) by who saved it first; the total is rest + n_layer x block (a 1- vs 2-block difference gives
+the same figures, and so does the whole-depth gpt2, --memory_measured). With gradient checkpointing autograd
+keeps each block's input only, and backward recomputes one block at a time, so one block's activations are
+added. Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context. On CPU, like on a
+T4, scaled_dot_product_attention keeps O(T) state (no T x T attention matrix).
 """
 import math
 import os
@@ -34,7 +35,7 @@ MODES = ("full", "full+checkpointing", "lora+checkpointing", "fsdp2+checkpointin
 FSDP_RANKS = 2
 
 
-def longest_micro_batch(csv_path, micro_batch_size=MICRO_BATCH):
+def longest_micro_batch(csv_path, micro_batch_size):
     """(x, y, description): the micro-batch with the most tokens (padding included) that the training sampler
     makes in one epoch of csv_path's rows, or a block_size-wide synthetic one when the file is missing."""
     if not os.path.exists(csv_path):

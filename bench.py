@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python bench.py [--section=data|train|generate|decode|all] [--model=small|gpt2] [--json]
+python bench.py [--section=data|train|generate|decode|memory|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+import bench_memory
 import data
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
@@ -389,7 +390,8 @@ def compare_decodings(name, cfg, ckpt, device):
     return rows
 
 
-SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode}
+SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
+            "memory": lambda args, device: bench_memory.bench_memory(args, SAMSUM_CSV)}
 
 
 def main():
@@ -406,6 +408,10 @@ def main():
     parser.add_argument("--data_examples", type=int, default=818)
     parser.add_argument("--train_batches", type=int, default=2)
     parser.add_argument("--micro_batch", type=int, default=4)
+    parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
+    parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
+    parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
+                        "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}
@@ -418,6 +424,8 @@ def main():
                 value = f"{row['value']:.2f}" if isinstance(row["value"], float) else row["value"]
                 extra = f"  (target {row['target']})" if "target" in row else ""
                 extra += f"  peak {row['peak_mb']:.0f} MiB" if "peak_mb" in row else ""
+                extra += "".join(f"  {key} {value:.2f}" if isinstance(value, float) else f"  {key} {value}"
+                                 for key, value in row.items() if key.endswith(("_gib", "fits_t4")))
                 print(f"{row['section']:<9} {row['figure']:<44} {value}{extra}")
 
 

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+import lora
 from config import UserError
 from files import atomic_write
 from model import GPT, GPTConfig
@@ -60,7 +61,8 @@ def load_checkpoint(path):
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: ranks loading the same file share its pages, and tensors are read when used
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
@@ -69,14 +71,21 @@ def load_checkpoint(path):
     return ckpt
 
 
-def model_from_checkpoint(ckpt, path):
+def model_from_checkpoint(ckpt, path, keep_adapters=False):
+    """The checkpoint's model. A LoRA run's ckpt.pt holds the base weights and the adapters: merged into a plain
+    GPT (as in best.pt), or with keep_adapters (to resume) kept as they are."""
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
+    state = ckpt["model"]
+    if lora.has_adapters(state) and keep_adapters:
+        lora.add_adapters(model, **lora.settings(ckpt["config"]))
+    elif lora.has_adapters(state):
+        state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(state)
     except RuntimeError as e:
         raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
     return model

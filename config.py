@@ -22,6 +22,7 @@ KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 LOG_DESTINATIONS = ("tensorboard", "wandb")
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
@@ -89,6 +90,15 @@ class Config:
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
     seed: int = option(1337, "seed of the data order, dropout and sampling")
+    # memory: bigger models on the same GPUs (bench.py --section=memory says what fits)
+    gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
+                                                 "keeping them: far less activation memory for ~1/3 more compute")
+    lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
+                               "lora_targets; best.pt holds the merged weights")
+    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank")
+    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training")
+    lora_targets: str = option(",".join(LORA_TARGETS), f"comma-separated Linear layers of each block that get "
+                                                        f"adapters, among {', '.join(LORA_TARGETS)}")
     # evaluation and logging
     eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps")
     eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split")
@@ -108,8 +118,9 @@ class Config:
     compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
                                          "compiling costs more than a short run saves), True/False = on/off anywhere",
                                  ("auto", True, False))
-    backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none",
-                          ("auto", "ddp", "accelerate", "none"))
+    backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
+                                  "(under torchrun) shards weights, gradients and optimizer state across the ranks",
+                          ("auto", "ddp", "fsdp", "accelerate", "none"))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (multi-GPU hosts without "
                                            "working peer-to-peer, e.g. Kaggle's 2xT4)")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
@@ -149,18 +160,24 @@ def check_values(cfg):
                 "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
     non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
                     "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
-                    "temperature", "mbr_samples")
+                    "temperature", "mbr_samples", "lora_rank")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be > 0")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
-    for name in ("val_fraction", "dropout", "beta1", "beta2", "epsilon"):
+    for name in ("val_fraction", "dropout", "beta1", "beta2", "lora_dropout", "epsilon"):
         if not 0 <= getattr(cfg, name) < 1:
             raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
     if cfg.learning_rate <= 0:
         raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
+    if cfg.lora_alpha <= 0:
+        raise UserError(f"lora_alpha={cfg.lora_alpha} must be > 0")
+    for target in lora_target_list(cfg.lora_targets) or [""]:
+        if target not in LORA_TARGETS:
+            raise UserError(f"lora_targets={cfg.lora_targets!r}: {target!r} is not one of {', '.join(LORA_TARGETS)} "
+                            f"(give one or more, comma-separated)")
     if not 0 < cfg.top_p <= 1:
         raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.repetition_penalty <= 0:
@@ -200,6 +217,10 @@ def check_values(cfg):
     if not ok:
         raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
                         f"other braces (write {{{{ and }}}} for literal ones)")
+
+
+def lora_target_list(lora_targets):
+    return [t.strip() for t in lora_targets.split(",") if t.strip()]
 
 
 SWEEP_KEYS = ("min_new_tokens", "num_beams", "temperature", "top_k", "top_p", "epsilon", "length_penalty",

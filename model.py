@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import generate as generation
 
@@ -109,6 +110,7 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.decode_compiled = False  # set by compile_decode(); generate.py holds the compiled step
+        self.gradient_checkpointing = False  # set by the trainer (config key gradient_checkpointing)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -140,7 +142,11 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; its activations are recomputed (same dropout masks) in backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
@@ -185,11 +191,9 @@ class GPT(nn.Module):
     def set_dropout(self, p):
         """Change the dropout probability everywhere (a resumed run may train with another one)."""
         self.config.dropout = p
-        for module in self.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = p
-            elif isinstance(module, CausalSelfAttention):
-                module.dropout = p
+        self.transformer.drop.p = p
+        for block in self.transformer.h:  # these only: LoRA adapters keep their own dropout (lora_dropout)
+            block.attn.resid_dropout.p = block.mlp.dropout.p = block.attn.dropout = p
 
     def crop_block_size(self, block_size):
         """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""

@@ -1,4 +1,5 @@
-"""Where the job runs: process group (none, torchrun DDP or Accelerate), device, precision, compile, peak FLOPS."""
+"""Where the job runs: process group (none, torchrun DDP or FSDP, Accelerate), device, precision, compile, peak
+FLOPS."""
 import contextlib
 import datetime
 import os
@@ -7,6 +8,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError
@@ -129,9 +133,13 @@ class Runtime:
                                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
             self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
             self.device = self.accelerator.device
-        elif self.backend == "ddp":
+        elif self.backend in ("ddp", "fsdp"):
             if "RANK" not in os.environ:
-                raise UserError("backend=ddp needs torchrun: torchrun --nproc_per_node=N --standalone train.py")
+                raise UserError(f"backend={self.backend} needs torchrun: torchrun --nproc_per_node=N --standalone "
+                                f"train.py --backend={self.backend}")
+            if self.backend == "fsdp" and not hasattr(torch.distributed.fsdp, "fully_shard"):
+                raise UserError(f"backend=fsdp needs PyTorch 2.6 or newer (fully_shard), this is {torch.__version__}: "
+                                f"upgrade torch, or use backend=ddp")
             self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             self.device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
@@ -161,7 +169,7 @@ class Runtime:
         return self
 
     def __exit__(self, *exc):
-        if self.backend == "ddp" and dist.is_initialized():
+        if self.backend in ("ddp", "fsdp") and dist.is_initialized():
             dist.destroy_process_group()
         elif self.accelerator is not None:
             self.accelerator.end_training()
@@ -175,19 +183,58 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
 
+    def shard(self, model):
+        """Under FSDP, shard the model in place across the ranks with FSDP2's fully_shard: one unit per block, then
+        the root (embeddings, ln_f, the tied lm_head). Its parameters become DTensors (build the optimizer after
+        this) in fp32, and autocast computes as under DDP. Other backends: the model unchanged."""
+        if self.backend == "fsdp":
+            for block in model.transformer.h:
+                torch.distributed.fsdp.fully_shard(block)
+            torch.distributed.fsdp.fully_shard(model)
+        return model
+
     def wrap(self, model):
-        """The model as the backend trains it (DDP wrapper when there are several processes)."""
+        """The model as the backend trains it (DDP wrapper when there are several processes; FSDP: see shard)."""
         if self.accelerator is not None:
             return self.accelerator.prepare_model(model)
-        if self.distributed:
+        if self.distributed and self.backend != "fsdp":
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         return model
 
     def no_sync(self, wrapped, sync):
-        """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
-        if sync or not self.distributed:
+        """Skip the gradient all-reduce on all but the last micro-step of an accumulation. FSDP reduce-scatters
+        (averaging, as DDP's all-reduce does) after every micro-step: holding unsharded gradients instead would
+        undo the memory it saves."""
+        if sync or not self.distributed or self.backend == "fsdp":
             return contextlib.nullcontext()
         return wrapped.no_sync()
+
+    def training_state(self, model, optimizer):
+        """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this.
+        Under FSDP they are gathered from the shards onto rank 0's CPU ({} elsewhere), the optimizer's keyed by
+        parameter name."""
+        if self.backend != "fsdp":
+            return model.state_dict(), optimizer.state_dict()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+    def load_optimizer_state(self, model, optimizer, state, path):
+        """Load an optimizer state dict saved by training_state (each FSDP rank takes its shards of it)."""
+        by_name = any(isinstance(key, str) for key in state["state"])
+        if by_name != (self.backend == "fsdp"):
+            written, wanted = ("--backend=fsdp", f"backend {self.backend}") if by_name else ("another backend", "FSDP")
+            raise UserError(f"{path} was written by a run with {written}, whose optimizer state {wanted} cannot "
+                            f"load: resume with the backend it was trained with")
+        if by_name:
+            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state)
+
+    def full_weights(self, model):
+        """The model's complete state dict on every rank (FSDP: all-gathered onto each rank's device)."""
+        if self.backend != "fsdp":
+            return model.state_dict()
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
     def barrier(self):
         if self.distributed:

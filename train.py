@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import lora
 from config import UserError, format_config, grad_accum_steps, load_config, save_config
 from checkpoint import archive_previous_run, load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
 from evaluate import evaluate
@@ -27,6 +28,7 @@ from metrics import rouge
 from model import GPT, GPTConfig
 from predict import predict
 from runtime import Runtime, peak_flops, warn_compile_failed
+from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
 from tracking import Tracker
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
@@ -63,31 +65,36 @@ def main(argv=None):
 
 
 def build_model(cfg):
-    """A fresh model as init_from says: 'scratch', a GPT-2 name or local transformers directory, or 'resume'."""
-    if cfg.init_from == "scratch":
-        return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                             n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)), None
+    """A fresh model as init_from says: 'scratch', a GPT-2 name or local transformers directory, or 'resume';
+    with LoRA adapters (base frozen) when lora_rank > 0."""
     if cfg.init_from == "resume":
         path = os.path.join(cfg.out_dir, "ckpt.pt")
         ckpt = load_checkpoint(path)
-        model = model_from_checkpoint(ckpt, path)
+        model = model_from_checkpoint(ckpt, path, keep_adapters=True)
         if "optimizer" not in ckpt:
             raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
         if model.config.block_size != cfg.block_size:
             raise UserError(f"{path} was trained with block_size={model.config.block_size}, not {cfg.block_size}: "
                             f"resume with --block_size={model.config.block_size}")
-        for key in SHAPE_KEYS:
+        for key in (*SHAPE_KEYS, *lora.KEYS):
             if ckpt["config"].get(key, getattr(cfg, key)) != getattr(cfg, key):
-                raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: the "
-                                f"model's shape cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
+                what = "the adapters" if key in lora.KEYS else "the model's shape"
+                raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: "
+                                f"{what} cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
         model.set_dropout(cfg.dropout)
         return model, ckpt
-    try:
-        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
-    except FileNotFoundError as e:
-        raise UserError(f"init_from={e}") from None
-    if cfg.block_size < model.config.block_size:
-        model.crop_block_size(cfg.block_size)
+    if cfg.init_from == "scratch":
+        model = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                              n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
+    else:
+        try:
+            model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
+        except FileNotFoundError as e:
+            raise UserError(f"init_from={e}") from None
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+    if cfg.lora_rank:
+        lora.add_adapters(model, **lora.settings(cfg))
     return model, None
 
 
@@ -107,55 +114,6 @@ def apply_hyperparameters(optimizer, cfg):
     decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
     for group in optimizer.param_groups:
         group["betas"] = (cfg.beta1, cfg.beta2)
-
-
-def lr_schedule(run_config):
-    """The LR schedule a run starts with (a dict, saved in ckpt.pt): linear warmup to learning_rate over
-    warmup_iters, cosine decay to min_lr at lr_decay_iters (0 = max_iters), then min_lr."""
-    c = run_config
-    return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
-            "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
-
-
-def learning_rate(it, schedule):
-    s = schedule
-    if it < s["warmup_iters"]:
-        return s["peak_lr"] * (it - s["start"] + 1) / (s["warmup_iters"] - s["start"] + 1)
-    if it >= s["decay_iters"]:
-        return s["min_lr"]
-    ratio = (it - s["warmup_iters"]) / max(1, s["decay_iters"] - s["warmup_iters"])
-    return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["peak_lr"] - s["min_lr"])
-
-
-def resumed_schedule(schedule, saved, cfg, it):
-    """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
-    max_iters does not stretch its decay: the LR stays at min_lr after it). A changed lr_decay_iters or min_lr
-    decays from the current LR to min_lr at the new horizon, a changed learning_rate from that LR instead."""
-    if cfg.warmup_iters != saved["warmup_iters"]:
-        raise UserError(f"warmup_iters cannot change when resuming (the run started with {saved['warmup_iters']}): "
-                        f"resume with --warmup_iters={saved['warmup_iters']}, or use --lr_decay_iters to reshape "
-                        f"the rest of the schedule")
-    changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
-    if not changed:
-        return schedule
-    horizon = cfg.lr_decay_iters or cfg.max_iters
-    if it < schedule["warmup_iters"]:  # still warming up: finish the warmup, then decay to the new horizon
-        return dict(schedule, peak_lr=cfg.learning_rate, min_lr=cfg.min_lr, decay_iters=horizon)
-    start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
-    return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
-
-
-def describe_schedule(schedule, it, max_iters):
-    """One line: what the LR does from step `it` to max_iters."""
-    lr, s = learning_rate(it, schedule), schedule
-    if it >= s["decay_iters"] or lr == s["min_lr"]:
-        plan = f"stays at min_lr until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
-    elif s["decay_iters"] <= max_iters:
-        plan = f"cosine decay to min_lr {s['min_lr']:.2e} at iter {s['decay_iters']}, constant after it until iter {max_iters}"
-    else:
-        plan = (f"cosine decay to {learning_rate(max_iters - 1, s):.2e} at iter {max_iters} (it would reach min_lr "
-                f"{s['min_lr']:.2e} at iter {s['decay_iters']})")
-    return f"learning rate at iter {it}: {lr:.2e}; {plan}"
 
 
 def rng_state():
@@ -189,7 +147,8 @@ class Trainer:
         self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = build_model(cfg)
-        self.model = model.to(rt.device)
+        model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.model = rt.shard(model.to(rt.device))
         self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
         self.iter_num, self.best_score = 0, None
@@ -213,14 +172,14 @@ class Trainer:
             print(f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                   f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                   f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                  f"{self.model.num_params() / 1e6:.1f}M parameters; {rt.describe()}")
+                  f"{self.model.num_params() / 1e6:.1f}M parameters{trained_params(self.model, cfg)}; {rt.describe()}")
             save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
     def restore(self, ckpt):
         """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
         hyperparameters this run's config changed applied. Returns the lines that say so."""
         cfg, saved = self.cfg, ckpt["config"]
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.rt.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], f"{cfg.out_dir}/ckpt.pt")
         apply_hyperparameters(self.optimizer, cfg)
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -318,8 +277,12 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.model.eval()
         totals = torch.zeros(2, device=rt.device)
-        for x, y in data.eval_batches(self.val_set, cfg.micro_batch_size, rt.rank, rt.world_size,
-                                      cfg.eval_val_batches, cfg.seed, cfg.train_on_prompt):
+        batches = list(data.eval_batches(self.val_set, cfg.micro_batch_size, rt.rank, rt.world_size,
+                                         cfg.eval_val_batches, cfg.seed, cfg.train_on_prompt))
+        if rt.backend == "fsdp":  # each forward all-gathers weights with the other ranks: all run as many
+            no_rows = torch.zeros(0, data.PAD_MULTIPLE, dtype=torch.long)
+            batches += [(no_rows, no_rows - 1)] * (max(rt.all_gather_objects(len(batches))) - len(batches))
+        for x, y in batches:
             x, y = x.to(rt.device), y.to(rt.device)
             with rt.autocast():
                 _, loss = self.model(x, y)
@@ -329,10 +292,26 @@ class Trainer:
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
         if cfg.rouge_samples > 0:
             n = min(cfg.rouge_samples, len(self.val_set))
-            predictions = summarize_sharded(self.model, self.val_set.dialogues[:n], cfg, rt, progress=False)
+            predictions = summarize_sharded(self.generator(), self.val_set.dialogues[:n], cfg, rt, progress=False)
             metrics.update(rouge(predictions, self.val_set.summaries[:n]))
         self.model.train()
         return metrics
+
+    def generator(self):
+        """The model that summarizes for ROUGE. Under FSDP, where every forward is a collective that ranks
+        generating different lengths cannot keep in step, a plain copy with the gathered (and LoRA-merged)
+        weights: it needs room for a full copy of the weights on each GPU."""
+        if self.rt.backend != "fsdp":
+            return self.model
+        weights = self.rt.full_weights(self.model)
+        if self.cfg.lora_rank:
+            weights = lora.merged_state_dict(weights, **lora.settings(self.cfg))
+        with torch.device(self.rt.device):
+            copy = GPT(GPTConfig(**asdict(self.model.config)))
+        copy.load_state_dict(weights)
+        if self.rt.compile:
+            copy.compile_decode()
+        return copy.eval()
 
     def checkpoint(self, stats):
         """Rank 0 writes ckpt.pt (all that resuming needs), and best.pt (weights, config, metrics) when the
@@ -349,15 +328,18 @@ class Trainer:
         if improved:
             self.best_score = score
         rng = rt.all_gather_objects(rng_state())
+        model_state, optimizer_state = rt.training_state(self.model, self.optimizer)
         if rt.is_main:
-            weights = {"model": self.model.state_dict(), "model_args": asdict(self.model.config),
-                       "iter_num": self.iter_num, "best_score": self.best_score, "config": asdict(cfg),
+            weights = {"model_args": asdict(self.model.config), "iter_num": self.iter_num,
+                       "best_score": self.best_score, "config": asdict(cfg),
                        "metrics": {k: v for k, v in stats.items() if isinstance(v, float)}}
-            save_checkpoint({**weights, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                             "rng": rng, "schedule": self.schedule, "skipped_steps": self.skipped},
-                            os.path.join(cfg.out_dir, "ckpt.pt"))
+            # ckpt.pt: a LoRA run's base weights and adapters as they are, to resume exactly; best.pt: merged
+            save_checkpoint({**weights, "model": model_state, "optimizer": optimizer_state,
+                             "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
+                             "skipped_steps": self.skipped}, os.path.join(cfg.out_dir, "ckpt.pt"))
             if improved:
-                save_checkpoint(weights, os.path.join(cfg.out_dir, "best.pt"))
+                merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
+                save_checkpoint({**weights, "model": merged}, os.path.join(cfg.out_dir, "best.pt"))
         rt.barrier()
 
     def log(self, stats, bar):
@@ -384,6 +366,14 @@ class Trainer:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
             plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
+
+
+def trained_params(model, cfg):
+    """' (0.30M trained: LoRA rank 8)' for a LoRA run, else ''."""
+    if not cfg.lora_rank:
+        return ""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f" ({trained / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {cfg.lora_targets})"
 
 
 def compile_model(model, x, y, autocast):

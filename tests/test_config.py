@@ -1,4 +1,5 @@
 import dataclasses
+import glob
 import json
 
 import pytest
@@ -149,7 +150,7 @@ def test_grad_accum_steps():
         grad_accum_steps(cfg, 3)
 
 
-@pytest.mark.parametrize("preset", ["config/demo.py", "config/kaggle_t4x2.py"])
+@pytest.mark.parametrize("preset", sorted(glob.glob("config/*.py")))
 def test_shipped_presets_load(preset):
     cfg = load_config([preset])
     grad_accum_steps(cfg, 2 if "t4x2" in preset else 1)

@@ -172,6 +172,7 @@ def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, monk
 @pytest.mark.parametrize("change, message", [
     ("--n_layer=2", "trained with n_layer=1, not 2: the model's shape cannot change"),
     ("--warmup_iters=5", "warmup_iters cannot change when resuming"),
+    ("--lora_rank=4", "trained with lora_rank=0, not 4: the adapters cannot change"),
 ])
 def test_what_a_resumed_run_cannot_change_stops_it_with_one_line(args, change, message):
     train.main([*args, "--max_iters=2", "--eval_interval=2"])

@@ -67,6 +67,9 @@ LAUNCHES = {
     "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
     "torchrun_ddp": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
                                   "--micro_batch_size=4"],
+    "torchrun_fsdp_checkpointing": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                                                 "--micro_batch_size=4", "--backend=fsdp",
+                                                 "--gradient_checkpointing=True"],
     "torchrun_accelerate": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
                                          "--micro_batch_size=4", "--backend=accelerate"],
     "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
@@ -80,7 +83,8 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
-    """Single process with accumulation == 2 DDP ranks == 2 Accelerate ranks == notebook_launcher, loss for loss."""
+    """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
+    ranks == notebook_launcher, loss for loss."""
     out = parity_data / launch
     args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
             f"--out_dir={out}"]
@@ -89,11 +93,13 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     assert_same_losses(metrics(out), single_process)
 
 
-def test_exact_resume_is_bit_identical(write_csv, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True"]],
+                         ids=["full", "lora"])
+def test_exact_resume_is_bit_identical(write_csv, tmp_path, mode):
     csv = write_csv("train.csv", 80)
     common = [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
               "--micro_batch_size=4", "--eval_interval=4", "--lr_decay_iters=8", "--rouge_samples=2",
-              "--dropout=0.1"]
+              "--dropout=0.1", *mode]
     train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'straight'}"])
     train.main([*common, "--max_iters=4", f"--out_dir={tmp_path / 'resumed'}"])
     train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'resumed'}", "--init_from=resume"])
@@ -174,3 +180,32 @@ def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
                 "--weight_decay=0", "--rouge_samples=64", "--gen_batch_size=64", "--log_interval=1000"])
     final = metrics(tmp_path)[-1]
     assert final["rougeL"] >= 0.95, final
+
+
+def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, single_process):
+    """torchrun's c10d rendezvous as 2 nodes x 1 process (what several machines run) trains exactly what
+    1 node x 2 processes does, and the same as one process; both DDP with gradient checkpointing."""
+    args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
+            "--micro_batch_size=4", "--gradient_checkpointing=True"]
+    one_node = run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
+                    f"--out_dir={parity_data / 'one_node'}"])
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    nodes = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+                               "--rdzv_id=test", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                               "--rdzv_conf=join_timeout=60", "--local_addr=127.0.0.1", "--max_restarts=0",
+                               "train.py", *args, f"--out_dir={parity_data / 'two_nodes'}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    assert sum("x 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of 2 ranks, logged by rank 0
+    two_nodes = metrics(parity_data / "two_nodes")
+    assert [r["loss"] for r in two_nodes] == [r["loss"] for r in metrics(parity_data / "one_node")]
+    assert_same_losses(two_nodes, single_process)

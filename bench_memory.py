@@ -1,0 +1,184 @@
+"""bench.py --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
+
+Weights, gradients and optimizer state are the bytes of real tensors: the model of each shape is built on the meta
+device (no memory), with LoRA adapters where the mode has them, given a gradient per trainable parameter, and
+stepped once by AdamW, whose state is then counted. FSDP2 shards every parameter on dim 0 (padded to a multiple
+of the world size); a rank also holds, while it computes, the all-gathered fp32 root unit (embeddings, ln_f),
+two all-gathered blocks (the one computing and the one prefetched) and their unsharded gradients.
+
+Activations are measured: a forward pass of the longest micro-batch of a SAMSum epoch under fp16 autocast on the
+CPU, with torch.autograd.graph.saved_tensors_hooks counting the bytes of every distinct storage autograd keeps
+for backward (parameters excluded; autocast's fp16 weight copies included, as they are kept too). It runs on a
+one-block model of the real width, and each storage is credited to the block or to the rest (embeddings, ln_f,
+lm_head, the loss) by who saved it first; the total is rest + n_layer x block (a 1- vs 2-block difference gives
+the same figures, and so does the whole-depth gpt2, --memory_measured). With gradient checkpointing autograd
+keeps each block's input only, and backward recomputes one block at a time, so one block's activations are
+added. Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context. On CPU, like on a
+T4, scaled_dot_product_attention keeps O(T) state (no T x T attention matrix).
+"""
+import math
+import os
+
+import torch
+
+import data
+import lora
+from config import Config, PROMPT_TEMPLATE
+from model import GPT, GPTConfig, PRETRAINED
+
+GIB = 2**30
+T4_USABLE_GIB = 15.0
+MICRO_BATCH = 8
+FALLBACK_LENGTH = 1024  # no SAMSum file: assume the worst micro-batch, every row at block_size
+LORA_RANK = 8
+MODES = ("full", "full+checkpointing", "lora+checkpointing", "fsdp2+checkpointing")
+FSDP_RANKS = 2
+
+
+def longest_micro_batch(csv_path, micro_batch_size):
+    """(x, y, description): the micro-batch with the most tokens (padding included) that the training sampler
+    makes in one epoch of csv_path's rows, or a block_size-wide synthetic one when the file is missing."""
+    if not os.path.exists(csv_path):
+        x = torch.randint(0, data.EOT_ID, (micro_batch_size, FALLBACK_LENGTH))
+        y = torch.full_like(x, -1)
+        y[:, -77:] = x[:, -77:]  # SAMSum's longest summary is 76 tokens, + EOS
+        return x, y, f"fallback {micro_batch_size} x {FALLBACK_LENGTH} (no {csv_path})"
+    cfg = Config(train_csv=csv_path, micro_batch_size=micro_batch_size)
+    table = data.read_table(csv_path, "train_csv", cfg)
+    examples = data.Examples.from_rows(table, data.tokenize_table(table, PROMPT_TEMPLATE, cfg.block_size),
+                                       list(range(len(table.ids))))
+    sampler = data.LengthGroupedSampler(examples.lengths, cfg.batch_size, micro_batch_size, cfg.seed)
+    steps = math.ceil(len(examples) / cfg.batch_size)
+    batches = [indices for step in range(steps) for indices in sampler.micro_batches(step)]
+    widest = max(batches, key=lambda indices: int(examples.lengths[indices].max()))
+    x, y = data.collate(examples, widest)
+    return x, y, f"SAMSum validation ({len(examples)} rows): longest micro-batch {x.shape[0]} x {x.shape[1]}"
+
+
+def build(shape, n_layer, with_lora, device):
+    config = GPTConfig(n_layer=n_layer, n_head=shape["n_head"], n_embd=shape["n_embd"])
+    with torch.device(device):
+        model = GPT(config)
+    if with_lora:
+        lora.add_adapters(model, **lora.settings(Config(lora_rank=LORA_RANK)))
+    return model
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(shape, with_lora):
+    """{"single": (weights, gradients, AdamW state), "fsdp2": the same for one of FSDP_RANKS ranks} in bytes,
+    counted from the real (meta) tensors of the whole model after one optimizer step."""
+    model = build(shape, shape["n_layer"], with_lora, "meta")
+    params = list(model.parameters())  # the tied wte / lm_head weight once
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(trainable, foreach=False)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    # all-gathered while computing: the root unit (it is not resharded after forward) and two blocks
+    gathered = nbytes(p for n, p in model.named_parameters() if ".h." not in n) + 2 * nbytes(model.transformer.h[0].parameters())
+    return {"single": (nbytes(params), nbytes(p.grad for p in trainable), nbytes(state)),
+            "fsdp2": (shard_bytes(params) + gathered, shard_bytes(p.grad for p in trainable) + gathered,
+                      shard_bytes(state))}
+
+
+def shard_bytes(tensors, world_size=FSDP_RANKS):
+    """Bytes of one rank's FSDP2 shards: dim 0 cut in world_size equal pieces (padded); scalars whole."""
+    return sum(math.ceil(t.shape[0] / world_size) * (t.numel() // t.shape[0]) * t.element_size() if t.dim()
+               else t.element_size() for t in tensors)
+
+
+def saved_bytes(model, x, y):
+    """{"block": bytes, "rest": bytes}: the distinct storages autograd keeps for backward in one fp16-autocast
+    forward of (x, y), split by whether the first block or the rest of the model saved them first."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept, owner, where = {}, {}, ["rest"]
+
+    def pack(tensor):  # held in `kept`, so no storage is freed and its address reused while counting
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in kept:
+            kept[ptr], owner[ptr] = tensor, where[0]
+        return ptr
+
+    def unpack(ptr):
+        raise RuntimeError("saved_bytes counts a forward pass; it cannot run backward")
+
+    block = model.transformer.h[0]
+    hooks = [block.register_forward_pre_hook(lambda *_: where.__setitem__(0, "block")),
+             block.register_forward_hook(lambda *_: where.__setitem__(0, "rest"))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(x, y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    totals = {"block": 0, "rest": 0}
+    for ptr, tensor in kept.items():
+        if ptr not in params:
+            totals[owner[ptr]] += tensor.untyped_storage().nbytes()
+    kept.clear()  # the graph holds `pack`, which holds `kept`: a cycle through C++ that gc cannot free
+    return totals
+
+
+def activation_bytes(shape, x, y):
+    """{mode: bytes} of activations for the whole model, from one-block models of the real width: one block's
+    bytes x n_layer + the rest. A checkpointed block keeps only its input (the residual stream)."""
+    torch.manual_seed(0)
+    n = shape["n_layer"]
+    one = build(shape, 1, False, "cpu")
+    inputs = []
+    hook = one.transformer.h[0].register_forward_pre_hook(lambda _, args: inputs.append(args[0].nbytes))
+    full = saved_bytes(one, x, y)
+    hook.remove()
+    block_lora = saved_bytes(build(shape, 1, True, "cpu"), x, y)["block"]
+    checkpointed = full["rest"] + n * inputs[0]
+    return {"full": full["rest"] + n * full["block"], "full+checkpointing": checkpointed + full["block"],
+            "lora+checkpointing": checkpointed + block_lora, "fsdp2+checkpointing": checkpointed + full["block"],
+            "block": full["block"]}
+
+
+def measured_activation_bytes(shape, x, y, blocks):
+    """{mode: bytes} from whole-depth models, no extrapolation; the checkpointed mode adds the recompute of one
+    block in backward (measured by activation_bytes)."""
+    torch.manual_seed(0)
+    model = build(shape, shape["n_layer"], False, "cpu")
+    result = {"full": sum(saved_bytes(model, x, y).values())}
+    model.gradient_checkpointing = True
+    result["full+checkpointing"] = sum(saved_bytes(model, x, y).values()) + blocks["block"]
+    return result
+
+
+def per_rank(mode, states, activations):
+    """(weights, gradients, optimizer, activations) bytes on one GPU in `mode`."""
+    if mode.startswith("fsdp2"):
+        return (*states["full"]["fsdp2"], activations[mode])
+    return (*states["lora" if mode.startswith("lora") else "full"]["single"], activations[mode])
+
+
+def bench_memory(args, samsum_csv):
+    x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
+    names = args.memory_models.split(",")
+    rows = []
+    for name in names:
+        shape = dict(PRETRAINED[name])
+        states = {"full": state_bytes(shape, False), "lora": state_bytes(shape, True)}
+        activations = activation_bytes(shape, x, y)
+        measured = measured_activation_bytes(shape, x, y, activations) if name in args.memory_measured.split(",") else {}
+        for mode in MODES:
+            parts = per_rank(mode, states, activations)
+            total = sum(parts) / GIB
+            row = dict(section="memory", figure=f"{name}:{mode}:gib_per_rank", value=total,
+                       weights_gib=parts[0] / GIB, grads_gib=parts[1] / GIB, optimizer_gib=parts[2] / GIB,
+                       activations_gib=parts[3] / GIB, fits_t4=total <= T4_USABLE_GIB)
+            if mode in measured:
+                row["measured_activations_gib"] = measured[mode] / GIB
+            rows.append(row)
+    rows.append(dict(section="memory", figure="setup", value=f"{batch}, fp16 autocast on CPU, AdamW, LoRA rank "
+                     f"{LORA_RANK} on attn.c_attn/attn.c_proj/mlp.c_fc/mlp.c_proj, FSDP2 on {FSDP_RANKS} ranks; "
+                     f"fits = total <= {T4_USABLE_GIB} GiB (T4)"))
+    return rows

@@ -1,0 +1,54 @@
+"""The learning-rate schedule: linear warmup, cosine decay to min_lr; saved in ckpt.pt and continued (or
+reshaped by a changed config) when a run resumes."""
+import math
+
+from config import UserError
+
+
+def lr_schedule(run_config):
+    """The LR schedule a run starts with (a dict, saved in ckpt.pt): linear warmup to learning_rate over
+    warmup_iters, cosine decay to min_lr at lr_decay_iters (0 = max_iters), then min_lr."""
+    c = run_config
+    return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
+            "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
+
+
+def learning_rate(it, schedule):
+    s = schedule
+    if it < s["warmup_iters"]:
+        return s["peak_lr"] * (it - s["start"] + 1) / (s["warmup_iters"] - s["start"] + 1)
+    if it >= s["decay_iters"]:
+        return s["min_lr"]
+    ratio = (it - s["warmup_iters"]) / max(1, s["decay_iters"] - s["warmup_iters"])
+    return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["peak_lr"] - s["min_lr"])
+
+
+def resumed_schedule(schedule, saved, cfg, it):
+    """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
+    max_iters does not stretch its decay: the LR stays at min_lr after it). A changed lr_decay_iters or min_lr
+    decays from the current LR to min_lr at the new horizon, a changed learning_rate from that LR instead."""
+    if cfg.warmup_iters != saved["warmup_iters"]:
+        raise UserError(f"warmup_iters cannot change when resuming (the run started with {saved['warmup_iters']}): "
+                        f"resume with --warmup_iters={saved['warmup_iters']}, or use --lr_decay_iters to reshape "
+                        f"the rest of the schedule")
+    changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
+    if not changed:
+        return schedule
+    horizon = cfg.lr_decay_iters or cfg.max_iters
+    if it < schedule["warmup_iters"]:  # still warming up: finish the warmup, then decay to the new horizon
+        return dict(schedule, peak_lr=cfg.learning_rate, min_lr=cfg.min_lr, decay_iters=horizon)
+    start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
+    return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
+
+
+def describe_schedule(schedule, it, max_iters):
+    """One line: what the LR does from step `it` to max_iters."""
+    lr, s = learning_rate(it, schedule), schedule
+    if it >= s["decay_iters"] or lr == s["min_lr"]:
+        plan = f"stays at min_lr until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
+    elif s["decay_iters"] <= max_iters:
+        plan = f"cosine decay to min_lr {s['min_lr']:.2e} at iter {s['decay_iters']}, constant after it until iter {max_iters}"
+    else:
+        plan = (f"cosine decay to {learning_rate(max_iters - 1, s):.2e} at iter {max_iters} (it would reach min_lr "
+                f"{s['min_lr']:.2e} at iter {s['decay_iters']})")
+    return f"learning rate at iter {it}: {lr:.2e}; {plan}"

@@ -1,0 +1,118 @@
+"""FSDP (backend=fsdp under torchrun, 2 gloo ranks on CPU): exact resume, a best.pt that one process scores the
+same, LoRA on FSDP; and gradient checkpointing under torch.compile."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lora
+import train
+from checkpoint import load_checkpoint
+from config import load_config
+from model import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=128",
+        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
+        "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16", "--micro_batch_size=4", "--eval_interval=3",
+        "--lr_decay_iters=6", "--dropout=0.1", "--gradient_checkpointing=True", "--sample_submission_csv="]
+
+
+def run(cmd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    result = subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def fsdp(args):
+    return run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args, "--backend=fsdp"])
+
+
+def losses(out_dir):
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.fixture
+def args(write_csv, tmp_path):
+    # 80 rows: 4 held out for validation, all of them summarized for ROUGE while training
+    return [*TINY, f"--train_csv={write_csv('train.csv', 80)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--rouge_samples=4", "--best_metric=val_loss"]
+
+
+def test_fsdp_resume_is_bit_identical_and_best_pt_scores_the_same_on_one_process(args, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    fsdp([*args, "--max_iters=6", f"--out_dir={straight}"])
+    fsdp([*args, "--max_iters=3", f"--out_dir={resumed}"])
+    fsdp([*args, "--max_iters=6", f"--out_dir={resumed}", "--init_from=resume"])
+    a, b = load_checkpoint(str(straight / "ckpt.pt")), load_checkpoint(str(resumed / "ckpt.pt"))
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name, tensor in a["model"].items():
+        assert type(tensor) is torch.Tensor and torch.equal(tensor, b["model"][name]), name
+    for name, state in a["optimizer"]["state"].items():
+        assert all(torch.equal(value, b["optimizer"]["state"][name][key]) for key, value in state.items()), name
+    assert losses(resumed) == losses(straight)
+    # best.pt: one file, plain tensors, that evaluate.py scores on one process as the FSDP run did
+    best = load_checkpoint(str(straight / "best.pt"))
+    assert set(best["model"]) == set(GPT(GPTConfig(**best["model_args"])).state_dict())
+    run([sys.executable, "evaluate.py", *args, f"--out_dir={straight}"])
+    with open(straight / "eval_metrics.json") as f:
+        report = json.load(f)
+    assert report["n"] == 4
+    for key in ("rouge1", "rouge2", "rougeL"):
+        assert report[key]["mean"] == pytest.approx(best["metrics"][key], abs=1e-9), key
+
+
+def test_lora_on_fsdp_trains_like_lora_on_one_process(args, tmp_path):
+    lora_args = [*args, "--lora_rank=4", "--max_iters=3", "--eval_interval=3", "--dropout=0.0", "--lora_dropout=0.0"]
+    fsdp([*lora_args, f"--out_dir={tmp_path / 'fsdp'}"])
+    train.main([*lora_args, f"--out_dir={tmp_path / 'single'}"])
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
+    fsdp_best, single_best = (load_checkpoint(str(tmp_path / d / "best.pt"))["model"] for d in ("fsdp", "single"))
+    for name, tensor in single_best.items():
+        assert torch.allclose(fsdp_best[name], tensor, atol=1e-6), name
+
+
+def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
+    """torch.compile (inductor, on CPU) of a LoRA model with checkpointed blocks: compiled, not the eager
+    fallback, with the eager loss and gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    model.gradient_checkpointing = True
+    x = torch.randint(0, 64, (2, 32))
+    y = torch.randint(0, 64, (2, 32))
+    runs = []
+    for compiled in (False, True):
+        trained = train.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
+        _, loss = trained(x, y)
+        loss.backward()
+        runs.append((trained, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        model.zero_grad(set_to_none=True)
+    (_, loss, grads), (compiled_model, compiled_loss, compiled_grads) = runs
+    assert isinstance(compiled_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled_loss == pytest.approx(loss, abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(compiled_grads[name], grad, atol=1e-5), name
+
+
+def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(args, tmp_path):
+    """fp16 with GradScaler under FSDP: an inf in rank 1's gradient shard alone (rank 0's are finite) skips the
+    update on both ranks and halves the scale, as one process would."""
+    out = tmp_path / "out"
+    run(["torchrun", "--nproc_per_node=2", "--standalone", "tests/overflow_rank.py", *args, "--backend=fsdp",
+         "--dtype=float16", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}"])
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]  # written by rank 0
+    assert [r["skipped_steps"] for r in rows] == [1, 1]
+    assert rows[1]["loss_scale"] == rows[0]["loss_scale"] == 2.0**15

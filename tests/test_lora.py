@@ -1,0 +1,131 @@
+import copy
+import shutil
+
+import pytest
+import torch
+from peft.tuners.lora import LoraLayer
+
+import evaluate
+import lora
+import predict
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import load_config
+from model import GPT, GPTConfig
+
+ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@pytest.fixture
+def trained_adapter_model():
+    """A tiny GPT with rank-2 adapters whose B is no longer zero (as after training), and the base state dict."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32))
+    base = copy.deepcopy(model.state_dict())
+    cfg = load_config(["--lora_rank=2", "--lora_alpha=8", "--lora_dropout=0.1"])
+    lora.add_adapters(model, **lora.settings(cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    return model.eval(), base, cfg
+
+
+def test_only_adapters_train_and_the_base_is_untouched(trained_adapter_model):
+    model, base, _ = trained_adapter_model
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 4 * model.config.n_layer
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_merged_weights_are_base_plus_low_rank_update(trained_adapter_model):
+    model, base, cfg = trained_adapter_model
+    merged = lora.merged_state_dict(model.state_dict(), **lora.settings(cfg))
+    assert list(merged) == list(base)  # the keys (and order) of a plain GPT: loadable with no adapters
+    peft_merged = copy.deepcopy(model)  # the reference: peft's own in-place merge
+    for module in peft_merged.modules():
+        if isinstance(module, LoraLayer):
+            module.merge()
+    peft_weights = {n.replace(".base_layer", ""): p for n, p in peft_merged.state_dict().items() if ".lora_" not in n}
+    for name, tensor in base.items():
+        if name.endswith(ADAPTED):
+            change = merged[name] - tensor
+            assert torch.equal(merged[name], peft_weights[name]), name
+            assert 0 < torch.linalg.matrix_rank(change) <= cfg.lora_rank, name
+        else:
+            assert torch.equal(merged[name], tensor), name
+
+
+def test_merged_model_logits_equal_the_adapter_model(trained_adapter_model):
+    model, _, cfg = trained_adapter_model
+    plain = GPT(model.config)
+    plain.load_state_dict(lora.merged_state_dict(model.state_dict(), **lora.settings(cfg)))
+    x = torch.randint(0, 96, (3, 32))
+    with torch.no_grad():
+        expected, _ = model(x)
+        got, _ = plain.eval()(x)
+        base_logits, _ = GPT(model.config).eval()(x)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert (expected - base_logits).abs().max().item() > 1e-2  # the adapters do change the model
+
+
+def test_lora_targets_choose_the_layers():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32))
+    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=4", "--lora_targets=attn.c_proj,mlp.c_fc"])))
+    adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
+    assert adapted == [f"transformer.h.{i}.{t}" for i in range(2) for t in ("attn.c_proj", "mlp.c_fc")]
+
+
+# ---- training with LoRA: train.py, then evaluate.py/predict.py from out_dir alone --------------------------
+
+LORA = ["--n_layer=1", "--block_size=128", "--max_new_tokens=16", "--device=cpu", "--dtype=float32",
+        "--compile=False", "--log_interval=1", "--warmup_iters=2", "--learning_rate=1e-2", "--batch_size=8",
+        "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--rouge_samples=2", "--dropout=0.1",
+        "--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True", "--sample_submission_csv="]
+
+
+@pytest.fixture
+def base_dir(tiny_hf_dir, tmp_path):
+    """A copy of the tiny transformers model, which a test may delete."""
+    return shutil.copytree(tiny_hf_dir, tmp_path / "base")
+
+
+@pytest.fixture
+def lora_args(write_csv, tmp_path, base_dir):
+    return [*LORA, f"--init_from={base_dir}", f"--train_csv={write_csv('train.csv', 40)}",
+            f"--test_csv={write_csv('test.csv', 5, seed=7, test=True)}", f"--data_cache_dir={tmp_path / 'cache'}"]
+
+
+def test_lora_training_changes_only_the_adapters_and_best_pt_is_merged(lora_args, base_dir, tmp_path):
+    out = tmp_path / "out"
+    train.main([*lora_args, "--max_iters=6", f"--out_dir={out}"])
+    base = GPT.from_pretrained(str(base_dir)).state_dict()
+    trained = load_checkpoint(str(out / "ckpt.pt"))["model"]
+    adapters = [k for k in trained if ".lora_" in k]
+    assert adapters and all(not torch.equal(trained[k], torch.zeros_like(trained[k])) for k in adapters)
+    for name, tensor in trained.items():
+        if ".lora_" not in name:
+            assert torch.equal(tensor, base[name.replace(".base_layer", "")]), name
+    best = load_checkpoint(str(out / "best.pt"))["model"]
+    assert list(best) == list(base)
+    # ckpt.pt read by evaluate.py/predict.py/export.py (--ckpt=.../ckpt.pt): a plain GPT, adapters merged
+    plain = model_from_checkpoint(load_checkpoint(str(out / "ckpt.pt")), "ckpt.pt")
+    assert list(plain.state_dict()) == list(base)
+    for name, tensor in base.items():
+        if name.endswith(ADAPTED):
+            assert 0 < torch.linalg.matrix_rank(best[name] - tensor) <= 4, name
+        else:
+            assert torch.equal(best[name], tensor), name
+
+
+def test_evaluate_and_predict_run_from_out_dir_with_the_base_model_deleted(lora_args, base_dir, tmp_path):
+    out = tmp_path / "out"
+    train.main([*lora_args, "--max_iters=3", f"--out_dir={out}"])
+    shutil.rmtree(base_dir)
+    predict.main([*lora_args, f"--out_dir={out}"])
+    with open(out / "submission.csv") as f:
+        assert len(f.read().strip().splitlines()) == 1 + 5
+    evaluate.main([*lora_args, f"--out_dir={out}"])
+    assert (out / "eval_metrics.json").exists()

@@ -50,3 +50,15 @@ def write_csv(tmp_path):
         (frame.drop(columns="summary") if test else frame).to_csv(path, index=False)
         return str(path)
     return write
+
+
+def assert_export_matches(best_pt, export_dir):
+    """export.py turns best_pt into a transformers folder whose logits are ours (1e-5)."""
+    import export
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    export.main([f"--ckpt={best_pt}", f"--export_dir={export_dir}"])
+    ours = model_from_checkpoint(load_checkpoint(str(best_pt)), str(best_pt)).eval()
+    hf = GPT2LMHeadModel.from_pretrained(export_dir).eval()
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[0], atol=1e-5, rtol=1e-5)

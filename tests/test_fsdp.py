@@ -13,6 +13,7 @@ import lora
 import train
 from checkpoint import load_checkpoint
 from config import load_config
+from conftest import assert_export_matches
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,7 @@ def test_fsdp_resume_is_bit_identical_and_best_pt_scores_the_same_on_one_process
     assert report["n"] == 4
     for key in ("rouge1", "rouge2", "rougeL"):
         assert report[key]["mean"] == pytest.approx(best["metrics"][key], abs=1e-9), key
+    assert_export_matches(straight / "best.pt", tmp_path / "exported")
 
 
 def test_lora_on_fsdp_trains_like_lora_on_one_process(args, tmp_path):

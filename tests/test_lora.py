@@ -11,6 +11,7 @@ import predict
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import load_config
+from conftest import assert_export_matches
 from model import GPT, GPTConfig
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -129,3 +130,4 @@ def test_evaluate_and_predict_run_from_out_dir_with_the_base_model_deleted(lora_
         assert len(f.read().strip().splitlines()) == 1 + 5
     evaluate.main([*lora_args, f"--out_dir={out}"])
     assert (out / "eval_metrics.json").exists()
+    assert_export_matches(out / "best.pt", tmp_path / "exported")  # merged weights: a plain transformers GPT-2

@@ -12,7 +12,7 @@ from model import GPT, GPTConfig
 
 # What a training run (and evaluate.py/predict.py after it) writes into out_dir.
 RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",
-             "eval_metrics.json", "submission.csv", "tensorboard", "wandb")
+             "eval_metrics.json", "submission.csv", "sweep.csv", "sweep.md", "tensorboard", "wandb")
 
 
 def make_out_dir(path):

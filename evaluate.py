@@ -22,7 +22,7 @@ from checkpoint import load_checkpoint, make_out_dir, model_from_checkpoint
 from config import ROUGE_TYPES, UserError, load_config, parse_sweep
 from files import atomic_write
 from generate import summarize_sharded
-from metrics import rouge_per_example
+from metrics import rouge, rouge_per_example
 from model import GPT, GPTConfig
 from runtime import Runtime
 
@@ -144,7 +144,7 @@ def sweep(cfg, rt):
         predictions = summarize_sharded(model, val.dialogues, setting_cfg, rt)
         seconds = time.perf_counter() - start
         if rt.is_main:
-            scores = {t: float(np.mean(v)) for t, v in rouge_per_example(predictions, val.summaries).items()}
+            scores = rouge(predictions, val.summaries)
             rows.append({"setting": label, "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
                          "rougeL": scores["rougeL"], "mean_tokens": mean_tokens(predictions),
                          "summaries_per_s": len(predictions) / seconds})

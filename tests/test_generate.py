@@ -3,7 +3,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from generate import summary_text
-from metrics import mbr_select
+from metrics import agreement, mbr_select
 from model import GPT
 
 MAX_NEW = 24
@@ -207,6 +207,20 @@ def test_mbr_select_picks_the_consensus():
     assert mbr_select(["x", "y z"], [1, 3]) == 1 and mbr_select(["x", "y z"], [3, 1]) == 0
     assert mbr_select(["tom will come", "tom will come"], [1, 1]) == 0
     assert mbr_select(["a b", "a c", "c d"], [1, 1, 1], metric="rouge1") == 1
+
+
+@pytest.mark.parametrize("metric", ["rouge1", "rouge2", "rougeL", "rougeLsum"])
+def test_agreement_is_rouge_score_of_every_pair(metric):
+    import random
+    rng = random.Random(0)
+    words = ["Tom", "Ann", "meeting", "meets", "met", "will", "won't", "cooking", "cooked", "the", "at", "noon",
+             "tomorrow's", "3pm", "!", ",", "\n", "...", ""]
+    texts = ["", "  ", "!!"] + [" ".join(rng.choice(words) for _ in range(rng.randint(1, 25))) for _ in range(40)]
+    scorer = rouge_scorer.RougeScorer([metric], use_stemmer=True)
+    expected = [[scorer.score(reference, prediction)[metric].fmeasure for reference in texts]
+                for prediction in texts]
+    assert agreement(texts, metric) == expected  # exactly: the same tokens, LCS lengths and F1 arithmetic
+    assert any(0 < x < 1 for row in expected for x in row)
 
 
 def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):

@@ -371,21 +371,28 @@ def compare_decodings(name, cfg, ckpt, device):
     model = model_from_checkpoint(load_checkpoint(path), path).to(device).eval()
     val = data.load_datasets(cfg).val
     summarize(model, val.dialogues[:4], cfg, contextlib.nullcontext())  # warm-up: tokenizer, allocator
-    rows, scores, seconds = [], {}, {}
+    # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
+    lm_head_rows = []
+    model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
+    rows, scores, seconds, decoded = [], {}, {}, {}
     for method, options in DECODINGS.items():
         run_cfg = dataclasses.replace(cfg, **options)
+        lm_head_rows.clear()
         predictions, seconds[method] = timed(
             lambda: summarize(model, val.dialogues, run_cfg, contextlib.nullcontext()), device)
+        decoded[method] = sum(lm_head_rows)
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
         rows.append(dict(section="decode", figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
-                         rougeL=score["rougeL"], summaries_per_s=rate,
+                         rougeL=score["rougeL"], summaries_per_s=rate, lm_head_rows=decoded[method],
                          value=f"ROUGE-1 {score['rouge1']:.4f}  ROUGE-2 {score['rouge2']:.4f}  ROUGE-L "
-                               f"{score['rougeL']:.4f}  {rate:.1f} summaries/s"))
+                               f"{score['rougeL']:.4f}  {rate:.1f} summaries/s  {decoded[method]} lm_head rows"))
     rows += [dict(section="decode", figure=f"{name}:mbr16_rougeL_gain_points",
                   value=100 * (scores["mbr16"]["rougeL"] - scores["greedy"]["rougeL"]), target=">= 1"),
              dict(section="decode", figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"],
                   target="<= 4"),
+             dict(section="decode", figure=f"{name}:mbr16_lm_head_rows_vs_greedy",
+                  value=decoded["mbr16"] / decoded["greedy"]),
              dict(section="decode", figure=f"{name}:dialogues", value=len(val.dialogues))]
     return rows
 

@@ -333,7 +333,8 @@ SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv="
 def bench_decode(args, device):
     """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
     (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
-    on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%."""
+    on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
+    autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
     with tempfile.TemporaryDirectory() as tmp:
         demo = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
                 "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
@@ -374,12 +375,17 @@ def compare_decodings(name, cfg, ckpt, device):
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
     lm_head_rows = []
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
-    rows, scores, seconds, decoded = [], {}, {}, {}
-    for method, options in DECODINGS.items():
+    # evaluate.py and predict.py decode under autocast in the training dtype: greedy in it against float32
+    half = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
+    runs = [(method, options, contextlib.nullcontext()) for method, options in DECODINGS.items()]
+    runs.append((half_greedy, {}, torch.autocast(device.type, dtype=half)))
+    rows, scores, seconds, decoded, summaries = [], {}, {}, {}, {}
+    for method, options, autocast in runs:
         run_cfg = dataclasses.replace(cfg, **options)
         lm_head_rows.clear()
-        predictions, seconds[method] = timed(
-            lambda: summarize(model, val.dialogues, run_cfg, contextlib.nullcontext()), device)
+        predictions, seconds[method] = timed(lambda: summarize(model, val.dialogues, run_cfg, autocast), device)
+        summaries[method] = predictions
         decoded[method] = sum(lm_head_rows)
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
@@ -393,6 +399,10 @@ def compare_decodings(name, cfg, ckpt, device):
                   target="<= 4"),
              dict(section="decode", figure=f"{name}:mbr16_lm_head_rows_vs_greedy",
                   value=decoded["mbr16"] / decoded["greedy"]),
+             dict(section="decode", figure=f"{name}:{half_greedy}_rougeL_change_points",
+                  value=100 * (scores[half_greedy]["rougeL"] - scores["greedy"]["rougeL"])),
+             dict(section="decode", figure=f"{name}:{half_greedy}_summaries_identical_to_float32",
+                  value=f"{sum(map(str.__eq__, summaries[half_greedy], summaries['greedy']))}/{len(val.dialogues)}"),
              dict(section="decode", figure=f"{name}:dialogues", value=len(val.dialogues))]
     return rows
 

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -342,20 +343,21 @@ def bench_decode(args, device):
                  for split in ("train", "validation", "test")]
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
         if os.path.exists(demo_ckpt):
-            rows = compare_decodings("demo", load_config(demo), demo_ckpt, device)
+            rows = compare_decodings("demo", load_config(demo), demo_ckpt, device, args.repeats)
             source = "out-demo/best.pt"
         else:
-            rows = compare_decodings("demo", train_quietly([*demo, f"--out_dir={tmp}/demo"]), None, device)
+            rows = compare_decodings("demo", train_quietly([*demo, f"--out_dir={tmp}/demo"]), None, device,
+                                     args.repeats)
             source = "trained here with config/demo.py"
         if os.path.exists(SAMSUM_CSV):
             cfg = train_quietly([*demo, f"--train_csv={SAMSUM_CSV}", *SAMSUM_TINY, f"--out_dir={tmp}/samsum"])
-            rows += compare_decodings("samsum", cfg, None, device)
+            rows += compare_decodings("samsum", cfg, None, device, args.repeats)
             source += (f"; samsum model: 2 layers, 64 wide, trained {cfg.max_iters} steps from scratch on "
                        f"{1 - cfg.val_fraction:.0%} of {os.path.basename(SAMSUM_CSV)}, scored on the rest")
         else:
             rows.append(dict(section="decode", figure="samsum", value=f"skipped: {SAMSUM_CSV} not found"))
     rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
-                     f"{MBR_SAMPLING}; one timed run each after a warm-up, {device}"))
+                     f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
 
 
@@ -367,26 +369,32 @@ def train_quietly(argv):
     return cfg
 
 
-def compare_decodings(name, cfg, ckpt, device):
+def compare_decodings(name, cfg, ckpt, device, repeats):
     path = ckpt or os.path.join(cfg.out_dir, "best.pt")
     model = model_from_checkpoint(load_checkpoint(path), path).to(device).eval()
     val = data.load_datasets(cfg).val
-    summarize(model, val.dialogues[:4], cfg, contextlib.nullcontext())  # warm-up: tokenizer, allocator
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
-    lm_head_rows = []
+    lm_head_rows, decoded = [], {}
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
     # evaluate.py and predict.py decode under autocast in the training dtype: greedy in it against float32
     half = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
-    runs = [(method, options, contextlib.nullcontext()) for method, options in DECODINGS.items()]
-    runs.append((half_greedy, {}, torch.autocast(device.type, dtype=half)))
-    rows, scores, seconds, decoded, summaries = [], {}, {}, {}, {}
-    for method, options, autocast in runs:
-        run_cfg = dataclasses.replace(cfg, **options)
+    runs = {method: (dataclasses.replace(cfg, **options), contextlib.nullcontext())
+            for method, options in DECODINGS.items()}
+    runs[half_greedy] = (cfg, torch.autocast(device.type, dtype=half))
+
+    def decode(method):
+        run_cfg, autocast = runs[method]
         lm_head_rows.clear()
-        predictions, seconds[method] = timed(lambda: summarize(model, val.dialogues, run_cfg, autocast), device)
-        summaries[method] = predictions
-        decoded[method] = sum(lm_head_rows)
+        predictions = summarize(model, val.dialogues, run_cfg, autocast)
+        decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
+        return predictions
+
+    summaries, seconds, _ = interleaved({method: functools.partial(decode, method) for method in runs}, device,
+                                        repeats)
+    rows, scores = [], {}
+    for method in runs:
+        predictions = summaries[method]
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
         rows.append(dict(section="decode", figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],

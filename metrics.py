@@ -27,14 +27,16 @@ def rouge(predictions, references):
 
 
 class StemCachedTokenizer(tokenizers.Tokenizer):
-    """rouge-score's own tokenizer with its Porter stemmer, each distinct word stemmed once: stemming is most of
-    what tokenizing costs, and summaries repeat their words. Same tokens as rouge-score's default."""
+    """rouge-score's own tokenizer with its Porter stemmer, each distinct text tokenized and each distinct word
+    stemmed once: MBR scores every candidate against every other, stemming is most of what tokenizing costs, and
+    summaries repeat their words. Same tokens as rouge-score's default."""
 
     def __init__(self):
         self.stem = functools.cache(porter.PorterStemmer().stem)
+        self.tokens = functools.cache(lambda text: tokenize.tokenize(text, self))
 
     def tokenize(self, text):
-        return tokenize.tokenize(text, self)
+        return self.tokens(text)
 
 
 def agreement(candidates, metric="rougeL"):

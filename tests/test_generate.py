@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 from rouge_score import rouge_scorer
@@ -211,7 +213,6 @@ def test_mbr_select_picks_the_consensus():
 
 @pytest.mark.parametrize("metric", ["rouge1", "rouge2", "rougeL", "rougeLsum"])
 def test_agreement_is_rouge_score_of_every_pair(metric):
-    import random
     rng = random.Random(0)
     words = ["Tom", "Ann", "meeting", "meets", "met", "will", "won't", "cooking", "cooked", "the", "at", "noon",
              "tomorrow's", "3pm", "!", ",", "\n", "...", ""]

@@ -23,10 +23,10 @@ import torch
 import bench_memory
 import data
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
 from config import PROMPT_TEMPLATE, load_config
 from data import EOT_ID
-from generate import summarize
+from generate import generate
+from inference import open_run, summarize
 from metrics import rouge
 from model import GPT
 from runtime import Runtime
@@ -46,7 +46,8 @@ def samsum_examples(n, seed=0):
         frame = pd.read_csv(SAMSUM_CSV).dropna()
         picked = rng.choice(len(frame), size=min(n, len(frame)), replace=False)
         enc = data.get_tokenizer()
-        return [(data.encode_prompt(frame["dialogue"].iloc[i], 1024 - 80, PROMPT_TEMPLATE),
+        fmt = data.prompt_format(PROMPT_TEMPLATE, 1024, 80)
+        return [(fmt.encode(frame["dialogue"].iloc[i])[0],
                  enc.encode_ordinary(frame["summary"].iloc[i])) for i in picked], "samsum"
     prompt_lengths = np.clip(rng.lognormal(np.log(130), 0.6, size=n), 16, 760).astype(int)
     summary_lengths = np.clip(rng.lognormal(np.log(22), 0.5, size=n), 3, 76).astype(int)
@@ -156,7 +157,7 @@ def summary_end_token(model, prompts, max_new):
     ends each summary at its own length; to measure that case, use as EOS the token this model emits most
     often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
     counts = {}
-    for row in model.generate(prompts[:16], max_new, eos_token_id=-1):
+    for row in generate(model, prompts[:16], max_new, eos_token_id=-1):
         for token in set(row[4:]):
             counts[token] = counts.get(token, 0) + 1
     return max(counts, key=counts.get)
@@ -169,7 +170,7 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     naive_picks = list(range(0, len(flat), max(1, len(flat) // args.naive_prompts)))[:args.naive_prompts]
 
     def ours_batched():
-        return [row for batch in batches for row in ours.generate(batch, max_new, eos_token_id=eos)]
+        return [row for batch in batches for row in generate(ours, batch, max_new, eos_token_id=eos)]
 
     @torch.inference_mode()
     def hf_batched():
@@ -370,23 +371,24 @@ def train_quietly(argv):
 
 
 def compare_decodings(name, cfg, ckpt, device, repeats):
-    path = ckpt or os.path.join(cfg.out_dir, "best.pt")
-    model = model_from_checkpoint(load_checkpoint(path), path).to(device).eval()
-    val = data.load_datasets(cfg).val
+    run = open_run(dataclasses.replace(cfg, ckpt=ckpt or ""))
+    model = run.model.to(device).eval()
+    val = data.load_datasets(run.cfg).val
+    prompts, _ = run.prompts(val.dialogues)
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
     lm_head_rows, decoded = [], {}
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
     # evaluate.py and predict.py decode under autocast in the training dtype: greedy in it against float32
     half = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
-    runs = {method: (dataclasses.replace(cfg, **options), contextlib.nullcontext())
+    runs = {method: (dataclasses.replace(run.cfg, **options), contextlib.nullcontext())
             for method, options in DECODINGS.items()}
-    runs[half_greedy] = (cfg, torch.autocast(device.type, dtype=half))
+    runs[half_greedy] = (run.cfg, torch.autocast(device.type, dtype=half))
 
     def decode(method):
         run_cfg, autocast = runs[method]
         lm_head_rows.clear()
-        predictions = summarize(model, val.dialogues, run_cfg, autocast)
+        predictions = summarize(model, prompts, run_cfg, autocast)
         decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
         return predictions
 

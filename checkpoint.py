@@ -1,6 +1,8 @@
-"""Checkpoint files: written atomically by rank 0, read back with weights_only so a file cannot run code; the
-check that out_dir can take them, and moving an earlier run's files aside before a fresh run."""
+"""Models and their checkpoint files: the one function that builds a model (untrained, pretrained GPT-2, or a
+checkpoint's); checkpoints written atomically by rank 0 and read back with weights_only so a file cannot run code;
+the check that out_dir can take them, and moving an earlier run's files (or an earlier best.pt) aside."""
 import datetime
+import glob
 import os
 
 import torch
@@ -9,6 +11,7 @@ import lora
 from config import UserError
 from files import atomic_write
 from model import GPT, GPTConfig
+from data import TOKENIZER_ID
 
 # What a training run (and evaluate.py/predict.py after it) writes into out_dir.
 RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",
@@ -27,9 +30,11 @@ def make_out_dir(path):
 
 
 def archive_previous_run(out_dir):
-    """Move the files of an earlier run in out_dir (RUN_FILES) into out_dir/previous-run-<its time>/, so a fresh
-    run neither appends to its metrics nor overwrites its checkpoints. Returns a line saying so, or None."""
+    """Move the files of an earlier run in out_dir (RUN_FILES, and best-<metric>.pt files) into
+    out_dir/previous-run-<its time>/, so a fresh run neither appends to its metrics nor overwrites its checkpoints.
+    Returns a line saying so, or None."""
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     if not found:
         return None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
@@ -43,6 +48,20 @@ def archive_previous_run(out_dir):
         os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
     return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
             f"--init_from=resume instead)")
+
+
+def keep_best_of_metric(out_dir, metric):
+    """Rename out_dir/best.pt, the best by `metric`, to best-<metric>.pt (best-<metric>-2.pt, ... if taken), so a
+    run that now picks its best by another metric loses nothing. Returns the new path, or None without best.pt."""
+    best = os.path.join(out_dir, "best.pt")
+    if not os.path.exists(best):
+        return None
+    kept, n = os.path.join(out_dir, f"best-{metric}.pt"), 1
+    while os.path.exists(kept):
+        n += 1
+        kept = os.path.join(out_dir, f"best-{metric}-{n}.pt")
+    os.replace(best, kept)
+    return kept
 
 
 def save_checkpoint(state, path):
@@ -71,9 +90,35 @@ def load_checkpoint(path):
     return ckpt
 
 
+def build_model(source, cfg=None, keep_adapters=False, key="init_from"):
+    """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
+    - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
+    - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
+      cfg.block_size when that is shorter;
+    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds base weights and
+      adapters: merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
+    cfg.dropout applies to the first two (a checkpoint's model has the dropout it was saved with). Errors name
+    the config key the source came from."""
+    if os.path.isfile(source) or source.endswith(".pt"):
+        ckpt = load_checkpoint(source)
+        return model_from_checkpoint(ckpt, source, keep_adapters), ckpt
+    if source == "scratch":
+        return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                             dropout=cfg.dropout, bias=cfg.bias)), None
+    try:
+        model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0)
+    except FileNotFoundError as e:
+        raise UserError(f"{key}={e}") from None
+    if cfg and cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model, None
+
+
 def model_from_checkpoint(ckpt, path, keep_adapters=False):
-    """The checkpoint's model. A LoRA run's ckpt.pt holds the base weights and the adapters: merged into a plain
-    GPT (as in best.pt), or with keep_adapters (to resume) kept as they are."""
+    """The checkpoint's model (see build_model)."""
+    if ckpt.get("tokenizer", TOKENIZER_ID) != TOKENIZER_ID:
+        raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
+                        f"its token ids would mean other text")
     try:
         model = GPT(GPTConfig(**ckpt["model_args"]))
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent

@@ -13,6 +13,7 @@ import difflib
 import json
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass, field, fields
 
@@ -157,8 +158,8 @@ def check_values(cfg):
         if choices and getattr(cfg, f.name) not in choices:
             raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(map(str, choices))}")
     positive = ("batch_size", "micro_batch_size", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
-                "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout")
-    non_negative = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
+                "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout", "max_iters")
+    non_negative = ("warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
                     "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
                     "temperature", "mbr_samples", "lora_rank")
     for name in positive:
@@ -195,9 +196,6 @@ def check_values(cfg):
     if cfg.init_from in GPT2_NAMES and cfg.block_size > 1024:
         raise UserError(f"block_size={cfg.block_size} exceeds GPT-2's 1024 positions: use block_size <= 1024 "
                         f"or init_from='scratch'")
-    if cfg.max_new_tokens >= cfg.block_size:
-        raise UserError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for the prompt in "
-                        f"block_size={cfg.block_size}: make it smaller than block_size")
     if cfg.batch_size % cfg.micro_batch_size:
         raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
     if not 0 <= cfg.min_new_tokens <= cfg.max_new_tokens:
@@ -223,9 +221,17 @@ def lora_target_list(lora_targets):
     return [t.strip() for t in lora_targets.split(",") if t.strip()]
 
 
+# How inference.py treats a trained run's saved config: what training fixed comes from the checkpoint (a flag may
+# only repeat it); decoding and data settings default to the run's, and an explicit --key=value replaces them.
+FIXED_KEYS = ("prompt_template", "block_size", "train_on_prompt")
+DATA_KEYS = ("train_csv", "validation_csv", "val_fraction", "split_seed", "dialogue_column", "summary_column",
+             "id_column")
 SWEEP_KEYS = ("min_new_tokens", "num_beams", "temperature", "top_k", "top_p", "epsilon", "length_penalty",
               "repetition_penalty", "no_repeat_ngram_size", "mbr_samples", "mbr_metric", "mbr_include_beam", "seed",
               "gen_batch_size")
+
+
+DECODING_KEYS = ("max_new_tokens", *(key for key in SWEEP_KEYS if key != "gen_batch_size"))
 
 
 def parse_sweep(text):
@@ -344,7 +350,7 @@ def read_preset(path):
 def load_config(argv, base=None):
     """The Config from `base` (default: the defaults) updated by presets and --key=value overrides, in order."""
     if "-h" in argv or "--help" in argv:
-        print(__doc__.strip() + "\n\n" + help_text())
+        print_help()
         raise SystemExit(0)
     values = dataclasses.asdict(base) if base is not None else {}
     for arg in argv:
@@ -356,9 +362,17 @@ def load_config(argv, base=None):
     return Config(**values)
 
 
-def read_config(path):
-    """A config saved by save_config (or any preset), on top of the defaults."""
-    return load_config([path])
+def explicit_keys(argv):
+    """The keys given as --key=value (not those a preset sets): what a command asks for in so many words."""
+    return {parse_override(arg)[0] for arg in argv if arg.startswith("--") and arg not in ("-h", "--help")}
+
+
+def print_help():
+    """The usage and every key; a reader that stops early (`--help | head`) is not an error."""
+    try:
+        print(__doc__.strip() + "\n\n" + help_text(), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 
 
 def save_config(cfg, path):

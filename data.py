@@ -1,5 +1,6 @@
 """Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
-padded batches: read_table/load_datasets/read_test, encode_prompt, TrainBatches, eval_batches."""
+padded batches: read_table/load_datasets/read_test, prompt_format (the one truncation rule), TrainBatches,
+eval_batches."""
 import codecs
 import functools
 import hashlib
@@ -15,7 +16,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from config import PROMPT_TEMPLATE, UserError
+from config import UserError
 from files import atomic_write
 
 EOT_TOKEN = "<|endoftext|>"
@@ -25,6 +26,8 @@ ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 # GPT-2's pre-tokenization regex, as tiktoken writes it for r50k/gpt2.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# What a checkpoint records of the tokenizer it was trained with, so inference refuses another one.
+TOKENIZER_ID = "gpt2-bpe:" + hashlib.sha256(f"{ENCODER_JSON_SHA256}{VOCAB_BPE_SHA256}{GPT2_PATTERN}".encode()).hexdigest()[:16]
 
 
 class TokenizerFileError(UserError):
@@ -84,7 +87,7 @@ PAD_MULTIPLE = 8
 # Global batches are length-grouped over this many consecutive steps: more pads less (SAMSum, micro-batch 16:
 # 13% padding at 1, 5% at 4) but makes a step's examples more alike in length.
 GROUP_STEPS = 4
-CACHE_VERSION = 1  # bump when the meaning of the cached arrays changes
+CACHE_VERSION = 2  # bump when the meaning of the cached arrays changes
 
 
 def _read_as_cp1252(err):
@@ -110,6 +113,7 @@ class Table:
     summaries: list | None
     empty: int
     digest: str  # sha256 of the file's bytes and the columns read
+    has_ids: bool  # False: the CSV has no id column, and ids are row numbers
 
 
 def read_frame(path, key, missing_hint=None):
@@ -158,7 +162,7 @@ def read_table(path, key, cfg, test=False):
             raise UserError(f"{key} {path}: every row has an empty dialogue or summary")
     digest = hashlib.sha256(raw + repr((dialogue, summary, id_column)).encode()).hexdigest()
     return Table(path, ids.tolist(), dialogues.tolist(), None if test else summaries.tolist(), int(empty.sum()),
-                 digest)
+                 digest, bool(id_column))
 
 
 def find_column(frame, wanted, candidates, role, key, path, required=True):
@@ -187,41 +191,59 @@ def split_rows(n, val_fraction, seed):
 
 @functools.cache
 def template_tokens(template):
-    """Tokens of the prompt before and after the dialogue (header, and the cue the summary follows)."""
+    """Tokens of the prompt before and after the dialogue (header, and the cue the summary follows), each part
+    tokenized on its own."""
     head, tail = template.format(dialogue="\0").split("\0")
     enc = get_tokenizer()
     return enc.encode_ordinary(head), enc.encode_ordinary(tail)
 
 
-def fit_prompt(head, dialogue, tail, max_tokens):
-    """head + dialogue + tail in at most max_tokens, cutting the end of the dialogue only; (tokens, was_cut)."""
-    keep = max_tokens - len(head) - len(tail)
-    return head + dialogue[:keep] + tail, keep < len(dialogue)
+@dataclass(frozen=True)
+class PromptFormat:
+    """The one truncation rule, for training, evaluation, prediction and the export's model card alike: a prompt
+    is the template's head tokens + the first `max_dialogue` tokens of the dialogue + its tail tokens, at most
+    block_size - max_new_tokens tokens, so a summary of max_new_tokens still fits. The end of a long dialogue
+    is what is cut. Training cuts a dialogue further only when its reference summary is longer than that."""
+    head: list
+    tail: list
+    max_dialogue: int
+
+    def fit(self, dialogue, max_dialogue=None):
+        """(prompt tokens, whether the dialogue was cut) from the dialogue's tokens."""
+        keep = self.max_dialogue if max_dialogue is None else min(max_dialogue, self.max_dialogue)
+        return self.head + dialogue[:keep] + self.tail, keep < len(dialogue)
+
+    def encode(self, dialogue):
+        """(prompt tokens, whether the dialogue was cut) from the dialogue's text."""
+        return self.fit(get_tokenizer().encode_ordinary(clean_text(dialogue)))
 
 
-def encode_prompt(dialogue, max_prompt_tokens, template=PROMPT_TEMPLATE):
-    """The prompt tokens a summary is generated from, cut exactly as training cuts them."""
+def prompt_format(template, block_size, max_new_tokens):
+    """The PromptFormat of a run; the one place that checks that the prompt and the summary fit block_size."""
     head, tail = template_tokens(template)
-    if max_prompt_tokens <= len(head) + len(tail):
-        raise UserError(f"only {max_prompt_tokens} prompt tokens are left (block_size - max_new_tokens), the "
-                        f"template alone needs {len(head) + len(tail)}: lower max_new_tokens")
-    return fit_prompt(head, get_tokenizer().encode_ordinary(clean_text(dialogue)), tail, max_prompt_tokens)[0]
+    max_dialogue = block_size - max_new_tokens - len(head) - len(tail)
+    if max_dialogue < 1:
+        raise UserError(f"block_size={block_size} leaves no room for a dialogue: max_new_tokens={max_new_tokens} "
+                        f"plus the prompt template's {len(head) + len(tail)} tokens take it all; lower "
+                        f"max_new_tokens below {block_size - len(head) - len(tail)}")
+    return PromptFormat(head, tail, max_dialogue)
 
 
-def encode_example(dialogue, summary, head, tail, block_size):
+def encode_example(dialogue, summary, fmt, block_size):
     """(prompt + summary + EOS, prompt length, dialogue was cut) from token lists, or None when the summary
     leaves no room for a dialogue. The sequence has block_size + 1 tokens at most: x = seq[:-1], y = seq[1:]."""
-    max_prompt = block_size - len(summary)
-    if max_prompt <= len(head) + len(tail):
+    room = block_size - len(summary) - len(fmt.head) - len(fmt.tail)
+    if room < 1:
         return None
-    prompt, cut = fit_prompt(head, dialogue, tail, max_prompt)
+    prompt, cut = fmt.fit(dialogue, room)
     return prompt + summary + [EOT_ID], len(prompt), cut
 
 
-def tokenize_table(table, template, block_size, progress=False):
-    """Arrays over every row of `table`: row i is tokens[offsets[i]:offsets[i+1]] (empty when skipped),
-    prompt_lens[i] of them the prompt; cut[i] says the dialogue was shortened."""
-    enc, (head, tail) = get_tokenizer(), template_tokens(template)
+def tokenize_table(table, fmt, block_size, progress=False):
+    """Arrays over every row of `table` (prompts as PromptFormat `fmt` makes them): row i is
+    tokens[offsets[i]:offsets[i+1]] (empty when skipped), prompt_lens[i] of them the prompt; cut[i] says the
+    dialogue was shortened."""
+    enc = get_tokenizer()
     n, chunk = len(table.dialogues), 1024
     lengths, prompt_lens, cut = np.zeros(n, np.int64), np.zeros(n, np.int32), np.zeros(n, bool)
     pieces = []
@@ -230,7 +252,7 @@ def tokenize_table(table, template, block_size, progress=False):
             dialogues = enc.encode_ordinary_batch(table.dialogues[start:start + chunk])
             summaries = enc.encode_ordinary_batch(table.summaries[start:start + chunk])
             for i, (dialogue, summary) in enumerate(zip(dialogues, summaries), start):
-                example = encode_example(dialogue, summary, head, tail, block_size)
+                example = encode_example(dialogue, summary, fmt, block_size)
                 if example is not None:
                     sequence, prompt_lens[i], cut[i] = example
                     lengths[i] = len(sequence)
@@ -244,21 +266,27 @@ def no_op():
     pass
 
 
-def cached_tokens(table, cfg, is_main=True, barrier=no_op):
+def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
     """tokenize_table's arrays, built once by the main rank and saved, while the other ranks wait at `barrier`;
     later runs load them. The file name carries a hash of everything the tokens depend on."""
-    key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size,
-                               ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, GPT2_PATTERN)).encode()).hexdigest()
+    key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
+                               TOKENIZER_ID)).encode()).hexdigest()
     stem = os.path.splitext(os.path.basename(table.path))[0]
     path = os.path.join(cfg.data_cache_dir, f"{stem}-{key[:16]}.npz")
     if is_main and not os.path.exists(path):
-        arrays = tokenize_table(table, cfg.prompt_template, cfg.block_size, progress=True)
+        arrays = tokenize_table(table, fmt, cfg.block_size, progress=True)
         os.makedirs(cfg.data_cache_dir, exist_ok=True)
         with atomic_write(path, "wb") as f:
             np.savez(f, **arrays)
     barrier()
     with np.load(path) as f:
         return {name: f[name] for name in f.files}
+
+
+def text_hashes(texts):
+    """64-bit hashes (blake2b) of texts with runs of whitespace made one space, as an int64 tensor."""
+    return torch.tensor([int.from_bytes(hashlib.blake2b(" ".join(t.split()).encode(), digest_size=8).digest(),
+                                        "little", signed=True) for t in texts], dtype=torch.int64)
 
 
 @dataclass
@@ -273,6 +301,8 @@ class Examples:
     summaries: list
     cut: int = 0  # dialogues shortened to fit block_size
     too_long: int = 0  # rows skipped because their summary alone does not fit block_size
+    has_ids: bool = True  # False: ids are row numbers (the CSV has no id column)
+    digest: str = ""  # the CSV's Table.digest
 
     @classmethod
     def from_rows(cls, table, arrays, rows):
@@ -282,7 +312,8 @@ class Examples:
         tokens = np.concatenate([np.zeros(0, np.uint16)] + [arrays["tokens"][offsets[r]:offsets[r + 1]] for r in fits])
         return cls(tokens, np.concatenate([[0], np.cumsum(lengths[fits])]), arrays["prompt_lens"][fits],
                    [table.ids[r] for r in fits], [table.dialogues[r] for r in fits],
-                   [table.summaries[r] for r in fits], int(arrays["cut"][fits].sum()), len(rows) - len(fits))
+                   [table.summaries[r] for r in fits], int(arrays["cut"][fits].sum()), len(rows) - len(fits),
+                   table.has_ids, table.digest)
 
     def __len__(self):
         return len(self.prompt_lens)
@@ -293,6 +324,12 @@ class Examples:
 
     def sequence(self, i):
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def fingerprints(self):
+        """What a checkpoint keeps of the rows it trained on, to refuse scoring them later: 64-bit hashes of the
+        dialogues (whitespace-normalised) and, when the CSV has an id column, of the ids; int64 tensors."""
+        return {"digest": self.digest, "dialogues": text_hashes(self.dialogues),
+                "ids": text_hashes(self.ids) if self.has_ids else None}
 
     def target_counts(self, train_on_prompt=False):
         """Per example, the entries of y that are not -1: summary + EOS, or every token but the first."""
@@ -308,12 +345,13 @@ class Splits:
 
 def load_datasets(cfg, is_main=True, barrier=no_op):
     """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
+    fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(cfg.train_csv, "train_csv", cfg)
-    arrays = cached_tokens(table, cfg, is_main, barrier)
+    arrays = cached_tokens(table, cfg, fmt, is_main, barrier)
     notes = [f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary"] if table.empty else []
     if cfg.validation_csv:
         val_table = read_table(cfg.validation_csv, "validation_csv", cfg)
-        val = Examples.from_rows(val_table, cached_tokens(val_table, cfg, is_main, barrier),
+        val = Examples.from_rows(val_table, cached_tokens(val_table, cfg, fmt, is_main, barrier),
                                  np.arange(len(val_table.ids)))
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
         if val_table.empty:
@@ -326,7 +364,8 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
         train, val = Examples.from_rows(table, arrays, train_rows), Examples.from_rows(table, arrays, val_rows)
     for name, examples in (("train", train), ("validation", val)):
         if examples.cut:
-            notes.append(f"{name}: cut the end of {examples.cut} dialogue(s) to fit block_size={cfg.block_size}")
+            notes.append(f"{name}: cut the end of {examples.cut} dialogue(s) to fit block_size={cfg.block_size} "
+                         f"(at most {fmt.max_dialogue} dialogue tokens, leaving max_new_tokens={cfg.max_new_tokens})")
         if examples.too_long:
             notes.append(f"{name}: skipped {examples.too_long} example(s) whose summary alone does not fit "
                          f"block_size={cfg.block_size}")

@@ -3,9 +3,9 @@ for from_pretrained, pipeline, the Hugging Face Hub or a Kaggle dataset.
 
     python export.py [preset] [--ckpt=path] --export_dir=DIR [--overwrite=True] [--num_beams=4 ...]
 
-The decoding settings (generation_config.json) and the prompt template are the run's, read from the
-checkpoint; keys given here, in a preset or as --key=value, replace them. `--init_from=DIR` fine-tunes the
-exported folder further.
+The prompt template, the truncation rule and the decoding settings (generation_config.json) are the run's,
+read from the checkpoint as inference.py reads them: an explicit --key=value replaces a decoding setting, a preset
+does not. `--init_from=DIR` fine-tunes the exported folder further.
 """
 import os
 import shutil
@@ -16,9 +16,10 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from checkpoint import load_checkpoint, model_from_checkpoint
-from config import FIELDS, GPT2_NAMES, Config, UserError, load_config
+from config import GPT2_NAMES, UserError, explicit_keys, load_config
+from inference import describe_validation, open_run
 from model import CONV1D_WEIGHTS
+from runtime import one_line_errors
 
 
 def to_transformers(model):
@@ -75,19 +76,18 @@ def save_tokenizer(folder, block_size):
     tokenizer.save_pretrained(folder)
 
 
-def model_card(ckpt, run, name):
-    """README.md of the folder: what the model is, how it was trained and scored, and how to prompt it."""
+def model_card(ckpt, run, fmt, name):
+    """README.md of the folder: what the model is, how it was trained and scored, and how to prompt it (with the
+    code that builds a prompt as our PromptFormat `fmt` does, long dialogues cut the same way)."""
     metrics = ckpt.get("metrics", {})
     scores = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in metrics)
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {run.rouge_samples} validation dialogues)"
-    validation = (os.path.basename(run.validation_csv) if run.validation_csv
-                  else f"{run.val_fraction:.0%} of {os.path.basename(run.train_csv)} held out")
+    validation = describe_validation(run).removeprefix("validation ")
     base = run.init_from if run.init_from in GPT2_NAMES else f"{run.init_from} (init_from)"
     decoding = "beam search" if run.num_beams > 1 else "sampling" if run.temperature > 0 else "greedy"
-    head, tail = data.template_tokens(run.prompt_template)
     block_size = ckpt["model_args"]["block_size"]
-    max_dialogue = block_size - run.max_new_tokens - len(head) - len(tail)
+    head, tail = run.prompt_template.format(dialogue="\0").split("\0")  # as data.template_tokens splits it
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
                        *([f"base_model: {run.init_from}"] if run.init_from in GPT2_NAMES else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
@@ -108,37 +108,40 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 
 ## Prompt
 
-The model only summarizes dialogues wrapped in the template it was trained with:
-
-```python
-TEMPLATE = {run.prompt_template!r}
-prompt = TEMPLATE.format(dialogue=dialogue.strip())
-```
-
-Use `\\n` line breaks in the dialogue. A dialogue longer than {max_dialogue} tokens was cut to its first
-{max_dialogue} tokens in training and evaluation; cut yours the same way. The summary ends with `<|endoftext|>`.
+The model only summarizes dialogues wrapped in the template it was trained with, `{run.prompt_template!r}`,
+with `\\n` line breaks. The text before and after `{{dialogue}}` and the dialogue are tokenized each on its own.
+The model has {block_size} positions and generates up to {run.max_new_tokens} tokens, so a prompt keeps the
+**first {fmt.max_dialogue} tokens** of a dialogue and cuts the end of a longer one, as in training and
+evaluation (a longer prompt would not fit: transformers raises an IndexError). The summary ends with
+`<|endoftext|>`. `prompt_ids` below builds a prompt exactly so.
 
 ## Use
 
 ```python
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 path = "{name}"  # this folder, or its id on the Hugging Face Hub
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path)
-TEMPLATE = {run.prompt_template!r}
-dialogue = "Amanda: I baked cookies. Do you want some?\\nJerry: Sure!\\nAmanda: I'll bring you tomorrow :-)"
-inputs = tokenizer(TEMPLATE.format(dialogue=dialogue.strip()), return_tensors="pt")
-output = model.generate(**inputs)  # decoding settings come from generation_config.json
-print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+HEAD, TAIL, MAX_DIALOGUE_TOKENS = {head!r}, {tail!r}, {fmt.max_dialogue}
+
+
+def prompt_ids(dialogue):
+    dialogue = dialogue.replace("\\r\\n", "\\n").replace("\\r", "\\n").strip()
+    ids = tokenizer.encode(HEAD) + tokenizer.encode(dialogue)[:MAX_DIALOGUE_TOKENS] + tokenizer.encode(TAIL)
+    return ids or [tokenizer.eos_token_id]
+
+
+def summarize(dialogue):
+    ids = torch.tensor([prompt_ids(dialogue)])
+    output = model.generate(ids, attention_mask=torch.ones_like(ids))  # settings: generation_config.json
+    return tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+print(summarize("Amanda: I baked cookies. Do you want some?\\nJerry: Sure!\\nAmanda: I'll bring you tomorrow :-)"))
 ```
 """
-
-
-def run_config(ckpt, argv):
-    """The config the checkpoint was trained with, updated by the presets and --key=value arguments given now."""
-    saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
-    return load_config(argv, base=Config(**saved))
 
 
 def check_target(path, overwrite):
@@ -171,43 +174,39 @@ def replace_folder(tmp, target):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(cfg, argv):
-    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path."""
+def export(cfg, explicit=()):
+    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path.
+    `explicit`: the keys given as --key=value, which may change the run's decoding settings."""
     if not cfg.export_dir:
         raise UserError("pass --export_dir=DIR: the folder to write the transformers model to")
+    if cfg.baseline:
+        raise UserError("export.py exports a checkpoint (--ckpt), not a --baseline")
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
-    source = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
-    ckpt = load_checkpoint(source)
-    model = model_from_checkpoint(ckpt, source)
-    run = run_config(ckpt, argv)
+    run = open_run(cfg, explicit)
+    hf = to_transformers(run.model)
+    hf.generation_config = generation_config(asdict(run.cfg))
     tmp = f"{target}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        hf = to_transformers(model)
-        hf.generation_config = generation_config(asdict(run))
         hf.save_pretrained(tmp)
-        save_tokenizer(tmp, model.config.block_size)
+        save_tokenizer(tmp, run.model.config.block_size)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(ckpt, run, os.path.basename(target)))
+            f.write(model_card(run.ckpt, run.cfg, run.prompt_format(), os.path.basename(target)))
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"exported {source} (step {ckpt.get('iter_num', '?')}) to {target}: "
-          f"{', '.join(sorted(os.listdir(target)))}")
+    print(f"exported {run.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
     return target
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        export(load_config(argv), argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    with one_line_errors():
+        export(load_config(argv), explicit_keys(argv))
 
 
 if __name__ == "__main__":

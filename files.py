@@ -20,3 +20,17 @@ def atomic_write(path, mode="w"):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def no_empty_folder_left(*paths):
+    """Run the body; if it fails, remove those of `paths` (deepest first) that did not exist before and are empty
+    now, so a failed command leaves no empty out_dir behind. A folder with anything in it is never removed."""
+    new = [path for path in paths if path and not os.path.exists(path)]
+    try:
+        yield
+    except BaseException:
+        for path in sorted(new, key=len, reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise

@@ -1,17 +1,16 @@
-"""Decoding, in the spirit of gpt-fast's generate.py: the KV cache, the decode state, transformers' logits
-processors, greedy and sampled decoding, beam search with n-best lists, minimum Bayes risk (MBR) decoding, the
-torch.compile'd decode step, and the batched summarizer that train.py, evaluate.py and predict.py share."""
+"""Decoding, in the spirit of gpt-fast's generate.py: the decode state over the model's KV caches, transformers'
+logits processors, greedy and sampled decoding, beam search with n-best lists, minimum Bayes risk (MBR) decoding,
+and the torch.compile'd decode step. Token ids in, token ids out: inference.py turns dialogues into prompts."""
 import copy
-import time
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
-from tqdm import tqdm
 
 import data
 from metrics import mbr_select
-from runtime import warn_compile_failed
+from model import KVCache
+from runtime import compiler_error, warn_compile_failed
 
 
 class Sequence(NamedTuple):
@@ -37,7 +36,7 @@ def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0
       num_return_sequences samples per prompt, identical ones adjacent.
     - mbr_samples=N>0: per prompt, N samples (plus the greedy/beam result with mbr_include_beam) from one
       prefill, and the one with the highest mean mbr_metric against the others is returned.
-    Prompts longer than block_size - max_new_tokens keep their last tokens."""
+    Every prompt must fit block_size - max_new_tokens tokens (inference.py cuts dialogues to fit)."""
     block_size = model.config.block_size
     if not 0 < max_new_tokens < block_size:
         raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {max_new_tokens}")
@@ -53,9 +52,10 @@ def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0
                          f"num_beams >= num_return_sequences")
     if not prompts:
         return []
-    prompts = [list(p)[-(block_size - max_new_tokens):] for p in prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    prompts = [list(p) for p in prompts]
+    if not all(0 < len(p) <= block_size - max_new_tokens for p in prompts):
+        raise ValueError(f"every prompt needs 1 to block_size - max_new_tokens = {block_size - max_new_tokens} "
+                         f"tokens, got lengths {sorted({len(p) for p in prompts})}")
     device = model.lm_head.weight.device
     state = DecodeState(prompts, max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
@@ -100,38 +100,6 @@ def mbr_pick(best, samples, metric):
     candidates = [(s, 1) for s in best] + samples
     texts = [summary_text(s.tokens) for s, _ in candidates]
     return candidates[mbr_select(texts, [n for _, n in candidates], metric)][0]
-
-
-class KVCache:
-    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
-    dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
-
-    def __init__(self, max_len):
-        self.max_len = max_len
-        self.k = self.v = None
-
-    def update(self, input_pos, k, v, length):
-        """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k[:, :, :length], self.v[:, :, :length]
-
-    def fill(self, k, v, lengths):
-        """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
-        max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
-        _, H, _, D = k.shape
-        self.k = k.new_zeros(len(lengths), H, self.max_len, D)
-        self.v = k.new_zeros(len(lengths), H, self.max_len, D)
-        end = max(lengths)
-        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
-            self.k[row, :, end - k_row.size(2):end] = k_row[0]
-            self.v[row, :, end - v_row.size(2):end] = v_row[0]
-
-    def select_rows(self, rows):
-        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
-        selected = KVCache(self.max_len)
-        selected.k, selected.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
-        return selected
 
 
 class DecodeState:
@@ -371,8 +339,8 @@ def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
 def compile_decode(model):
     """Decode `model` with a torch.compile'd step from now on. The step takes the model as an argument, so the
     compiled code runs whichever model it is given (a copy.deepcopy of this one decodes with its own weights).
-    Compiling happens at the first call (and at a recompile); if it fails: one warning line, and eager decoding
-    of this model from then on."""
+    Compiling happens at the first call (and at a recompile); if the compiler fails: one warning line, and eager
+    decoding of this model from then on. Errors of the program itself (out of memory included) propagate."""
     global compiled_step
     compiled_step = torch.compile(decode_step, dynamic=True)
     model.decode_compiled = True
@@ -384,55 +352,10 @@ def decoder(model):
         if model.decode_compiled:
             try:
                 return compiled_step(model, *args)
-            except Exception as e:  # a failed step wrote nothing the eager retry does not overwrite
+            except Exception as e:  # a failed compile wrote nothing the eager retry does not overwrite
+                if not compiler_error(e):
+                    raise
                 warn_compile_failed(e, "decoding eagerly")
                 model.decode_compiled = False
         return decode_step(model, *args)
     return decode
-
-
-# ---- the summarizer -------------------------------------------------------------------------------------------
-
-def decoding_options(cfg):
-    """generate()'s keyword arguments from the config's generation keys."""
-    return dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, epsilon=cfg.epsilon,
-                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty, repetition_penalty=cfg.repetition_penalty,
-                no_repeat_ngram_size=cfg.no_repeat_ngram_size, min_new_tokens=cfg.min_new_tokens, seed=cfg.seed,
-                mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
-
-
-def summarize(model, dialogues, cfg, autocast, progress=False, rank=0, world_size=1):
-    """One summary per dialogue, in their order, decoded as the config says, with the batched KV-cache generator.
-    Batches are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every
-    world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the same dialogues
-    whatever the number of ranks, so sharded output is exactly the single-process output."""
-    max_prompt = model.config.block_size - cfg.max_new_tokens
-    # A template without text around {dialogue} gives an empty dialogue no tokens; start from <|endoftext|>.
-    prompts = [data.encode_prompt(d, max_prompt, cfg.prompt_template) or [data.EOT_ID] for d in dialogues]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
-    summaries = [None] * len(prompts)
-    was_training = model.training
-    model.eval()
-    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
-               dynamic_ncols=True)
-    start = time.perf_counter()
-    for batch in batches:
-        with autocast:
-            new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
-                                  **decoding_options(cfg))
-        for i, tokens in zip(batch, new_tokens):
-            summaries[i] = summary_text(tokens)
-        bar.update(len(batch))
-        bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
-    bar.close()
-    model.train(was_training)
-    return summaries
-
-
-def summarize_sharded(model, dialogues, cfg, rt, progress=True):
-    """Every rank summarizes its share of `dialogues`; all of them, in order, on every rank."""
-    mine = summarize(model, dialogues, cfg, rt.autocast(), progress=progress and rt.is_main, rank=rt.rank,
-                     world_size=rt.world_size)
-    shards = rt.all_gather_objects(mine)
-    return [next(s for s in column if s is not None) for column in zip(*shards)]

@@ -1,4 +1,5 @@
-"""GPT-2 in the shape of nanoGPT, loadable from transformers; its cached forward passes serve generate.py."""
+"""GPT-2 in the shape of nanoGPT, loadable from transformers, with the KV cache its attention writes during decoding
+(generate.py drives the cached forward passes). Imports torch only."""
 import math
 import os
 from dataclasses import dataclass
@@ -8,7 +9,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-import generate as generation
 
 PRETRAINED = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
@@ -29,6 +29,38 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+
+
+class KVCache:
+    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
+    dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.k = self.v = None
+
+    def update(self, input_pos, k, v, length):
+        """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k[:, :, :length], self.v[:, :, :length]
+
+    def fill(self, k, v, lengths):
+        """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
+        max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
+        _, H, _, D = k.shape
+        self.k = k.new_zeros(len(lengths), H, self.max_len, D)
+        self.v = k.new_zeros(len(lengths), H, self.max_len, D)
+        end = max(lengths)
+        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
+            self.k[row, :, end - k_row.size(2):end] = k_row[0]
+            self.v[row, :, end - v_row.size(2):end] = v_row[0]
+
+    def select_rows(self, rows):
+        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
+        selected = KVCache(self.max_len)
+        selected.k, selected.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        return selected
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,7 +141,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.decode_compiled = False  # set by compile_decode(); generate.py holds the compiled step
+        self.decode_compiled = False  # set by generate.compile_decode(), which holds the compiled step
         self.gradient_checkpointing = False  # set by the trainer (config key gradient_checkpointing)
 
     def _init_weights(self, module):
@@ -223,14 +255,3 @@ class GPT(nn.Module):
             for name, p in model.state_dict().items():
                 p.copy_(sd_hf[name].t() if name.endswith(CONV1D_WEIGHTS) else sd_hf[name])
         return model
-
-    # ---- generation: generate.py ----------------------------------------------------------------------------
-
-    def compile_decode(self):
-        """Decode with a torch.compile'd step from now on (generate.compile_decode)."""
-        generation.compile_decode(self)
-
-    def generate(self, prompts, max_new_tokens, **options):
-        """Continue each prompt (a list of token-id lists) by up to max_new_tokens tokens: generate.generate, whose
-        options are greedy/sampling/beam search settings, min_new_tokens, num_return_sequences and MBR."""
-        return generation.generate(self, prompts, max_new_tokens, **options)

@@ -81,6 +81,51 @@ def use_compile(requested, device_type, accelerate_dynamo="no"):
     return requested is True or (requested == "auto" and device_type == "cuda")
 
 
+def compiler_error(error):
+    """Whether `error` is the compiler's (dynamo's tracing, inductor's code generation, a missing C++ compiler or
+    Triton): only then is running eagerly a fallback. Errors of the program itself, an out-of-memory included
+    (also one the compiler wraps), are not: eager would meet them too, needing more memory."""
+    import torch._inductor.exc as inductor  # loaded only when something failed
+
+    causes = (error, getattr(error, "inner_exception", None), error.__cause__, error.__context__)
+    if any(isinstance(e, torch.OutOfMemoryError) for e in causes):
+        return False
+    compiler = tuple(getattr(inductor, name) for name in ("InductorError", "CppCompileError", "InvalidCxxCompiler",
+                                                         "CUDACompileError", "LoweringException")
+                     if hasattr(inductor, name))
+    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, *compiler))
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(doing, settings):
+    """Re-raise a torch.OutOfMemoryError inside as one whose message is one line: what ran out of memory and the
+    settings to lower (entry points print it as `error: ...`)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        if str(e).startswith("out of memory while"):  # already said by an inner hint
+            raise
+        detail = str(e).strip().partition("\n")[0]
+        raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"
+                                     + (f" ({detail})" if detail else "")) from None
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """For entry points: a UserError ends the command in one `error: ...` line (exit 2), an out-of-memory in one
+    line too (exit 1; out_of_memory_hint says what to lower). Under torchrun the line names the rank."""
+    rank = os.environ.get("RANK")
+    where = f" (rank {rank})" if rank else ""
+    try:
+        yield
+    except UserError as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:
+        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
+        sys.exit(1)
+
+
 def warn_compile_failed(error, fallback):
     """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
     error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
@@ -252,11 +297,3 @@ class Runtime:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
         return gathered
-
-    def broadcast_object(self, obj):
-        """Rank 0's `obj` on every rank."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]

@@ -25,30 +25,43 @@ def learning_rate(it, schedule):
 
 def resumed_schedule(schedule, saved, cfg, it):
     """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
-    max_iters does not stretch its decay: the LR stays at min_lr after it). A changed lr_decay_iters or min_lr
-    decays from the current LR to min_lr at the new horizon, a changed learning_rate from that LR instead."""
+    max_iters does not stretch its decay: the LR stays at min_lr after it), except that a run stopped inside a
+    warmup that outlasted its decay (max_iters < warmup_iters) finishes the warmup and decays to the new horizon.
+    A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
+    learning_rate from that LR instead."""
     if cfg.warmup_iters != saved["warmup_iters"]:
         raise UserError(f"warmup_iters cannot change when resuming (the run started with {saved['warmup_iters']}): "
                         f"resume with --warmup_iters={saved['warmup_iters']}, or use --lr_decay_iters to reshape "
                         f"the rest of the schedule")
     changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
-    if not changed:
+    warming_up = it < schedule["warmup_iters"]
+    if not changed and not (warming_up and schedule["decay_iters"] <= schedule["warmup_iters"]):
         return schedule
     horizon = cfg.lr_decay_iters or cfg.max_iters
-    if it < schedule["warmup_iters"]:  # still warming up: finish the warmup, then decay to the new horizon
+    if warming_up:  # finish the warmup, then decay to the new horizon
         return dict(schedule, peak_lr=cfg.learning_rate, min_lr=cfg.min_lr, decay_iters=horizon)
     start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
 
 
 def describe_schedule(schedule, it, max_iters):
-    """One line: what the LR does from step `it` to max_iters."""
-    lr, s = learning_rate(it, schedule), schedule
-    if it >= s["decay_iters"] or lr == s["min_lr"]:
-        plan = f"stays at min_lr until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
-    elif s["decay_iters"] <= max_iters:
-        plan = f"cosine decay to min_lr {s['min_lr']:.2e} at iter {s['decay_iters']}, constant after it until iter {max_iters}"
+    """One line: the LR of step `it` (0-based, so logged as iter it + 1, as metrics.jsonl counts) and what the LR
+    does from there to the last step (logged as iter max_iters)."""
+    s, lr, last = schedule, learning_rate(it, schedule), learning_rate(max_iters - 1, schedule)
+    decay_end = s["decay_iters"] + 1  # the first logged iter at min_lr
+    if max_iters <= s["warmup_iters"]:
+        plan = f"warmup: rises to {last:.2e} at iter {max_iters} (the warmup ends at iter {s['warmup_iters'] + 1})"
+    elif it >= s["decay_iters"]:
+        plan = f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
     else:
-        plan = (f"cosine decay to {learning_rate(max_iters - 1, s):.2e} at iter {max_iters} (it would reach min_lr "
-                f"{s['min_lr']:.2e} at iter {s['decay_iters']})")
-    return f"learning rate at iter {it}: {lr:.2e}; {plan}"
+        if s["decay_iters"] <= s["warmup_iters"]:
+            plan = f"min_lr {s['min_lr']:.2e} from iter {s['warmup_iters'] + 1}"
+        elif decay_end <= max_iters:
+            plan = (f"cosine decay to min_lr {s['min_lr']:.2e} at iter {decay_end}, constant after it until iter "
+                    f"{max_iters}")
+        else:
+            plan = (f"cosine decay to {last:.2e} at iter {max_iters} (it would reach min_lr {s['min_lr']:.2e} at "
+                    f"iter {decay_end})")
+        if it < s["warmup_iters"]:
+            plan = f"warmup: rises to {s['peak_lr']:.2e} at iter {s['warmup_iters'] + 1}, then {plan}"
+    return f"learning rate at iter {it + 1}: {lr:.2e}; {plan}"

@@ -18,17 +18,18 @@ import torch
 from tqdm import tqdm
 
 import data
+import inference
 import lora
-from config import UserError, format_config, grad_accum_steps, load_config, save_config
-from checkpoint import archive_previous_run, load_checkpoint, make_out_dir, model_from_checkpoint, save_checkpoint
-from evaluate import evaluate
-from files import atomic_write
-from generate import summarize_sharded
+from checkpoint import archive_previous_run, build_model, keep_best_of_metric, make_out_dir, save_checkpoint
+from config import FIELDS, FIXED_KEYS, UserError, format_config, grad_accum_steps, load_config, save_config
+from evaluation import evaluate
+from files import atomic_write, no_empty_folder_left
+from generate import compile_decode
 from metrics import rouge
 from model import GPT, GPTConfig
-from predict import predict
-from runtime import Runtime, peak_flops, warn_compile_failed
+from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
+from submission import predict
 from tracking import Tracker
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
@@ -39,63 +40,57 @@ OPTIMIZER_KEYS = ("weight_decay", "beta1", "beta2")
 
 
 def main(argv=None):
-    """Entry point for the command line and for notebook_launcher; user errors end in one line, and so does a
-    crash of one rank of a distributed job (after its traceback), naming the rank."""
-    rank = os.environ.get("RANK")
-    try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
-        with Runtime(cfg) as rt:
-            Trainer(cfg, rt).fit()
-            if cfg.evaluate_after:
-                evaluate(cfg, rt)
-            if cfg.predict_after:
-                predict(cfg, rt)
-    except UserError as e:
-        print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Exception as e:
-        if rank is None:
-            raise
-        # Among the launcher's reports and the other ranks' errors (e.g. "connection closed by peer") the
-        # root cause is this rank's last line.
-        traceback.print_exc()
-        first_line = str(e).strip().partition("\n")[0]
-        print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
-        sys.exit(1)
-
-
-def build_model(cfg):
-    """A fresh model as init_from says: 'scratch', a GPT-2 name or local transformers directory, or 'resume';
-    with LoRA adapters (base frozen) when lora_rank > 0."""
-    if cfg.init_from == "resume":
-        path = os.path.join(cfg.out_dir, "ckpt.pt")
-        ckpt = load_checkpoint(path)
-        model = model_from_checkpoint(ckpt, path, keep_adapters=True)
-        if "optimizer" not in ckpt:
-            raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
-        if model.config.block_size != cfg.block_size:
-            raise UserError(f"{path} was trained with block_size={model.config.block_size}, not {cfg.block_size}: "
-                            f"resume with --block_size={model.config.block_size}")
-        for key in (*SHAPE_KEYS, *lora.KEYS):
-            if ckpt["config"].get(key, getattr(cfg, key)) != getattr(cfg, key):
-                what = "the adapters" if key in lora.KEYS else "the model's shape"
-                raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: "
-                                f"{what} cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
-        model.set_dropout(cfg.dropout)
-        return model, ckpt
-    if cfg.init_from == "scratch":
-        model = GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                              n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias))
-    else:
+    """Entry point for the command line and for notebook_launcher; user errors and out-of-memory end in one line,
+    and so does a crash of one rank of a distributed job (after its traceback), naming the rank."""
+    argv = sys.argv[1:] if argv is None else argv
+    with one_line_errors():
+        cfg = load_config(argv)
         try:
-            model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
-        except FileNotFoundError as e:
-            raise UserError(f"init_from={e}") from None
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-    if cfg.lora_rank:
-        lora.add_adapters(model, **lora.settings(cfg))
-    return model, None
+            with no_empty_folder_left(cfg.out_dir), Runtime(cfg) as rt:
+                Trainer(cfg, rt).fit()
+                # this run's config is the contract: every key counts as given
+                if cfg.evaluate_after:
+                    evaluate(cfg, set(FIELDS), rt)
+                if cfg.predict_after:
+                    predict(cfg, set(FIELDS), rt)
+        except (UserError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            rank = os.environ.get("RANK")
+            if rank is None:
+                raise
+            # Among the launcher's reports and the other ranks' errors (e.g. "connection closed by peer") the
+            # root cause is this rank's last line.
+            traceback.print_exc()
+            first_line = str(e).strip().partition("\n")[0]
+            print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
+            sys.exit(1)
+
+
+def model_to_train(cfg):
+    """(model, ckpt.pt's contents when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
+    transformers directory, or 'resume' (which must not change what the run fixed); with LoRA adapters (base
+    frozen) when lora_rank > 0."""
+    if cfg.init_from != "resume":
+        model, _ = build_model(cfg.init_from, cfg)
+        if cfg.lora_rank:
+            lora.add_adapters(model, **lora.settings(cfg))
+        return model, None
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    model, ckpt = build_model(path, keep_adapters=True)
+    if "optimizer" not in ckpt:
+        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
+    if model.config.block_size != cfg.block_size:
+        raise UserError(f"{path} was trained with block_size={model.config.block_size}, not {cfg.block_size}: "
+                        f"resume with --block_size={model.config.block_size}")
+    for key in (*SHAPE_KEYS, *lora.KEYS, *FIXED_KEYS):
+        if ckpt["config"].get(key, getattr(cfg, key)) != getattr(cfg, key):
+            what = ("the adapters" if key in lora.KEYS else "the model's shape" if key in SHAPE_KEYS
+                    else "what the model was trained on")
+            raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: "
+                            f"{what} cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
+    model.set_dropout(cfg.dropout)
+    return model, ckpt
 
 
 def configure_optimizer(model, cfg, device_type):
@@ -145,8 +140,9 @@ class Trainer:
         splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
         self.train_set, self.val_set = splits.train, splits.val
         self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
+        self.train_rows = self.train_set.fingerprints()  # kept in checkpoints: inference refuses to score these
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model, ckpt = build_model(cfg)
+        model, ckpt = model_to_train(cfg)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = rt.shard(model.to(rt.device))
         self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
@@ -157,18 +153,25 @@ class Trainer:
         self.skip_warned_at = -SKIP_WINDOW
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         resume_notes = self.restore(ckpt) if ckpt is not None else []
+        n = min(cfg.rouge_samples, len(self.val_set))
+        self.rouge_prompts, _ = inference.Run(self.model, cfg).prompts(self.val_set.dialogues[:n])
         trained = self.model
         if rt.compile:
             x, y = self.batches.micro_batches(self.iter_num)[0]
-            trained = compile_model(self.model, x.to(rt.device), y.to(rt.device), rt.autocast())
+            with self.out_of_memory_hint():
+                trained = compile_model(self.model, x.to(rt.device), y.to(rt.device), rt.autocast())
             if trained is not self.model:
-                self.model.compile_decode()  # for ROUGE
+                compile_decode(self.model)  # for ROUGE
         self.wrapped = rt.wrap(trained)
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
             print(format_config(cfg))
             for note in [*splits.notes, *resume_notes]:
                 print(note)
+            if cfg.lora_rank and cfg.init_from == "scratch":
+                print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
+                      f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
+                      f"weight (lora_rank=0)", file=sys.stderr)
             print(f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                   f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                   f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
@@ -178,12 +181,26 @@ class Trainer:
     def restore(self, ckpt):
         """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
         hyperparameters this run's config changed applied. Returns the lines that say so."""
-        cfg, saved = self.cfg, ckpt["config"]
-        self.rt.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], f"{cfg.out_dir}/ckpt.pt")
+        cfg, saved, path = self.cfg, ckpt["config"], os.path.join(self.cfg.out_dir, "ckpt.pt")
+        if ckpt["iter_num"] >= cfg.max_iters:
+            raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
+                            f"continue with --max_iters above {ckpt['iter_num']}")
+        self.rt.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
         apply_hyperparameters(self.optimizer, cfg)
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
-        self.iter_num, self.best_score = ckpt["iter_num"], ckpt["best_score"]
+        self.iter_num = ckpt["iter_num"]
+        notes = [f"resuming {path} at iter {self.iter_num}"]
+        best_metric = ckpt.get("best_metric") or saved["best_metric"]
+        if best_metric == cfg.best_metric:
+            self.best_score = ckpt["best_score"]
+            if "best_metric" not in ckpt and best_metric == "val_loss" and self.best_score is not None:
+                self.best_score = -self.best_score  # before best_metric was stored by name: -val_loss
+        else:
+            kept = keep_best_of_metric(cfg.out_dir, best_metric) if self.rt.is_main else None
+            notes.append(f"best_metric is now {cfg.best_metric} (was {best_metric}): best.pt follows "
+                         f"{cfg.best_metric} from the next evaluation on"
+                         + (f"; the best by {best_metric} is kept as {kept}" if kept else ""))
         self.skipped = ckpt.get("skipped_steps", 0)
         if self.rt.rank < len(ckpt["rng"]):
             set_rng_state(ckpt["rng"][self.rt.rank])
@@ -191,8 +208,7 @@ class Trainer:
         self.schedule = resumed_schedule(schedule, saved, cfg, self.iter_num)
         changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*OPTIMIZER_KEYS, "dropout", "grad_clip")
                    if k in saved and saved[k] != getattr(cfg, k)]
-        notes = [f"resuming {cfg.out_dir}/ckpt.pt at iter {self.iter_num}; "
-                 + describe_schedule(self.schedule, self.iter_num, cfg.max_iters)]
+        notes[0] += "; " + describe_schedule(self.schedule, self.iter_num, cfg.max_iters)
         if changed:
             notes.append(f"changed since the checkpoint, applied from iter {self.iter_num}: {', '.join(changed)}")
         return notes
@@ -200,8 +216,9 @@ class Trainer:
     def fit(self):
         cfg, rt = self.cfg, self.rt
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, tqdm(total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main,
-                                dynamic_ncols=True, desc="training", unit="it") as bar:
+        with self.tracker, self.out_of_memory_hint(), tqdm(total=cfg.max_iters, initial=self.iter_num,
+                                                           disable=not rt.is_main, dynamic_ncols=True,
+                                                           desc="training", unit="it") as bar:
             bad_steps = 0
             while self.iter_num < cfg.max_iters:
                 lr = learning_rate(self.iter_num, self.schedule)
@@ -231,6 +248,13 @@ class Trainer:
                     self.checkpoint(stats)
                 if rt.is_main:
                     self.log(stats, bar)
+
+    def out_of_memory_hint(self):
+        """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+        n = self.cfg.micro_batch_size
+        return out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                                  f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                                  + ("" if self.cfg.gradient_checkpointing else " or set --gradient_checkpointing=True"))
 
     def train_step(self, step):
         """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
@@ -290,10 +314,9 @@ class Trainer:
             totals += torch.stack([loss.float() * targets, targets.float()])
         rt.all_reduce_sum(totals)
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
-        if cfg.rouge_samples > 0:
-            n = min(cfg.rouge_samples, len(self.val_set))
-            predictions = summarize_sharded(self.generator(), self.val_set.dialogues[:n], cfg, rt, progress=False)
-            metrics.update(rouge(predictions, self.val_set.summaries[:n]))
+        if self.rouge_prompts:
+            predictions = inference.summarize_sharded(self.generator(), self.rouge_prompts, cfg, rt, progress=False)
+            metrics.update(rouge(predictions, self.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
 
@@ -310,7 +333,7 @@ class Trainer:
             copy = GPT(GPTConfig(**asdict(self.model.config)))
         copy.load_state_dict(weights)
         if self.rt.compile:
-            copy.compile_decode()
+            compile_decode(copy)
         return copy.eval()
 
     def checkpoint(self, stats):
@@ -322,17 +345,19 @@ class Trainer:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {self.iter_num}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
-        metric = cfg.best_metric if cfg.best_metric in stats else "val_loss"
-        score = stats[metric] if metric != "val_loss" else -stats[metric]
-        improved = math.isfinite(score) and (self.best_score is None or score > self.best_score)
+        score, best = stats[cfg.best_metric], self.best_score
+        improved = math.isfinite(score) and (best is None or (score < best if cfg.best_metric == "val_loss"
+                                                              else score > best))
         if improved:
             self.best_score = score
         rng = rt.all_gather_objects(rng_state())
         model_state, optimizer_state = rt.training_state(self.model, self.optimizer)
         if rt.is_main:
             weights = {"model_args": asdict(self.model.config), "iter_num": self.iter_num,
-                       "best_score": self.best_score, "config": asdict(cfg),
-                       "metrics": {k: v for k, v in stats.items() if isinstance(v, float)}}
+                       "best_metric": cfg.best_metric, "best_score": self.best_score, "config": asdict(cfg),
+                       "metrics": {k: v for k, v in stats.items() if isinstance(v, float)},
+                       "tokenizer": data.TOKENIZER_ID, "train_rows": self.train_rows,
+                       "validation_digest": self.val_set.digest}
             # ckpt.pt: a LoRA run's base weights and adapters as they are, to resume exactly; best.pt: merged
             save_checkpoint({**weights, "model": model_state, "optimizer": optimizer_state,
                              "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
@@ -378,8 +403,8 @@ def trained_params(model, cfg):
 
 def compile_model(model, x, y, autocast):
     """torch.compile'd `model`, tried on one forward and backward of batch (x, y) now, because compiling happens
-    lazily at the first call; the eager model, with one warning line, if that fails. Leaves no gradients behind
-    and draws no random numbers."""
+    lazily at the first call; the eager model, with one warning line, if the compiler fails. Any other error
+    (out of memory included) propagates. Leaves no gradients behind and draws no random numbers."""
     rng = rng_state()
     try:
         compiled = torch.compile(model)
@@ -387,7 +412,9 @@ def compile_model(model, x, y, autocast):
             _, loss = compiled(x, y)
         loss.backward()
         return compiled
-    except Exception as e:  # compile support varies by platform, GPU, compiler and torch build
+    except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build
+        if not compiler_error(e):
+            raise  # e.g. out of memory: eager needs more, not less
         warn_compile_failed(e, "training eagerly")
         return model
     finally:

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import UserError, load_config  # noqa: E402
+from generate import compile_decode, generate  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from runtime import Runtime, choose_precision  # noqa: E402
 from train import Trainer  # noqa: E402
@@ -81,7 +82,7 @@ def generate_case(args, dtype, compile, device, eager_outputs):
     shape = MODELS[args.model]
     model = GPT(GPTConfig(**shape)).to(device).eval()
     if compile:
-        model.compile_decode()
+        compile_decode(model)
     rng = random.Random(0)
     longest = shape["block_size"] - args.max_new_tokens
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(min(64, longest), min(256, longest)))]
@@ -89,10 +90,10 @@ def generate_case(args, dtype, compile, device, eager_outputs):
     autocast = (torch.autocast(device.type, dtype=getattr(torch, dtype)) if dtype != "float32"
                 else contextlib.nullcontext())
     with autocast:
-        model.generate(prompts, args.max_new_tokens, eos_token_id=-1)  # never ends early: every row is full
+        generate(model, prompts, args.max_new_tokens, eos_token_id=-1)  # never ends early: every row is full
         synchronize(device)
         start = time.perf_counter()
-        outputs = model.generate(prompts, args.max_new_tokens, eos_token_id=-1)
+        outputs = generate(model, prompts, args.max_new_tokens, eos_token_id=-1)
         synchronize(device)
     seconds = time.perf_counter() - start
     if not compile:

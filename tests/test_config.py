@@ -5,7 +5,7 @@ import json
 import pytest
 
 import config
-from config import Config, UserError, grad_accum_steps, load_config, read_config, save_config
+from config import Config, UserError, grad_accum_steps, load_config, save_config
 
 
 def error_of(argv):
@@ -84,7 +84,7 @@ def test_json_preset_and_save_config_round_trip(tmp_path):
     cfg = load_config([str(preset)])
     assert (cfg.n_layer, cfg.learning_rate, cfg.device) == (3, 1.0, "cpu")
     save_config(cfg, str(tmp_path / "run" / "config.json"))
-    assert read_config(str(tmp_path / "run" / "config.json")) == cfg
+    assert load_config([str(tmp_path / "run" / "config.json")]) == cfg
     assert list(tmp_path.joinpath("run").iterdir()) == [tmp_path / "run" / "config.json"]
 
 

@@ -1,0 +1,223 @@
+"""The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
+evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
+
+A checkpoint keeps the config it was trained with. What training fixed (config.FIXED_KEYS: the prompt template,
+block_size, train_on_prompt) comes from it, and a --key=value that contradicts it stops in one line. Decoding and
+data settings (config.DECODING_KEYS, config.DATA_KEYS: columns, validation CSV or split) default to the run's, and
+an explicit --key=value replaces them. Presets never replace the run's settings: they say where and how to run
+(out_dir, ckpt, test_csv, device, gen_batch_size). A --baseline has no run: the command line is its config.
+"""
+import dataclasses
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import data
+from checkpoint import build_model
+from config import DATA_KEYS, DECODING_KEYS, FIELDS, FIXED_KEYS, Config, UserError
+from generate import compile_decode, generate, summary_text
+from runtime import out_of_memory_hint
+
+
+@dataclass
+class Run:
+    """A model and the config that decides how it is prompted and decoded: the run's, with this command's
+    decoding and data flags. `trained_max_new_tokens` is the run's own, which its prompts were cut for."""
+    model: torch.nn.Module
+    cfg: Config
+    weights: str = ""  # what the weights are, for the first line
+    ckpt: dict | None = None
+    overridden: list = ()  # decoding keys this command changed
+    trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
+
+    def prompt_format(self):
+        """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
+        dialogues are cut shorter so the summary still fits."""
+        return data.prompt_format(self.cfg.prompt_template, self.model.config.block_size,
+                                  max(self.cfg.max_new_tokens, self.trained_max_new_tokens or 0))
+
+    def prompts(self, dialogues):
+        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat. A template with
+        no text around {dialogue} gives an empty dialogue no tokens: it starts from <|endoftext|>."""
+        fmt = self.prompt_format()
+        encoded = [fmt.encode(d) for d in dialogues]
+        return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
+
+
+def resolved_config(cfg, saved, explicit, block_size):
+    """The config inference runs with: the run's saved config for FIXED_KEYS (a contradicting explicit flag is a
+    UserError naming both values), the run's DECODING_KEYS and DATA_KEYS unless given explicitly, this command's
+    for the rest. block_size is the model's."""
+    defaults = Config()
+    saved = {**{key: getattr(defaults, key) for key in FIXED_KEYS}, **saved, "block_size": block_size}
+    values = asdict(cfg)
+    for key in FIXED_KEYS:
+        if key in explicit and values[key] != saved[key]:
+            raise UserError(f"--{key}={values[key]!r} contradicts the checkpoint, which was trained with "
+                            f"{key}={saved[key]!r}: drop the flag (inference uses the run's {key})")
+        values[key] = saved[key]
+    for key in (*DECODING_KEYS, *DATA_KEYS):
+        if key not in explicit and key in saved:
+            values[key] = saved[key]
+    return Config(**values)
+
+
+def open_run(cfg, explicit=()):
+    """The Run that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
+    resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
+    shape, with cfg as it is. `explicit`: the keys the command gave as --key=value."""
+    if cfg.baseline:
+        torch.manual_seed(cfg.seed)
+        model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
+        what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
+        data.prompt_format(cfg.prompt_template, model.config.block_size, cfg.max_new_tokens)
+        return Run(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+    path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
+    model, ckpt = build_model(path)
+    saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
+    run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
+    overridden = [key for key in DECODING_KEYS if key in explicit and saved.get(key) != getattr(run_cfg, key)]
+    run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+              saved.get("max_new_tokens", run_cfg.max_new_tokens))
+    run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
+    return run
+
+
+def load_run(cfg, explicit, rt, describe_data):
+    """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
+    decoding), then the model on rt's device in eval mode, its decode step compiled when rt compiles."""
+    run = open_run(cfg, explicit)
+    if rt.is_main:
+        print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
+              f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
+    run.model = run.model.to(rt.device).eval()
+    if rt.compile:
+        compile_decode(run.model)
+    return run
+
+
+def describe_checkpoint(ckpt):
+    """'iter 300, best rougeL 0.4123, val_loss 2.1034' from what train.py saved with the weights."""
+    metrics = ckpt.get("metrics", {})
+    best_metric = ckpt.get("best_metric") or ckpt.get("config", {}).get("best_metric", "val_loss")
+    scores = [f"best {best_metric} {metrics[best_metric]:.4f}" if best_metric in metrics else ""]
+    scores += [f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rougeL") if k in metrics and k != best_metric]
+    return ", ".join([f"iter {ckpt.get('iter_num', '?')}", *filter(None, scores)])
+
+
+def describe_decoding(cfg, overridden=(), from_run=True):
+    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding and the
+    settings that are not defaults (max_new_tokens always), and where they come from."""
+    defaults = Config()
+    kind = ("MBR" if cfg.mbr_samples else "beam search" if cfg.num_beams > 1 else
+            "sampling" if cfg.temperature > 0 else "greedy")
+    shown = [key for key in DECODING_KEYS if key == "max_new_tokens" or (
+        getattr(cfg, key) != getattr(defaults, key) and (key != "seed" or cfg.temperature > 0))]
+    source = ("the run's" + (f", except {', '.join(f'--{k}' for k in overridden)}" if overridden else "")
+              if from_run else "this command's")
+    return f"{kind}: {' '.join(f'{k}={getattr(cfg, k)}' for k in shown)} ({source})"
+
+
+def describe_validation(cfg):
+    if cfg.validation_csv:
+        return f"validation {cfg.validation_csv}"
+    return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
+
+
+def validation_set(run, cfg, explicit, rt):
+    """The validation examples to score `run` on: the run's split, or the one the command names explicitly.
+    Rows the checkpoint trained on (same dialogue, or same id where both CSVs have ids) are refused in one line,
+    unless the split is the run's own and they are duplicates inside its train_csv (then a note says so).
+    Returns (examples, notes)."""
+    splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+    val = splits.val
+    trained = run.ckpt.get("train_rows") if run.ckpt else None
+    if trained is None:
+        note = "" if run.ckpt is None else (
+            f"note: {run.weights.partition(' (')[0]} records no training rows (an older version wrote it): "
+            f"cannot check that the validation rows were not trained on")
+        return val, [note] if note else []
+    seen = np.isin(data.text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
+    if val.has_ids and trained["ids"] is not None:
+        seen |= np.isin(data.text_hashes(val.ids).numpy(), trained["ids"].numpy())
+    if not seen.any():
+        return val, []
+    saved = run.ckpt.get("config", {})
+    own = (all(getattr(run.cfg, key) == saved.get(key) for key in DATA_KEYS)
+           and splits.train.digest == trained["digest"] and val.digest == run.ckpt.get("validation_digest"))
+    first = val.ids[int(np.argmax(seen))]
+    if own:
+        return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
+                     f"(duplicates in {run.cfg.train_csv}, e.g. id {first}); scored as in training"]
+    changed = [f"--{key}" for key in DATA_KEYS if key in explicit]
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(run.cfg)}) were "
+                    f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
+                    f"inflated; score a CSV the run did not train on"
+                    + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
+
+
+def output_dir(cfg):
+    """Where evaluate.py/predict.py write: out_dir for the checkpoint, out_dir/baseline-<name> for a baseline, so
+    a baseline's outputs never replace the checkpoint's."""
+    if not cfg.baseline:
+        return cfg.out_dir
+    return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
+
+
+def cut_line(run, cut, total):
+    """The line that says how many dialogues the truncation rule cut."""
+    fmt, block_size = run.prompt_format(), run.model.config.block_size
+    template = len(fmt.head) + len(fmt.tail)
+    return (f"cut the end of {cut} of {total} dialogue(s): a prompt keeps a dialogue's first {fmt.max_dialogue} "
+            f"tokens (block_size {block_size} - {block_size - fmt.max_dialogue - template} summary tokens - "
+            f"{template} template tokens)")
+
+
+# ---- summarizing ------------------------------------------------------------------------------------------------
+
+def decoding_options(cfg):
+    """generate()'s keyword arguments from the config's generation keys."""
+    return dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, epsilon=cfg.epsilon,
+                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty, repetition_penalty=cfg.repetition_penalty,
+                no_repeat_ngram_size=cfg.no_repeat_ngram_size, min_new_tokens=cfg.min_new_tokens, seed=cfg.seed,
+                mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
+
+
+def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1):
+    """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator. Batches
+    are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every world_size-th
+    batch from `rank` on and leaves None for the rest: a batch then holds the same prompts whatever the number of
+    ranks, so sharded output is exactly the single-process output."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
+    summaries = [None] * len(prompts)
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
+               dynamic_ncols=True)
+    start = time.perf_counter()
+    with out_of_memory_hint(f"summarizing {cfg.gen_batch_size} dialogues at a time",
+                            f"--gen_batch_size (now {cfg.gen_batch_size})"):
+        for batch in batches:
+            with autocast:
+                new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens,
+                                      eos_token_id=data.EOT_ID, **decoding_options(cfg))
+            for i, tokens in zip(batch, new_tokens):
+                summaries[i] = summary_text(tokens)
+            bar.update(len(batch))
+            bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
+    bar.close()
+    model.train(was_training)
+    return summaries
+
+
+def summarize_sharded(model, prompts, cfg, rt, progress=True):
+    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank."""
+    mine = summarize(model, prompts, cfg, rt.autocast(), progress=progress and rt.is_main, rank=rt.rank,
+                     world_size=rt.world_size)
+    shards = rt.all_gather_objects(mine)
+    return [next(s for s in column if s is not None) for column in zip(*shards)]

@@ -1,0 +1,57 @@
+"""submission.csv (id,summary) for test_csv, written by a run's model with the run's prompt and decoding.
+predict.py is its command line; train.py runs predict after training on request."""
+import os
+
+import pandas as pd
+
+import data
+import inference
+from checkpoint import make_out_dir
+from config import UserError
+from files import atomic_write
+
+
+def write_submission(ids, summaries, path):
+    """One row per id, in order; summaries folded to one line. Written to a temp file, then renamed."""
+    frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
+    with atomic_write(path) as f:
+        frame.to_csv(f, index=False)
+
+
+def check_against_sample(ids, path):
+    """UserError unless the sample submission has the columns id,summary and exactly the test ids."""
+    _, sample = data.read_frame(path, "sample_submission_csv",
+                                "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
+    if list(sample.columns) != ["id", "summary"]:
+        raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary']")
+    sample_ids = set(sample["id"].str.strip())
+    missing, extra = sample_ids - set(ids), set(ids) - sample_ids
+    if missing or extra:
+        raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
+                        f"in test_csv, {len(extra)} test ids are not in it (e.g. {sorted(missing or extra)[:3]})")
+
+
+def predict(cfg, explicit, rt):
+    """Summarize every test dialogue (sharded across ranks) with the run cfg names; rank 0 writes submission.csv
+    into inference.output_dir and returns its path."""
+    out = inference.output_dir(cfg)
+    if rt.is_main:
+        make_out_dir(out)
+    run = inference.load_run(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
+    test = data.read_test(run.cfg)
+    if cfg.sample_submission_csv:
+        check_against_sample(test.ids, cfg.sample_submission_csv)
+    prompts, cut = run.prompts(test.dialogues)
+    if rt.is_main and cut:
+        print(inference.cut_line(run, cut, len(prompts)))
+    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt)
+    if not rt.is_main:
+        return None
+    path = os.path.join(out, "submission.csv")
+    write_submission(test.ids, summaries, path)
+    if test.empty:
+        print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")
+    empty = sum(not s.split() for s in summaries)
+    print(f"wrote {len(summaries)} summaries to {path}"
+          + (f" ({empty} empty: the model produced nothing for them)" if empty else ""))
+    return path

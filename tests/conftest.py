@@ -1,9 +1,39 @@
+import json
+import os
 import random
+import socket
+import subprocess
 
 import pandas as pd
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
+TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",
+        "--device=cpu", "--dtype=float32", "--compile=False"]
+
+
+def metrics(out_dir):
+    """The rows of out_dir/metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run(cmd, env=None, timeout=240):
+    """A command (a script, torchrun, python -c) in the repository as a user starts it: one thread per process,
+    no Accelerate settings of the surrounding shell. Returns the CompletedProcess."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | dict(env or {})
+    return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -55,9 +85,9 @@ def write_csv(tmp_path):
 def assert_export_matches(best_pt, export_dir):
     """export.py turns best_pt into a transformers folder whose logits are ours (1e-5)."""
     import export
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from checkpoint import build_model
     export.main([f"--ckpt={best_pt}", f"--export_dir={export_dir}"])
-    ours = model_from_checkpoint(load_checkpoint(str(best_pt)), str(best_pt)).eval()
+    ours = build_model(str(best_pt))[0].eval()
     hf = GPT2LMHeadModel.from_pretrained(export_dir).eval()
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -2,7 +2,6 @@
 
     torchrun --nproc_per_node=2 --standalone tests/faulty_rank.py [train.py arguments]
 """
-import os
 import sys
 
 import train

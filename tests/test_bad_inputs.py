@@ -18,9 +18,8 @@ import torch
 
 import data
 import train
-from conftest import synthetic_rows
+from conftest import REPO, synthetic_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16", "--device=cpu",
         "--dtype=float32", "--compile=False"]
 ONE_STEP = ["--init_from=scratch", "--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",

@@ -106,7 +106,7 @@ def test_missing_preset_and_other_extensions(tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--n_embd=100", "--n_head=12"], "n_embd=100 is not a multiple of n_head=12"),
-    (["--max_new_tokens=1024"], "max_new_tokens=1024"),
+    (["--max_iters=0"], "max_iters=0 must be > 0"),
     (["--dtype=fp16"], "dtype='fp16' is not one of auto, float32, bfloat16, float16"),
     (["--backend=horovod"], "backend='horovod'"),
     (["--device=gpu"], "device='gpu'"),

@@ -15,9 +15,8 @@ import torch
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
-from conftest import synthetic_rows
+from conftest import REPO, synthetic_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
         "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--batch_size=4",
         "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]

@@ -163,13 +163,22 @@ def test_long_dialogue_is_cut_never_the_summary_header_or_cue(tmp_path):
     summary_tokens = enc.encode_ordinary(summary) + [EOT_ID]
     sequence = examples.sequence(0).tolist()
     prompt_len = int(examples.prompt_lens[0])
-    assert len(sequence) == 64 + 1
+    # the one truncation rule: room for max_new_tokens of summary, so the prompt is what inference builds
+    assert prompt_len == 64 - 16
     assert sequence[:len(head)] == head and sequence[prompt_len - len(tail):prompt_len] == tail
     assert sequence[prompt_len:] == summary_tokens
     assert sequence[len(head):prompt_len - len(tail)] == enc.encode_ordinary(long_dialogue)[:prompt_len - len(head) - len(tail)]
-    assert data.encode_prompt(long_dialogue, prompt_len) == sequence[:prompt_len]
+    assert data.prompt_format(PROMPT_TEMPLATE, 64, 16).encode(long_dialogue) == (sequence[:prompt_len], True)
     x, y = data.collate(examples, [0])
     assert x.shape == (1, 64) and y[0][y[0] != -1].tolist() == summary_tokens
+
+
+def test_a_summary_longer_than_max_new_tokens_cuts_its_dialogue_further_in_training(tmp_path):
+    summary = "word " * 30  # 30 tokens + EOS, more than max_new_tokens=16
+    pd.DataFrame({"id": [1], "dialogue": [dialogue(0, turns=60)], "summary": [summary]}).to_csv(
+        tmp_path / "train.csv", index=False)
+    examples = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16)).train
+    assert len(examples.sequence(0)) == 64 + 1 and examples.prompt_lens[0] == 64 - 30
 
 
 def test_summary_that_cannot_fit_is_skipped_and_counted(tmp_path):
@@ -180,13 +189,16 @@ def test_summary_that_cannot_fit_is_skipped_and_counted(tmp_path):
     assert any("skipped 1 example(s) whose summary alone" in note for note in splits.notes)
 
 
-def test_encode_prompt_matches_the_plain_template_and_keeps_the_cue():
+def test_a_prompt_matches_the_plain_template_and_keeps_the_cue():
     text = "Amanda: I baked cookies. Do you want some?\r\nJerry: Sure! 🍪"
-    assert data.encode_prompt(text, 1000) == enc.encode_ordinary(PROMPT_TEMPLATE.format(dialogue=data.clean_text(text)))
+    prompt, cut = data.prompt_format(PROMPT_TEMPLATE, 1024, 24).encode(text)
+    assert prompt == enc.encode_ordinary(PROMPT_TEMPLATE.format(dialogue=data.clean_text(text))) and not cut
     template = "Chat:\n{dialogue}\nTL;DR:"
-    cut = data.encode_prompt(text, 12, template)
-    assert len(cut) == 12 and cut[:3] == enc.encode_ordinary("Chat:\n") and enc.decode(cut).endswith("\nTL;DR:")
-    assert "lower max_new_tokens" in user_error(lambda: data.encode_prompt(text, 5, template))
+    prompt, cut = data.prompt_format(template, 40, 28).encode(text)
+    assert cut and len(prompt) == 12 and prompt[:3] == enc.encode_ordinary("Chat:\n")
+    assert enc.decode(prompt).endswith("\nTL;DR:")
+    assert "lower max_new_tokens below 32" in user_error(lambda: data.prompt_format(template, 40, 35))
+    assert "max_new_tokens=1024" in user_error(lambda: data.prompt_format(PROMPT_TEMPLATE, 1024, 1024))
 
 
 # ---- the tokenized cache ----------------------------------------------------------------------------------

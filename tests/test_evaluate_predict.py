@@ -4,7 +4,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -12,11 +11,11 @@ from rouge_score import rouge_scorer
 
 import evaluate
 import predict
+import submission
 import train
 from config import UserError
-from conftest import synthetic_rows
+from conftest import REPO, synthetic_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]
 # ids a careless writer would mangle: leading zeros, a float-looking one, a comma, a quote, a space
 TRICKY_IDS = ["007", "1e3", "a,b", 'say "hi"', "two words", "12", "0", "x-1", "NaN", "10", "9"]
@@ -71,15 +70,12 @@ def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_p
     assert report["n"] == len(validation) and str(tmp_path / "eval_predictions.csv") in printed
 
 
-def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys, monkeypatch):
-    loads = []
-    real_load_model = evaluate.load_model
-    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: loads.append(1) or real_load_model(*a, **k))
+def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys):
     # temperature 5 samples nonsense: the best setting is not in the first rows
     evaluate.main(args(trained, tmp_path / "sweep", "--sweep=temperature=5.0,0.0 repetition_penalty=1.0,1.3"))
     printed = capsys.readouterr().out
     table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
-    assert loads == [1] and table["setting"].tolist() == [
+    assert printed.count("weights: ") == 1 and table["setting"].tolist() == [
         "temperature=5.0 repetition_penalty=1.0", "temperature=5.0 repetition_penalty=1.3",
         "temperature=0.0 repetition_penalty=1.0", "temperature=0.0 repetition_penalty=1.3"]
     assert list(table.columns) == ["setting", "rouge1", "rouge2", "rougeL", "mean_tokens", "summaries_per_s"]
@@ -137,7 +133,7 @@ def test_two_ranks_write_the_submission_one_process_writes(trained, tmp_path):
 
 def test_summaries_are_written_as_single_lines_and_read_back_unchanged(tmp_path):
     path = str(tmp_path / "submission.csv")
-    predict.write_submission(["1", "2", "3"], ["Tom will\ncome\r\n at 5.", "", 'A, "quoted" one'], path)
+    submission.write_submission(["1", "2", "3"], ["Tom will\ncome\r\n at 5.", "", 'A, "quoted" one'], path)
     back = pd.read_csv(path, dtype=str, keep_default_na=False)
     assert back.values.tolist() == [["1", "Tom will come at 5."], ["2", ""], ["3", 'A, "quoted" one']]
     assert os.listdir(tmp_path) == ["submission.csv"]
@@ -159,6 +155,6 @@ def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
     # BOM, CRLF and Windows-1252 bytes: read as data.py reads the competition CSVs, so the ids compare equal
     sample = tmp_path / "sample_submission.csv"
     sample.write_bytes(b"\xef\xbb\xbfid,summary\r\n007,\r\ncaf\xe9,x\r\n")
-    predict.check_against_sample(["007", "café"], str(sample))
+    submission.check_against_sample(["007", "café"], str(sample))
     with pytest.raises(UserError, match="1 of its ids are not in test_csv"):
-        predict.check_against_sample(["007", "cafe"], str(sample))
+        submission.check_against_sample(["007", "cafe"], str(sample))

@@ -12,15 +12,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2LMHeadModel, GPT2TokenizerFast
+from transformers import GenerationConfig, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
 import export
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+import inference
+from checkpoint import build_model, load_checkpoint
 from config import UserError, load_config
 from conftest import synthetic_rows
-from generate import summarize
 from test_tokenizer import TEXTS
 from tracking import Tracker
 
@@ -69,7 +69,7 @@ def run(tmp_path_factory):
     export.main([f"--ckpt={folder / 'out' / 'best.pt'}", f"--export_dir={folder / 'hf'}"])
     ckpt = load_checkpoint(str(folder / "out" / "best.pt"))
     return types.SimpleNamespace(folder=folder, args=args, wandb=wandb, ckpt=ckpt, hf_dir=str(folder / "hf"),
-                                 model=model_from_checkpoint(ckpt, "best.pt").eval(),
+                                 model=build_model(str(folder / "out" / "best.pt"))[0].eval(),
                                  cfg=load_config([*args, "--max_iters=40"]))
 
 
@@ -78,17 +78,21 @@ def metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def hf_summaries(path, dialogues, template):
-    """What a transformers user gets: the exported tokenizer, the template, generate() with no arguments."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    summaries = []
-    for dialogue in dialogues:
-        inputs = tokenizer(template.format(dialogue=dialogue.strip()), return_tensors="pt")
-        with torch.no_grad():
-            output = model.generate(**inputs)
-        summaries.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return summaries
+def card_code(path):
+    """The namespace of the model card's Python code, run as a transformers user would run it on this folder."""
+    card = open(os.path.join(path, "README.md"), encoding="utf-8").read()
+    code = card.split("## Use")[1].split("```python\n")[1].split("```")[0]
+    code = code.replace(f'path = "{os.path.basename(path)}"', f"path = {path!r}", 1)
+    namespace = {}
+    exec(code, namespace)
+    return namespace
+
+
+def hf_summaries(path, dialogues):
+    """What a transformers user gets: the exported tokenizer and the card's code, generate() with no settings."""
+    summarize = card_code(path)["summarize"]
+    with torch.no_grad():
+        return [summarize(dialogue) for dialogue in dialogues]
 
 
 def test_exported_logits_equal_ours(run):
@@ -109,9 +113,10 @@ def test_transformers_generate_with_the_exported_settings_equals_ours(run, overr
         export.main([f"--ckpt={run.folder / 'out' / 'best.pt'}", f"--export_dir={path}", *overrides])
     dialogues = [row["dialogue"] for row in synthetic_rows(16, seed=7)]
     cfg = load_config([*run.args, *overrides])
-    ours = summarize(run.model, dialogues, cfg, nullcontext())
+    prompts, _ = inference.Run(run.model, cfg).prompts(dialogues)
+    ours = inference.summarize(run.model, prompts, cfg, nullcontext())
     assert len(set(ours)) > 4, ours  # a model that learned something, not one repeated string
-    assert hf_summaries(path, dialogues, cfg.prompt_template) == ours
+    assert hf_summaries(path, dialogues) == ours
     settings = GenerationConfig.from_pretrained(path)  # older transformers leave default values out of the file
     assert settings.max_new_tokens == 20 and settings.no_repeat_ngram_size == 3
     assert settings.num_beams == (3 if "--num_beams=3" in overrides else 1) and settings.do_sample is False

@@ -13,10 +13,9 @@ import lora
 import train
 from checkpoint import load_checkpoint
 from config import load_config
-from conftest import assert_export_matches
+from conftest import REPO, assert_export_matches
 from model import GPT, GPTConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=128",
         "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
         "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16", "--micro_batch_size=4", "--eval_interval=3",

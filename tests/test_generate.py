@@ -4,7 +4,7 @@ import pytest
 import torch
 from rouge_score import rouge_scorer
 
-from generate import summary_text
+from generate import generate, summary_text
 from metrics import agreement, mbr_select
 from model import GPT
 
@@ -49,7 +49,7 @@ def naive_greedy(model, prompt, eos):
 def eos(ours, prompts):
     """An end-of-sequence id that the tiny model actually emits mid-way for some prompts and not for others,
     so the EOS handling is exercised (the real 50256 is almost never chosen by a random model)."""
-    outputs = ours.generate(prompts, MAX_NEW, eos_token_id=-1)
+    outputs = generate(ours, prompts, MAX_NEW, eos_token_id=-1)
     counts = {}
     for out in outputs:
         for token in set(out[2:MAX_NEW - 2]):
@@ -60,7 +60,7 @@ def eos(ours, prompts):
 
 
 def test_greedy_matches_transformers_and_naive_loop(ours, tiny_hf, prompts, eos):
-    got = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
+    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
     assert any(len(g) < MAX_NEW for g in got) and any(len(g) == MAX_NEW for g in got)
     with torch.no_grad():
         for prompt, row in zip(prompts, got):
@@ -69,21 +69,21 @@ def test_greedy_matches_transformers_and_naive_loop(ours, tiny_hf, prompts, eos)
 
 
 def test_batched_equals_one_at_a_time(ours, prompts, eos):
-    batched = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
-    assert batched == [ours.generate([p], MAX_NEW, eos_token_id=eos)[0] for p in prompts]
+    batched = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    assert batched == [generate(ours, [p], MAX_NEW, eos_token_id=eos)[0] for p in prompts]
 
 
 def test_eos_stops_only_its_row(ours, prompts, eos):
-    free = ours.generate(prompts, MAX_NEW, eos_token_id=-1)
-    stopped = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
+    free = generate(ours, prompts, MAX_NEW, eos_token_id=-1)
+    stopped = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
     for f, s in zip(free, stopped):
         assert s == cut(f, eos)
         assert eos not in s
 
 
 def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
-    got = ours.generate(prompts, MAX_NEW, eos_token_id=eos, num_beams=4)
-    greedy = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
+    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos, num_beams=4)
+    greedy = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
     assert got != greedy
     with torch.no_grad():
         for prompt, row in zip(prompts, got):
@@ -93,48 +93,44 @@ def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2),
                                     dict(num_beams=3, length_penalty=0.6, no_repeat_ngram_size=3)])
 def test_processors_match_transformers(ours, tiny_hf, prompts, eos, kwargs):
-    got = ours.generate(prompts[:8], MAX_NEW, eos_token_id=eos, **kwargs)
+    got = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, **kwargs)
     with torch.no_grad():
         for prompt, row in zip(prompts[:8], got):
             assert row == hf_generate(tiny_hf, prompt, eos, **kwargs)
 
 
 def test_sampling_is_reproducible_with_seed(ours, prompts):
-    a = ours.generate(prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    b = ours.generate(prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    c = ours.generate(prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=8)
+    a = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    b = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    c = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=8)
     assert a == b and a != c
 
 
 def test_top_k_one_sampling_is_greedy(ours, prompts, eos):
-    sampled = ours.generate(prompts, MAX_NEW, eos_token_id=eos, temperature=0.7, top_k=1, seed=0)
-    assert sampled == ours.generate(prompts, MAX_NEW, eos_token_id=eos)
-
-
-def test_long_prompts_keep_their_last_tokens(ours):
-    block = ours.config.block_size
-    long_prompt = list(range(1000, 1000 + block + 50))
-    got = ours.generate([long_prompt], 8, eos_token_id=-1)
-    assert got == ours.generate([long_prompt[-(block - 8):]], 8, eos_token_id=-1)
-    assert len(got[0]) == 8
+    sampled = generate(ours, prompts, MAX_NEW, eos_token_id=eos, temperature=0.7, top_k=1, seed=0)
+    assert sampled == generate(ours, prompts, MAX_NEW, eos_token_id=eos)
 
 
 def test_bad_arguments_are_clear_errors(ours):
+    block = ours.config.block_size
     with pytest.raises(ValueError, match="max_new_tokens"):
-        ours.generate([[1, 2]], ours.config.block_size)
-    with pytest.raises(ValueError, match="at least one token"):
-        ours.generate([[1, 2], []], 4)
-    assert ours.generate([], 4) == []
+        generate(ours, [[1, 2]], block)
+    with pytest.raises(ValueError, match="1 to block_size - max_new_tokens"):
+        generate(ours, [[1, 2], []], 4)
+    with pytest.raises(ValueError, match=f"1 to block_size - max_new_tokens = {block - 8} tokens"):
+        generate(ours, [list(range(block - 7))], 8)  # never cut silently: inference.py cuts dialogues
+    assert len(generate(ours, [list(range(block - 8))], 8, eos_token_id=-1)[0]) == 8
+    assert generate(ours, [], 4) == []
 
 
 # ---- n-best, min_new_tokens, sampling with shared samples, MBR ------------------------------------------------
 
 def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, prompts, eos):
     k, beams, penalty = 3, 4, 0.8
-    got = ours.generate(prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty,
+    got = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty,
                         num_return_sequences=k, output_scores=True)
     assert len(got) == 8 * k
-    plain = ours.generate(prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty)
+    plain = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty)
     assert [s.tokens for s in got[::k]] == plain  # the first of each n-best list is beam search's answer
     ended_early = 0
     with torch.no_grad():
@@ -154,8 +150,8 @@ def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, pr
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
 def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs):
-    free = ours.generate(prompts[8:16], MAX_NEW, eos_token_id=eos, **kwargs)
-    got = ours.generate(prompts[8:16], MAX_NEW, eos_token_id=eos, min_new_tokens=10, **kwargs)
+    free = generate(ours, prompts[8:16], MAX_NEW, eos_token_id=eos, **kwargs)
+    got = generate(ours, prompts[8:16], MAX_NEW, eos_token_id=eos, min_new_tokens=10, **kwargs)
     assert any(len(row) < 10 for row in free) and all(len(row) >= 10 for row in got)
     with torch.no_grad():
         for prompt, row in zip(prompts[8:16], got):
@@ -164,7 +160,7 @@ def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs
 
 def test_n_samples_are_reproducible_with_seed(ours, prompts, eos):
     def draw(seed):
-        return ours.generate(prompts[:6], MAX_NEW, eos_token_id=eos, temperature=1.5, top_k=4,
+        return generate(ours, prompts[:6], MAX_NEW, eos_token_id=eos, temperature=1.5, top_k=4,
                              num_return_sequences=5, seed=seed)
     a = draw(7)
     assert len(a) == 30 and a == draw(7) and a != draw(8)
@@ -184,7 +180,7 @@ def test_shared_samples_follow_the_model_distribution(ours):
 
     exact = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
     assert min(exact.values()) > 0.01
-    rows = ours.generate([prompt], 2, eos_token_id=-1, temperature=temperature, top_k=3, num_return_sequences=n,
+    rows = generate(ours, [prompt], 2, eos_token_id=-1, temperature=temperature, top_k=3, num_return_sequences=n,
                          seed=0)
     counts = {}
     for row in rows:
@@ -195,9 +191,9 @@ def test_shared_samples_follow_the_model_distribution(ours):
 
 
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
-    greedy = ours.generate(prompts, MAX_NEW, eos_token_id=eos)
+    greedy = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary
-        assert ours.generate(prompts, MAX_NEW, eos_token_id=eos, temperature=1.0, top_k=1, seed=0, mbr_samples=6,
+        assert generate(ours, prompts, MAX_NEW, eos_token_id=eos, temperature=1.0, top_k=1, seed=0, mbr_samples=6,
                              mbr_include_beam=include_beam) == greedy
 
 
@@ -227,9 +223,9 @@ def test_agreement_is_rouge_score_of_every_pair(metric):
 def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
     options = dict(eos_token_id=eos, temperature=1.0, top_k=3, seed=11)
     n, few = 8, prompts[:8]
-    picked = ours.generate(few, 12, mbr_samples=n, mbr_include_beam=True, **options)
-    samples = ours.generate(few, 12, num_return_sequences=n, **options)  # the same draws: same seed, one prefill
-    greedy = ours.generate(few, 12, eos_token_id=eos)
+    picked = generate(ours, few, 12, mbr_samples=n, mbr_include_beam=True, **options)
+    samples = generate(ours, few, 12, num_return_sequences=n, **options)  # the same draws: same seed, one prefill
+    greedy = generate(ours, few, 12, eos_token_id=eos)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     unique_best = 0
     for i, prompt in enumerate(few):

@@ -3,7 +3,6 @@ proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU 
 against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, scripts/gpu_check."""
 import copy
 import importlib.util
-import json
 import math
 import os
 import socket
@@ -15,24 +14,18 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import evaluate
 import generate
+import inference
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import build_model, load_checkpoint
 from config import UserError, load_config
-from conftest import synthetic_rows
+from conftest import REPO, metrics, synthetic_rows
 from model import GPT, GPTConfig
 from runtime import Runtime, choose_precision, peak_flops, use_compile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
         "--device=cpu", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",
         "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--dropout=0.0"]
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 # ---- precision, compile and peak FLOPS from the device's properties -------------------------------------------
@@ -241,7 +234,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(compiled_then_ea
     ckpt = load_checkpoint(str(out / "ckpt.pt"))  # written by the last, compiled, run
     assert ckpt["iter_num"] == 6 and ckpt["config"]["compile"] is True
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
-    model = model_from_checkpoint(ckpt, "ckpt.pt")  # strict load_state_dict
+    model, _ = build_model(str(out / "ckpt.pt"))  # strict load_state_dict
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
 
 
@@ -249,12 +242,9 @@ def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(compiled_then_ea
 def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compiled_then_eager_then_compiled,
                                                                           monkeypatch, compile, compiles):
     _, _, out = compiled_then_eager_then_compiled
-    calls = []
-    monkeypatch.setattr(GPT, "compile_decode", lambda self: calls.append(self))
-    cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--max_new_tokens=16",
-                       "--device=cpu"])
-    model = evaluate.load_model(cfg, Runtime(cfg))
-    assert calls == ([model] if compiles else [])
+    cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--device=cpu"])
+    run = inference.load_run(cfg, set(), Runtime(cfg), inference.describe_validation)
+    assert run.model.decode_compiled is compiles
 
 
 def greedy_case(tiny_hf_dir):
@@ -264,7 +254,7 @@ def greedy_case(tiny_hf_dir):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 41, 60)]
     counts = {}
-    for row in model.generate(prompts, 16, eos_token_id=-1):
+    for row in generate.generate(model, prompts, 16, eos_token_id=-1):
         for token in set(row[2:14]):
             counts[token] = counts.get(token, 0) + 1
     eos = max(counts, key=counts.get)
@@ -274,10 +264,10 @@ def greedy_case(tiny_hf_dir):
 
 def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    eager = model.generate(prompts, 16, eos_token_id=eos)
+    eager = generate.generate(model, prompts, 16, eos_token_id=eos)
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
-    model.compile_decode()
-    assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    generate.compile_decode(model)
+    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
@@ -286,8 +276,8 @@ def test_a_deepcopy_after_compile_decode_decodes_with_its_own_weights(tiny_hf_di
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    model.compile_decode()
-    original = model.generate(prompts, 16, eos_token_id=eos)
+    generate.compile_decode(model)
+    original = generate.generate(model, prompts, 16, eos_token_id=eos)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.transformer.h[1].mlp.c_proj.weight.mul_(-1.0)
@@ -296,9 +286,9 @@ def test_a_deepcopy_after_compile_decode_decodes_with_its_own_weights(tiny_hf_di
     calls = []
     real_step = generate.compiled_step
     monkeypatch.setattr(generate, "compiled_step", lambda m, *args: calls.append(m) or real_step(m, *args))
-    assert twin.generate(prompts, 16, eos_token_id=eos) == eager_twin.generate(prompts, 16, eos_token_id=eos)
-    assert twin.generate(prompts, 16, eos_token_id=eos) != original
-    assert model.generate(prompts, 16, eos_token_id=eos) == original
+    assert generate.generate(twin, prompts, 16, eos_token_id=eos) == generate.generate(eager_twin, prompts, 16, eos_token_id=eos)
+    assert generate.generate(twin, prompts, 16, eos_token_id=eos) != original
+    assert generate.generate(model, prompts, 16, eos_token_id=eos) == original
     assert any(m is twin for m in calls) and any(m is model for m in calls) and not any(m is eager_twin for m in calls)
     assert "torch.compile failed" not in capfd.readouterr().err
 
@@ -329,10 +319,10 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
 
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    eager = model.generate(prompts, 16, eos_token_id=eos)
-    model.compile_decode()
-    assert model.generate(prompts, 16, eos_token_id=eos) == eager
-    assert model.generate(prompts, 16, eos_token_id=eos) == eager
+    eager = generate.generate(model, prompts, 16, eos_token_id=eos)
+    generate.compile_decode(model)
+    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
+    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
     assert warnings_in(capfd.readouterr().err) == [
         "warning: torch.compile failed (RuntimeError: simulated compiler crash); decoding eagerly"]
 

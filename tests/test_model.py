@@ -28,7 +28,7 @@ def test_logits_match_transformers_with_padding(ours, tiny_hf):
 def test_packed_prefill_matches_each_prompt_alone(ours):
     # The generator's prefill runs the prompts back to back in one sequence: each prompt's last logits and
     # its cache row (right-aligned, the left-padded layout decoding continues) must equal the prompt run alone.
-    from generate import KVCache
+    from model import KVCache
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13]]
     caches = [KVCache(len(prompts[0]) + 4) for _ in ours.transformer.h]
     with torch.no_grad():

@@ -1,20 +1,13 @@
 """notebooks/kaggle_t4x2.ipynb runs end to end: its parameters cell swapped for a tiny CPU run of config/demo.py,
 executed with nbclient in a python3 kernel of this interpreter, two training processes as on Kaggle's two T4s."""
 import os
-import socket
 
 import nbformat
 import pandas as pd
 from nbclient import NotebookClient
+from conftest import REPO, free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "kaggle_t4x2.ipynb")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_notebook_is_committed_without_outputs():

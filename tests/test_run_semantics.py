@@ -5,7 +5,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,23 +16,12 @@ import train
 from checkpoint import load_checkpoint
 from config import UserError, load_config
 from runtime import Runtime, choose_precision, use_compile
+from conftest import metrics, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
         "--max_new_tokens=16", "--device=cpu", "--compile=False", "--log_interval=1", "--warmup_iters=2",
         "--learning_rate=3e-3", "--batch_size=8", "--micro_batch_size=4", "--rouge_samples=0",
         "--best_metric=val_loss", "--sample_submission_csv="]
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def run(cmd, env=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | dict(env or {})
-    return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO),
-                          capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture
@@ -136,7 +124,7 @@ def test_resume_with_a_larger_max_iters_never_raises_the_lr(args, tmp_path, caps
     lrs = [r["lr"] for r in metrics(tmp_path / "out")]
     assert len(lrs) == 12 and lrs[6] <= lrs[5] and max(lrs[6:]) <= lrs[5]
     assert lrs[6:] == [2e-5] * 6  # the 6-step run's decay had ended at min_lr: it stays there
-    assert "learning rate at iter 6: " in out and "stays at min_lr until iter 12" in out
+    assert f"learning rate at iter 7: {lrs[6]:.2e}; stays at min_lr" in out and "until iter 12" in out
 
 
 def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_path, capsys):
@@ -147,23 +135,26 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
                              "max_iters": 6})
     assert lrs[6] == pytest.approx(train.learning_rate(6, old))  # continues from where the run was
     assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12]))  # and decays to min_lr at the new horizon
-    assert lrs[11] > 2e-5 and "cosine decay to min_lr 2.00e-05 at iter 12" in capsys.readouterr().out
+    assert lrs[11] > 2e-5 and f"cosine decay to {lrs[11]:.2e} at iter 12 (it would reach min_lr 2.00e-05 at iter 13)" \
+        in capsys.readouterr().out
 
 
-def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, monkeypatch, capsys):
+def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, capsys):
     train.main([*args, "--max_iters=3", "--eval_interval=3"])
-    clipped_to = []
-    real_clip = torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
-                        lambda params, max_norm, **kw: clipped_to.append(max_norm) or real_clip(params, max_norm, **kw))
+    before = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]["state"]
     resume = [*args, "--max_iters=4", "--eval_interval=4", "--init_from=resume"]
     cfg = load_config([*resume, "--weight_decay=0", "--grad_clip=0.5", "--beta2=0.9", "--dropout=0.25"])
     trainer = train.Trainer(cfg, Runtime(cfg))
     assert "changed since the checkpoint, applied from iter 3: weight_decay 0.1 -> 0.0, beta2 0.95 -> 0.9, " \
            "dropout 0.0 -> 0.25, grad_clip 1.0 -> 0.5" in capsys.readouterr().out
     trainer.fit()
-    assert clipped_to == [0.5]
-    groups = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]["param_groups"]
+    after = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]
+    # AdamW's first moment took the clipped gradient: exp_avg = beta1 * exp_avg_before + (1 - beta1) * gradient
+    applied = torch.stack([((after["state"][i]["exp_avg"] - 0.9 * before[i]["exp_avg"]) / 0.1).norm()
+                           for i in before]).norm().item()
+    grad_norm = metrics(tmp_path / "out")[-1]["grad_norm"]
+    assert grad_norm > 0.5 and applied == pytest.approx(0.5, rel=1e-3)
+    groups = after["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and groups[0]["betas"] == (0.9, 0.9)
     drops = [m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and set(drops) == {0.25} and trainer.model.transformer.h[0].attn.dropout == 0.25
@@ -228,7 +219,8 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     train.main([*args, "--max_iters=2", "--eval_interval=2"])
     out = tmp_path / "out"
     best, ckpt = load_checkpoint(str(out / "best.pt")), load_checkpoint(str(out / "ckpt.pt"))
-    assert set(best) == {"model", "model_args", "config", "metrics", "iter_num", "best_score"}
+    assert set(best) == {"model", "model_args", "config", "metrics", "iter_num", "best_metric", "best_score",
+                         "tokenizer", "train_rows", "validation_digest"}
     assert {"optimizer", "scaler", "rng", "schedule"} <= set(ckpt)
     assert os.path.getsize(out / "best.pt") < os.path.getsize(out / "ckpt.pt") / 2
     capsys.readouterr()

@@ -1,8 +1,6 @@
-import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,31 +9,14 @@ import time
 import pytest
 import torch
 
+import conftest
 import train
 from checkpoint import load_checkpoint
 from config import UserError
+from conftest import REPO, free_port, metrics, run, synthetic_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
-        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
-        "--warmup_iters=2", "--learning_rate=3e-3"]
+TINY = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
 PARITY = [*TINY, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]
-
-
-def run(cmd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def assert_same_losses(got, expected, rel=1e-4):
@@ -48,7 +29,6 @@ def assert_same_losses(got, expected, rel=1e-4):
 
 @pytest.fixture(scope="module")
 def parity_data(tmp_path_factory):
-    from conftest import synthetic_rows
     import pandas as pd
     folder = tmp_path_factory.mktemp("parity")
     pd.DataFrame(synthetic_rows(120, seed=1)).to_csv(folder / "train.csv", index=False)
@@ -76,7 +56,7 @@ LAUNCHES = {
         from accelerate import notebook_launcher
         import train
         notebook_launcher(train.main, ({[*args, "--micro_batch_size=2", "--backend=accelerate"]!r},),
-                          num_processes=2, use_port={free_port()!r})
+                          num_processes=2, use_port={str(free_port())!r})
         """)],
 }
 

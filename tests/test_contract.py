@@ -1,0 +1,244 @@
+"""The checkpoint is the contract: evaluate.py, predict.py and export.py prompt, cut, split and decode as the run
+did, whatever preset they are given; flags that contradict it stop in one line; rows the run trained on are never
+scored; best_metric, the compile fallback, out-of-memory and the resume line say what is true."""
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import evaluate
+import export
+import generate
+import predict
+import train
+from checkpoint import load_checkpoint
+from config import load_config
+from conftest import REPO, TINY, metrics, run, synthetic_rows
+from runtime import Runtime
+
+TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
+RUN = [*(flag for flag in TINY if not flag.startswith("--max_new_tokens")), "--n_embd=64", "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",
+       "--warmup_iters=5", "--log_interval=1000", "--gen_batch_size=8", "--sample_submission_csv="]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained with a custom template, its own validation CSV and max_new_tokens=12; `preset` is
+    what a user passes later: the data and out_dir of the preset, none of the run's training flags."""
+    folder = tmp_path_factory.mktemp("contract")
+    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
+    train_dialogues = set(pd.read_csv(folder / "train.csv")["dialogue"])
+    val = pd.DataFrame(synthetic_rows(40, seed=3))
+    val = val[~val["dialogue"].isin(train_dialogues)].head(12)
+    val.to_csv(folder / "validation.csv", index=False)
+    other = pd.DataFrame(synthetic_rows(60, seed=11))
+    other = other[~other["dialogue"].isin(train_dialogues | set(val["dialogue"]))].head(10)
+    other["id"] = [f"other-{i}" for i in range(len(other))]
+    other.to_csv(folder / "other.csv", index=False)
+    other.drop(columns="summary").to_csv(folder / "test.csv", index=False)
+    preset = [*RUN, f"--train_csv={folder / 'train.csv'}", f"--test_csv={folder / 'test.csv'}",
+              f"--data_cache_dir={folder / 'cache'}", f"--out_dir={folder / 'out'}"]
+    training = [*preset, f"--prompt_template={TEMPLATE!r}", f"--validation_csv={folder / 'validation.csv'}",
+                "--max_new_tokens=12", "--max_iters=40", "--eval_interval=40", "--rouge_samples=12"]
+    train.main(training)
+    best = f"--ckpt={folder / 'out' / 'best.pt'}"  # as the preset's out_dir says: outputs go elsewhere below
+    return folder, [*preset, best], [*training, best]
+
+
+def one_error_line(capsys, main, argv, code=2):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == code and "Traceback" not in err, err
+    lines = [line for line in err.split("\n")[:-1] if "\r" not in line]  # progress bars may come first
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_the_preset_alone_scores_and_predicts_as_the_training_flags_do(trained, tmp_path, capsys):
+    folder, preset, training = trained
+    outputs = {}
+    for name, argv in (("preset", preset), ("training", training)):
+        out = tmp_path / name
+        evaluate.main([*argv, f"--out_dir={out}"])
+        predict.main([*argv, f"--out_dir={out}"])
+        first_line = capsys.readouterr().out.splitlines()[0]
+        outputs[name] = (json.loads((out / "eval_metrics.json").read_text()), (out / "submission.csv").read_bytes())
+        assert f"template {TEMPLATE!r}" in first_line and f"validation {folder / 'validation.csv'}" in first_line
+        assert "decoding: greedy: max_new_tokens=12 (the run's)" in first_line
+    assert outputs["preset"] == outputs["training"]
+    report = outputs["preset"][0]
+    assert report["n"] == 12 and report["rougeL"]["mean"] > 0.2  # the run's template: it learned to summarize
+    # the training-time ROUGE (same dialogues, template and decoding) is what evaluate.py reports
+    best = load_checkpoint(str(folder / "out" / "best.pt"))
+    assert report["rougeL"]["mean"] == pytest.approx(best["metrics"]["rougeL"], abs=1e-12)
+
+
+def test_a_flag_that_contradicts_the_checkpoint_is_one_line(trained, tmp_path, capsys):
+    folder, preset, _ = trained
+    for main in (evaluate.main, predict.main):
+        err = one_error_line(capsys, main, [*preset, "--prompt_template='{dialogue} TL;DR:'",
+                                            f"--out_dir={tmp_path / 'x'}"])
+        assert "--prompt_template='{dialogue} TL;DR:' contradicts the checkpoint" in err
+        assert f"prompt_template={TEMPLATE!r}" in err
+    err = one_error_line(capsys, evaluate.main, [*preset, "--block_size=64", f"--out_dir={tmp_path / 'x'}"])
+    assert "--block_size=64 contradicts the checkpoint, which was trained with block_size=128" in err
+    assert not (tmp_path / "x").exists()  # a failed command leaves no empty out_dir behind
+
+
+def test_a_decoding_flag_overrides_the_runs_and_the_first_line_says_so(trained, tmp_path, capsys):
+    folder, preset, _ = trained
+    predict.main([*preset, "--num_beams=3", f"--out_dir={tmp_path}"])
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith(f"weights: {folder / 'out' / 'best.pt'} (iter 40, best rougeL ")
+    assert "decoding: beam search: max_new_tokens=12 num_beams=3 (the run's, except --num_beams)" in first_line
+
+
+def test_rows_the_run_trained_on_are_refused_and_a_disjoint_csv_is_scored(trained, tmp_path, capsys):
+    folder, preset, _ = trained
+    for flags in ([f"--validation_csv={folder / 'train.csv'}"], ["--validation_csv=", "--val_fraction=0.2"]):
+        err = one_error_line(capsys, evaluate.main, [*preset, *flags, f"--out_dir={tmp_path / 'x'}"])
+        assert "validation rows" in err and "were trained on by this checkpoint" in err
+        assert "--validation_csv" in err and "to use the run's own validation split" in err
+    # the same dialogues under new ids are still rows it trained on
+    copy = pd.read_csv(folder / "train.csv").head(5).assign(id=lambda f: "new-" + f["id"])
+    copy.to_csv(tmp_path / "renamed.csv", index=False)
+    err = one_error_line(capsys, evaluate.main, [*preset, f"--validation_csv={tmp_path / 'renamed.csv'}",
+                                                 f"--out_dir={tmp_path / 'x'}"])
+    assert "5 of the 5 validation rows" in err
+    evaluate.main([*preset, f"--validation_csv={folder / 'other.csv'}", f"--out_dir={tmp_path / 'other'}"])
+    assert f"validation {folder / 'other.csv'}" in capsys.readouterr().out.splitlines()[0]
+    scored = pd.read_csv(tmp_path / "other" / "eval_predictions.csv")
+    assert scored["id"].tolist() == pd.read_csv(folder / "other.csv")["id"].tolist()
+
+
+def test_export_with_a_preset_keeps_the_runs_settings_and_cuts_like_training(trained, tmp_path):
+    folder, _, _ = trained
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"max_new_tokens": 32, "validation_csv": "elsewhere.csv",
+                                  "out_dir": str(folder / "out")}))
+    export.main([str(preset), f"--export_dir={tmp_path / 'hf'}"])
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").max_new_tokens == 12
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "validation.csv" in card and "elsewhere.csv" not in card
+    head, tail = len(data_tokens(TEMPLATE)[0]), len(data_tokens(TEMPLATE)[1])
+    assert f"**first {128 - 12 - head - tail} tokens**" in card
+    export.main([str(preset), "--max_new_tokens=20", f"--export_dir={tmp_path / 'hf20'}"])
+    assert GenerationConfig.from_pretrained(tmp_path / "hf20").max_new_tokens == 20
+
+
+def data_tokens(template):
+    import data
+    return data.template_tokens(template)
+
+
+# ---- best_metric, compile fallback, out of memory, the resume line -----------------------------------------
+
+@pytest.fixture
+def small(write_csv, tmp_path):
+    return [*RUN, "--n_embd=32", "--max_new_tokens=16", f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'c'}",
+            f"--out_dir={tmp_path / 'out'}", "--batch_size=8", "--micro_batch_size=8", "--log_interval=1"]
+
+
+def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(small, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main([*small, "--max_iters=2", "--eval_interval=2", "--rouge_samples=4", "--best_metric=val_loss"])
+    old_best = (out / "best.pt").read_bytes()
+    capsys.readouterr()
+    train.main([*small, "--max_iters=6", "--eval_interval=2", "--rouge_samples=4", "--best_metric=rougeL",
+                "--init_from=resume"])
+    assert f"best.pt follows rougeL from the next evaluation on; the best by val_loss is kept as " \
+           f"{out / 'best-val_loss.pt'}" in capsys.readouterr().out
+    assert (out / "best-val_loss.pt").read_bytes() == old_best
+    best = load_checkpoint(str(out / "best.pt"))
+    rouge_by_iter = {r["iter"]: r["rougeL"] for r in metrics(out) if "rougeL" in r and r["iter"] > 2}
+    assert best["best_metric"] == "rougeL" and best["best_score"] == max(rouge_by_iter.values())
+    assert best["iter_num"] == min(i for i, v in rouge_by_iter.items() if v == best["best_score"])
+
+
+def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(small, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main([*small, "--max_iters=3", "--eval_interval=3", "--warmup_iters=10", "--rouge_samples=0",
+                "--best_metric=val_loss"])
+    capsys.readouterr()
+    train.main([*small, "--max_iters=20", "--eval_interval=20", "--warmup_iters=10", "--rouge_samples=0",
+                "--best_metric=val_loss", "--init_from=resume"])
+    printed = capsys.readouterr().out
+    rows = {r["iter"]: r["lr"] for r in metrics(out)}
+    assert f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay " \
+           f"to min_lr 2.00e-05 at iter 21" in printed or \
+           f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay to " \
+           f"{rows[20]:.2e} at iter 20" in printed
+    assert rows[4] > rows[3] and max(rows.values()) == pytest.approx(1e-2) and rows[20] < rows[11]
+    err = one_error_line(capsys, train.main, [*small, "--max_iters=20", "--warmup_iters=10", "--rouge_samples=0",
+                                              "--best_metric=val_loss", "--init_from=resume"])
+    assert "is at iter 20 and max_iters=20: nothing to train" in err
+
+
+def test_an_out_of_memory_in_the_compile_warm_up_propagates(small, tmp_path, monkeypatch, capfd):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: out_of_memory)
+    cfg = load_config([*small, "--max_iters=1", "--compile=True", "--rouge_samples=0", "--best_metric=val_loss"])
+    with pytest.raises(torch.OutOfMemoryError, match="lower --micro_batch_size \\(now 8"):
+        train.Trainer(cfg, Runtime(cfg))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        train.main([*small, "--max_iters=1", "--compile=True", "--rouge_samples=0", "--best_metric=val_loss"])
+    err = capfd.readouterr().err
+    assert exit.value.code == 1 and "torch.compile failed" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: out of memory while training on micro-batches of 8")
+
+
+def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, monkeypatch, capfd):
+    from model import GPT
+    model = GPT.from_pretrained(tiny_hf_dir).eval()
+    generate.compile_decode(model)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    monkeypatch.setattr(generate, "compiled_step", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        generate.generate(model, [[1, 2, 3]], 4)
+    assert model.decode_compiled and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
+
+
+# ---- layout and first contact --------------------------------------------------------------------------------
+
+def test_importing_the_model_loads_no_data_or_metric_library():
+    code = ("import sys, torch; before = set(sys.modules); import model; "
+            "print(sorted(m.split('.')[0] for m in set(sys.modules) - before)); "
+            "print(sorted(m for m in ('rouge_score', 'nltk', 'rapidfuzz', 'pandas', 'tiktoken', 'generate') "
+            "if m in sys.modules))")
+    result = run([sys.executable, "-c", code])
+    new, loaded = result.stdout.splitlines()
+    assert result.returncode == 0 and loaded == "[]"
+    assert set(eval(new)) <= {"model"}  # torch itself loads tqdm (torch.hub); model adds nothing
+
+
+def test_help_into_a_closed_pipe_is_not_an_error():
+    result = subprocess.run(f"{sys.executable} train.py --help | head -1", shell=True, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() and result.stderr == ""
+
+
+def test_lora_on_an_untrained_model_warns(small, capfd):
+    train.main([*small, "--max_iters=1", "--lora_rank=4", "--rouge_samples=0", "--best_metric=val_loss"])
+    err = capfd.readouterr().err
+    assert "warning: lora_rank=4 with init_from=scratch trains small adapters on frozen random weights" in err
+
+
+def test_a_failed_command_leaves_no_empty_out_dir(tmp_path, capsys):
+    for main in (train.main, evaluate.main, predict.main):
+        one_error_line(capsys, main, [*RUN, f"--train_csv={tmp_path / 'missing.csv'}",
+                                      f"--ckpt={tmp_path / 'missing.pt'}", f"--out_dir={tmp_path / 'new'}"])
+        assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    one_error_line(capsys, train.main, [*RUN, f"--train_csv={tmp_path / 'missing.csv'}", f"--out_dir={tmp_path / 'kept'}"])
+    assert (tmp_path / "kept").is_dir()  # a folder that was there stays

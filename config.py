@@ -142,7 +142,7 @@ class Config:
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
     gen_batch_size: int = option(32, "dialogues summarized per generate() call")
     sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
-                            "'num_beams=1,4 length_penalty=0.8,1.0' (keys apart by spaces, values by commas)")
+                            "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)")
     # export
     export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)")
     overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")

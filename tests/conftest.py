@@ -92,3 +92,13 @@ def assert_export_matches(best_pt, export_dir):
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def card_code(path):
+    """The namespace of the model card's Python code, run as a transformers user would run it on this folder."""
+    card = open(os.path.join(path, "README.md"), encoding="utf-8").read()
+    code = card.split("## Use")[1].split("```python\n")[1].split("```")[0]
+    code = code.replace(f'path = "{os.path.basename(path)}"', f"path = {path!r}", 1)
+    namespace = {}
+    exec(code, namespace)
+    return namespace

@@ -14,11 +14,12 @@ from transformers import GenerationConfig
 import evaluate
 import export
 import generate
+import inference
 import predict
 import train
 from checkpoint import load_checkpoint
 from config import load_config
-from conftest import REPO, TINY, metrics, run, synthetic_rows
+from conftest import REPO, TINY, card_code, metrics, run, synthetic_rows
 from runtime import Runtime
 
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
@@ -131,6 +132,22 @@ def test_export_with_a_preset_keeps_the_runs_settings_and_cuts_like_training(tra
     assert f"**first {128 - 12 - head - tail} tokens**" in card
     export.main([str(preset), "--max_new_tokens=20", f"--export_dir={tmp_path / 'hf20'}"])
     assert GenerationConfig.from_pretrained(tmp_path / "hf20").max_new_tokens == 20
+
+
+def test_a_long_dialogue_is_cut_alike_by_predict_and_by_the_exported_models_card(trained, tmp_path, capsys):
+    folder, preset, _ = trained
+    long = "\n".join(pd.read_csv(folder / "other.csv")["dialogue"])  # far over the 128 positions
+    dialogues = [long, "Ann: are you coming?\nBob: yes, at 8"]
+    pd.DataFrame({"id": ["long", "short"], "dialogue": dialogues}).to_csv(tmp_path / "test.csv", index=False)
+    predict.main([*preset, f"--test_csv={tmp_path / 'test.csv'}", f"--out_dir={tmp_path / 'p'}"])
+    assert "cut the end of 1 of 2 dialogue(s)" in capsys.readouterr().out
+    ours = pd.read_csv(tmp_path / "p" / "submission.csv", dtype=str, keep_default_na=False)["summary"].tolist()
+    export.main([*preset, f"--export_dir={tmp_path / 'hf'}"])
+    card = card_code(str(tmp_path / "hf"))
+    prompts, cut = inference.open_run(load_config(preset)).prompts(dialogues)
+    assert cut == 1 and [card["prompt_ids"](d) for d in dialogues] == prompts and len(prompts[0]) == 128 - 12
+    with torch.no_grad():  # no IndexError: the exported model gets a prompt that leaves room for the summary
+        assert [card["summarize"](d) for d in dialogues] == ours
 
 
 def data_tokens(template):

@@ -20,7 +20,7 @@ import train
 import inference
 from checkpoint import build_model, load_checkpoint
 from config import UserError, load_config
-from conftest import synthetic_rows
+from conftest import card_code, synthetic_rows
 from test_tokenizer import TEXTS
 from tracking import Tracker
 
@@ -76,16 +76,6 @@ def run(tmp_path_factory):
 def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def card_code(path):
-    """The namespace of the model card's Python code, run as a transformers user would run it on this folder."""
-    card = open(os.path.join(path, "README.md"), encoding="utf-8").read()
-    code = card.split("## Use")[1].split("```python\n")[1].split("```")[0]
-    code = code.replace(f'path = "{os.path.basename(path)}"', f"path = {path!r}", 1)
-    namespace = {}
-    exec(code, namespace)
-    return namespace
 
 
 def hf_summaries(path, dialogues):

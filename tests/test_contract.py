@@ -2,7 +2,6 @@
 did, whatever preset they are given; flags that contradict it stop in one line; rows the run trained on are never
 scored; best_metric, the compile fallback, out-of-memory and the resume line say what is true."""
 import json
-import os
 import subprocess
 import sys
 

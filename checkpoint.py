@@ -4,13 +4,17 @@ the check that out_dir can take them, and moving an earlier run's files (or an e
 import datetime
 import glob
 import os
+import socket
+import threading
+import urllib.parse
+import zipfile
 
 import torch
 
 import lora
 from config import UserError
 from files import atomic_write
-from model import GPT, GPTConfig
+from model import GPT, PRETRAINED, GPTConfig
 from data import TOKENIZER_ID
 
 # What a training run (and evaluate.py/predict.py after it) writes into out_dir.
@@ -76,9 +80,14 @@ def save_checkpoint(state, path):
 
 
 def load_checkpoint(path):
-    """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers."""
+    """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers. A
+    truncated or damaged file is one line that says so and which other checkpoints beside it are intact."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
+    if not complete_archive(path):
+        raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
+                        f"torch.save archive: truncated by a full disk or an interrupted copy?); "
+                        + intact_neighbours(path))
     try:
         # mmap: ranks loading the same file share its pages, and tensors are read when used
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -88,6 +97,34 @@ def load_checkpoint(path):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint written by train.py")
     return ckpt
+
+
+def complete_archive(path):
+    """Whether `path` is a whole zip archive, torch.save's format: its directory is at the end, so a truncated
+    file has none."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def intact_neighbours(path):
+    """Which of the other checkpoints in `path`'s folder load, as the clause that ends a corrupted-file error."""
+    folder = os.path.dirname(os.path.abspath(path))
+    others = [p for p in sorted(glob.glob(os.path.join(folder, "*.pt"))) if not os.path.samefile(p, path)]
+    intact = []
+    for other in others:
+        try:
+            ckpt = torch.load(other, map_location="cpu", weights_only=True, mmap=True)
+            intact.append(f"{other} (iter {ckpt['iter_num']})")
+        except Exception:
+            continue
+    if not intact:
+        return f"no other checkpoint in {folder} is intact"
+    use = ("start from its weights with --init_from=<that file>" if os.path.basename(path) == "ckpt.pt"
+           else "score one with --ckpt=<that file>")
+    return f"intact: {', '.join(intact)}; {use}"
 
 
 def build_model(source, cfg=None, keep_adapters=False, key="init_from"):
@@ -105,13 +142,53 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from"):
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None
+    offline = source in PRETRAINED and not hub_reachable()
+    if offline and not in_hub_cache(source):
+        raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
+                        f"internet; on Kaggle: Settings > Internet): attach the weights as a folder, e.g. a Kaggle "
+                        f"dataset, and pass --{key}=/kaggle/input/<folder> (config.json and model.safetensors as "
+                        f"save_pretrained writes them), or train from --{key}=scratch")
     try:
-        model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0)
+        model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0, local_files_only=offline)
     except FileNotFoundError as e:
         raise UserError(f"{key}={e}") from None
     if cfg and cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model, None
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a connection within `timeout` seconds. Without this,
+    an offline machine spends about a minute in transformers' retries before its error."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urllib.parse.urlparse(hub_endpoint())
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    answered = []
+
+    def connect():  # in a thread: a name lookup has no timeout of its own
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            answered.append(True)
+        except OSError:
+            pass
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def in_hub_cache(name):
+    """Whether GPT-2 `name` was downloaded before (transformers can then load it offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename):
+        return isinstance(try_to_load_from_cache(name, filename), str)
+    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
 
 
 def model_from_checkpoint(ckpt, path, keep_adapters=False):

@@ -122,8 +122,10 @@ class Config:
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
                           ("auto", "ddp", "fsdp", "accelerate", "none"))
-    nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (multi-GPU hosts without "
+    nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1: GPUs talk through host memory (hosts without "
                                            "working peer-to-peer, e.g. Kaggle's 2xT4)")
+    nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
+                                          "(only for a broken InfiniBand setup)")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
     # generation
     max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size")

@@ -234,15 +234,17 @@ class GPT(nn.Module):
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
     @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0):
-        """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a local save_pretrained directory."""
+    def from_pretrained(cls, name_or_path, dropout=0.0, local_files_only=False):
+        """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a local save_pretrained directory;
+        local_files_only: a hub name from the local cache, without asking the hub."""
         from transformers import GPT2LMHeadModel
 
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
             raise FileNotFoundError(
                 f"{name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
         try:
-            hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32)
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32,
+                                                 local_files_only=local_files_only)
         except OSError as e:
             raise FileNotFoundError(f"could not load GPT-2 weights from {name_or_path!r}: {e}") from None
         hf_config = hf.config

@@ -4,6 +4,7 @@ import contextlib
 import datetime
 import os
 import re
+import signal
 import sys
 
 import torch
@@ -113,7 +114,8 @@ def out_of_memory_hint(doing, settings):
 @contextlib.contextmanager
 def one_line_errors():
     """For entry points: a UserError ends the command in one `error: ...` line (exit 2), an out-of-memory in one
-    line too (exit 1; out_of_memory_hint says what to lower). Under torchrun the line names the rank."""
+    line too (exit 1; out_of_memory_hint says what to lower), Ctrl-C in one `interrupted` line (exit 130). Under
+    torchrun the line names the rank."""
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank else ""
     try:
@@ -124,6 +126,9 @@ def one_line_errors():
     except torch.OutOfMemoryError as e:
         print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"interrupted{where}", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def warn_compile_failed(error, fallback):
@@ -165,6 +170,7 @@ class Runtime:
             raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
         if cfg.nccl_p2p_disable:
             os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+        if cfg.nccl_ib_disable:
             os.environ.setdefault("NCCL_IB_DISABLE", "1")
         accelerate_precision = accelerate_dynamo = "no"
         if self.backend == "accelerate":

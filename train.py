@@ -6,10 +6,14 @@
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
 """
 import collections
+import contextlib
 import json
 import math
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -29,7 +33,7 @@ from metrics import rouge
 from model import GPT, GPTConfig
 from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
-from submission import predict
+from submission import check_against_sample, predict
 from tracking import Tracker
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
@@ -37,6 +41,7 @@ SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias")  # a resumed run cannot change these (block_size: checked apart)
 # What a resumed run may change, and what it applies it to; the rest of the config simply takes effect.
 OPTIMIZER_KEYS = ("weight_decay", "beta1", "beta2")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the current step and stop (stop_requests)
 
 
 def main(argv=None):
@@ -47,7 +52,15 @@ def main(argv=None):
         cfg = load_config(argv)
         try:
             with no_empty_folder_left(cfg.out_dir), Runtime(cfg) as rt:
-                Trainer(cfg, rt).fit()
+                trainer = Trainer(cfg, rt)
+                trainer.fit()
+                if trainer.stopped_by:
+                    if rt.is_main:
+                        print(f"stopped by {signal.Signals(trainer.stopped_by).name} after iter {trainer.iter_num}: "
+                              f"{os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue with:\n"
+                              f"  {continue_command(argv, rt.world_size)}")
+                    # under torchrun a non-zero status would add the launcher's failure report to a clean stop
+                    sys.exit(0 if rt.distributed else 128 + trainer.stopped_by)
                 # this run's config is the contract: every key counts as given
                 if cfg.evaluate_after:
                     evaluate(cfg, set(FIELDS), rt)
@@ -65,6 +78,33 @@ def main(argv=None):
             first_line = str(e).strip().partition("\n")[0]
             print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
             sys.exit(1)
+
+
+def continue_command(argv, world_size):
+    """The command line that resumes this run: its arguments with --init_from=resume, under torchrun when the
+    run had several processes."""
+    args = [a for a in argv if not a.startswith("--init_from=")] + ["--init_from=resume"]
+    launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
+                if world_size > 1 else ["python"])
+    return shlex.join([*launcher, "train.py", *args])
+
+
+@contextlib.contextmanager
+def stop_requests(trainer):
+    """While training, SIGINT (Ctrl-C, a notebook's stop button) and SIGTERM (a session or job ending) only set
+    trainer.stop_signal; the ranks agree on it at the end of the step (train_step) and stop together."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request(signum, frame):
+        trainer.stop_signal = trainer.stop_signal or signum  # torchrun forwards a second copy: not a new request
+    previous = {s: signal.signal(s, request) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def model_to_train(cfg):
@@ -138,6 +178,10 @@ class Trainer:
                 if moved:
                     print(moved)
         splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+        if cfg.predict_after:  # the files predict reads after hours of training, checked now
+            test = data.read_test(cfg)
+            if cfg.sample_submission_csv:
+                check_against_sample(test.ids, cfg.sample_submission_csv)
         self.train_set, self.val_set = splits.train, splits.val
         self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
         self.train_rows = self.train_set.fingerprints()  # kept in checkpoints: inference refuses to score these
@@ -151,6 +195,7 @@ class Trainer:
         self.schedule = lr_schedule(asdict(cfg))
         self.skipped, self.recent_skips = 0, collections.deque(maxlen=SKIP_WINDOW)
         self.skip_warned_at = -SKIP_WINDOW
+        self.stop_signal = self.stopped_by = None  # a signal received; the one all ranks stopped for
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         resume_notes = self.restore(ckpt) if ckpt is not None else []
         n = min(cfg.rouge_samples, len(self.val_set))
@@ -191,6 +236,11 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num = ckpt["iter_num"]
         notes = [f"resuming {path} at iter {self.iter_num}"]
+        if self.rt.is_main:
+            dropped = drop_rows_after(os.path.join(cfg.out_dir, "metrics.jsonl"), self.iter_num)
+            if dropped:
+                notes.append(f"metrics.jsonl: {dropped} row(s) logged after iter {self.iter_num} were dropped; "
+                             f"those steps run and are logged again")
         best_metric = ckpt.get("best_metric") or saved["best_metric"]
         if best_metric == cfg.best_metric:
             self.best_score = ckpt["best_score"]
@@ -216,16 +266,16 @@ class Trainer:
     def fit(self):
         cfg, rt = self.cfg, self.rt
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, self.out_of_memory_hint(), tqdm(total=cfg.max_iters, initial=self.iter_num,
-                                                           disable=not rt.is_main, dynamic_ncols=True,
-                                                           desc="training", unit="it") as bar:
+        with self.tracker, self.out_of_memory_hint(), stop_requests(self), tqdm(
+                total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
+                desc="training", unit="it") as bar:
             bad_steps = 0
             while self.iter_num < cfg.max_iters:
                 lr = learning_rate(self.iter_num, self.schedule)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 start = time.perf_counter()
-                loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
+                loss, tokens, grad_norm, skipped, stop = self.train_step(self.iter_num)
                 seconds = time.perf_counter() - start
                 self.iter_num += 1
                 bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
@@ -246,8 +296,13 @@ class Trainer:
                 if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
                     stats.update(self.evaluate())
                     self.checkpoint(stats)
+                elif stop:
+                    self.save(stats, best=False)
                 if rt.is_main:
                     self.log(stats, bar)
+                if stop:
+                    self.stopped_by = stop
+                    return
 
     def out_of_memory_hint(self):
         """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
@@ -258,8 +313,9 @@ class Trainer:
 
     def train_step(self, step):
         """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
-        the number of real tokens all ranks processed, the gradient norm before clipping, and whether the step
-        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss)."""
+        the number of real tokens all ranks processed, the gradient norm before clipping, whether the step
+        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss),
+        and the signal (stop_requests) some rank received, else None: every rank returns the same."""
         cfg, rt = self.cfg, self.rt
         micro_batches = self.batches.micro_batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
@@ -267,6 +323,7 @@ class Trainer:
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / self.batches.target_tokens(step)
         loss_sum = torch.zeros((), device=rt.device)
+        requests = torch.tensor([self.stop_signal == s for s in STOP_SIGNALS], dtype=torch.float, device=rt.device)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
             targets = (y != -1).sum()
@@ -275,7 +332,9 @@ class Trainer:
                     _, loss = self.wrapped(x, y)
                 self.scaler.scale(loss * targets * scale).backward()
             loss_sum += loss.detach().float() * targets
-        loss = (rt.all_reduce_sum(loss_sum) * scale / rt.world_size).item()
+        # the stop request travels with the loss: one reduction and one host sync per step, as before
+        loss_sum, *requests = rt.all_reduce_sum(torch.cat([loss_sum[None], requests])).tolist()
+        loss = loss_sum * scale / rt.world_size
         grad_norm, skipped = math.nan, True
         if math.isfinite(loss):
             self.scaler.unscale_(self.optimizer)  # true gradients, for the norm and the clipping
@@ -286,7 +345,8 @@ class Trainer:
             skipped = self.scaler.get_scale() < loss_scale
         self.optimizer.zero_grad(set_to_none=True)
         global_batch = self.batches.sampler.global_batch(step)
-        return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped
+        stop = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
+        return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped, stop
 
     def step_flops(self, step):
         """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
@@ -337,11 +397,10 @@ class Trainer:
         return copy.eval()
 
     def checkpoint(self, stats):
-        """Rank 0 writes ckpt.pt (all that resuming needs), and best.pt (weights, config, metrics) when the
-        configured metric improved; the others wait."""
-        cfg, rt = self.cfg, self.rt
+        """After an evaluation: ckpt.pt, and best.pt when the configured metric improved."""
+        cfg = self.cfg
         if not math.isfinite(stats["val_loss"]):  # diverged weights are not worth resuming from
-            if rt.is_main:
+            if self.rt.is_main:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {self.iter_num}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
@@ -350,6 +409,12 @@ class Trainer:
                                                               else score > best))
         if improved:
             self.best_score = score
+        self.save(stats, best=improved)
+
+    def save(self, stats, best):
+        """Rank 0 writes ckpt.pt (all that resuming needs), and with `best` best.pt (weights, config, metrics);
+        the others wait."""
+        cfg, rt = self.cfg, self.rt
         rng = rt.all_gather_objects(rng_state())
         model_state, optimizer_state = rt.training_state(self.model, self.optimizer)
         if rt.is_main:
@@ -362,7 +427,7 @@ class Trainer:
             save_checkpoint({**weights, "model": model_state, "optimizer": optimizer_state,
                              "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
                              "skipped_steps": self.skipped}, os.path.join(cfg.out_dir, "ckpt.pt"))
-            if improved:
+            if best:
                 merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
                 save_checkpoint({**weights, "model": merged}, os.path.join(cfg.out_dir, "best.pt"))
         rt.barrier()
@@ -391,6 +456,26 @@ class Trainer:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
             plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
+
+
+def drop_rows_after(jsonl_path, iter_num):
+    """Remove the rows of a metrics.jsonl past `iter_num` (steps after the checkpoint a resumed run starts from),
+    and a last row cut short by a kill, so each step is logged once. Returns how many were removed."""
+    if not os.path.isfile(jsonl_path):
+        return 0
+    with open(jsonl_path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+
+    def logged_by_then(line):
+        try:
+            return json.loads(line)["iter"] <= iter_num
+        except (ValueError, KeyError, TypeError):
+            return False
+    kept = [line if line.endswith("\n") else line + "\n" for line in lines if logged_by_then(line)]
+    if len(kept) < len(lines):
+        with atomic_write(jsonl_path) as f:
+            f.writelines(kept)
+    return len(lines) - len(kept)
 
 
 def trained_params(model, cfg):

@@ -101,7 +101,9 @@ def test_nccl_variables_are_set_only_when_asked(monkeypatch):
     Runtime(load_config(["--device=cpu"]))
     assert "NCCL_P2P_DISABLE" not in os.environ and "NCCL_IB_DISABLE" not in os.environ
     Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
-    assert os.environ["NCCL_P2P_DISABLE"] == os.environ["NCCL_IB_DISABLE"] == "1"
+    assert os.environ["NCCL_P2P_DISABLE"] == "1" and "NCCL_IB_DISABLE" not in os.environ  # across nodes: InfiniBand
+    Runtime(load_config(["--device=cpu", "--nccl_ib_disable=True"]))
+    assert os.environ["NCCL_IB_DISABLE"] == "1"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own environment wins
     Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
     assert os.environ["NCCL_P2P_DISABLE"] == "0"

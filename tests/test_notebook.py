@@ -1,11 +1,12 @@
 """notebooks/kaggle_t4x2.ipynb runs end to end: its parameters cell swapped for a tiny CPU run of config/demo.py,
-executed with nbclient in a python3 kernel of this interpreter, two training processes as on Kaggle's two T4s."""
+executed with nbclient in a python3 kernel of this interpreter, its training cell through torchrun with two
+processes as on Kaggle's two T4s."""
 import os
 
 import nbformat
 import pandas as pd
 from nbclient import NotebookClient
-from conftest import REPO, free_port
+from conftest import REPO
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "kaggle_t4x2.ipynb")
 
@@ -31,10 +32,10 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
         'PRESET = "config/demo.py"',
         f"OVERRIDES = {overrides!r}",
         "NUM_PROCESSES = 2",
-        f"PORT = {free_port()}",
         f"EXPORT_DIR = {str(tmp_path / 'model')!r}",
         f"SUBMISSION = {str(tmp_path / 'submission.csv')!r}",
         "INSTALL = False",  # the test environment has requirements.txt installed; a test must not install
+        'WHEELS = ""',
     ])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -47,6 +48,8 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert set(submission["id"]) == set(sample["id"])
     assert (tmp_path / "model" / "model.safetensors").is_file()
     outputs = [cell.outputs for cell in nb.cells if cell.cell_type == "code"]
+    trained = "".join(o.get("text", "") for o in outputs[4])
+    assert "micro-batch x 2 process(es)" in trained and "Traceback" not in trained  # torchrun, two ranks
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in outputs[5])
     assert "ROUGE F1 on 100 validation dialogues" in "".join(o.get("text", "") for o in outputs[6])
     assert "->" in "".join(o.get("text", "") for o in outputs[-1])

@@ -8,6 +8,7 @@
 import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import shlex
@@ -201,7 +202,8 @@ class Trainer:
         self.schedule = lr_schedule(asdict(cfg))
         self.skipped, self.recent_skips = 0, collections.deque(maxlen=SKIP_WINDOW)
         self.skip_warned_at = -SKIP_WINDOW
-        self.stop_signal = self.stopped_by = None  # a signal received; the one all ranks stopped for
+        # a signal this rank received; the one the ranks agreed on after a step; the one they stopped for
+        self.stop_signal = self.stop_agreed = self.stopped_by = None
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         resume_notes = self.restore(ckpt) if ckpt is not None else []
         n = min(cfg.rouge_samples, len(self.val_set))
@@ -281,7 +283,8 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 start = time.perf_counter()
-                loss, tokens, grad_norm, skipped, stop = self.train_step(self.iter_num)
+                loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
+                stop = self.stop_agreed
                 seconds = time.perf_counter() - start
                 self.iter_num += 1
                 bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
@@ -320,8 +323,8 @@ class Trainer:
     def train_step(self, step):
         """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
         the number of real tokens all ranks processed, the gradient norm before clipping, whether the step
-        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss),
-        and the signal (stop_requests) some rank received, else None: every rank returns the same."""
+        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss).
+        Sets stop_agreed to the signal (stop_requests) some rank received, else None: the same on every rank."""
         cfg, rt = self.cfg, self.rt
         micro_batches = self.batches.micro_batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
@@ -351,8 +354,8 @@ class Trainer:
             skipped = self.scaler.get_scale() < loss_scale
         self.optimizer.zero_grad(set_to_none=True)
         global_batch = self.batches.sampler.global_batch(step)
-        stop = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
-        return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped, stop
+        self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
+        return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped
 
     def step_flops(self, step):
         """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
@@ -513,6 +516,22 @@ def compile_model(model, x, y, autocast):
         set_rng_state(rng)
 
 
+@contextlib.contextmanager
+def quiet_launcher_logs():
+    """Silence torch.distributed.elastic's loggers: when a worker fails they log the launcher's own traceback,
+    while the worker has already printed the error that matters (main)."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def notebook_main(argv=(), num_processes=2, port=29500):
     """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4), with Accelerate's
     notebook_launcher. The processes are forked, so nothing in the notebook may have used CUDA before; where
@@ -525,8 +544,9 @@ def notebook_main(argv=(), num_processes=2, port=29500):
         from accelerate import notebook_launcher
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         try:
-            notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
-                              use_port=str(port))
+            with quiet_launcher_logs():
+                notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
+                                  use_port=str(port))
         except torch.distributed.DistNetworkError as e:
             if "EADDRINUSE" not in str(e):
                 raise

@@ -221,6 +221,8 @@ class Runtime:
 
     def __exit__(self, *exc):
         if self.backend in ("ddp", "fsdp") and dist.is_initialized():
+            if exc[0] is None:  # no rank tears its connections down while another still uses them
+                dist.barrier()
             dist.destroy_process_group()
         elif self.accelerator is not None:
             self.accelerator.end_training()

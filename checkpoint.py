@@ -112,7 +112,7 @@ def complete_archive(path):
 def intact_neighbours(path):
     """Which of the other checkpoints in `path`'s folder load, as the clause that ends a corrupted-file error."""
     folder = os.path.dirname(os.path.abspath(path))
-    others = [p for p in sorted(glob.glob(os.path.join(folder, "*.pt"))) if not os.path.samefile(p, path)]
+    others = [p for p in sorted(glob.glob(os.path.join(glob.escape(folder), "*.pt"))) if not os.path.samefile(p, path)]
     intact = []
     for other in others:
         try:

@@ -231,8 +231,6 @@ DATA_KEYS = ("train_csv", "validation_csv", "val_fraction", "split_seed", "dialo
 SWEEP_KEYS = ("min_new_tokens", "num_beams", "temperature", "top_k", "top_p", "epsilon", "length_penalty",
               "repetition_penalty", "no_repeat_ngram_size", "mbr_samples", "mbr_metric", "mbr_include_beam", "seed",
               "gen_batch_size")
-
-
 DECODING_KEYS = ("max_new_tokens", *(key for key in SWEEP_KEYS if key != "gen_batch_size"))
 
 

@@ -189,11 +189,16 @@ def split_rows(n, val_fraction, seed):
 
 # ---- rows of text -> token sequences ----------------------------------------------------------------------
 
+def template_text(template):
+    """The prompt's text before and after the dialogue (header, and the cue the summary follows)."""
+    head, tail = template.format(dialogue="\0").split("\0")
+    return head, tail
+
+
 @functools.cache
 def template_tokens(template):
-    """Tokens of the prompt before and after the dialogue (header, and the cue the summary follows), each part
-    tokenized on its own."""
-    head, tail = template.format(dialogue="\0").split("\0")
+    """template_text's two parts as tokens, each part tokenized on its own."""
+    head, tail = template_text(template)
     enc = get_tokenizer()
     return enc.encode_ordinary(head), enc.encode_ordinary(tail)
 

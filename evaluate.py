@@ -1,7 +1,7 @@
 """ROUGE of a checkpoint on its run's validation split, or of several decoding settings side by side (--sweep).
 
     python evaluate.py [preset] [--ckpt=path | --baseline=scratch|gpt2|<hf dir>] [--key=value ...]
-    python evaluate.py [preset] --sweep="num_beams=1,4 repetition_penalty=1.0,1.2"
+    python evaluate.py [preset] --sweep="num_beams=1,4 min_new_tokens=0,8"
     torchrun --nproc_per_node=2 evaluate.py [...]          the validation set is sharded; rank 0 writes
 
 Scores the checkpoint (--ckpt, default out_dir/best.pt) with its run's prompt template, validation split and

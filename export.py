@@ -87,7 +87,7 @@ def model_card(ckpt, run, fmt, name):
     base = run.init_from if run.init_from in GPT2_NAMES else f"{run.init_from} (init_from)"
     decoding = "beam search" if run.num_beams > 1 else "sampling" if run.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
-    head, tail = run.prompt_template.format(dialogue="\0").split("\0")  # as data.template_tokens splits it
+    head, tail = data.template_text(run.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
                        *([f"base_model: {run.init_from}"] if run.init_from in GPT2_NAMES else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])

@@ -38,7 +38,7 @@ class Run:
         """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
         dialogues are cut shorter so the summary still fits."""
         return data.prompt_format(self.cfg.prompt_template, self.model.config.block_size,
-                                  max(self.cfg.max_new_tokens, self.trained_max_new_tokens or 0))
+                                  max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
     def prompts(self, dialogues):
         """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat. A template with
@@ -74,15 +74,15 @@ def open_run(cfg, explicit=()):
         torch.manual_seed(cfg.seed)
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
-        data.prompt_format(cfg.prompt_template, model.config.block_size, cfg.max_new_tokens)
-        return Run(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
-    path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
-    model, ckpt = build_model(path)
-    saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
-    run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
-    overridden = [key for key in DECODING_KEYS if key in explicit and saved.get(key) != getattr(run_cfg, key)]
-    run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-              saved.get("max_new_tokens", run_cfg.max_new_tokens))
+        run = Run(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+    else:
+        path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
+        model, ckpt = build_model(path)
+        saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
+        run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
+        overridden = [key for key in DECODING_KEYS if key in explicit and saved.get(key) != getattr(run_cfg, key)]
+        run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+                  saved.get("max_new_tokens", run_cfg.max_new_tokens))
     run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
     return run
 

@@ -56,13 +56,13 @@ def main(argv=None):
             with no_empty_folder_left(cfg.out_dir), Runtime(cfg) as rt:
                 trainer = Trainer(cfg, rt)
                 trainer.fit()
-                if trainer.stopped_by:
+                if trainer.stop_agreed:
                     if rt.is_main:
-                        print(f"stopped by {signal.Signals(trainer.stopped_by).name} after iter {trainer.iter_num}: "
+                        print(f"stopped by {signal.Signals(trainer.stop_agreed).name} after iter {trainer.iter_num}: "
                               f"{os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue with:\n"
                               f"  {continue_command(argv, rt.world_size)}")
                     # under torchrun a non-zero status would add the launcher's failure report to a clean stop
-                    sys.exit(0 if rt.distributed else 128 + trainer.stopped_by)
+                    sys.exit(0 if rt.distributed else 128 + trainer.stop_agreed)
                 # this run's config is the contract: every key counts as given
                 if cfg.evaluate_after:
                     evaluate(cfg, set(FIELDS), rt)
@@ -202,8 +202,8 @@ class Trainer:
         self.schedule = lr_schedule(asdict(cfg))
         self.skipped, self.recent_skips = 0, collections.deque(maxlen=SKIP_WINDOW)
         self.skip_warned_at = -SKIP_WINDOW
-        # a signal this rank received; the one the ranks agreed on after a step; the one they stopped for
-        self.stop_signal = self.stop_agreed = self.stopped_by = None
+        # a signal this rank received; the one the ranks agreed on after a step (and stopped for)
+        self.stop_signal = self.stop_agreed = None
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         resume_notes = self.restore(ckpt) if ckpt is not None else []
         n = min(cfg.rouge_samples, len(self.val_set))
@@ -284,7 +284,6 @@ class Trainer:
                     group["lr"] = lr
                 start = time.perf_counter()
                 loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
-                stop = self.stop_agreed
                 seconds = time.perf_counter() - start
                 self.iter_num += 1
                 bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
@@ -305,12 +304,11 @@ class Trainer:
                 if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
                     stats.update(self.evaluate())
                     self.checkpoint(stats)
-                elif stop:
+                elif self.stop_agreed:
                     self.save(stats, best=False)
                 if rt.is_main:
                     self.log(stats, bar)
-                if stop:
-                    self.stopped_by = stop
+                if self.stop_agreed:
                     return
 
     def out_of_memory_hint(self):
@@ -332,7 +330,9 @@ class Trainer:
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / self.batches.target_tokens(step)
         loss_sum = torch.zeros((), device=rt.device)
-        requests = torch.tensor([self.stop_signal == s for s in STOP_SIGNALS], dtype=torch.float, device=rt.device)
+        requests = torch.zeros(len(STOP_SIGNALS), device=rt.device)  # no host-to-device copy unless signalled
+        if self.stop_signal:
+            requests[STOP_SIGNALS.index(self.stop_signal)] = 1
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
             targets = (y != -1).sum()

@@ -177,7 +177,8 @@ class LogitsProcessors:
                 scores = scores.index_put(tuple(torch.tensor(banned, device=scores.device).t()),
                                           torch.tensor(-float("inf"), device=scores.device))
         if state.step < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
-            scores = scores.index_fill(1, torch.tensor([self.eos_token_id], device=scores.device), -float("inf"))
+            scores = scores.clone()
+            scores[:, self.eos_token_id] = -float("inf")
         return scores
 
     def warp(self, scores):
@@ -214,47 +215,58 @@ class Decoding:
         """Greedy (generator None) or sampled decoding, where prompt row r stands for counts[r] samples.
         Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
-        model cost little more than one. Rows leave the batch at EOS, so the remaining rows get cheaper.
-        Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
-        device, V = logits.device, logits.size(-1)
+        model cost little more than one. A row that ends stays in the batch, ignored, until half the rows have
+        ended or a row splits: only then are the live rows' caches copied into a smaller batch. Each step waits
+        for the device once, to read the tokens drawn (and their log-probabilities); the rest is bookkeeping on
+        the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
         max_new = state.max_len - state.prompt_len
         results = [[] for _ in counts]
-        owner = torch.arange(len(counts), device=device)
-        counts = torch.tensor(counts, device=device)
-        logprob = torch.zeros(len(counts), device=device)
+        # per batch row: (prompt, samples it stands for, new tokens, log-probability), None once it has ended
+        rows = [(r, n, [], 0.0) for r, n in enumerate(counts)]
         for step in range(max_new):
-            rows = torch.arange(len(counts), device=device)
             scores = self.processors.penalize(logits.float(), state)
             if generator is None:
-                parent, tokens = rows, scores.argmax(dim=-1)
+                drawn = scores.argmax(dim=-1, keepdim=True)
             else:
                 warped, ids = self.processors.warp(scores)
-                drawn = torch.multinomial(warped.softmax(dim=-1), int(counts.max()), replacement=True,
-                                          generator=generator)
+                most = max(row[1] for row in rows if row is not None)
+                drawn = torch.multinomial(warped.softmax(dim=-1), most, replacement=True, generator=generator)
                 if ids is not None:
                     drawn = ids.gather(1, drawn)
-                taken = torch.arange(drawn.size(1), device=device)[None, :] < counts[:, None]
-                pairs, counts = torch.unique(rows[:, None].expand_as(drawn)[taken] * V + drawn[taken],
-                                             return_counts=True)
-                parent, tokens = pairs // V, pairs % V
-            logprob, owner = logprob[parent], owner[parent]
+            packed = drawn.double()  # token ids are exact in float64, and so are float32 log-probabilities
             if self.with_logprob:
-                logprob = logprob + scores[parent, tokens] - scores.logsumexp(dim=-1)[parent]
-            stop = (tokens == self.eos) | (step == max_new - 1)
-            if stop.any():
-                done = stop.nonzero().squeeze(1)
-                seqs = torch.cat((state.new_tokens()[parent[done]], tokens[done, None]), dim=1)
-                for r, seq, lp, n in zip(owner[done].tolist(), seqs.tolist(), logprob[done].tolist(),
-                                         counts[done].tolist()):
-                    results[r].append((Sequence(cut_at_eos(seq, self.eos), lp, step + 1), n))
-                alive = (~stop).nonzero().squeeze(1)
-                if len(alive) == 0:
-                    break
-                parent, tokens, counts, logprob, owner = (t[alive] for t in (parent, tokens, counts, logprob, owner))
-            if not torch.equal(parent, rows):
+                packed = torch.stack((packed, (scores.gather(1, drawn) - scores.logsumexp(-1, keepdim=True)).double()))
+            packed = packed.tolist()  # the step's one wait for the device
+            tokens, logprobs = packed if self.with_logprob else (packed, None)
+            continuing, parents = [], []
+            for i, row in enumerate(rows):
+                if row is None:
+                    continue
+                owner, count, seq, logprob = row
+                taken = tokens[i][:count]
+                for token in sorted(set(taken)):
+                    n, token_logprob = taken.count(token), logprobs[i][taken.index(token)] if logprobs else 0.0
+                    ended = token == self.eos or step == max_new - 1
+                    sequence = (owner, n, seq + [int(token)] * (token != self.eos), logprob + token_logprob)
+                    if ended:
+                        results[owner].append((Sequence(sequence[2], sequence[3], step + 1), n))
+                    else:
+                        continuing.append(sequence)
+                        parents.append(i)
+            if not continuing:
+                break
+            split = len(continuing) > len(set(parents))
+            if split or 2 * len(continuing) <= len(rows):
+                parent = torch.tensor(parents, device=logits.device)
                 state = state.select_rows(parent)
                 kv_caches = [cache.select_rows(parent) for cache in kv_caches]
-            state.append(tokens)
+                next_tokens = torch.tensor([seq[-1] for _, _, seq, _ in continuing], device=logits.device)
+                rows = continuing
+            else:  # in place: every live row drew one token, drawn[:, 0]; ended rows decode on, unread
+                next_tokens = drawn[:, 0]
+                alive = dict(zip(parents, continuing))
+                rows = [alive.get(i) for i in range(len(rows))]
+            state.append(next_tokens)
             logits = self.step(state, kv_caches)
         return results
 
@@ -310,7 +322,7 @@ class Decoding:
             best_running = running_scores[:, :1] / ((step + 1) ** length_penalty)
             worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True).values, -1e9)
             improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
-            if not improvable.any() or hits_stop.all():
+            if not (improvable.any() & ~hits_stop.all()).item():  # the step's one wait for the device
                 break
             reorder = (batch_offset + parent).view(-1)
             state = state.select_rows(reorder)
@@ -342,7 +354,7 @@ def compile_decode(model):
     Compiling happens at the first call (and at a recompile); if the compiler fails: one warning line, and eager
     decoding of this model from then on. Errors of the program itself (out of memory included) propagate."""
     global compiled_step
-    compiled_step = torch.compile(decode_step, dynamic=True)
+    compiled_step = torch.compile(decode_step, dynamic=True, fullgraph=True)
     model.decode_compiled = True
 
 

@@ -7,6 +7,7 @@ data settings (config.DECODING_KEYS, config.DATA_KEYS: columns, validation CSV o
 an explicit --key=value replaces them. Presets never replace the run's settings: they say where and how to run
 (out_dir, ckpt, test_csv, device, gen_batch_size). A --baseline has no run: the command line is its config.
 """
+import contextlib
 import dataclasses
 import os
 import time
@@ -89,12 +90,14 @@ def open_run(cfg, explicit=()):
 
 def load_run(cfg, explicit, rt, describe_data):
     """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
-    decoding), then the model on rt's device in eval mode, its decode step compiled when rt compiles."""
+    decoding), then the model on rt's device in eval mode, its decode step compiled when rt compiles. The
+    weights are cast once to rt's dtype (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype),
+    so no decode step casts them again."""
     run = open_run(cfg, explicit)
     if rt.is_main:
         print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
               f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
-    run.model = run.model.to(rt.device).eval()
+    run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
     if rt.compile:
         compile_decode(run.model)
     return run
@@ -216,8 +219,10 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
 
 
 def summarize_sharded(model, prompts, cfg, rt, progress=True):
-    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank."""
-    mine = summarize(model, prompts, cfg, rt.autocast(), progress=progress and rt.is_main, rank=rt.rank,
-                     world_size=rt.world_size)
+    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
+    in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast."""
+    held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
+    mine = summarize(model, prompts, cfg, contextlib.nullcontext() if held else rt.autocast(),
+                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size)
     shards = rt.all_gather_objects(mine)
     return [next(s for s in column if s is not None) for column in zip(*shards)]

@@ -164,10 +164,13 @@ class GPT(nn.Module):
         return (6 * (self.num_params() - head) * tokens + 6 * head * targets
                 + 12 * self.config.n_layer * self.config.n_embd * attended)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, target_index=None):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
         With targets (B, T; -1 = ignore): the mean cross-entropy over non-ignored targets, and logits None,
-        because only the supervised positions go through lm_head (a summary is ~15% of a training row)."""
+        because only the supervised positions go through lm_head (a summary is ~15% of a training row).
+        target_index: those positions in idx.view(-1), computed on the host (data.target_index) so that no shape
+        depends on tensor values: under torch.compile that is one graph and no wait for the device. Without it
+        they are found here, which costs an eager caller nothing but breaks a compiled graph."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
@@ -182,10 +185,11 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        supervised = targets != -1
-        logits = self.lm_head(x[supervised])
-        loss = F.cross_entropy(logits.float(), targets[supervised], reduction="sum") / supervised.sum().clamp(min=1)
-        return None, loss
+        if target_index is None:
+            target_index = (targets.view(-1) != -1).nonzero().squeeze(1)
+        logits = self.lm_head(x.view(B * T, -1).index_select(0, target_index))
+        loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")
+        return None, loss / max(target_index.numel(), 1)
 
     def forward_cached(self, idx, positions, input_pos, kv_caches, mask):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots
@@ -211,14 +215,8 @@ class GPT(nn.Module):
         return self.next_token_logits(x[0, last])
 
     def next_token_logits(self, x):
-        """lm_head over one hidden state per row (B, C) -> (B, vocab), the matmul most of a decode step is. Up to
-        a decode batch of rows the CPU BLAS runs it as W @ x^T up to 1.7x faster than x @ W^T; from 64 rows on
-        (MBR's samples) x @ W^T wins, as the argmax/top-k that follow read its contiguous rows 2-2.5x faster than
-        the transposed product's (measured at 64-512 rows, 64 and 384 wide)."""
-        x = self.transformer.ln_f(x)
-        if x.size(0) < 64:
-            return (self.lm_head.weight @ x.t()).t()
-        return x @ self.lm_head.weight.t()
+        """lm_head over one hidden state per row (B, C) -> (B, vocab)."""
+        return self.lm_head(self.transformer.ln_f(x))
 
     def set_dropout(self, p):
         """Change the dropout probability everywhere (a resumed run may train with another one)."""

@@ -334,11 +334,12 @@ class Trainer:
         if self.stop_signal:
             requests[STOP_SIGNALS.index(self.stop_signal)] = 1
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-            targets = (y != -1).sum()
+            index = data.target_index(y)
+            targets = len(index)
+            x, y, index = (t.to(rt.device, non_blocking=True) for t in (x, y, index))
             with rt.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
-                    _, loss = self.wrapped(x, y)
+                    _, loss = self.wrapped(x, y, index)
                 self.scaler.scale(loss * targets * scale).backward()
             loss_sum += loss.detach().float() * targets
         # the stop request travels with the loss: one reduction and one host sync per step, as before
@@ -369,19 +370,20 @@ class Trainer:
         same batches as one process would (summarize_sharded); every rank returns the same numbers."""
         cfg, rt = self.cfg, self.rt
         self.model.eval()
-        totals = torch.zeros(2, device=rt.device)
+        loss_sum, targets = torch.zeros((), device=rt.device), 0
         batches = list(data.eval_batches(self.val_set, cfg.micro_batch_size, rt.rank, rt.world_size,
                                          cfg.eval_val_batches, cfg.seed, cfg.train_on_prompt))
         if rt.backend == "fsdp":  # each forward all-gathers weights with the other ranks: all run as many
             no_rows = torch.zeros(0, data.PAD_MULTIPLE, dtype=torch.long)
             batches += [(no_rows, no_rows - 1)] * (max(rt.all_gather_objects(len(batches))) - len(batches))
         for x, y in batches:
-            x, y = x.to(rt.device), y.to(rt.device)
+            index = data.target_index(y)
+            x, y, index = x.to(rt.device), y.to(rt.device), index.to(rt.device)
             with rt.autocast():
-                _, loss = self.model(x, y)
-            targets = (y != -1).sum()
-            totals += torch.stack([loss.float() * targets, targets.float()])
-        rt.all_reduce_sum(totals)
+                _, loss = self.model(x, y, index)
+            loss_sum += loss.float() * len(index)
+            targets += len(index)
+        totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
         if self.rouge_prompts:
             predictions = inference.summarize_sharded(self.generator(), self.rouge_prompts, cfg, rt, progress=False)
@@ -498,12 +500,14 @@ def trained_params(model, cfg):
 def compile_model(model, x, y, autocast):
     """torch.compile'd `model`, tried on one forward and backward of batch (x, y) now, because compiling happens
     lazily at the first call; the eager model, with one warning line, if the compiler fails. Any other error
-    (out of memory included) propagates. Leaves no gradients behind and draws no random numbers."""
+    (out of memory included) propagates. Leaves no gradients behind and draws no random numbers.
+    One graph (fullgraph) with its sizes symbolic from the start (dynamic): micro-batch widths and target counts
+    change every step, and a graph specialised to the first ones would be compiled again for the second."""
     rng = rng_state()
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
         with autocast:
-            _, loss = compiled(x, y)
+            _, loss = compiled(x, y, data.target_index(y))
         loss.backward()
         return compiled
     except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build

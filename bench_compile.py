@@ -1,0 +1,248 @@
+"""bench.py --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
+decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
+them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
+output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads.
+
+    torchrun --nproc_per_node=2 --standalone bench_compile.py OUT.json [train.py arguments]
+        the training worker: train.main with compilation counted; each rank writes OUT.json.<rank>
+"""
+import collections
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import data
+import inference
+import model as model_module
+from config import load_config
+from evaluation import evaluate
+from runtime import Runtime
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SAMSUM_CSV = os.path.join(ROOT, "..", "shared", "data", "samsum-validation.csv")
+DEMO = [os.path.join(ROOT, "config", "demo.py"), "--evaluate_after=False", "--predict_after=False",
+        "--sample_submission_csv="] + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
+                                       for split in ("train", "validation", "test")]
+aten = torch.ops.aten
+
+
+class CompileCounter:
+    """A torch.compile backend per compiled function that counts the graphs it is given (those with any
+    operation: dynamo may hand over an empty one) and runs them as they are."""
+
+    def __init__(self):
+        self.compilations = collections.Counter()
+
+    def backend(self, name):
+        def count(gm, example_inputs):
+            if any(node.op.startswith("call") for node in gm.graph.nodes):
+                self.compilations[name] += 1
+            return gm.forward
+        return count
+
+
+@contextlib.contextmanager
+def counted_compiles():
+    """torch.compile, while inside, compiles with a CompileCounter backend: training's model under 'train', the
+    decode step under 'decode'. Yields (counter, graph breaks so far: a function)."""
+    counter, real = CompileCounter(), torch.compile
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def compile(fn, **options):
+        options.pop("backend", None)
+        return real(fn, backend=counter.backend("train" if isinstance(fn, torch.nn.Module) else "decode"), **options)
+    torch.compile = compile
+    try:
+        yield counter, lambda: sum(torch._dynamo.utils.counters["graph_break"].values())
+    finally:
+        torch.compile = real
+
+
+# ---- host syncs, weight casts, KV-cache bytes --------------------------------------------------------------------
+
+HOST_READS = {"tolist", "numpy"}  # read tensor values without dispatching an op
+VALUE_SHAPED = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten._unique2.default,
+                aten.unique_dim.default, aten.unique_consecutive.default, aten.masked_select.default,
+                aten.repeat_interleave.Tensor}
+
+
+class Waits(TorchFunctionMode):
+    """Counts the host's waits for the device: a read of tensor values (.tolist, .item, bool, int) or an op whose
+    output shape depends on them (nonzero, unique, boolean-mask indexing), each a device-to-host sync on a GPU;
+    and casts of `weights` (tensors whose storage is a parameter's) to another dtype."""
+
+    def __init__(self, weights=()):
+        super().__init__()
+        self.syncs = self.weight_casts = 0
+        self.dispatch = _WaitsDispatch(self, {w.untyped_storage().data_ptr() for w in weights})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        super().__enter__()
+        self.dispatch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.dispatch.__exit__(*exc)
+        return super().__exit__(*exc)
+
+
+class _WaitsDispatch(TorchDispatchMode):
+    def __init__(self, waits, weight_ptrs):
+        super().__init__()
+        self.waits, self.weight_ptrs = waits, weight_ptrs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in VALUE_SHAPED and not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
+            self.waits.syncs += 1
+        elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.waits.syncs += 1
+        elif (func is aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.weight_ptrs
+              and kwargs.get("dtype", args[0].dtype) != args[0].dtype):
+            self.waits.weight_casts += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def kv_cache_traffic():
+    """Counts KV-cache bytes: read by attention (the slots each decode step attends to) and copied by row
+    selection (rows dropped, reordered or repeated). Yields the running totals."""
+    traffic = {"read": 0, "copied": 0}
+    cache = model_module.KVCache
+    update, select_rows = cache.update, cache.select_rows
+
+    def counted_update(self, *args):
+        k, v = update(self, *args)
+        traffic["read"] += k.nbytes + v.nbytes
+        return k, v
+
+    def counted_select_rows(self, rows):
+        selected = select_rows(self, rows)
+        traffic["copied"] += selected.k.nbytes + selected.v.nbytes
+        return selected
+    cache.update, cache.select_rows = counted_update, counted_select_rows
+    try:
+        yield traffic
+    finally:
+        cache.update, cache.select_rows = update, select_rows
+
+
+def decode_counts(model, prompts, cfg):
+    """(host syncs per forward pass, weight casts per forward pass, KV bytes copied / read) of summarizing
+    `prompts` as evaluate.py does, eagerly. A forward pass is a prefill or a decode step: each gives every row
+    its next token."""
+    passes = []
+    hook = model.transformer.ln_f.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        with kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
+            inference.summarize(model, prompts, cfg, contextlib.nullcontext())
+    finally:
+        hook.remove()
+    return waits.syncs / len(passes), waits.weight_casts / len(passes), traffic["copied"] / traffic["read"]
+
+
+# ---- the figures ------------------------------------------------------------------------------------------------
+
+def training_csv(folder, rows=400):
+    """SAMSum's validation CSV when ../shared has it, else random chats with its shape (3-14 turns)."""
+    if os.path.exists(SAMSUM_CSV):
+        return SAMSUM_CSV, "SAMSum validation"
+    rng = np.random.default_rng(0)
+    words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
+    chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
+                       for _ in range(rng.integers(3, 15))) for _ in range(rows)]
+    path = os.path.join(folder, "chats.csv")
+    pd.DataFrame({"id": range(rows), "dialogue": chats,
+                  "summary": [" ".join(rng.choice(words, rng.integers(5, 30))) for _ in range(rows)]}).to_csv(path)
+    return path, "synthetic SAMSum-shaped chats"
+
+
+def train_counts(folder, steps, nproc=2):
+    """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""
+    csv, source = training_csv(folder)
+    out = os.path.join(folder, "train-counts.json")
+    args = [f"--train_csv={csv}", "--validation_csv=", "--val_fraction=0.05", f"--out_dir={folder}/train",
+            f"--data_cache_dir={folder}/cache", "--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32",
+            "--block_size=1024", "--max_new_tokens=80", "--device=cpu", "--dtype=float32", "--compile=True",
+            "--batch_size=16", "--micro_batch_size=4", f"--max_iters={steps}", f"--eval_interval={steps}",
+            "--eval_val_batches=1", "--rouge_samples=0", "--best_metric=val_loss", "--sample_submission_csv=",
+            "--evaluate_after=False", "--predict_after=False"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                             "--standalone", os.path.join(ROOT, "bench_compile.py"), out, *args], cwd=ROOT,
+                            env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
+                            timeout=600)
+    if result.returncode:
+        raise RuntimeError(f"training worker failed: {result.stderr[-2000:]}")
+    return {rank: json.load(open(f"{out}.{rank}")) for rank in range(nproc)}, source
+
+
+def demo_model(folder, steps=60):
+    """A demo model trained briefly (it ends its summaries with a real <|endoftext|>); returns its config."""
+    cfg = load_config([*DEMO, f"--out_dir={folder}/demo", f"--data_cache_dir={folder}/cache",
+                       f"--max_iters={steps}", f"--eval_interval={steps}", "--rouge_samples=0",
+                       "--best_metric=val_loss"])
+    import train
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), Runtime(cfg) as rt:
+        train.Trainer(cfg, rt).fit()
+    return cfg
+
+
+def bench_compile(args, device):
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        counts, source = train_counts(folder, args.compile_steps)
+        rows += [dict(section="compile", figure="train:graph_breaks", value=max(c["graph_breaks"] for c in counts.values()),
+                      target="0"),
+                 dict(section="compile", figure="train:compilations",
+                      value=max(c["compilations"].get("train", 0) for c in counts.values()), target="<= 2")]
+        cfg = demo_model(folder)
+        evaluated = dataclasses.replace(cfg, compile=True, gen_batch_size=64)
+        with counted_compiles() as (counter, breaks), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()), Runtime(evaluated) as rt:
+            evaluate(evaluated, set(), rt)
+        run = inference.open_run(dataclasses.replace(cfg, ckpt=""))
+        prompts, _ = run.prompts(data.load_datasets(run.cfg).val.dialogues)
+        syncs, casts, kv = decode_counts(run.model.eval(), prompts, dataclasses.replace(run.cfg, gen_batch_size=64))
+        rows += [dict(section="compile", figure="decode:compilations", value=counter.compilations["decode"],
+                      target="<= 2"),
+                 dict(section="compile", figure="decode:graph_breaks", value=breaks(), target="0"),
+                 dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1"),
+                 dict(section="compile", figure="decode:weight_casts_per_step", value=casts, target="0"),
+                 dict(section="compile", figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25")]
+    import bench_fsdp
+    rows += bench_fsdp.bench_fsdp(args)
+    rows.append(dict(section="compile", figure="setup", value=f"train: {args.compile_steps} steps of {source} "
+                     f"batches on 2 gloo ranks (DDP, 2 layers x 32, 4 rows per micro-batch); decode: the demo model "
+                     f"({len(prompts)} validation dialogues, gen_batch_size 64, its own <|endoftext|>), greedy"))
+    return rows
+
+
+def worker(out, argv):
+    """One torchrun rank: train.main(argv) with compilation counted, then its counts in out.<rank>."""
+    import train
+    with counted_compiles() as (counter, breaks):
+        train.main(argv)
+    with open(f"{out}.{os.environ['RANK']}", "w") as f:
+        json.dump({"compilations": dict(counter.compilations), "graph_breaks": breaks()}, f)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2:])

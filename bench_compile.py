@@ -114,10 +114,11 @@ class _WaitsDispatch(TorchDispatchMode):
             self.waits.syncs += 1
         elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self.waits.syncs += 1
-        elif (func is aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.weight_ptrs
-              and kwargs.get("dtype", args[0].dtype) != args[0].dtype):
+        out = func(*args, **kwargs)
+        if (func.overloadpacket in (aten.to, aten._to_copy) and out.dtype != args[0].dtype
+                and args[0].untyped_storage().data_ptr() in self.weight_ptrs):
             self.waits.weight_casts += 1
-        return func(*args, **kwargs)
+        return out
 
 
 @contextlib.contextmanager

@@ -126,7 +126,8 @@ class DecodeState:
         slot = self.prompt_len + self.step
         self.history[:, slot] = next_tokens
         self.slot_filled[:, slot] = True
-        self.tokens = next_tokens[:, None]
+        # a compiled step guards on strides, of one-row batches too: always (1, 1)
+        self.tokens = next_tokens.clone(memory_format=torch.contiguous_format)[:, None]
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
         self.step += 1

@@ -1,0 +1,136 @@
+"""GPU paths without waste, counted on the CPU: one graph and at most two compilations for the training step (one
+process and DDP) and the decode step (any batch sizes and EOS pattern), one wait for the device per decode step,
+no weight casts per step, and few KV-cache bytes copied."""
+import contextlib
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import bench_compile
+import data
+import inference
+import train
+from bench_compile import Waits, counted_compiles, decode_counts
+from config import load_config
+from generate import compile_decode, generate
+from model import GPT, GPTConfig
+
+MAX_NEW = 20
+
+
+def test_waits_counts_reads_of_device_values():
+    x = torch.arange(-3, 5)
+    with Waits() as waits:
+        x.tolist()
+        bool(x.any())
+        x[x > 0].sum()
+        (x * 2).argmax(dim=0, keepdim=True)
+    assert waits.syncs == 3
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_step_is_one_graph_over_varied_widths(checkpointing):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=2, n_embd=32))
+    model.gradient_checkpointing = checkpointing
+    g = torch.Generator().manual_seed(0)
+
+    def batch(width):
+        x = torch.randint(0, 512, (4, width), generator=g)
+        y = torch.randint(0, 512, (4, width), generator=g)
+        y[torch.rand(4, width, generator=g) < 0.6] = -1  # prompts and padding: a varying number of targets
+        return x, y
+    with counted_compiles() as (counter, breaks):
+        compiled = train.compile_model(model, *batch(64), contextlib.nullcontext())
+        for width in (72, 24, 200, 8, 136, 256, 40, 96):
+            x, y = batch(width)
+            _, loss = compiled(x, y, data.target_index(y))
+            _, expected = model(x, y)
+            assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert compiled is not model and breaks() == 0 and counter.compilations["train"] <= 2
+
+
+def test_ddp_training_compiles_at_most_twice_without_graph_breaks(tmp_path):
+    counts, _ = bench_compile.train_counts(str(tmp_path), steps=12)
+    for rank, c in counts.items():
+        assert c["graph_breaks"] == 0 and 1 <= c["compilations"]["train"] <= 2, (rank, c)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_dir):
+    return GPT.from_pretrained(tiny_hf_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(5)
+    return [[rng.randrange(50257) for _ in range(rng.randint(1, 80))] for _ in range(64)]
+
+
+@pytest.fixture(scope="module")
+def eos(model, prompts):
+    """A token the model emits mid-way in some rows and not in others: the EOS pattern varies across rows."""
+    counts = {}
+    for row in generate(model, prompts, MAX_NEW, eos_token_id=-1):
+        for token in set(row[1:MAX_NEW - 2]):
+            counts[token] = counts.get(token, 0) + 1
+    token = max(counts, key=counts.get)
+    assert 4 < counts[token] < len(prompts) - 4
+    return token
+
+
+def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, prompts, eos):
+    """Greedy, beam and MBR over one batch of 64 and over batches of 1, 2, 17, 3 and 41 prompts, compiled (a
+    counting backend) as evaluate.py compiles them: the eager summaries, one graph, at most two compilations."""
+    settings = [dict(), dict(num_beams=3), dict(temperature=0.8, top_k=20, seed=1, mbr_samples=4)]
+    starts = [0, 1, 3, 20, 23, 64]
+    batches = [prompts] + [prompts[a:b] for a, b in zip(starts, starts[1:])]
+    cases = [(batch, options, generate(model, batch, MAX_NEW, eos, **options))
+             for options in settings for batch in batches]
+    copy = GPT(model.config)
+    copy.load_state_dict(model.state_dict())
+    copy.eval()
+    with counted_compiles() as (counter, breaks):
+        compile_decode(copy)
+        for batch, options, expected in cases:
+            assert generate(copy, batch, MAX_NEW, eos, **options) == expected
+    assert copy.decode_compiled and breaks() == 0 and counter.compilations["decode"] <= 2
+
+
+def test_decode_waits_once_per_step_and_copies_few_cache_bytes(model, prompts, eos):
+    cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20"])
+    syncs, casts, copied_vs_read = decode_counts(model, prompts, cfg)
+    lengths = [len(row) for row in generate(model, prompts, MAX_NEW, eos)]
+    assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW  # rows end at different steps
+    assert syncs <= 1 and casts == 0 and copied_vs_read <= 0.25
+
+
+def test_inference_holds_weights_in_its_dtype_and_casts_none_per_step(model, prompts, tmp_path):
+    """load_run casts the weights once to the run's dtype (here bfloat16 on the CPU): no decode step casts a
+    weight, where float32 weights under autocast are cast at every step."""
+    cfg = load_config(["--gen_batch_size=16", "--max_new_tokens=8", "--dtype=bfloat16", "--device=cpu"])
+    half = GPT(model.config)
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16).eval()
+    with Waits(list(half.parameters())) as held:
+        inference.summarize(half, prompts[:16], cfg, contextlib.nullcontext())
+    with Waits(list(model.parameters())) as autocast:
+        inference.summarize(model, prompts[:16], cfg, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert held.weight_casts == 0 and autocast.weight_casts > 0
+
+
+def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
+    from conftest import TINY
+    from runtime import Runtime
+    out = tmp_path / "out"
+    args = [*TINY, f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--max_iters=2", "--eval_interval=2", "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0",
+            "--best_metric=val_loss", f"--out_dir={out}", "--sample_submission_csv="]
+    train.main(args)
+    cfg = load_config([*args, "--dtype=bfloat16"])
+    with Runtime(cfg) as rt:
+        run = inference.load_run(cfg, set(), rt, inference.describe_validation)
+    assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
+    assert dataclasses.asdict(run.cfg)["dtype"] == "bfloat16"

@@ -1,10 +1,11 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python bench.py [--section=data|train|generate|decode|memory|all] [--model=small|gpt2] [--json]
+python bench.py [--section=data|train|generate|decode|memory|compile|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+import bench_compile
 import bench_memory
 import data
 import train
@@ -378,17 +380,19 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
     lm_head_rows, decoded = [], {}
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
-    # evaluate.py and predict.py decode under autocast in the training dtype: greedy in it against float32
-    half = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_run): greedy in it against
+    # float32. By compute capability: is_bf16_supported() is True on a T4, which only emulates bfloat16.
+    half = torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
-    runs = {method: (dataclasses.replace(run.cfg, **options), contextlib.nullcontext())
-            for method, options in DECODINGS.items()}
-    runs[half_greedy] = (run.cfg, torch.autocast(device.type, dtype=half))
+    half_model = copy.deepcopy(model).to(half)
+    half_model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
+    runs = {method: (model, dataclasses.replace(run.cfg, **options)) for method, options in DECODINGS.items()}
+    runs[half_greedy] = (half_model, run.cfg)
 
     def decode(method):
-        run_cfg, autocast = runs[method]
+        decoding_model, run_cfg = runs[method]
         lm_head_rows.clear()
-        predictions = summarize(model, prompts, run_cfg, autocast)
+        predictions = summarize(decoding_model, prompts, run_cfg, contextlib.nullcontext())
         decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
         return predictions
 
@@ -418,7 +422,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
 
 
 SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
-            "memory": lambda args, device: bench_memory.bench_memory(args, SAMSUM_CSV)}
+            "memory": lambda args, device: bench_memory.bench_memory(args, SAMSUM_CSV),
+            "compile": bench_compile.bench_compile}
 
 
 def main():
@@ -437,6 +442,7 @@ def main():
     parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
     parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
+    parser.add_argument("--compile_steps", type=int, default=50, help="training steps whose compilations are counted")
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()

@@ -138,9 +138,6 @@ class DecodeState:
     def seen_tokens(self):
         return self.history[:, :self.prompt_len + self.step]
 
-    def new_tokens(self):
-        return self.history[:, self.prompt_len:self.prompt_len + self.step]
-
     def select_rows(self, rows):
         """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         selected = copy.copy(self)

@@ -45,7 +45,8 @@ def longest_micro_batch(csv_path, micro_batch_size):
         return x, y, f"fallback {micro_batch_size} x {FALLBACK_LENGTH} (no {csv_path})"
     cfg = Config(train_csv=csv_path, micro_batch_size=micro_batch_size)
     table = data.read_table(csv_path, "train_csv", cfg)
-    examples = data.Examples.from_rows(table, data.tokenize_table(table, PROMPT_TEMPLATE, cfg.block_size),
+    examples = data.Examples.from_rows(table, data.tokenize_table(
+        table, data.prompt_format(PROMPT_TEMPLATE, cfg.block_size, cfg.max_new_tokens), cfg.block_size),
                                        list(range(len(table.ids))))
     sampler = data.LengthGroupedSampler(examples.lengths, cfg.batch_size, micro_batch_size, cfg.seed)
     steps = math.ceil(len(examples) / cfg.batch_size)

@@ -122,6 +122,11 @@ class Config:
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
                           ("auto", "ddp", "fsdp", "accelerate", "none"))
+    fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
+                                          "once per optimizer step, the weights gathered and fp32 gradients unsharded "
+                                          "through its micro-steps (far less traffic, more memory); auto = when these, "
+                                          "the shards and AdamW state fit the GPU (activations not counted), False = "
+                                          "after every micro-step", ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1: GPUs talk through host memory (hosts without "
                                            "working peer-to-peer, e.g. Kaggle's 2xT4)")
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "

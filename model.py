@@ -187,7 +187,7 @@ class GPT(nn.Module):
             return self.lm_head(x), None
         if target_index is None:
             target_index = (targets.view(-1) != -1).nonzero().squeeze(1)
-        logits = self.lm_head(x.view(B * T, -1).index_select(0, target_index))
+        logits = self.lm_head(x.flatten(0, 1).index_select(0, target_index))
         loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")
         return None, loss / max(target_index.numel(), 1)
 

@@ -39,6 +39,16 @@ def peak_flops(device_name, dtype):
     return None
 
 
+def reduce_once_bytes(model, world_size, dtype):
+    """(held, kept): bytes per rank that reducing gradients once per optimizer step holds between FSDP's
+    micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps
+    anyway (its shards of the fp32 weights and gradients, and AdamW's two moments), from the unsharded model."""
+    params = list(model.parameters())  # tied weights once
+    gradients = sum(p.nbytes for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
+    held = sum(p.numel() for p in params) * dtype.itemsize + gradients
+    return held, (sum(p.nbytes for p in params) + 3 * gradients) / world_size
+
+
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -202,6 +212,8 @@ class Runtime:
             self.rank, self.world_size = 0, 1
             self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if want_cuda else "cpu"))
         self.is_main = self.rank == 0
+        accumulates = cfg.batch_size > cfg.micro_batch_size * self.world_size
+        self.reduce_once = cfg.fsdp_reduce_once if accumulates else False  # 'auto': decided by shard
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
@@ -239,12 +251,38 @@ class Runtime:
     def shard(self, model):
         """Under FSDP, shard the model in place across the ranks with FSDP2's fully_shard: one unit per block, then
         the root (embeddings, ln_f, the tied lm_head). Its parameters become DTensors (build the optimizer after
-        this) in fp32, and autocast computes as under DDP. Other backends: the model unchanged."""
-        if self.backend == "fsdp":
-            for block in model.transformer.h:
-                torch.distributed.fsdp.fully_shard(block)
-            torch.distributed.fsdp.fully_shard(model)
+        this) in fp32; with a 16-bit dtype each unit is all-gathered in that dtype and its gradients are
+        reduce-scattered in fp32, and autocast computes as under DDP. Decides fsdp_reduce_once='auto' (no_sync).
+        Other backends: the model unchanged."""
+        if self.backend != "fsdp":
+            return model
+        if self.reduce_once == "auto":
+            self.reduce_once = self.reduce_once_fits(model)
+        policy = torch.distributed.fsdp.MixedPrecisionPolicy()
+        if self.dtype != "float32":
+            policy = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype),
+                                                                 reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            torch.distributed.fsdp.fully_shard(block, mp_policy=policy)
+        torch.distributed.fsdp.fully_shard(model, mp_policy=policy)
         return model
+
+    def reduce_once_fits(self, model):
+        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per
+        optimizer step holds (reduce_once_bytes); activations are not counted. On the CPU, yes. Rank 0 says why
+        not."""
+        if self.device.type != "cuda":
+            return True
+        held, kept = reduce_once_bytes(model, self.world_size, getattr(torch, self.dtype))
+        total = torch.tensor(torch.cuda.mem_get_info(self.device)[1], device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MIN)  # all ranks decide alike
+        fits = held + kept <= total.item()
+        if not fits and self.is_main:
+            print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
+                  f"hold {held / 2**30:.1f} GiB of gathered {self.dtype} weights and fp32 gradients beside "
+                  f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
+                  f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
+        return fits
 
     def wrap(self, model):
         """The model as the backend trains it (DDP wrapper when there are several processes; FSDP: see shard)."""
@@ -255,12 +293,28 @@ class Runtime:
         return model
 
     def no_sync(self, wrapped, sync):
-        """Skip the gradient all-reduce on all but the last micro-step of an accumulation. FSDP reduce-scatters
-        (averaging, as DDP's all-reduce does) after every micro-step: holding unsharded gradients instead would
-        undo the memory it saves."""
-        if sync or not self.distributed or self.backend == "fsdp":
+        """Skip the gradient reduction on all but the last micro-step of an accumulation. FSDP reduce-scatters
+        after every micro-step unless reduce_once (fsdp_accumulation)."""
+        if self.backend == "fsdp":
+            return self.fsdp_accumulation(wrapped, sync) if self.reduce_once else contextlib.nullcontext()
+        if sync or not self.distributed:
             return contextlib.nullcontext()
         return wrapped.no_sync()
+
+    @contextlib.contextmanager
+    def fsdp_accumulation(self, wrapped, sync):
+        """One micro-step under FSDP with reduce_once: the first forward of an optimizer step gathers the weights,
+        which stay gathered until the last backward; gradients accumulate unsharded in fp32 and are
+        reduce-scattered (averaged, as DDP's all-reduce) by the last backward only."""
+        model = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile
+        model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(sync)
+        for block in model.transformer.h:  # the root unit is never resharded after forward
+            block.set_reshard_after_forward(False, recurse=False)
+        yield
+        if sync:  # evaluation and generation shard as before
+            for block in model.transformer.h:
+                block.set_reshard_after_forward(True, recurse=False)
 
     def training_state(self, model, optimizer):
         """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this.

@@ -1,5 +1,6 @@
 """FSDP (backend=fsdp under torchrun, 2 gloo ranks on CPU): exact resume, a best.pt that one process scores the
-same, LoRA on FSDP; and gradient checkpointing under torch.compile."""
+same, LoRA on FSDP, gradient accumulation with one gradient reduction per optimizer step (losses and counted
+communication); and gradient checkpointing under torch.compile."""
 import contextlib
 import json
 import os
@@ -9,12 +10,14 @@ import sys
 import pytest
 import torch
 
+import bench_fsdp
 import lora
 import train
 from checkpoint import load_checkpoint
 from config import load_config
 from conftest import REPO, assert_export_matches
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PRETRAINED
+from runtime import reduce_once_bytes
 
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=128",
         "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
@@ -78,6 +81,57 @@ def test_lora_on_fsdp_trains_like_lora_on_one_process(args, tmp_path):
     fsdp_best, single_best = (load_checkpoint(str(tmp_path / d / "best.pt"))["model"] for d in ("fsdp", "single"))
     for name, tensor in single_best.items():
         assert torch.allclose(fsdp_best[name], tensor, atol=1e-6), name
+
+
+def test_fsdp_fp16_accumulation_reducing_once_trains_like_one_process(args, tmp_path):
+    """fp16 under FSDP: weights all-gathered in fp16, 4 micro-steps per rank whose gradients accumulate unsharded
+    and are reduce-scattered in fp32 once per step (fsdp_reduce_once='auto' on the CPU), GradScaler: the losses of
+    one process accumulating 8 micro-steps."""
+    fp16_args = [*args, "--dtype=float16", "--micro_batch_size=2", "--max_iters=3", "--dropout=0.0",
+                 "--rouge_samples=0"]
+    fsdp([*fp16_args, f"--out_dir={tmp_path / 'fsdp'}"])
+    train.main([*fp16_args, f"--out_dir={tmp_path / 'single'}"])
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
+
+
+def test_fsdp_communicates_once_per_optimizer_step(write_csv, tmp_path):
+    """The collectives of one fp16 optimizer step of 4 micro-steps per rank, counted (bench_fsdp): each FSDP unit
+    is all-gathered once in fp16 and reduce-scattered once in fp32, within a bound from the model's parameters;
+    FSDP as it was moves an fp32 all-gather and a reduce-scatter of every unit in each micro-step, and more."""
+    steps, world = 4, bench_fsdp.RANKS
+    run = [*bench_fsdp.TINY, f"--batch_size={steps * world}", "--dtype=float16", "--gradient_checkpointing=True",
+           f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}"]
+    now, before = bench_fsdp.run_ranks([{"args": [*run, f"--out_dir={tmp_path / 'now'}"], "before": False},
+                                        {"args": [*run, f"--out_dir={tmp_path / 'before'}"], "before": True}],
+                                       str(tmp_path))
+    assert now["reduce_once"] and not before["reduce_once"]
+    fp16, fp32 = 2, 4
+    assert bench_fsdp.per_unit(now)[0] == {(unit, kind): (1, size) for unit in ("root", "block")
+                                           for kind, size in (("all_gather", fp16), ("reduce_scatter", fp32))}
+    assert bench_fsdp.per_unit(before)[0] == {
+        ("root", "all_gather"): (steps, fp32), ("block", "all_gather"): (2 * steps, fp32),
+        ("root", "reduce_scatter"): (steps, fp32), ("block", "reduce_scatter"): (steps, fp32)}
+
+    def per_rank(counted):
+        return sum(op["numel"] * op["itemsize"] * bench_fsdp.RING[op["kind"]] for op in counted["ops"])
+    params = list(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).parameters())
+    numel = sum(p.numel() for p in params)
+    padding = sum((world - 1) * p.numel() // p.shape[0] for p in params)  # dim 0 up to a multiple of world
+    scalars = 1024  # loss, gradient norm, found-inf
+    assert per_rank(now) <= (world - 1) / world * (numel + padding) * (fp16 + fp32) + scalars
+    assert per_rank(before) >= steps * (world - 1) / world * numel * (fp32 + fp32)
+
+
+def test_reduce_once_memory_on_t4s():
+    """What fsdp_reduce_once holds per GPU on 2 ranks beside FSDP's shards and AdamW state: gpt2-large's fp16
+    weights and fp32 gradients fit a T4 (15 GiB), gpt2-xl's do not (its preset trains LoRA adapters)."""
+    for name, fits in (("gpt2-large", True), ("gpt2-xl", False)):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**PRETRAINED[name]))
+        numel = sum(p.numel() for p in model.parameters())
+        held, kept = reduce_once_bytes(model, 2, torch.float16)
+        assert (held, kept) == (numel * (2 + 4), numel * 4 * 4 / 2)
+        assert (held + kept <= 15 * 2**30) == fits, name
 
 
 def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():

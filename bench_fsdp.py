@@ -1,0 +1,266 @@
+"""bench.py --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
+
+Two gloo ranks on the CPU (two processes on 127.0.0.1) build train.Trainer with --backend=fsdp for a tiny GPT of
+GPT-2's structure (2 blocks of width 32, GPT-2's vocabulary) with the preset's dtype, gradient checkpointing, LoRA
+and micro-steps per optimizer step, and run one Trainer.train_step under CollectiveBytes, a TorchDispatchMode that
+sees every collective: the c10d ones FSDP2 issues and those DTensor issues for the gradient norm and GradScaler.
+Each all-gather and reduce-scatter must carry exactly one FSDP unit's padded parameters (the root: embeddings and
+ln_f; or a block), which checks the count against the model's shapes; how many each unit had then scales to the
+preset's model, its units built on the meta device. Bytes are per rank as a ring moves them: (W-1)/W of each
+all-gathered or reduce-scattered buffer, 2(W-1)/W of each all-reduced one (a few scalars: loss, gradient norm,
+found-inf; added as counted).
+
+"before" is FSDP until fsdp_reduce_once: fully_shard without a MixedPrecisionPolicy (fp32 all-gathers) and a
+reduce-scatter after every micro-step (--fsdp_reduce_once=False), counted the same way.
+
+    python bench_fsdp.py
+"""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+GIB = 2**30
+RANKS = 2
+PRESETS = {"gpt2": "config/kaggle_t4x2.py", "gpt2-medium": "config/kaggle_t4x2_gpt2-medium.py",
+           "gpt2-large": "config/kaggle_t4x2_gpt2-large.py", "gpt2-xl": "config/kaggle_t4x2_gpt2-xl.py"}
+TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
+        "--device=cpu", "--compile=False", "--backend=fsdp", "--micro_batch_size=1", "--max_iters=1",
+        "--rouge_samples=0", "--best_metric=val_loss", "--sample_submission_csv=", "--dropout=0.0",
+        "--lora_dropout=0.0"]
+KINDS = {"all_gather": ("allgather", "all_gather"), "reduce_scatter": ("reduce_scatter",),
+         "all_reduce": ("allreduce", "all_reduce")}
+RING = {"all_gather": (RANKS - 1) / RANKS, "reduce_scatter": (RANKS - 1) / RANKS,
+        "all_reduce": 2 * (RANKS - 1) / RANKS}
+NOT_COMMUNICATION = ("wait_tensor", "_wrap_tensor_autograd")
+TIMEOUT = 100
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Records every collective dispatched while active as {kind, numel, itemsize} of the buffer it moves whole:
+    an all-gather's output, a reduce-scatter's input, an all-reduce's tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor runs first and issues its collectives on plain tensors, seen then
+        out = func(*args, **(kwargs or {}))
+        namespace, _, name = func.name().partition("::")
+        kind = next((k for k, words in KINDS.items() if any(w in name for w in words)), name)
+        if namespace in ("c10d", "_c10d_functional") and name not in NOT_COMMUNICATION:
+            inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            everything = inputs + [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            whole = [max(everything, key=torch.Tensor.numel)] if kind in ("all_gather", "reduce_scatter") else inputs
+            self.ops.append({"kind": kind, "numel": sum(t.numel() for t in whole),
+                             "itemsize": whole[0].element_size()})
+        return out
+
+
+def units(model, world_size=RANKS):
+    """{unit: {kind: numel}} of the FSDP units Runtime.shard makes, as their all-gathers and reduce-scatters carry
+    them: every parameter's dim 0 padded to a multiple of world_size, gradients of trainable parameters only; and
+    how many blocks. Works on the unsharded model and on the sharded one (a DTensor has the full shape)."""
+    def padded(params):
+        return sum(math.ceil(p.shape[0] / world_size) * world_size * (p.numel() // p.shape[0]) for p in params)
+
+    def unit(params):
+        return {"all_gather": padded(params), "reduce_scatter": padded(p for p in params if p.requires_grad)}
+    blocks = model.transformer.h
+    in_blocks = {id(p) for p in blocks.parameters()}
+    return {"root": unit([p for p in model.parameters() if id(p) not in in_blocks]),
+            "block": unit(list(blocks[0].parameters())), "n_layer": len(blocks)}
+
+
+def count_step(args, before):
+    """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
+    (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
+    import train
+    from config import load_config
+    from runtime import Runtime
+
+    fsdp = torch.distributed.fsdp
+    shard = fsdp.fully_shard
+    if before:  # Runtime.shard as it was: fp32 all-gathers
+        fsdp.fully_shard = lambda module, mp_policy=None: shard(module)
+    try:
+        cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
+        with Runtime(cfg) as rt:
+            trainer = train.Trainer(cfg, rt)
+            with CollectiveBytes() as counted:
+                loss = trainer.train_step(0)[0]
+            return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
+                    "reduce_once": bool(rt.reduce_once), "micro_steps": trainer.accum_steps}
+    finally:
+        fsdp.fully_shard = shard
+
+
+def worker(spec_path, out_path):
+    """Under RANK/WORLD_SIZE/MASTER_ADDR: count each run of the spec on its port, rank 0 writes the results."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = []
+    for run in spec:
+        os.environ["MASTER_PORT"] = str(run["port"])  # a fresh store: one re-created on the same port races
+        results.append(count_step(run["args"], run["before"]))
+    if os.environ["RANK"] == "0":
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+def write_rows(path, n=48):
+    import pandas as pd
+    names = ["Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate"]
+    rows = [{"id": f"d{i}", "dialogue": f"{names[i % 6]}: shall we meet at {i}?\n{names[(i + 1) % 6]}: yes, see you",
+             "summary": f"{names[i % 6]} and {names[(i + 1) % 6]} meet at {i}."} for i in range(n)]
+    pd.DataFrame(rows).to_csv(path, index=False)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(runs, tmp, timeout=TIMEOUT):
+    """Counts of each of `runs` ({"args": train.py arguments, "before": bool}), from RANKS processes on 127.0.0.1
+    running them in turn (each run its own Runtime and Trainer). Raises with the ranks' output on failure."""
+    spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "counted.json")
+    with open(spec, "w") as f:
+        json.dump([dict(run, port=free_port()) for run in runs], f)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(RANKS), OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+    logs = [open(os.path.join(tmp, f"rank{rank}.log"), "w+") for rank in range(RANKS)]
+    ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec, out], cwd=ROOT,
+                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log,
+                              stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in ranks]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if codes != [0] * RANKS:
+        output = ""
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            output += f"--- rank {rank}\n{log.read()[-3000:]}"
+        raise RuntimeError(f"counting ranks failed ({'timed out' if codes is None else codes}):\n{output}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def per_unit(counted):
+    """{(unit, kind): (operations per unit instance, itemsize)} of a counted run, and the all-reduced bytes.
+    Every all-gather and reduce-scatter must carry exactly one unit's numel."""
+    tiny = counted["units"]
+    instances = {"root": 1, "block": tiny["n_layer"]}
+    counts, scalars = {}, 0
+    for op in counted["ops"]:
+        if op["kind"] not in KINDS:
+            raise RuntimeError(f"collective {op['kind']} is not counted here")
+        if op["kind"] == "all_reduce":
+            scalars += op["numel"] * op["itemsize"]
+            continue
+        matches = [u for u in instances if op["kind"] in tiny[u] and tiny[u][op["kind"]] == op["numel"]]
+        if len(matches) != 1:
+            raise RuntimeError(f"a {op['kind']} of {op['numel']} elements is no one FSDP unit's: {tiny}")
+        n, itemsize = counts.get((matches[0], op["kind"]), (0, op["itemsize"]))
+        assert itemsize == op["itemsize"], (op, itemsize)
+        counts[(matches[0], op["kind"])] = (n + 1, itemsize)
+    return {key: (n / instances[key[0]], itemsize) for key, (n, itemsize) in counts.items()}, scalars
+
+
+def scaled_bytes(counted, shape_units):
+    """{kind: bytes per rank per optimizer step} of a counted run scaled to a model with units `shape_units`."""
+    counts, scalars = per_unit(counted)
+    instances = {"root": 1, "block": shape_units["n_layer"]}
+    result = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": scalars * RING["all_reduce"]}
+    for (unit, kind), (n, itemsize) in counts.items():
+        result[kind] += n * instances[unit] * shape_units[unit][kind] * itemsize * RING[kind]
+    return result
+
+
+def preset_model(name, preset):
+    """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
+    import lora
+    from config import Config
+    from model import GPT, GPTConfig, PRETRAINED
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**PRETRAINED[name]))
+    if preset.get("lora_rank"):
+        lora.add_adapters(model, **lora.settings(Config(**{k: v for k, v in preset.items() if k in lora.KEYS})))
+    return model
+
+
+def tiny_args(preset, data_dir):
+    """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
+    from config import Config, grad_accum_steps
+    cfg = Config(**preset)
+    steps = grad_accum_steps(cfg, RANKS)
+    return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={cfg.dtype}",
+            f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
+            f"--train_csv={os.path.join(data_dir, 'train.csv')}", f"--data_cache_dir={os.path.join(data_dir, 'cache')}"]
+
+
+def bench_fsdp(args=None):
+    """Rows fsdp:<model>:comm_gib_per_step (now), ..._before (fp32 all-gathers, a reduce-scatter per micro-step) and
+    ..._vs_before (their ratio) for each Kaggle preset, as if run with --backend=fsdp (the preset's own backend is in
+    the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
+    holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
+    bench_memory.T4_USABLE_GIB. `args` is not read (bench.py passes its own). About 30 s on 2 CPU cores."""
+    from bench_memory import T4_USABLE_GIB
+    from config import read_preset
+    from runtime import reduce_once_bytes
+    presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_rows(os.path.join(tmp, "train.csv"))
+        runs, index = [], {}
+        for name, preset in presets.items():
+            for before in (False, True):
+                run = {"args": tiny_args(preset, tmp), "before": before}
+                if run not in runs:
+                    runs.append(run)
+                index[name, before] = runs.index(run)
+        for i, run in enumerate(runs):
+            run["args"].append(f"--out_dir={os.path.join(tmp, f'out{i}')}")
+        counted = run_ranks(runs, tmp)
+    rows = []
+    for name, preset in presets.items():
+        model = preset_model(name, preset)
+        now, before = (scaled_bytes(counted[index[name, b]], units(model)) for b in (False, True))
+        common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
+                      dtype=preset["dtype"], lora_rank=preset.get("lora_rank", 0),
+                      micro_steps=counted[index[name, False]]["micro_steps"])
+        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step", value=sum(now.values()) / GIB,
+                         **{f"{kind}_gib": b / GIB for kind, b in now.items()}))
+        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step_before", value=sum(before.values()) / GIB,
+                         **{f"{kind}_gib": b / GIB for kind, b in before.items()}))
+        rows.append(dict(common, figure=f"fsdp:{name}:comm_vs_before", value=sum(now.values()) / sum(before.values())))
+        held, kept = reduce_once_bytes(model, RANKS, getattr(torch, preset["dtype"]))
+        rows.append(dict(common, figure=f"fsdp:{name}:reduce_once_gib_per_rank", value=(held + kept) / GIB,
+                         held_gib=held / GIB, kept_gib=kept / GIB, fits_t4=(held + kept) / GIB <= T4_USABLE_GIB))
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(*sys.argv[2:])
+    else:
+        for row in bench_fsdp():
+            print(row)

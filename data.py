@@ -404,7 +404,7 @@ def collate(examples, indices, train_on_prompt=False):
 
 def target_index(y):
     """The positions of y.view(-1) that are trained on (not -1), found on the host where y is made: passed to the
-    model (GPT.forward's target_index) so that no shape in a compiled training step depends on the data."""
+    model (model.Targets) so that no shape in a compiled training step depends on the data."""
     return (y.view(-1) != -1).nonzero().squeeze(1)
 
 

@@ -3,6 +3,7 @@
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,12 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+
+
+class Targets(NamedTuple):
+    """Training targets y (B, T; -1 = ignore) with the positions of y.view(-1) that are trained on."""
+    y: torch.Tensor
+    index: torch.Tensor
 
 
 class KVCache:
@@ -164,13 +171,13 @@ class GPT(nn.Module):
         return (6 * (self.num_params() - head) * tokens + 6 * head * targets
                 + 12 * self.config.n_layer * self.config.n_embd * attended)
 
-    def forward(self, idx, targets=None, target_index=None):
+    def forward(self, idx, targets=None):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
         With targets (B, T; -1 = ignore): the mean cross-entropy over non-ignored targets, and logits None,
         because only the supervised positions go through lm_head (a summary is ~15% of a training row).
-        target_index: those positions in idx.view(-1), computed on the host (data.target_index) so that no shape
-        depends on tensor values: under torch.compile that is one graph and no wait for the device. Without it
-        they are found here, which costs an eager caller nothing but breaks a compiled graph."""
+        targets may be Targets(y, index), with those positions of y.view(-1) found on the host (data.target_index)
+        so that no shape depends on tensor values: under torch.compile that is one graph and no wait for the
+        device. Given y alone they are found here, which costs an eager caller nothing but breaks a compiled graph."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
@@ -185,7 +192,9 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        if target_index is None:
+        if isinstance(targets, Targets):
+            targets, target_index = targets
+        else:
             target_index = (targets.view(-1) != -1).nonzero().squeeze(1)
         logits = self.lm_head(x.flatten(0, 1).index_select(0, target_index))
         loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")

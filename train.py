@@ -31,7 +31,7 @@ from evaluation import evaluate
 from files import atomic_write, no_empty_folder_left
 from generate import compile_decode
 from metrics import rouge
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, Targets
 from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
 from submission import check_against_sample, predict
@@ -339,7 +339,7 @@ class Trainer:
             x, y, index = (t.to(rt.device, non_blocking=True) for t in (x, y, index))
             with rt.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
-                    _, loss = self.wrapped(x, y, index)
+                    _, loss = self.wrapped(x, Targets(y, index))
                 self.scaler.scale(loss * targets * scale).backward()
             loss_sum += loss.detach().float() * targets
         # the stop request travels with the loss: one reduction and one host sync per step, as before
@@ -380,7 +380,7 @@ class Trainer:
             index = data.target_index(y)
             x, y, index = x.to(rt.device), y.to(rt.device), index.to(rt.device)
             with rt.autocast():
-                _, loss = self.model(x, y, index)
+                _, loss = self.model(x, Targets(y, index))
             loss_sum += loss.float() * len(index)
             targets += len(index)
         totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
@@ -507,7 +507,7 @@ def compile_model(model, x, y, autocast):
     try:
         compiled = torch.compile(model, fullgraph=True, dynamic=True)
         with autocast:
-            _, loss = compiled(x, y, data.target_index(y))
+            _, loss = compiled(x, Targets(y, data.target_index(y)))
         loss.backward()
         return compiled
     except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build

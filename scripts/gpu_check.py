@@ -1,15 +1,21 @@
-"""The CUDA-only code paths on a real GPU, in one table: for each precision (fp32, fp16 + GradScaler, bf16) with
-torch.compile off and on, the real Trainer's tokens/s, MFU and peak memory, and the batched generator's tokens/s
-and whether compiled greedy output equals eager. Random weights and random dialogues: nothing to download.
+"""The CUDA-only code paths on a real GPU, asserted, in one table and one JSON report to attach to an issue. For each
+precision (fp32, fp16 + GradScaler, bf16) with torch.compile off and on: the real Trainer's tokens/s, MFU and peak
+memory; the batched generator's greedy tokens/s and MBR-16 summaries/s with rows ending at an EOS, and whether
+compiled greedy output equals eager; inductor's graph breaks and compilations in training and in decoding, and
+decoding's host syncs per step. Then, for the Kaggle presets that run in one process and fit the GPU, the peak
+torch.cuda.max_memory_allocated of a few training steps next to bench.py --section=memory's prediction. Random
+weights; SAMSum's validation dialogues when ../shared has them, else random ones: nothing to download. Exit
+status 1 if any check fails.
 
     bash scripts/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
-    python scripts/gpu_check.py --device=cpu --model=tiny --dtypes=float32,float16 --compile=False --iters=2
+    python scripts/gpu_check.py --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3
 """
 import argparse
 import contextlib
 import gc
 import io
 import json
+import math
 import os
 import random
 import statistics
@@ -17,34 +23,34 @@ import sys
 import tempfile
 import time
 
-import pandas as pd
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import bench_memory  # noqa: E402
+import train  # noqa: E402
+from bench import summary_end_token  # noqa: E402
+from bench_compile import SAMSUM_CSV, Waits, training_csv  # noqa: E402
 from config import UserError, load_config  # noqa: E402
-from generate import compile_decode, generate  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from files import atomic_write  # noqa: E402
+from generate import LogitsProcessors, compile_decode, generate  # noqa: E402
+from model import GPT, PRETRAINED, GPTConfig  # noqa: E402
 from runtime import Runtime, choose_precision  # noqa: E402
-from train import Trainer  # noqa: E402
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
           "tiny": dict(n_layer=1, n_head=2, n_embd=32, block_size=128)}
-WORDS = ("hi hey ok yes no sure thanks see you tomorrow tonight later at the a to for with and but so we I it is "
-         "are was will can do did have has going meet call send buy dinner party work home office movie coffee "
-         "train bus late early today weekend Monday Friday sorry great cool fine love miss need want know").split()
-NAMES = ("Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate", "Mike", "Anna")
-
-
-def write_dialogues(path, n, seed=0):
-    """A CSV of n random-word chats with SAMSum's shape: 3-14 turns of 2-15 words, a 6-25 word summary."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        turns = [f"{rng.choice(NAMES)}: {' '.join(rng.choices(WORDS, k=rng.randint(2, 15)))}"
-                 for _ in range(rng.randint(3, 14))]
-        rows.append({"id": str(i), "dialogue": "\n".join(turns),
-                     "summary": " ".join(rng.choices(WORDS, k=rng.randint(6, 25)))})
-    pd.DataFrame(rows).to_csv(path, index=False)
+MBR16 = dict(mbr_samples=16, temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True, seed=0)
+PRESETS = ("kaggle_t4x2", "kaggle_t4x2_gpt2-medium", "kaggle_t4x2_gpt2-large", "kaggle_t4x2_gpt2-xl")
+LIMITS = {"train_graph_breaks": 0, "train_compilations": 2, "decode_graph_breaks": 0, "decode_compilations": 2,
+          "decode_host_syncs_per_step": 1}
+# A random model's top two logits are often closer than 16-bit rounding, which fused kernels do in another order: a
+# few rows may take the other token at such a near-tie and go on differently. A wrong compiled step (a cache slot,
+# the mask) changes nearly every row.
+GREEDY_AGREEMENT = {"float32": 1.0, "float16": 0.75, "bfloat16": 0.75}
+# bench_memory leaves out backward's transient buffers (a block's gradients in flight, the loss's) and the
+# allocator's rounding: a quarter more than predicted is still the prediction working, not a new memory cost.
+MEMORY_TOLERANCE = 1.25
+GIB = 2**30
 
 
 def synchronize(device):
@@ -52,9 +58,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def fresh_compiles():
+    """Forget compiled code and dynamo's counters: what follows is counted from its first compilation."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def compile_counts():
+    """(graph breaks, graphs compiled) since fresh_compiles(), as dynamo counts them on the real backend."""
+    counters = torch._dynamo.utils.counters
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
 def train_case(args, dtype, compile, folder, csv):
     """Median tokens/s, MFU, ms/iter and peak memory over args.iters Trainer steps, the first third not counted
-    (they include recompiles for new sequence lengths and the allocator's warm-up)."""
+    (the allocator's warm-up); with compile, the graph breaks and graphs of the whole run."""
     argv = [f"--train_csv={csv}", f"--out_dir={folder}/{dtype}-{compile}", f"--data_cache_dir={folder}/cache",
             "--init_from=scratch", *(f"--{k}={v}" for k, v in MODELS[args.model].items()), f"--device={args.device}",
             f"--dtype={dtype}", f"--compile={compile}", f"--batch_size={args.micro_batch_size}",
@@ -64,74 +82,226 @@ def train_case(args, dtype, compile, folder, csv):
     cfg = load_config(argv)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    fresh_compiles()
     # The Trainer's printout and progress bar would bury the table; a compile fallback shows in the row's note.
     with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        trainer = Trainer(cfg, rt)
+        trainer = train.Trainer(cfg, rt)
         trainer.fit()
+    breaks, graphs = compile_counts()
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f][args.iters // 3:]
-    median = {key: statistics.median(s[key] for s in steps) if key in steps[0] else None
-              for key in ("tokens_per_s", "mfu", "ms_per_iter", "peak_mem_gb")}
-    return dict(median, loss=steps[-1]["loss"], compiled=trainer.wrapped is not trainer.model)
+    row = {f"train_{key}": statistics.median(s[key] for s in steps) if key in steps[0] else None
+           for key in ("tokens_per_s", "mfu", "ms_per_iter", "peak_mem_gb")}
+    row.update(loss=steps[-1]["loss"], train_compiled=trainer.wrapped is not trainer.model)
+    return dict(row, train_graph_breaks=breaks, train_compilations=graphs) if compile else row
 
 
-def generate_case(args, dtype, compile, device, eager_outputs):
-    """Generated tokens/s of one batched greedy generate() after a warm-up call (which compiles), and how many
-    compiled outputs equal the eager ones at this precision."""
+def timed(fn, device, warm_up=contextlib.nullcontext()):
+    """(fn's output, seconds of a second call): the first call, inside `warm_up`, compiles and warms up."""
+    with warm_up:
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    output = fn()
+    synchronize(device)
+    return output, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def host_syncs(counts):
+    """Adds to counts["syncs"] the host's waits for the device inside, as bench_compile counts them: value reads
+    and value-shaped ops, seen by Python modes on any device, eager code only (CUDA's set_sync_debug_mode would
+    also flag every blocking copy of an index list to the device, which waits for no result); to counts["steps"]
+    the decoding steps, each one LogitsProcessors.penalize call (greedy, sampling and beam search alike)."""
+    penalize = LogitsProcessors.penalize
+
+    def counted(self, *args):
+        counts["steps"] += 1
+        return penalize(self, *args)
+    LogitsProcessors.penalize = counted
+    try:
+        with Waits() as waits:
+            yield
+        counts["syncs"] += waits.syncs
+    finally:
+        LogitsProcessors.penalize = penalize
+
+
+def generate_case(args, dtype, compile, device, prompts, eager):
+    """Greedy tokens/s and MBR-16 summaries/s of batched generate() with a real EOS pattern, each timed after a
+    warm-up call. Compiled: the decode step's graph breaks and graphs over all calls (calibration, every batch
+    size, rows ending) and how many greedy outputs equal the eager ones. Eager: host syncs per decoding step."""
     torch.manual_seed(0)
-    shape = MODELS[args.model]
-    model = GPT(GPTConfig(**shape)).to(device).eval()
+    model = GPT(GPTConfig(**MODELS[args.model])).to(device).eval()
+    fresh_compiles()
     if compile:
         compile_decode(model)
-    rng = random.Random(0)
-    longest = shape["block_size"] - args.max_new_tokens
-    prompts = [[rng.randrange(50256) for _ in range(rng.randint(min(64, longest), min(256, longest)))]
-               for _ in range(args.gen_prompts)]
-    autocast = (torch.autocast(device.type, dtype=getattr(torch, dtype)) if dtype != "float32"
-                else contextlib.nullcontext())
-    with autocast:
-        generate(model, prompts, args.max_new_tokens, eos_token_id=-1)  # never ends early: every row is full
-        synchronize(device)
-        start = time.perf_counter()
-        outputs = generate(model, prompts, args.max_new_tokens, eos_token_id=-1)
-        synchronize(device)
-    seconds = time.perf_counter() - start
+    with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+        if dtype not in eager:
+            eager[dtype] = {"eos": summary_end_token(model, prompts, args.max_new_tokens)}
+        eos, counts = eager[dtype]["eos"], dict(syncs=0, steps=0)
+        counted = contextlib.nullcontext if compile else lambda: host_syncs(counts)
+        greedy, greedy_s = timed(lambda: generate(model, prompts, args.max_new_tokens, eos_token_id=eos), device,
+                                 counted())
+        _, mbr_s = timed(lambda: generate(model, prompts, args.max_new_tokens, eos_token_id=eos, **MBR16), device,
+                         counted())
+    row = dict(eos_token_id=eos, greedy_tokens_per_s=sum(map(len, greedy)) / greedy_s,
+               mbr16_summaries_per_s=len(prompts) / mbr_s, decode_compiled=model.decode_compiled)
     if not compile:
-        eager_outputs[dtype] = outputs
-    same = sum(a == b for a, b in zip(outputs, eager_outputs[dtype])) if dtype in eager_outputs else None
-    return dict(gen_tokens_per_s=len(prompts) * args.max_new_tokens / seconds,
-                same=f"{same}/{len(outputs)}" if compile and same is not None else "-",
-                compiled=model.decode_compiled)
+        eager[dtype]["greedy"] = greedy
+        return dict(row, decode_host_syncs_per_step=counts["syncs"] / counts["steps"])
+    breaks, graphs = compile_counts()
+    row.update(decode_graph_breaks=breaks, decode_compilations=graphs)
+    if "greedy" in eager[dtype]:
+        row["greedy_same"] = sum(a == b for a, b in zip(greedy, eager[dtype]["greedy"]))
+    return row
 
 
-COLUMNS = [("dtype", "<9"), ("compile", "<7"), ("train tok/s", ">11"), ("MFU", ">6"), ("ms/iter", ">8"),
-           ("peak GB", ">7"), ("loss", ">7"), ("gen tok/s", ">9"), ("greedy=eager", ">12"), ("note", "")]
+def failed(e):
+    return f"{type(e).__name__}: {str(e).strip()[:200]}"
 
 
-def table_row(*cells):
-    return " ".join(format(str(cell), spec) for cell, (_, spec) in zip(cells, COLUMNS)).rstrip()
-
-
-def check(args, dtype, compile, device, capability, folder, csv, eager_outputs):
+def case(args, dtype, compile, device, capability, folder, csv, prompts, eager):
     """One table row: the training and generation figures of (dtype, compile), or why they could not be had."""
+    row = dict(dtype=dtype, compile=compile, gen_prompts=len(prompts))
     try:
         _, use_scaler = choose_precision(dtype, device.type, capability)
-        t = train_case(args, dtype, compile, folder, csv)
-        g = generate_case(args, dtype, compile, device, eager_outputs)
+        row.update(train_case(args, dtype, compile, folder, csv))
+        row.update(generate_case(args, dtype, compile, device, prompts, eager))
     except UserError as e:
-        return table_row(dtype, compile, *["-"] * 7, f"not run: {e}")
+        return dict(row, note=f"not run: {e}")
     except Exception as e:  # e.g. out of memory: the other cases still run
-        return table_row(dtype, compile, *["-"] * 7, f"failed: {type(e).__name__}: {str(e).strip()[:200]}")
+        return dict(row, error=failed(e), note=f"failed: {failed(e)}")
     finally:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    notes = (["GradScaler"] * use_scaler + ["training compile failed, ran eagerly"] * (compile and not t["compiled"])
-             + ["decode compile failed, ran eagerly"] * (compile and not g["compiled"]))
-    return table_row(dtype, compile, f"{t['tokens_per_s']:.0f}",
-                     "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%", f"{t['ms_per_iter']:.0f}",
-                     "-" if t["peak_mem_gb"] is None else f"{t['peak_mem_gb']:.2f}", f"{t['loss']:.3f}",
-                     f"{g['gen_tokens_per_s']:.0f}", g["same"], ", ".join(notes))
+    notes = (["GradScaler"] * use_scaler
+             + ["training compile failed, ran eagerly"] * (compile and not row["train_compiled"])
+             + ["decode compile failed, ran eagerly"] * (compile and not row["decode_compiled"]))
+    return dict(row, note=", ".join(notes))
+
+
+# ---- the presets' memory ----------------------------------------------------------------------------------------
+
+def predicted_gib(name, mode, x, y):
+    """bench.py --section=memory's GiB per GPU of model `name` in `mode`, for micro-batch (x, y)."""
+    shape = PRETRAINED[name]
+    states = {"full": bench_memory.state_bytes(shape, False), "lora": bench_memory.state_bytes(shape, True)}
+    return sum(bench_memory.per_rank(mode, states, bench_memory.activation_bytes(shape, x, y))) / GIB
+
+
+def peak_training_gib(cfg, x, y, device, capability, steps=2):
+    """GiB allocated at the peak of `steps` optimizer steps of two micro-batches (x, y) each, as Trainer.train_step
+    runs them (the second forward beside the first one's gradients, as under the presets' accumulation), eagerly
+    as bench_memory predicts; counted from what was allocated before."""
+    dtype, use_scaler = choose_precision(cfg.dtype, device.type, capability)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    model, _ = train.model_to_train(cfg)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.to(device)
+    optimizer = train.configure_optimizer(model, cfg, device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    x, y = x.to(device), y.to(device)
+    for _ in range(steps):
+        for _ in range(2):
+            with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+                _, loss = model(x, y)
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / GIB
+
+
+def preset_row(preset, device, capability, total_gib, batches):
+    """A preset's mode, predicted GiB per GPU and measured peak GiB, or why it was not measured."""
+    path = os.path.join(ROOT, "config", f"{preset}.py")
+    name = load_config([path]).init_from
+    cfg = load_config([path, "--init_from=scratch", *(f"--{k}={v}" for k, v in PRETRAINED[name].items()),
+                       f"--device={device}", "--compile=False"])
+    mode = ("fsdp2" if cfg.backend == "fsdp" else "lora" if cfg.lora_rank else "full") + (
+        "+checkpointing" if cfg.gradient_checkpointing else "")
+    row = dict(preset=preset, model=name, mode=mode, micro_batch_size=cfg.micro_batch_size, note="")
+    if cfg.backend == "fsdp":
+        return dict(row, note=f"needs 2 GPUs (torchrun --nproc_per_node=2 train.py config/{preset}.py): not measured")
+    if cfg.micro_batch_size not in batches:
+        batches[cfg.micro_batch_size] = bench_memory.longest_micro_batch(SAMSUM_CSV, cfg.micro_batch_size)
+    x, y, _ = batches[cfg.micro_batch_size]
+    row.update(width=x.shape[1], predicted_gib=predicted_gib(name, mode, x, y))
+    if row["predicted_gib"] > total_gib:
+        return dict(row, note=f"predicted above this GPU's {total_gib:.1f} GiB: not run")
+    try:
+        return dict(row, peak_gib=peak_training_gib(cfg, x, y, device, capability))
+    except Exception as e:
+        return dict(row, error=failed(e), note=f"failed: {failed(e)}")
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ---- the checks, the tables, the report -------------------------------------------------------------------------
+
+def checks(rows, presets):
+    """Every assertion as {check, value, target, passed}."""
+    found = []
+
+    def add(label, value, target, passed):
+        found.append(dict(check=label, value=value, target=target, passed=bool(passed)))
+    for row in rows:
+        label = f"{row['dtype']} {'compiled' if row['compile'] else 'eager'}"
+        if "error" in row:
+            add(f"{label}: runs", row["error"], "no error", False)
+        for key, limit in LIMITS.items():
+            if key in row:
+                add(f"{label}: {key}", row[key], f"{'==' if limit == 0 else '<='} {limit}", row[key] <= limit)
+        for key in ("train_compiled", "decode_compiled"):
+            if row["compile"] and key in row:
+                add(f"{label}: {key}", row[key], True, row[key])
+        if "greedy_same" in row:
+            needed = math.ceil(GREEDY_AGREEMENT.get(row["dtype"], 1.0) * row["gen_prompts"])
+            add(f"{label}: greedy rows equal to eager", row["greedy_same"], f">= {needed} of {row['gen_prompts']}",
+                row["greedy_same"] >= needed)
+    for p in presets:
+        if "error" in p:
+            add(f"{p['preset']}: trains", p["error"], "no error", False)
+        if "peak_gib" in p:
+            limit = MEMORY_TOLERANCE * p["predicted_gib"]
+            add(f"{p['preset']}: peak GiB", round(p["peak_gib"], 2), f"<= {limit:.2f} (predicted x {MEMORY_TOLERANCE})",
+                p["peak_gib"] <= limit)
+    return found
+
+
+def cell(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(columns, rows):
+    """columns: (title, key, format spec); numbers right-aligned, text (spec "") left-aligned."""
+    lines = [[title for title, _, _ in columns]] + [[cell(row.get(key), spec) for _, key, spec in columns]
+                                                   for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    for line in lines:
+        print(" ".join(format(text, f"{'>' if spec else '<'}{w}")
+                       for text, (_, _, spec), w in zip(line, columns, widths)).rstrip())
+
+
+CASE_COLUMNS = [("dtype", "dtype", ""), ("compile", "compile", ""), ("train tok/s", "train_tokens_per_s", ".0f"),
+                ("MFU", "train_mfu", ".1%"), ("ms/iter", "train_ms_per_iter", ".0f"),
+                ("peak GiB", "train_peak_mem_gb", ".2f"), ("loss", "loss", ".3f"),
+                ("greedy tok/s", "greedy_tokens_per_s", ".0f"), ("MBR-16 sum/s", "mbr16_summaries_per_s", ".1f"),
+                ("greedy=eager", "greedy_same", "d"), ("train graphs", "train_compilations", "d"),
+                ("breaks", "train_graph_breaks", "d"), ("decode graphs", "decode_compilations", "d"),
+                ("breaks", "decode_graph_breaks", "d"), ("syncs/step", "decode_host_syncs_per_step", ".2f"),
+                ("note", "note", "")]
+PRESET_COLUMNS = [("preset", "preset", ""), ("mode", "mode", ""), ("micro-batch", "micro_batch_size", "d"),
+                  ("width", "width", "d"), ("predicted GiB", "predicted_gib", ".2f"), ("peak GiB", "peak_gib", ".2f"),
+                  ("note", "note", "")]
 
 
 def main(argv=None):
@@ -142,24 +312,53 @@ def main(argv=None):
     parser.add_argument("--compile", default="False,True", help="False, True or both (eager first)")
     parser.add_argument("--iters", type=int, default=30, help="training steps per case")
     parser.add_argument("--micro_batch_size", type=int, default=8)
-    parser.add_argument("--gen_prompts", type=int, default=32)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--gen_prompts", type=int, help="prompts per generation figure (32; 8 on CPU, whose MBR-16 "
+                        "is slow)")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="> 4: EOS is picked among later tokens")
+    parser.add_argument("--presets", default=",".join(PRESETS),
+                        help="Kaggle presets whose peak training memory is measured, on CUDA only ('' for none)")
+    parser.add_argument("--report", default="gpu_check_report.json", help="where the JSON report is written")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    args.gen_prompts = args.gen_prompts or (32 if device.type == "cuda" else 8)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    eager_outputs = {}
+    rng = random.Random(0)
+    longest = MODELS[args.model]["block_size"] - args.max_new_tokens
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(min(64, longest), min(256, longest)))]
+               for _ in range(args.gen_prompts)]
+    eager = {}  # per dtype: the EOS every row of that dtype uses, the eager greedy outputs
     with tempfile.TemporaryDirectory() as folder:
-        csv = os.path.join(folder, "train.csv")
-        write_dialogues(csv, 40 * args.micro_batch_size)
-        rows = [check(args, dtype, compile == "True", device, capability, folder, csv, eager_outputs)
+        csv, _ = training_csv(folder)  # SAMSum validation, or random chats of its shape
+        rows = [case(args, dtype, compile == "True", device, capability, folder, csv, prompts, eager)
                 for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
-    print(f"\n{args.model} shapes, micro-batch {args.micro_batch_size}, {args.iters} training steps per row, "
-          f"generation {args.gen_prompts} prompts x {args.max_new_tokens} new tokens; {name}"
-          f"{f' (compute capability {capability[0]}.{capability[1]})' if capability else ''}, torch {torch.__version__}")
-    print(table_row(*(title for title, _ in COLUMNS)))
-    print("\n".join(rows))
+    presets, batches = [], {}
+    if device.type == "cuda":
+        total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+        presets = [preset_row(p, device, capability, total_gib, batches) for p in args.presets.split(",") if p]
+    found = checks(rows, presets)
+
+    print(f"\n{args.model} shapes, micro-batch {args.micro_batch_size}, {args.iters} training steps per row; "
+          f"generation {len(prompts)} prompts x up to {args.max_new_tokens} new tokens, greedy and MBR-16, EOS = "
+          f"the token the model emits most (a random model never ends otherwise); {name}"
+          f"{f' (compute capability {capability[0]}.{capability[1]})' if capability else ''}, "
+          f"torch {torch.__version__}")
+    print_table(CASE_COLUMNS, rows)
+    if presets:
+        print("\npeak training memory of the presets (random weights, widest SAMSum-like micro-batch, two per step, "
+              "eager) against bench.py --section=memory's prediction")
+        print_table(PRESET_COLUMNS, presets)
+    print(f"\nchecks: {sum(c['passed'] for c in found)} of {len(found)} passed")
+    for c in found:
+        print(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['value']} (target {c['target']})")
+    report = dict(device=name, capability=capability, torch=torch.__version__, cuda=torch.version.cuda,
+                  args=vars(args), rows=rows, presets=presets, checks=found, passed=all(c["passed"] for c in found))
+    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+    with atomic_write(args.report) as f:
+        json.dump(report, f, indent=1)
+    print(f"report: {os.path.abspath(args.report)}")
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

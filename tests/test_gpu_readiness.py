@@ -3,6 +3,7 @@ proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU 
 against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, scripts/gpu_check."""
 import copy
 import importlib.util
+import json
 import math
 import os
 import socket
@@ -422,16 +423,21 @@ def test_notebook_launches_main_with_accelerate(monkeypatch):
 
 # ---- scripts/gpu_check ----------------------------------------------------------------------------------------
 
-def test_gpu_check_script_parses_and_its_python_runs_on_cpu(capsys):
+def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
     assert subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", "gpu_check.sh")]).returncode == 0
     spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "scripts", "gpu_check.py"))
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    gpu_check.main(["--device=cpu", "--model=tiny", "--dtypes=float32,float16", "--compile=False", "--iters=2",
-                    "--gen_prompts=2", "--max_new_tokens=4"])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-3].split()[:3] == ["dtype", "compile", "train"]
-    for line, dtype in zip(lines[-2:], ("float32", "float16")):
-        cells = line.split()
-        assert cells[:2] == [dtype, "False"] and float(cells[2]) > 0 and cells[3] == "-"  # no MFU on CPU
-        assert float(cells[7]) > 0 and ("GradScaler" in line) == (dtype == "float16")
+    report = tmp_path / "report.json"
+    assert gpu_check.main(["--device=cpu", "--model=tiny", "--dtypes=float32,float16", "--compile=False", "--iters=2",
+                           "--gen_prompts=2", "--max_new_tokens=8", f"--report={report}"]) == 0
+    out = capsys.readouterr().out
+    assert "checks: 2 of 2 passed" in out and f"report: {report}" in out
+    result = json.loads(report.read_text())
+    assert result["device"] == "cpu" and result["passed"] and result["presets"] == []  # no peak memory on CPU
+    assert [(c["check"], c["passed"]) for c in result["checks"]] == [
+        (f"{dtype} eager: decode_host_syncs_per_step", True) for dtype in ("float32", "float16")]
+    for row, dtype in zip(result["rows"], ("float32", "float16")):
+        assert row["dtype"] == dtype and row["compile"] is False and row["train_tokens_per_s"] > 0
+        assert row["train_mfu"] is None and row["mbr16_summaries_per_s"] > 0  # no MFU on CPU
+        assert row["decode_host_syncs_per_step"] == 1 and ("GradScaler" in row["note"]) == (dtype == "float16")

@@ -27,6 +27,7 @@ import inference
 import model as model_module
 from config import load_config
 from evaluation import evaluate
+from generate import LogitsProcessors
 from runtime import Runtime
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -145,18 +146,29 @@ def kv_cache_traffic():
         cache.update, cache.select_rows = update, select_rows
 
 
-def decode_counts(model, prompts, cfg):
-    """(host syncs per forward pass, weight casts per forward pass, KV bytes copied / read) of summarizing
-    `prompts` as evaluate.py does, eagerly. A forward pass is a prefill or a decode step: each gives every row
-    its next token."""
-    passes = []
-    hook = model.transformer.ln_f.register_forward_hook(lambda *_: passes.append(1))
+@contextlib.contextmanager
+def decoding_steps():
+    """Counts decoding steps, each one LogitsProcessors.penalize call: every row's next token, in greedy,
+    sampling and beam search alike (MBR's greedy and sampled candidates share a prefill, so forward passes
+    would undercount them). Yields a list whose length is the count."""
+    steps, penalize = [], LogitsProcessors.penalize
+
+    def counted(self, *args):
+        steps.append(1)
+        return penalize(self, *args)
+    LogitsProcessors.penalize = counted
     try:
-        with kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
-            inference.summarize(model, prompts, cfg, contextlib.nullcontext())
+        yield steps
     finally:
-        hook.remove()
-    return waits.syncs / len(passes), waits.weight_casts / len(passes), traffic["copied"] / traffic["read"]
+        LogitsProcessors.penalize = penalize
+
+
+def decode_counts(model, prompts, cfg):
+    """(host syncs per decoding step, weight casts per decoding step, KV bytes copied / read) of summarizing
+    `prompts` as evaluate.py does, eagerly."""
+    with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
+        inference.summarize(model, prompts, cfg, contextlib.nullcontext())
+    return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 
 # ---- the figures ------------------------------------------------------------------------------------------------

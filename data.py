@@ -402,12 +402,6 @@ def collate(examples, indices, train_on_prompt=False):
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def target_index(y):
-    """The positions of y.view(-1) that are trained on (not -1), found on the host where y is made: passed to the
-    model (model.Targets) so that no shape in a compiled training step depends on the data."""
-    return (y.view(-1) != -1).nonzero().squeeze(1)
-
-
 class LengthGroupedSampler:
     """Which examples each optimizer step trains on, as a pure function of (lengths, seed, step).
 

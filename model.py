@@ -37,6 +37,14 @@ class Targets(NamedTuple):
     y: torch.Tensor
     index: torch.Tensor
 
+    @classmethod
+    def of(cls, y):
+        """Found where y is made, on the host, so that no shape in a compiled training step depends on data."""
+        return cls(y, (y.view(-1) != -1).nonzero().squeeze(1))
+
+    def to(self, device):
+        return Targets(self.y.to(device, non_blocking=True), self.index.to(device, non_blocking=True))
+
 
 class KVCache:
     """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
@@ -175,8 +183,8 @@ class GPT(nn.Module):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
         With targets (B, T; -1 = ignore): the mean cross-entropy over non-ignored targets, and logits None,
         because only the supervised positions go through lm_head (a summary is ~15% of a training row).
-        targets may be Targets(y, index), with those positions of y.view(-1) found on the host (data.target_index)
-        so that no shape depends on tensor values: under torch.compile that is one graph and no wait for the
+        targets may be Targets.of(y), with those positions of y.view(-1) found on the host where y is made, so
+        that no shape depends on tensor values: under torch.compile that is one graph and no wait for the
         device. Given y alone they are found here, which costs an eager caller nothing but breaks a compiled graph."""
         B, T = idx.size()
         if T > self.config.block_size:
@@ -192,10 +200,7 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        if isinstance(targets, Targets):
-            targets, target_index = targets
-        else:
-            target_index = (targets.view(-1) != -1).nonzero().squeeze(1)
+        targets, target_index = targets if isinstance(targets, Targets) else Targets.of(targets)
         logits = self.lm_head(x.flatten(0, 1).index_select(0, target_index))
         loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")
         return None, loss / max(target_index.numel(), 1)

@@ -334,12 +334,12 @@ class Trainer:
         if self.stop_signal:
             requests[STOP_SIGNALS.index(self.stop_signal)] = 1
         for i, (x, y) in enumerate(micro_batches):
-            index = data.target_index(y)
-            targets = len(index)
-            x, y, index = (t.to(rt.device, non_blocking=True) for t in (x, y, index))
+            found = Targets.of(y)
+            targets = len(found.index)
+            x, found = x.to(rt.device, non_blocking=True), found.to(rt.device)
             with rt.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
-                    _, loss = self.wrapped(x, Targets(y, index))
+                    _, loss = self.wrapped(x, found)
                 self.scaler.scale(loss * targets * scale).backward()
             loss_sum += loss.detach().float() * targets
         # the stop request travels with the loss: one reduction and one host sync per step, as before
@@ -377,12 +377,11 @@ class Trainer:
             no_rows = torch.zeros(0, data.PAD_MULTIPLE, dtype=torch.long)
             batches += [(no_rows, no_rows - 1)] * (max(rt.all_gather_objects(len(batches))) - len(batches))
         for x, y in batches:
-            index = data.target_index(y)
-            x, y, index = x.to(rt.device), y.to(rt.device), index.to(rt.device)
+            found = Targets.of(y)
             with rt.autocast():
-                _, loss = self.model(x, Targets(y, index))
-            loss_sum += loss.float() * len(index)
-            targets += len(index)
+                _, loss = self.model(x.to(rt.device), found.to(rt.device))
+            loss_sum += loss.float() * len(found.index)
+            targets += len(found.index)
         totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
         if self.rouge_prompts:
@@ -507,7 +506,7 @@ def compile_model(model, x, y, autocast):
     try:
         compiled = torch.compile(model, fullgraph=True, dynamic=True)
         with autocast:
-            _, loss = compiled(x, Targets(y, data.target_index(y)))
+            _, loss = compiled(x, Targets.of(y))
         loss.backward()
         return compiled
     except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build

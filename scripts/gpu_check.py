@@ -30,10 +30,10 @@ sys.path.insert(0, ROOT)
 import bench_memory  # noqa: E402
 import train  # noqa: E402
 from bench import summary_end_token  # noqa: E402
-from bench_compile import SAMSUM_CSV, Waits, training_csv  # noqa: E402
+from bench_compile import SAMSUM_CSV, Waits, decoding_steps, training_csv  # noqa: E402
 from config import UserError, load_config  # noqa: E402
 from files import atomic_write  # noqa: E402
-from generate import LogitsProcessors, compile_decode, generate  # noqa: E402
+from generate import compile_decode, generate  # noqa: E402
 from model import GPT, PRETRAINED, GPTConfig  # noqa: E402
 from runtime import Runtime, choose_precision  # noqa: E402
 
@@ -112,19 +112,11 @@ def host_syncs(counts):
     """Adds to counts["syncs"] the host's waits for the device inside, as bench_compile counts them: value reads
     and value-shaped ops, seen by Python modes on any device, eager code only (CUDA's set_sync_debug_mode would
     also flag every blocking copy of an index list to the device, which waits for no result); to counts["steps"]
-    the decoding steps, each one LogitsProcessors.penalize call (greedy, sampling and beam search alike)."""
-    penalize = LogitsProcessors.penalize
-
-    def counted(self, *args):
-        counts["steps"] += 1
-        return penalize(self, *args)
-    LogitsProcessors.penalize = counted
-    try:
-        with Waits() as waits:
-            yield
-        counts["syncs"] += waits.syncs
-    finally:
-        LogitsProcessors.penalize = penalize
+    the decoding steps (bench_compile.decoding_steps)."""
+    with decoding_steps() as steps, Waits() as waits:
+        yield
+    counts["syncs"] += waits.syncs
+    counts["steps"] += len(steps)
 
 
 def generate_case(args, dtype, compile, device, prompts, eager):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import bench_compile
-import data
 import inference
 import train
 from bench_compile import Waits, counted_compiles, decode_counts
@@ -46,7 +45,7 @@ def test_training_step_is_one_graph_over_varied_widths(checkpointing):
         compiled = train.compile_model(model, *batch(64), contextlib.nullcontext())
         for width in (72, 24, 200, 8, 136, 256, 40, 96):
             x, y = batch(width)
-            _, loss = compiled(x, Targets(y, data.target_index(y)))
+            _, loss = compiled(x, Targets.of(y))
             _, expected = model(x, y)
             assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert compiled is not model and breaks() == 0 and counter.compilations["train"] <= 2

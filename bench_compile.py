@@ -27,7 +27,7 @@ import inference
 import model as model_module
 from config import load_config
 from evaluation import evaluate
-from generate import LogitsProcessors
+from generate import LogitsProcessors, generate
 from runtime import Runtime
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -163,11 +163,13 @@ def decoding_steps():
         LogitsProcessors.penalize = penalize
 
 
-def decode_counts(model, prompts, cfg):
+def decode_counts(model, prompts, cfg, compact_below=0.5):
     """(host syncs per decoding step, weight casts per decoding step, KV bytes copied / read) of summarizing
-    `prompts` as evaluate.py does, eagerly."""
+    `prompts` in evaluate.py's batches, eagerly, with generate()'s GPU rule for dropping ended rows by default."""
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
-        inference.summarize(model, prompts, cfg, contextlib.nullcontext())
+        for batch in inference.generation_batches(prompts, cfg.gen_batch_size):
+            generate(model, [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
+                     compact_below=compact_below, **inference.decoding_options(cfg))
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 

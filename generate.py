@@ -26,7 +26,7 @@ class Sequence(NamedTuple):
 def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0, top_k=None, top_p=None,
              epsilon=0.0, num_beams=1, length_penalty=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
              min_new_tokens=0, seed=None, num_return_sequences=1, mbr_samples=0, mbr_metric="rougeL",
-             mbr_include_beam=False, output_scores=False):
+             mbr_include_beam=False, output_scores=False, compact_below=None):
     """Continue each prompt (a list of token-id lists, any lengths) by up to max_new_tokens tokens, at least
     min_new_tokens before EOS. Returns, prompt by prompt in the prompts' order, num_return_sequences new-token
     lists cut before EOS (Sequence objects with output_scores=True).
@@ -36,6 +36,10 @@ def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0
       num_return_sequences samples per prompt, identical ones adjacent.
     - mbr_samples=N>0: per prompt, N samples (plus the greedy/beam result with mbr_include_beam) from one
       prefill, and the one with the highest mean mbr_metric against the others is returned.
+    - compact_below: greedy and sampled rows that end stay in the batch until the running rows are at most this
+      fraction of it; only then are the running rows' caches copied into a smaller batch. None: 1.0 on the CPU,
+      where every row costs its compute (rows are dropped at each EOS), 0.5 on a GPU, where a decode step reads
+      the weights whatever the rows and a cache copy costs more than decoding ended rows.
     Every prompt must fit block_size - max_new_tokens tokens (inference.py cuts dialogues to fit)."""
     block_size = model.config.block_size
     if not 0 < max_new_tokens < block_size:
@@ -62,7 +66,9 @@ def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0
     logits = model.prefill(prompts, kv_caches)
     processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, min_new_tokens, eos_token_id,
                                   temperature, top_k, top_p, epsilon)
-    run = Decoding(decoder(model), processors, eos_token_id, output_scores)
+    if compact_below is None:
+        compact_below = 1.0 if device.type == "cpu" else 0.5
+    run = Decoding(decoder(model), processors, eos_token_id, output_scores, compact_below)
 
     def deterministic(state, kv_caches):
         if num_beams > 1:
@@ -202,9 +208,9 @@ class LogitsProcessors:
 class Decoding:
     """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
 
-    def __init__(self, decode, processors, eos_token_id, with_logprob):
+    def __init__(self, decode, processors, eos_token_id, with_logprob, compact_below):
         self.decode, self.processors, self.eos = decode, processors, eos_token_id
-        self.with_logprob = with_logprob
+        self.with_logprob, self.compact_below = with_logprob, compact_below
 
     def step(self, state, kv_caches):
         return self.decode(state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
@@ -213,10 +219,10 @@ class Decoding:
         """Greedy (generator None) or sampled decoding, where prompt row r stands for counts[r] samples.
         Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
-        model cost little more than one. A row that ends stays in the batch, ignored, until half the rows have
-        ended or a row splits: only then are the live rows' caches copied into a smaller batch. Each step waits
-        for the device once, to read the tokens drawn (and their log-probabilities); the rest is bookkeeping on
-        the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
+        model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
+        at most compact_below of the batch or a row splits: only then are their caches copied into a smaller
+        batch. Each step waits for the device once, to read the tokens drawn (and their log-probabilities); the
+        rest is bookkeeping on the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
         max_new = state.max_len - state.prompt_len
         results = [[] for _ in counts]
         # per batch row: (prompt, samples it stands for, new tokens, log-probability), None once it has ended
@@ -254,7 +260,7 @@ class Decoding:
             if not continuing:
                 break
             split = len(continuing) > len(set(parents))
-            if split or 2 * len(continuing) <= len(rows):
+            if split or len(continuing) < len(rows) and len(continuing) <= self.compact_below * len(rows):
                 parent = torch.tensor(parents, device=logits.device)
                 state = state.select_rows(parent)
                 kv_caches = [cache.select_rows(parent) for cache in kv_caches]

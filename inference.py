@@ -190,13 +190,18 @@ def decoding_options(cfg):
                 mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
 
 
+def generation_batches(prompts, batch_size, rank=0, world_size=1):
+    """This rank's batches of prompt indices: length-sorted (left padding stays small), every world_size-th."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)][rank::world_size]
+
+
 def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator. Batches
     are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every world_size-th
     batch from `rank` on and leaves None for the rest: a batch then holds the same prompts whatever the number of
     ranks, so sharded output is exactly the single-process output."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[s:s + cfg.gen_batch_size] for s in range(0, len(order), cfg.gen_batch_size)][rank::world_size]
+    batches = generation_batches(prompts, cfg.gen_batch_size, rank, world_size)
     summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()

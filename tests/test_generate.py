@@ -73,6 +73,17 @@ def test_batched_equals_one_at_a_time(ours, prompts, eos):
     assert batched == [generate(ours, [p], MAX_NEW, eos_token_id=eos)[0] for p in prompts]
 
 
+@pytest.mark.parametrize("compact_below", [0.0, 0.5, 1.0])
+def test_ended_rows_in_place_or_dropped_give_the_same_greedy_summaries(ours, prompts, eos, compact_below):
+    """Ended rows kept in the batch (0.0: until every row ends), dropped at half (a GPU's rule) or at each EOS
+    (the CPU's): the same summaries as one prompt at a time, with scores."""
+    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos, compact_below=compact_below, output_scores=True)
+    alone = [generate(ours, [p], MAX_NEW, eos_token_id=eos, output_scores=True)[0] for p in prompts]
+    assert [s.tokens for s in got] == [s.tokens for s in alone]
+    assert [s.length for s in got] == [s.length for s in alone]
+    assert [s.logprob for s in got] == pytest.approx([s.logprob for s in alone], abs=1e-4)
+
+
 def test_eos_stops_only_its_row(ours, prompts, eos):
     free = generate(ours, prompts, MAX_NEW, eos_token_id=-1)
     stopped = generate(ours, prompts, MAX_NEW, eos_token_id=eos)

@@ -128,7 +128,7 @@ def kv_cache_traffic():
     selection (rows dropped, reordered or repeated). Yields the running totals."""
     traffic = {"read": 0, "copied": 0}
     cache = model_module.KVCache
-    update, select_rows = cache.update, cache.select_rows
+    update, select_rows, reorder_rows = cache.update, cache.select_rows, cache.reorder_rows
 
     def counted_update(self, *args):
         k, v = update(self, *args)
@@ -139,11 +139,14 @@ def kv_cache_traffic():
         selected = select_rows(self, rows)
         traffic["copied"] += selected.k.nbytes + selected.v.nbytes
         return selected
-    cache.update, cache.select_rows = counted_update, counted_select_rows
+    def counted_reorder_rows(self, rows, length):
+        reorder_rows(self, rows, length)
+        traffic["copied"] += self.k[:, :, :length].nbytes + self.v[:, :, :length].nbytes
+    cache.update, cache.select_rows, cache.reorder_rows = counted_update, counted_select_rows, counted_reorder_rows
     try:
         yield traffic
     finally:
-        cache.update, cache.select_rows = update, select_rows
+        cache.update, cache.select_rows, cache.reorder_rows = update, select_rows, reorder_rows
 
 
 @contextlib.contextmanager

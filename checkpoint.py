@@ -3,6 +3,7 @@ checkpoint's); checkpoints written atomically by rank 0 and read back with weigh
 the check that out_dir can take them, and moving an earlier run's files (or an earlier best.pt) aside."""
 import datetime
 import glob
+import hashlib
 import os
 import socket
 import threading
@@ -73,10 +74,12 @@ def save_checkpoint(state, path):
     try:
         with atomic_write(path, "wb") as f:
             torch.save(state, f)
-    except OSError as e:  # e.g. a full disk: the user's to fix, and nothing was lost
+    except (OSError, RuntimeError) as e:  # e.g. a full disk: the user's to fix, and nothing was lost
+        if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("PytorchStreamWriter", "inline_container")):
+            raise  # not torch's zip writer failing to write
+        reason = e.strerror if isinstance(e, OSError) else "torch's writer stopped part-way: is the disk full?"
         kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
-        raise UserError(f"cannot write {path} ({e.strerror or e}): {kept}; free some space or choose another "
-                        f"--out_dir") from None
+        raise UserError(f"cannot write {path} ({reason}): {kept}; free some space or choose another --out_dir") from None
 
 
 def load_checkpoint(path):
@@ -127,18 +130,19 @@ def intact_neighbours(path):
     return f"intact: {', '.join(intact)}; {use}"
 
 
-def build_model(source, cfg=None, keep_adapters=False, key="init_from"):
+def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None):
     """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
     - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
     - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
       cfg.block_size when that is shorter;
-    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds base weights and
-      adapters: merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
+    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds the adapters and a
+      reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
+      merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
     cfg.dropout applies to the first two (a checkpoint's model has the dropout it was saved with). Errors name
     the config key the source came from."""
     if os.path.isfile(source) or source.endswith(".pt"):
         ckpt = load_checkpoint(source)
-        return model_from_checkpoint(ckpt, source, keep_adapters), ckpt
+        return model_from_checkpoint(ckpt, source, keep_adapters, lora_base), ckpt
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None
@@ -191,7 +195,7 @@ def in_hub_cache(name):
     return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
 
 
-def model_from_checkpoint(ckpt, path, keep_adapters=False):
+def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     """The checkpoint's model (see build_model)."""
     if ckpt.get("tokenizer", TOKENIZER_ID) != TOKENIZER_ID:
         raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
@@ -202,6 +206,8 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False):
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
     state = ckpt["model"]
+    if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
+        state = {**base_weights(ckpt, path, lora_base, model), **state}
     if lora.has_adapters(state) and keep_adapters:
         lora.add_adapters(model, **lora.settings(ckpt["config"]))
     elif lora.has_adapters(state):
@@ -211,3 +217,39 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False):
     except RuntimeError as e:
         raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
     return model
+
+
+def weights_digest(state_dict):
+    """sha256 of a state dict's tensors (names, dtypes, shapes, bytes), in key order: the identity of a LoRA
+    run's frozen base."""
+    digest = hashlib.sha256()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def lora_base_reference(source, model):
+    """What a LoRA ckpt.pt keeps of its frozen base instead of its weights: where it came from and their hash."""
+    return {"init_from": source, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
+
+
+def base_weights(ckpt, path, source, model):
+    """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
+    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight)."""
+    reference = ckpt["lora_base"]
+    source = source or reference["init_from"]
+    try:
+        base, _ = build_model(source)
+    except UserError as e:
+        raise UserError(f"{path} holds LoRA adapters, not the base model they were trained on, which cannot be "
+                        f"loaded from {source} ({e}): pass the base with --init_from=<GPT-2 name or folder>") from None
+    if base.config.block_size > model.config.block_size:
+        base.crop_block_size(model.config.block_size)
+    if weights_digest(base.state_dict()) != reference["sha256"]:
+        raise UserError(f"{path} holds LoRA adapters trained on another base model than {source} (its weights' "
+                        f"sha256 differs): pass the base they were trained on with --init_from=<GPT-2 name or folder>")
+    adapted = {key.rsplit(".lora_A.", 1)[0] for key in ckpt["model"] if ".lora_A." in key}
+    return {(f"{layer}.base_layer.{kind}" if layer in adapted else key): value
+            for key, value in base.state_dict().items() for layer, _, kind in [key.rpartition(".")]}

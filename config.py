@@ -68,6 +68,8 @@ class Config:
     # model
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
                                     "or a local transformers model directory")
+    resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
+                                  "attached as input; '' = out_dir/ckpt.pt")
     ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt")
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
@@ -91,6 +93,8 @@ class Config:
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
     seed: int = option(1337, "seed of the data order, dropout and sampling")
+    max_time: str = option("", "time budget of the run, in seconds or as a duration (11h30m): training stops in "
+                               "time to evaluate, write ckpt.pt and run evaluate_after/predict_after; '' = none")
     # memory: bigger models on the same GPUs (bench.py --section=memory says what fits)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute")
@@ -147,7 +151,9 @@ class Config:
                                  "temperature > 0) and keep the one that agrees most with the others; 0 = off")
     mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
-    gen_batch_size: int = option(32, "dialogues summarized per generate() call")
+    gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)")
+    gen_memory_gb: float = option(0.0, "GiB the KV cache of one generate() call may take (rows x num_beams or "
+                                       "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU")
     sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
                             "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)")
     # export
@@ -178,6 +184,9 @@ def check_values(cfg):
     for name in ("val_fraction", "dropout", "beta1", "beta2", "lora_dropout", "epsilon"):
         if not 0 <= getattr(cfg, name) < 1:
             raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
+    parse_duration(cfg.max_time)
+    if cfg.gen_memory_gb < 0:
+        raise UserError(f"gen_memory_gb={cfg.gen_memory_gb} must be >= 0 (0 = auto)")
     if cfg.learning_rate <= 0:
         raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
     if cfg.lora_alpha <= 0:
@@ -222,6 +231,20 @@ def check_values(cfg):
     if not ok:
         raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
                         f"other braces (write {{{{ and }}}} for literal ones)")
+
+
+def parse_duration(text):
+    """max_time's seconds: '' -> None, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' -> 5400.0."""
+    if not text.strip():
+        return None
+    parts = re.fullmatch(r"\s*(?:([\d.]+)h)?\s*(?:([\d.]+)m)?\s*(?:([\d.]+)s?)?\s*", text)
+    try:
+        hours, minutes, seconds = (float(p or 0) for p in parts.groups())
+    except (AttributeError, ValueError):
+        parts = None
+    if parts is None or not any(parts.groups()) or hours * 3600 + minutes * 60 + seconds <= 0:
+        raise UserError(f"max_time={text!r} is not a positive duration: write seconds (41400) or e.g. 11h30m, 45m")
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def lora_target_list(lora_targets):

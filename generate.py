@@ -329,8 +329,9 @@ class Decoding:
             if not (improvable.any() & ~hits_stop.all()).item():  # the step's one wait for the device
                 break
             reorder = (batch_offset + parent).view(-1)
+            for cache in kv_caches:
+                cache.reorder_rows(reorder, state.prompt_len + state.step)
             state = state.select_rows(reorder)
-            kv_caches = [cache.select_rows(reorder) for cache in kv_caches]
             state.append(running_seqs[:, :, step].reshape(-1))
             logits = self.step(state, kv_caches)
         n = num_return_sequences
@@ -350,6 +351,16 @@ compiled_step = None  # torch.compile(decode_step), made by compile_decode(); on
 
 def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
     return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
+
+
+def cpu_decode_step(model, tokens, positions, input_pos, kv_caches, mask):
+    """The eager CPU step. Below 64 rows the CPU BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x
+    faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included). Compiled steps (the
+    GPU's) keep x @ W^T: one layout, no guard on the number of rows, rows the argmax reads contiguously."""
+    hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
+    if hidden.size(0) >= 64:
+        return model.lm_head(hidden)
+    return (model.lm_head.weight @ hidden.t()).t()
 
 
 def compile_decode(model):
@@ -373,5 +384,5 @@ def decoder(model):
                     raise
                 warn_compile_failed(e, "decoding eagerly")
                 model.decode_compiled = False
-        return decode_step(model, *args)
+        return (cpu_decode_step if model.lm_head.weight.device.type == "cpu" else decode_step)(model, *args)
     return decode

@@ -43,3 +43,13 @@ def merged_state_dict(state_dict, lora_rank, lora_alpha, **_):
             key = f"{layer}.{kind}"
         merged[key] = value
     return merged
+
+
+def base_state_dict(state_dict):
+    """The frozen base of a state dict with adapters, under a plain GPT's keys."""
+    return {key.replace(".base_layer.", "."): value for key, value in state_dict.items() if ".lora_" not in key}
+
+
+def adapter_state_dict(state_dict):
+    """The adapters alone: what a LoRA run trains, and all of the weights its ckpt.pt keeps."""
+    return {key: value for key, value in state_dict.items() if ".lora_" in key}

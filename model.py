@@ -71,6 +71,12 @@ class KVCache:
             self.k[row, :, end - k_row.size(2):end] = k_row[0]
             self.v[row, :, end - v_row.size(2):end] = v_row[0]
 
+    def reorder_rows(self, rows, length):
+        """Reorder (or repeat) the rows in place as index tensor `rows` (one per row) says, copying only the first
+        `length` slots (those written so far): beam search's step, with no second copy of the whole cache."""
+        self.k[:, :, :length] = self.k[rows, :, :length]
+        self.v[:, :, :length] = self.v[rows, :, :length]
+
     def select_rows(self, rows):
         """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         selected = KVCache(self.max_len)
@@ -205,15 +211,16 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")
         return None, loss / max(target_index.numel(), 1)
 
-    def forward_cached(self, idx, positions, input_pos, kv_caches, mask):
+    def forward_cached(self, idx, positions, input_pos, kv_caches, mask, head=True):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots
         input_pos (T,); queries attend to the first L cache slots as the boolean mask (B, 1, T, L) allows.
-        Returns the logits of the last position only (B, vocab)."""
+        Returns the logits of the last position only (B, vocab); with head=False its final hidden state (B, C),
+        for a caller that applies lm_head its own way."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for block, cache in zip(self.transformer.h, kv_caches):
             x = block(x, cache, input_pos, mask)
-        return self.next_token_logits(x[:, -1])
+        return self.next_token_logits(x[:, -1]) if head else self.transformer.ln_f(x[:, -1])
 
     def prefill(self, prompts, kv_caches):
         """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each

@@ -336,6 +336,12 @@ class Runtime:
             set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(state)
+            # load_state_dict keeps CPU tensors of the right dtype as they are: views of the checkpoint's mmap'd
+            # pages, which would keep the replaced file's disk space in use until the process ends
+            for per_param in optimizer.state.values():
+                for key, value in per_param.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                        per_param[key] = value.clone()
 
     def full_weights(self, model):
         """The model's complete state dict on every rank (FSDP: all-gathered onto each rank's device)."""
@@ -351,6 +357,15 @@ class Runtime:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def stop_if(self, problem):
+        """Every rank stops together when rank 0 found `problem` (rank 0 ends with it as its one error line; the
+        others exit quietly); with None from rank 0 every rank goes on."""
+        problem = self.all_gather_objects(problem if self.is_main else None)[0]
+        if problem and self.is_main:
+            raise UserError(problem)
+        if problem:
+            sys.exit(2)
 
     def all_gather_objects(self, obj):
         """Every rank's `obj`, in rank order, on every rank."""

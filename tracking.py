@@ -1,10 +1,13 @@
-"""Training metrics to TensorBoard and/or Weights & Biases, as `log_to` asks: every row train.py writes to
-metrics.jsonl goes there too (rank 0 only), and the run's config goes along as its hyperparameters."""
+"""Training metrics: metrics.jsonl (its rows after a resumed checkpoint dropped) and its plot, and TensorBoard
+and/or Weights & Biases as `log_to` asks: every row train.py writes to metrics.jsonl goes there too (rank 0 only),
+and the run's config goes along as its hyperparameters."""
 import importlib
+import json
 import os
 from dataclasses import asdict
 
 from config import UserError
+from files import atomic_write
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 
@@ -75,3 +78,50 @@ class Tracker:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=0 if exc[0] is None else 1)
+
+
+def drop_rows_after(jsonl_path, iter_num):
+    """Remove the rows of a metrics.jsonl past `iter_num` (steps after the checkpoint a resumed run starts from),
+    and a last row cut short by a kill, so each step is logged once. Returns how many were removed."""
+    if not os.path.isfile(jsonl_path):
+        return 0
+    with open(jsonl_path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+
+    def logged_by_then(line):
+        try:
+            return json.loads(line)["iter"] <= iter_num
+        except (ValueError, KeyError, TypeError):
+            return False
+    kept = [line if line.endswith("\n") else line + "\n" for line in lines if logged_by_then(line)]
+    if len(kept) < len(lines):
+        with atomic_write(jsonl_path) as f:
+            f.writelines(kept)
+    return len(lines) - len(kept)
+
+
+def plot_metrics(jsonl_path, png_path):
+    """Training/validation loss and ROUGE curves from metrics.jsonl (matplotlib, no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(jsonl_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r for r in rows if "val_loss" in r]
+    fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
+    ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
+    ax_loss.set_xlabel("iter")
+    ax_loss.legend()
+    for key in ("rouge1", "rouge2", "rougeL"):
+        points = [(r["iter"], r[key]) for r in evals if key in r]
+        if points:
+            ax_rouge.plot(*zip(*points), "o-", label=key)
+            ax_rouge.legend()
+    ax_rouge.set_xlabel("iter")
+    ax_rouge.set_ylabel("ROUGE F1")
+    fig.tight_layout()
+    with atomic_write(png_path, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

@@ -25,17 +25,19 @@ from tqdm import tqdm
 import data
 import inference
 import lora
-from checkpoint import archive_previous_run, build_model, keep_best_of_metric, make_out_dir, save_checkpoint
+from budget import DiskPlan, TimeBudget, save_problem
+from checkpoint import (archive_previous_run, build_model, keep_best_of_metric, lora_base_reference, make_out_dir,
+                        save_checkpoint)
 from config import FIELDS, FIXED_KEYS, UserError, format_config, grad_accum_steps, load_config, save_config
 from evaluation import evaluate
-from files import atomic_write, no_empty_folder_left
+from files import no_empty_folder_left
 from generate import compile_decode
 from metrics import rouge
 from model import GPT, GPTConfig, Targets
 from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
 from submission import check_against_sample, predict
-from tracking import Tracker
+from tracking import Tracker, drop_rows_after, plot_metrics
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
@@ -60,9 +62,14 @@ def main(argv=None):
                     if rt.is_main:
                         print(f"stopped by {signal.Signals(trainer.stop_agreed).name} after iter {trainer.iter_num}: "
                               f"{os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue with:\n"
-                              f"  {continue_command(argv, rt.world_size)}")
+                              f"  {continue_command(argv, rt.world_size, os.path.join(cfg.out_dir, 'ckpt.pt'))}")
                     # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                     sys.exit(0 if rt.distributed else 128 + trainer.stop_agreed)
+                if trainer.out_of_time and rt.is_main:
+                    print(f"max_time={cfg.max_time}: stopped after iter {trainer.iter_num} of {cfg.max_iters} with "
+                          f"time left for what follows; {os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue "
+                          f"with (in a new session, point --resume_from at that ckpt.pt attached as input):\n"
+                          f"  {continue_command(argv, rt.world_size, os.path.join(cfg.out_dir, 'ckpt.pt'))}")
                 # this run's config is the contract: every key counts as given
                 if cfg.evaluate_after:
                     evaluate(cfg, set(FIELDS), rt)
@@ -87,10 +94,11 @@ def main(argv=None):
             sys.exit(1)
 
 
-def continue_command(argv, world_size):
-    """The command line that resumes this run: its arguments with --init_from=resume, under torchrun when the
-    run had several processes."""
-    args = [a for a in argv if not a.startswith("--init_from=")] + ["--init_from=resume"]
+def continue_command(argv, world_size, ckpt_path):
+    """The command line that resumes this run from ckpt_path: its arguments with --init_from=resume and
+    --resume_from, under torchrun when the run had several processes."""
+    args = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))]
+    args += ["--init_from=resume", f"--resume_from={os.path.abspath(ckpt_path)}"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
     return shlex.join([*launcher, "train.py", *args])
@@ -114,17 +122,23 @@ def stop_requests(trainer):
             signal.signal(s, handler)
 
 
+def resuming(cfg):
+    return cfg.init_from == "resume" or bool(cfg.resume_from)
+
+
 def model_to_train(cfg):
     """(model, ckpt.pt's contents when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
     transformers directory, or 'resume' (which must not change what the run fixed); with LoRA adapters (base
-    frozen) when lora_rank > 0."""
-    if cfg.init_from != "resume":
+    frozen) when lora_rank > 0. Resuming reads resume_from (default out_dir/ckpt.pt); given with it, an init_from
+    other than 'resume' says where a LoRA checkpoint's base model is now."""
+    if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg)
         if cfg.lora_rank:
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    model, ckpt = build_model(path, keep_adapters=True)
+    path = resume_path(cfg)
+    base = cfg.init_from if cfg.init_from != "resume" else None
+    model, ckpt = build_model(path, keep_adapters=True, lora_base=base)
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
     if model.config.block_size != cfg.block_size:
@@ -138,6 +152,10 @@ def model_to_train(cfg):
                             f"{what} cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
     model.set_dropout(cfg.dropout)
     return model, ckpt
+
+
+def resume_path(cfg):
+    return cfg.resume_from or os.path.join(cfg.out_dir, "ckpt.pt")
 
 
 def configure_optimizer(model, cfg, device_type):
@@ -176,24 +194,31 @@ class Trainer:
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
+        started = time.monotonic()
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)
         if rt.is_main:
             make_out_dir(cfg.out_dir)
-            if cfg.init_from != "resume":
+            if not resuming(cfg):
                 moved = archive_previous_run(cfg.out_dir)
                 if moved:
                     print(moved)
         splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+        after_summaries = len(splits.val) if cfg.evaluate_after else 0
         if cfg.predict_after:  # the files predict reads after hours of training, checked now
             test = data.read_test(cfg)
+            after_summaries += len(test.ids)
             if cfg.sample_submission_csv:
                 check_against_sample(test.ids, cfg.sample_submission_csv)
+        self.time = TimeBudget(cfg, after_summaries, started)
         self.train_set, self.val_set = splits.train, splits.val
         self.batches = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size)
         self.train_rows = self.train_set.fingerprints()  # kept in checkpoints: inference refuses to score these
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = model_to_train(cfg)
+        self.lora_base = self.base_reference(model, ckpt) if rt.is_main else None
+        disk = DiskPlan(model, cfg, small_lora=self.lora_base is not None, train_rows=len(self.train_set))
+        rt.stop_if(disk.problem() if rt.is_main else None)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = rt.shard(model.to(rt.device))
         self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
@@ -204,6 +229,7 @@ class Trainer:
         self.skip_warned_at = -SKIP_WINDOW
         # a signal this rank received; the one the ranks agreed on after a step (and stopped for)
         self.stop_signal = self.stop_agreed = None
+        self.out_of_time = False  # the ranks agreed that max_time leaves no room for another step
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         resume_notes = self.restore(ckpt) if ckpt is not None else []
         n = min(cfg.rouge_samples, len(self.val_set))
@@ -231,10 +257,23 @@ class Trainer:
                   f"{self.model.num_params() / 1e6:.1f}M parameters{trained_params(self.model, cfg)}; {rt.describe()}")
             save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
+    def base_reference(self, model, ckpt):
+        """What ckpt.pt keeps of a LoRA run's frozen base instead of its weights (where it comes from, its hash),
+        or None where it keeps the weights: full fine-tuning, adapters on a random (scratch) base, a checkpoint
+        of an earlier version that held its base."""
+        cfg = self.cfg
+        if not cfg.lora_rank:
+            return None
+        if ckpt is not None:
+            reference = ckpt.get("lora_base")
+            return reference and {**reference, "init_from": cfg.init_from if cfg.init_from != "resume"
+                                  else reference["init_from"]}
+        return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
+
     def restore(self, ckpt):
         """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
         hyperparameters this run's config changed applied. Returns the lines that say so."""
-        cfg, saved, path = self.cfg, ckpt["config"], os.path.join(self.cfg.out_dir, "ckpt.pt")
+        cfg, saved, path = self.cfg, ckpt["config"], resume_path(self.cfg)
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
                             f"continue with --max_iters above {ckpt['iter_num']}")
@@ -285,6 +324,7 @@ class Trainer:
                 start = time.perf_counter()
                 loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
                 seconds = time.perf_counter() - start
+                self.time.step_done(seconds)
                 self.iter_num += 1
                 bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
                 if bad_steps >= NAN_PATIENCE:
@@ -301,14 +341,16 @@ class Trainer:
                     stats["mfu"] = self.step_flops(self.iter_num - 1) / seconds / rt.world_size / self.peak
                 if rt.device.type == "cuda":
                     stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-                if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters:
+                if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters or self.out_of_time:
+                    start = time.perf_counter()
                     stats.update(self.evaluate())
                     self.checkpoint(stats)
+                    self.time.evaluation_done(time.perf_counter() - start)
                 elif self.stop_agreed:
                     self.save(stats, best=False)
                 if rt.is_main:
                     self.log(stats, bar)
-                if self.stop_agreed:
+                if self.stop_agreed or self.out_of_time:
                     return
 
     def out_of_memory_hint(self):
@@ -322,7 +364,8 @@ class Trainer:
         """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
         the number of real tokens all ranks processed, the gradient norm before clipping, whether the step
         was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss).
-        Sets stop_agreed to the signal (stop_requests) some rank received, else None: the same on every rank."""
+        Sets stop_agreed to the signal (stop_requests) some rank received, else None, and out_of_time when some
+        rank's max_time leaves no room for another step: the same on every rank."""
         cfg, rt = self.cfg, self.rt
         micro_batches = self.batches.micro_batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
@@ -330,9 +373,12 @@ class Trainer:
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / self.batches.target_tokens(step)
         loss_sum = torch.zeros((), device=rt.device)
-        requests = torch.zeros(len(STOP_SIGNALS), device=rt.device)  # no host-to-device copy unless signalled
+        # a signal received, or max_time leaving no room after this step; no host-to-device copy unless set
+        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=rt.device)
         if self.stop_signal:
             requests[STOP_SIGNALS.index(self.stop_signal)] = 1
+        if self.time.stop_now():
+            requests[-1] = 1
         for i, (x, y) in enumerate(micro_batches):
             found = Targets.of(y)
             targets = len(found.index)
@@ -356,6 +402,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         global_batch = self.batches.sampler.global_batch(step)
         self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
+        self.out_of_time = bool(requests[-1])
         return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped
 
     def step_flops(self, step):
@@ -385,7 +432,9 @@ class Trainer:
         totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
         metrics = {"val_loss": (totals[0] / totals[1].clamp(min=1)).item()}
         if self.rouge_prompts:
+            start = time.perf_counter()
             predictions = inference.summarize_sharded(self.generator(), self.rouge_prompts, cfg, rt, progress=False)
+            self.time.summarized(len(predictions), time.perf_counter() - start)
             metrics.update(rouge(predictions, self.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
@@ -433,13 +482,19 @@ class Trainer:
                        "metrics": {k: v for k, v in stats.items() if isinstance(v, float)},
                        "tokenizer": data.TOKENIZER_ID, "train_rows": self.train_rows,
                        "validation_digest": self.val_set.digest}
-            # ckpt.pt: a LoRA run's base weights and adapters as they are, to resume exactly; best.pt: merged
-            save_checkpoint({**weights, "model": model_state, "optimizer": optimizer_state,
-                             "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
-                             "skipped_steps": self.skipped}, os.path.join(cfg.out_dir, "ckpt.pt"))
+            # ckpt.pt: what resuming needs (of a LoRA run the adapters, and where its base comes from); best.pt: merged
+            trained = {"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base} if self.lora_base \
+                else {"model": model_state}
+            writes = [(os.path.join(cfg.out_dir, "ckpt.pt"),
+                       {**weights, **trained, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
+                        "rng": rng, "schedule": self.schedule, "skipped_steps": self.skipped})]
             if best:
                 merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
-                save_checkpoint({**weights, "model": merged}, os.path.join(cfg.out_dir, "best.pt"))
+                writes.append((os.path.join(cfg.out_dir, "best.pt"), {**weights, "model": merged}))
+        rt.stop_if(save_problem(writes, self.iter_num) if rt.is_main else None)
+        if rt.is_main:
+            for path, state in writes:
+                save_checkpoint(state, path)
         rt.barrier()
 
     def log(self, stats, bar):
@@ -466,26 +521,6 @@ class Trainer:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
             plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
-
-
-def drop_rows_after(jsonl_path, iter_num):
-    """Remove the rows of a metrics.jsonl past `iter_num` (steps after the checkpoint a resumed run starts from),
-    and a last row cut short by a kill, so each step is logged once. Returns how many were removed."""
-    if not os.path.isfile(jsonl_path):
-        return 0
-    with open(jsonl_path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-
-    def logged_by_then(line):
-        try:
-            return json.loads(line)["iter"] <= iter_num
-        except (ValueError, KeyError, TypeError):
-            return False
-    kept = [line if line.endswith("\n") else line + "\n" for line in lines if logged_by_then(line)]
-    if len(kept) < len(lines):
-        with atomic_write(jsonl_path) as f:
-            f.writelines(kept)
-    return len(lines) - len(kept)
 
 
 def trained_params(model, cfg):
@@ -567,33 +602,6 @@ def notebook_main(argv=(), num_processes=2, port=29500):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def plot_metrics(jsonl_path, png_path):
-    """Training/validation loss and ROUGE curves from metrics.jsonl (matplotlib, no display needed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(jsonl_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    evals = [r for r in rows if "val_loss" in r]
-    fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
-    ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
-    ax_loss.set_xlabel("iter")
-    ax_loss.legend()
-    for key in ("rouge1", "rouge2", "rougeL"):
-        points = [(r["iter"], r[key]) for r in evals if key in r]
-        if points:
-            ax_rouge.plot(*zip(*points), "o-", label=key)
-            ax_rouge.legend()
-    ax_rouge.set_xlabel("iter")
-    ax_rouge.set_ylabel("ROUGE F1")
-    fig.tight_layout()
-    with atomic_write(png_path, "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
 
 
 if __name__ == "__main__":

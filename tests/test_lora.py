@@ -1,9 +1,11 @@
 import copy
+import os
 import shutil
 
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
+from transformers import GPT2LMHeadModel
 
 import evaluate
 import lora
@@ -11,7 +13,7 @@ import predict
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import load_config
-from conftest import assert_export_matches
+from conftest import assert_export_matches, metrics
 from model import GPT, GPTConfig
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -104,16 +106,13 @@ def test_lora_training_changes_only_the_adapters_and_best_pt_is_merged(lora_args
     train.main([*lora_args, "--max_iters=6", f"--out_dir={out}"])
     base = GPT.from_pretrained(str(base_dir)).state_dict()
     trained = load_checkpoint(str(out / "ckpt.pt"))["model"]
-    adapters = [k for k in trained if ".lora_" in k]
-    assert adapters and all(not torch.equal(trained[k], torch.zeros_like(trained[k])) for k in adapters)
-    for name, tensor in trained.items():
-        if ".lora_" not in name:
-            assert torch.equal(tensor, base[name.replace(".base_layer", "")]), name
+    assert trained and all(".lora_" in k and not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items())
     best = load_checkpoint(str(out / "best.pt"))["model"]
     assert list(best) == list(base)
-    # ckpt.pt read by evaluate.py/predict.py/export.py (--ckpt=.../ckpt.pt): a plain GPT, adapters merged
+    # ckpt.pt read by evaluate.py/predict.py/export.py (--ckpt=.../ckpt.pt): its base rebuilt, adapters merged
     plain = model_from_checkpoint(load_checkpoint(str(out / "ckpt.pt")), "ckpt.pt")
     assert list(plain.state_dict()) == list(base)
+    assert all(torch.equal(v, best[k]) for k, v in plain.state_dict().items())
     for name, tensor in base.items():
         if name.endswith(ADAPTED):
             assert 0 < torch.linalg.matrix_rank(best[name] - tensor) <= 4, name
@@ -131,3 +130,45 @@ def test_evaluate_and_predict_run_from_out_dir_with_the_base_model_deleted(lora_
     evaluate.main([*lora_args, f"--out_dir={out}"])
     assert (out / "eval_metrics.json").exists()
     assert_export_matches(out / "best.pt", tmp_path / "exported")  # merged weights: a plain transformers GPT-2
+
+
+def test_lora_ckpt_keeps_the_adapters_and_a_reference_to_its_base(lora_args, base_dir, tmp_path):
+    """ckpt.pt holds the adapters and their AdamW state, not the frozen base: under a quarter of the base's
+    weight bytes even for a tiny model; resuming from it is bit-identical to one uninterrupted run."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train.main([*lora_args, "--max_iters=6", f"--out_dir={whole}"])
+    train.main([*lora_args, "--max_iters=3", f"--out_dir={split}"])
+    assert os.path.getsize(split / "ckpt.pt") < os.path.getsize(base_dir / "model.safetensors") / 4
+    train.main([*lora_args, "--max_iters=6", f"--out_dir={split}", "--init_from=resume"])
+    assert [r["loss"] for r in metrics(split)] == [r["loss"] for r in metrics(whole)]
+    for name in ("ckpt.pt", "best.pt"):
+        got, expected = load_checkpoint(str(split / name))["model"], load_checkpoint(str(whole / name))["model"]
+        assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got), name
+
+
+def error_lines(capsys):
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "warning"))]
+
+
+def test_lora_resume_without_its_base_or_with_another_is_one_line(lora_args, base_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main([*lora_args, "--max_iters=3", f"--out_dir={out}"])
+    moved = shutil.move(str(base_dir), str(tmp_path / "moved"))
+    with pytest.raises(SystemExit) as stopped:
+        train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", "--init_from=resume"])
+    lines = error_lines(capsys)
+    assert stopped.value.code == 2 and len(lines) == 1 and "holds LoRA adapters" in lines[0], lines
+    assert f"cannot be loaded from {base_dir}" in lines[0] and "--init_from=" in lines[0]
+    changed = GPT2LMHeadModel.from_pretrained(moved)
+    with torch.no_grad():
+        changed.transformer.h[0].mlp.c_fc.weight[0, 0] += 1.0
+    changed.save_pretrained(tmp_path / "changed")
+    with pytest.raises(SystemExit):
+        train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", f"--resume_from={out / 'ckpt.pt'}",
+                    f"--init_from={tmp_path / 'changed'}"])
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "trained on another base model" in lines[0] and "sha256" in lines[0], lines
+    # the base where it is now: resumes
+    train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", f"--resume_from={out / 'ckpt.pt'}",
+                f"--init_from={moved}"])
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6

@@ -1,0 +1,157 @@
+"""What a Kaggle session allows a run: out_dir's disk planned before the first step and checked before each save,
+torch's writer failing on a full disk, and max_time with resume_from continuing a run in another folder."""
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import budget
+import train
+from checkpoint import load_checkpoint, save_checkpoint
+from config import UserError, load_config, parse_duration
+from conftest import TINY, metrics
+
+
+@contextlib.contextmanager
+def small_filesystem(folder, megabytes, monkeypatch):
+    """`folder` on a filesystem with `megabytes` of room: a size-limited tmpfs when this runs as root, else
+    budget.free_bytes reporting that room less what the folder holds."""
+    folder.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)], capture_output=True).returncode == 0
+    if not mounted:
+        monkeypatch.setattr(budget, "free_bytes", lambda path: megabytes * 2**20 - budget.file_bytes(str(folder)))
+    try:
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def fill(folder, leave_bytes):
+    """Write a file into `folder` that leaves about `leave_bytes` free on its filesystem."""
+    with open(folder / "filler.bin", "wb") as f:
+        f.write(b"\0" * max(0, budget.free_bytes(str(folder)) - leave_bytes))
+
+
+@pytest.fixture
+def args(write_csv, tmp_path):
+    return [*TINY, f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--batch_size=8", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
+            "--sample_submission_csv=", "--log_interval=1"]
+
+
+def error_lines(capsys):
+    """stderr's lines but progress bars."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s" not in line]
+
+
+def test_out_dir_too_small_for_the_run_is_one_line_before_the_first_step(args, tmp_path, monkeypatch, capsys):
+    # the TINY model's checkpoints: ckpt.pt ~20 MB (weights and AdamW moments), best.pt ~7 MB, at their peak ~48 MB
+    with small_filesystem(tmp_path / "small", 30, monkeypatch) as small:
+        with pytest.raises(SystemExit) as stopped:
+            train.main([*args, f"--out_dir={small / 'out'}", "--max_iters=4", "--eval_interval=2"])
+        assert stopped.value.code == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and lines[0].startswith(f"error: out_dir {small / 'out'} needs"), lines
+        assert "free" in lines[0] and "--out_dir=/kaggle/temp/out" in lines[0] and "--lora_rank" in lines[0]
+        assert not (small / "out" / "metrics.jsonl").exists() and not (small / "out" / "ckpt.pt").exists()
+
+
+def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args, tmp_path, monkeypatch, capsys):
+    with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
+        out = small / "out"
+        train.main([*args, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
+        plan = budget.DiskPlan(train.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
+        on_disk = os.path.getsize(out / "ckpt.pt") + os.path.getsize(out / "best.pt")
+        assert on_disk <= plan.ckpt + plan.best <= on_disk + 2 * 2**20 + 2 * budget.ZIP_BYTES_FIXED
+        # resuming replaces ckpt.pt and best.pt: their bytes count as room
+        fill(small, plan.peak - on_disk + 2**20)
+        train.main([*args, f"--out_dir={out}", "--max_iters=4", "--eval_interval=2", "--init_from=resume"])
+        assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 4
+        # a fresh run keeps the earlier one in previous-run-*: too little room, and the line names it
+        with pytest.raises(SystemExit):
+            train.main([*args, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and "delete earlier runs kept there: " in lines[0] and "previous-run-" in lines[0]
+
+
+def test_a_save_that_meets_a_full_disk_keeps_the_previous_checkpoints(args, tmp_path, monkeypatch, capsys):
+    with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
+        out = small / "out"
+        save = train.Trainer.save
+
+        def save_then_fill(trainer, stats, best):
+            save(trainer, stats, best)
+            if trainer.iter_num == 2:
+                fill(small, 2**20)
+        monkeypatch.setattr(train.Trainer, "save", save_then_fill)
+        with pytest.raises(SystemExit) as stopped:
+            train.main([*args, f"--out_dir={out}", "--max_iters=6", "--eval_interval=2"])
+        assert stopped.value.code == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and f"cannot save {out / 'ckpt.pt'} at iter 4" in lines[0], lines
+        assert "ckpt.pt and best.pt kept as they were" in lines[0]
+        assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 2
+        assert load_checkpoint(str(out / "best.pt"))["iter_num"] == 2
+        assert sorted(os.listdir(out)) == sorted(["ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"])
+
+
+def test_torch_writer_failing_mid_file_is_one_line_and_keeps_the_old_file(tmp_path):
+    """A file size limit makes torch's zip writer fail part-way, as a full disk does ('unexpected pos',
+    'file write failed'): the old checkpoint stays, and the error is one line."""
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint({"model": {"w": torch.ones(10)}, "iter_num": 1}, path)
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limits[1]))
+    try:
+        with pytest.raises(UserError) as error:
+            save_checkpoint({"model": {"w": torch.ones(2**20)}, "iter_num": 2}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert str(error.value).startswith(f"cannot write {path}") and "still holds the previous checkpoint" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(10))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("text, seconds", [("41400", 41400), ("11h30m", 41400), ("45m", 2700), ("1.5h", 5400),
+                                           ("90s", 90), ("1h2m3s", 3723), ("", None)])
+def test_max_time_reads_seconds_and_durations(text, seconds):
+    assert parse_duration(text) == seconds
+    assert load_config([f"--max_time={text}"]).max_time == text
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "1d", "-5", "h"])
+def test_a_bad_max_time_is_one_line(text):
+    with pytest.raises(UserError, match="max_time="):
+        load_config([f"--max_time={text}"])
+
+
+def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_path, capsys):
+    """A run that cannot finish in max_time ends by itself (exit 0) with ckpt.pt at its last step and the command
+    that continues it; continuing from a copy of that ckpt.pt in another folder (resume_from) logs the same
+    losses as one uninterrupted run."""
+    run = [*args, "--max_iters=300", "--eval_interval=1000", "--dropout=0.1"]
+    train.main([*run, f"--out_dir={tmp_path / 'first'}", "--max_time=2"])
+    out = capsys.readouterr().out
+    first = metrics(tmp_path / "first")
+    stopped_at = first[-1]["iter"]
+    assert 1 <= stopped_at < 300 and "val_loss" in first[-1]
+    assert load_checkpoint(str(tmp_path / "first" / "ckpt.pt"))["iter_num"] == stopped_at
+    assert f"max_time=2: stopped after iter {stopped_at} of 300" in out
+    assert f"--resume_from={tmp_path / 'first' / 'ckpt.pt'}" in out
+    attached = tmp_path / "input"
+    attached.mkdir()
+    shutil.copy(tmp_path / "first" / "ckpt.pt", attached / "ckpt.pt")
+    shutil.rmtree(tmp_path / "first")
+    train.main([*run, f"--out_dir={tmp_path / 'second'}", f"--resume_from={attached / 'ckpt.pt'}"])
+    train.main([*run, f"--out_dir={tmp_path / 'whole'}"])
+    continued = [row["loss"] for row in first + metrics(tmp_path / "second")]
+    assert continued == [row["loss"] for row in metrics(tmp_path / "whole")]

@@ -169,8 +169,10 @@ def decoding_steps():
 def decode_counts(model, prompts, cfg, compact_below=0.5):
     """(host syncs per decoding step, weight casts per decoding step, KV bytes copied / read) of summarizing
     `prompts` in evaluate.py's batches, eagerly, with generate()'s GPU rule for dropping ended rows by default."""
+    weight = model.lm_head.weight
+    memory = inference.generation_memory(cfg, weight.device)
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
-        for batch in inference.generation_batches(prompts, cfg.gen_batch_size):
+        for batch in inference.generation_batches(prompts, cfg, model.config, memory, weight.dtype):
             generate(model, [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
                      compact_below=compact_below, **inference.decoding_options(cfg))
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]

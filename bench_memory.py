@@ -16,14 +16,17 @@ keeps each block's input only, and backward recomputes one block at a time, so o
 added. Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context. On CPU, like on a
 T4, scaled_dot_product_attention keeps O(T) state (no T x T attention matrix).
 """
+import dataclasses
+import glob
 import math
 import os
 
 import torch
 
 import data
+import inference
 import lora
-from config import Config, PROMPT_TEMPLATE
+from config import Config, PROMPT_TEMPLATE, load_config
 from model import GPT, GPTConfig, PRETRAINED
 
 GIB = 2**30
@@ -179,7 +182,53 @@ def bench_memory(args, samsum_csv):
             if mode in measured:
                 row["measured_activations_gib"] = measured[mode] / GIB
             rows.append(row)
+    rows += generation_rows(samsum_csv)
     rows.append(dict(section="memory", figure="setup", value=f"{batch}, fp16 autocast on CPU, AdamW, LoRA rank "
                      f"{LORA_RANK} on attn.c_attn/attn.c_proj/mlp.c_fc/mlp.c_proj, FSDP2 on {FSDP_RANKS} ranks; "
                      f"fits = total <= {T4_USABLE_GIB} GiB (T4)"))
+    return rows
+
+
+# ---- generation: weights, KV cache and logits of one generate() call on a T4 --------------------------------------
+
+PRESETS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "kaggle_t4x2*.py")))
+DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
+             "mbr16": dict(temperature=0.7, mbr_samples=16, mbr_include_beam=True)}
+LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
+
+
+def longest_prompt(csv_path, cfg):
+    """Tokens of the longest prompt inference makes of csv_path's dialogues (cut to fit), or the most a prompt
+    may have (block_size - max_new_tokens) when the file is missing."""
+    budget = cfg.block_size - cfg.max_new_tokens
+    if not os.path.exists(csv_path):
+        return budget
+    fmt = data.prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
+    return max(len(fmt.encode(d)[0]) for d in data.read_table(csv_path, "validation_csv", cfg).dialogues)
+
+
+def generation_rows(samsum_csv):
+    """`<model>:generate:<decoding>:gib` at each Kaggle preset's settings: fp16 weights, plus the KV cache and
+    logits of a batch of SAMSum's longest prompt, as generation_batches sizes it in the auto budget of a T4 (half
+    of what the weights leave free)."""
+    rows = []
+    for preset in PRESETS:
+        base = load_config([preset])
+        shape = PRETRAINED[base.init_from]
+        config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
+        weights = nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16
+        memory = (T4_USABLE_GIB * GIB - weights) / 2
+        length = longest_prompt(samsum_csv, base)
+        for decoding, options in DECODINGS.items():
+            cfg = dataclasses.replace(base, **options)
+            prompts = [[0] * length] * cfg.gen_batch_size
+            batch = len(inference.generation_batches(prompts, cfg, config, memory, torch.float16)[0])
+            per_prompt = inference.cache_rows_per_prompt(cfg)
+            kv = inference.kv_cache_bytes(config, batch * per_prompt, length + cfg.max_new_tokens, torch.float16)
+            logits = LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * config.vocab_size * 4
+            total = (weights + kv + logits) / GIB
+            rows.append(dict(section="memory", figure=f"{base.init_from}:generate:{decoding}:gib", value=total,
+                             weights_gib=weights / GIB, kv_cache_gib=kv / GIB, logits_gib=logits / GIB,
+                             prompts_per_batch=batch, gen_batch_size=cfg.gen_batch_size, prompt_tokens=length,
+                             preset=os.path.basename(preset), fits_t4=total <= T4_USABLE_GIB))
     return rows

@@ -4,6 +4,7 @@ and the torch.compile'd decode step. Token ids in, token ids out: inference.py t
 import copy
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -78,19 +79,18 @@ def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0
     if temperature == 0:
         results = deterministic(state, kv_caches)
     else:
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        # one random stream per prompt, from the seed and the prompt itself: a prompt's samples are the same
+        # whichever batch it is decoded in (a memory budget may split batches) and however rows end
+        entropy = np.random.SeedSequence().entropy if seed is None else seed
+        streams = [np.random.default_rng([entropy, *prompt]) for prompt in prompts]
         if mbr_samples:
             every_row = torch.arange(len(prompts), device=device)
             best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
                     if mbr_include_beam else [[] for _ in prompts])
-            samples = run.sample(logits, state, kv_caches, generator, [mbr_samples] * len(prompts))
+            samples = run.sample(logits, state, kv_caches, streams, [mbr_samples] * len(prompts))
             results = [[mbr_pick(b[:1], s, mbr_metric)] for b, s in zip(best, samples)]
         else:
-            samples = run.sample(logits, state, kv_caches, generator, [num_return_sequences] * len(prompts))
+            samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
             results = [[s for s, n in row for _ in range(n)] for row in samples]
     return [s if output_scores else s.tokens for row in results for s in row]
 
@@ -215,8 +215,10 @@ class Decoding:
     def step(self, state, kv_caches):
         return self.decode(state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
 
-    def sample(self, logits, state, kv_caches, generator, counts):
-        """Greedy (generator None) or sampled decoding, where prompt row r stands for counts[r] samples.
+    def sample(self, logits, state, kv_caches, streams, counts):
+        """Greedy (streams None) or sampled decoding, where prompt row r stands for counts[r] samples, drawn
+        with numpy random stream streams[r] (by inverse CDF: each sample takes one uniform number, so what a
+        prompt draws depends on nothing but its stream and its own rows).
         Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
         model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
@@ -229,12 +231,11 @@ class Decoding:
         rows = [(r, n, [], 0.0) for r, n in enumerate(counts)]
         for step in range(max_new):
             scores = self.processors.penalize(logits.float(), state)
-            if generator is None:
+            if streams is None:
                 drawn = scores.argmax(dim=-1, keepdim=True)
             else:
                 warped, ids = self.processors.warp(scores)
-                most = max(row[1] for row in rows if row is not None)
-                drawn = torch.multinomial(warped.softmax(dim=-1), most, replacement=True, generator=generator)
+                drawn = inverse_cdf(warped.softmax(dim=-1), uniforms(rows, streams))
                 if ids is not None:
                     drawn = ids.gather(1, drawn)
             packed = drawn.double()  # token ids are exact in float64, and so are float32 log-probabilities
@@ -338,6 +339,27 @@ class Decoding:
         return [[Sequence(cut_at_eos(seq, self.eos), lp, length) for seq, lp, length in zip(*row)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_logprobs[:, :n].tolist(),
                                finished_lengths[:, :n].tolist())]
+
+
+def uniforms(rows, streams):
+    """(rows, most samples a row stands for) uniform numbers in [0, 1): row i's first count_i from its prompt's
+    stream, in row order; ended rows (None) and unused places 0."""
+    most = max(row[1] for row in rows if row is not None)
+    table = np.zeros((len(rows), most))
+    for i, row in enumerate(rows):
+        if row is not None:
+            table[i, :row[1]] = streams[row[0]].random(row[1])
+    return torch.from_numpy(table)
+
+
+def inverse_cdf(probs, u):
+    """Token indices drawn from each row of probs (rows, V) at the uniform numbers u (rows, n): the first index
+    whose cumulative probability exceeds u times the row's total (kept below the total, which float rounding
+    could reach), so a token of probability 0 is never drawn."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    at = torch.minimum(u.to(cdf.device, cdf.dtype) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, at.contiguous(), right=True)
 
 
 def cut_at_eos(tokens, eos_token_id):

@@ -190,26 +190,69 @@ def decoding_options(cfg):
                 mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
 
 
-def generation_batches(prompts, batch_size, rank=0, world_size=1):
-    """This rank's batches of prompt indices: length-sorted (left padding stays small), every world_size-th."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)][rank::world_size]
+CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1):
-    """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator. Batches
-    are length-sorted so left padding stays small. With world_size > 1 this rank summarizes every world_size-th
-    batch from `rank` on and leaves None for the rest: a batch then holds the same prompts whatever the number of
-    ranks, so sharded output is exactly the single-process output."""
-    batches = generation_batches(prompts, cfg.gen_batch_size, rank, world_size)
+def generation_memory(cfg, device):
+    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (the
+    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB."""
+    if cfg.gen_memory_gb:
+        return cfg.gen_memory_gb * 2**30
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2
+    return CPU_GEN_MEMORY_GB * 2**30
+
+
+def cache_rows_per_prompt(cfg):
+    """KV-cache rows one prompt holds at the peak of generate(): greedy 2 (its row, and the copy that drops
+    ended rows), beam search num_beams + 1 (its prefill row and the beams, reordered in place), MBR its prefill
+    row and, at a split, two copies of its mbr_samples rows (or the beam's, if more)."""
+    rows = cfg.num_beams + 1 if cfg.num_beams > 1 else 2
+    if cfg.mbr_samples:
+        rows = max(rows if cfg.mbr_include_beam else 0, 1 + 2 * cfg.mbr_samples)
+    return rows
+
+
+def kv_cache_bytes(model_config, rows, length, dtype):
+    """Bytes of keys and values for `rows` rows of `length` slots: 2 x layers x width x rows x length."""
+    return 2 * model_config.n_layer * model_config.n_embd * rows * length * dtype.itemsize
+
+
+def generation_batches(prompts, cfg, model_config, memory, dtype, rank=0, world_size=1):
+    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most
+    gen_batch_size prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt +
+    max_new_tokens slots) fits `memory` bytes (one prompt at least), and every world_size-th of them."""
+    rows = cache_rows_per_prompt(cfg)
+    batches = []
+    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+        length = len(prompts[i]) + cfg.max_new_tokens  # the longest so far: lengths ascend
+        batch = batches[-1] if batches else []
+        if batch and len(batch) < cfg.gen_batch_size and \
+                kv_cache_bytes(model_config, rows * (len(batch) + 1), length, dtype) <= memory:
+            batch.append(i)
+        else:
+            batches.append([i])
+    return batches[rank::world_size]
+
+
+def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None):
+    """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
+    generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
+    rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
+    same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
+    single-process output."""
+    device = model.lm_head.weight.device
+    memory = generation_memory(cfg, device) if memory is None else memory
+    dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
+    batches = generation_batches(prompts, cfg, model.config, memory, dtype, rank, world_size)
     summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()
     bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
                dynamic_ncols=True)
     start = time.perf_counter()
-    with out_of_memory_hint(f"summarizing {cfg.gen_batch_size} dialogues at a time",
-                            f"--gen_batch_size (now {cfg.gen_batch_size})"):
+    with out_of_memory_hint(f"summarizing up to {cfg.gen_batch_size} dialogues at a time",
+                            f"--gen_memory_gb (now {memory / 2**30:.1f}) or --gen_batch_size (now {cfg.gen_batch_size})"):
         for batch in batches:
             with autocast:
                 new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens,
@@ -227,7 +270,8 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
     in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
+    memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     mine = summarize(model, prompts, cfg, contextlib.nullcontext() if held else rt.autocast(),
-                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size)
+                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory)
     shards = rt.all_gather_objects(mine)
     return [next(s for s in column if s is not None) for column in zip(*shards)]

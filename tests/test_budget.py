@@ -1,7 +1,10 @@
 """What a Kaggle session allows a run: out_dir's disk planned before the first step and checked before each save,
-torch's writer failing on a full disk, and max_time with resume_from continuing a run in another folder."""
+torch's writer failing on a full disk, max_time with resume_from continuing a run in another folder, and
+generation batches sized by a KV-cache budget."""
 import contextlib
+import dataclasses
 import os
+import random
 import resource
 import shutil
 import signal
@@ -11,10 +14,12 @@ import pytest
 import torch
 
 import budget
+import inference
 import train
 from checkpoint import load_checkpoint, save_checkpoint
 from config import UserError, load_config, parse_duration
 from conftest import TINY, metrics
+from model import GPT
 
 
 @contextlib.contextmanager
@@ -155,3 +160,37 @@ def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_p
     train.main([*run, f"--out_dir={tmp_path / 'whole'}"])
     continued = [row["loss"] for row in first + metrics(tmp_path / "second")]
     assert continued == [row["loss"] for row in metrics(tmp_path / "whole")]
+
+
+@pytest.mark.parametrize("options", [[], ["--num_beams=3"],
+                                     ["--temperature=0.9", "--top_k=20", "--seed=3", "--mbr_samples=6"],
+                                     ["--temperature=0.9", "--seed=4", "--mbr_samples=4", "--mbr_include_beam=False"]])
+def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir, options):
+    """gen_memory_gb small enough for a few prompts per generate() call: the same summaries as one batch of 24
+    (greedy, beam search, MBR with a seed: each prompt samples from its own seeded stream)."""
+    model = GPT.from_pretrained(tiny_hf_dir).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(50257) for _ in range(rng.randint(3, 60))] for _ in range(24)]
+    cfg = load_config(["--gen_batch_size=24", "--max_new_tokens=12", "--device=cpu", *options])
+    rows = inference.cache_rows_per_prompt(cfg)
+    small = inference.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
+    assert len(inference.generation_batches(prompts, cfg, model.config, small, torch.float32)) >= 6
+    assert len(inference.generation_batches(prompts, cfg, model.config, 2**40, torch.float32)) == 1
+    whole = inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
+    assert inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=small) == whole
+    if "--seed=3" in options:  # the seed matters
+        reseeded = dataclasses.replace(cfg, seed=5)
+        assert inference.summarize(model, prompts, reseeded, contextlib.nullcontext(), memory=small) != whole
+
+
+def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
+    model = GPT.from_pretrained(tiny_hf_dir).eval()
+    prompts = [[1] * 50] * 40
+    for options, rows in (([], 2), (["--num_beams=4"], 5), (["--temperature=0.7", "--mbr_samples=16"], 33)):
+        per_prompt = inference.kv_cache_bytes(model.config, rows, 50 + 20, torch.float32)
+        cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
+                           *options])
+        assert inference.cache_rows_per_prompt(cfg) == rows
+        memory = inference.generation_memory(cfg, torch.device("cpu"))
+        sizes = [len(b) for b in inference.generation_batches(prompts, cfg, model.config, memory, torch.float32)]
+        assert sizes == [10, 10, 10, 10], (options, sizes)

@@ -201,7 +201,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
         raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
     try:
-        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
@@ -213,10 +213,24 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     elif lora.has_adapters(state):
         state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
     try:
-        model.load_state_dict(state)
+        model.load_state_dict(own_copies(state), assign=True)
     except RuntimeError as e:
         raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
+    model.tie_weights()
     return model
+
+
+def own_copies(state):
+    """The tensors of `state` (read from a checkpoint's mmap) copied into this process's memory once each: one
+    copy of the weights in host memory, and no tensor that keeps the file mapped, whose disk space would stay
+    in use after a save replaces it."""
+    copies, owned = {}, {}
+    for key, tensor in state.items():
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        if storage not in copies:
+            copies[storage] = tensor.clone()
+        owned[key] = copies[storage]
+    return owned
 
 
 def weights_digest(state_dict):

@@ -157,7 +157,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.tie_weights()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -270,9 +270,31 @@ class GPT(nn.Module):
         config = GPTConfig(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size,
                            n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
                            dropout=dropout, bias=True)
-        model = cls(config)
         sd_hf = hf.state_dict()
-        with torch.no_grad():
-            for name, p in model.state_dict().items():
-                p.copy_(sd_hf[name].t() if name.endswith(CONV1D_WEIGHTS) else sd_hf[name])
+        del hf  # from here the dict holds transformers' tensors: each is freed once taken from it
+        state = {}
+        for name in cls.on_meta(config).state_dict():
+            tensor = sd_hf.pop(name, None)
+            tensor = state["transformer.wte.weight"] if tensor is None else tensor  # tied: listed once
+            state[name] = tensor.t().contiguous() if name.endswith(CONV1D_WEIGHTS) else tensor
+        return cls.with_weights(config, state)
+
+    @classmethod
+    def on_meta(cls, config):
+        """The model's structure without memory for its weights (all on the meta device)."""
+        with torch.device("meta"):
+            return cls(config)
+
+    @classmethod
+    def with_weights(cls, config, state):
+        """A model holding the tensors of `state` themselves (no copy, no random initialization first), so that
+        loading keeps about one copy of the weights in host memory."""
+        model = cls.on_meta(config)
+        model.load_state_dict(state, assign=True)
+        model.tie_weights()
         return model
+
+    def tie_weights(self):
+        """wte and lm_head share one weight, as in GPT-2 (again after load_state_dict(assign=True), which
+        assigns the two names separately)."""
+        self.transformer.wte.weight = self.lm_head.weight

@@ -62,14 +62,16 @@ def main(argv=None):
                     if rt.is_main:
                         print(f"stopped by {signal.Signals(trainer.stop_agreed).name} after iter {trainer.iter_num}: "
                               f"{os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue with:\n"
-                              f"  {continue_command(argv, rt.world_size, os.path.join(cfg.out_dir, 'ckpt.pt'))}")
+                              f"  {continue_command(argv, rt.world_size)}")
                     # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                     sys.exit(0 if rt.distributed else 128 + trainer.stop_agreed)
                 if trainer.out_of_time and rt.is_main:
+                    ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
                     print(f"max_time={cfg.max_time}: stopped after iter {trainer.iter_num} of {cfg.max_iters} with "
-                          f"time left for what follows; {os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue "
-                          f"with (in a new session, point --resume_from at that ckpt.pt attached as input):\n"
-                          f"  {continue_command(argv, rt.world_size, os.path.join(cfg.out_dir, 'ckpt.pt'))}")
+                          f"time left for what follows; {ckpt} holds it; continue with:\n"
+                          f"  {continue_command(argv, rt.world_size)}\n"
+                          f"or in a new session, with this output attached as input, add "
+                          f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
                 # this run's config is the contract: every key counts as given
                 if cfg.evaluate_after:
                     evaluate(cfg, set(FIELDS), rt)
@@ -94,11 +96,10 @@ def main(argv=None):
             sys.exit(1)
 
 
-def continue_command(argv, world_size, ckpt_path):
-    """The command line that resumes this run from ckpt_path: its arguments with --init_from=resume and
-    --resume_from, under torchrun when the run had several processes."""
-    args = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))]
-    args += ["--init_from=resume", f"--resume_from={os.path.abspath(ckpt_path)}"]
+def continue_command(argv, world_size):
+    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
+    torchrun when the run had several processes."""
+    args = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))] + ["--init_from=resume"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
     return shlex.join([*launcher, "train.py", *args])

@@ -194,3 +194,21 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
         memory = inference.generation_memory(cfg, torch.device("cpu"))
         sizes = [len(b) for b in inference.generation_batches(prompts, cfg, model.config, memory, torch.float32)]
         assert sizes == [10, 10, 10, 10], (options, sizes)
+
+
+def test_generation_memory_of_every_kaggle_preset_fits_a_t4(tmp_path):
+    """bench.py --section=memory's <model>:generate:<decoding>:gib, at each preset's settings and the longest
+    prompt a preset allows (no SAMSum file here): weights, KV cache and logits within a T4's 15 GiB."""
+    import bench_memory
+    rows = bench_memory.generation_rows(str(tmp_path / "missing.csv"))
+    names = {row["figure"] for row in rows}
+    assert names == {f"{model}:generate:{decoding}:gib" for model in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                     for decoding in ("greedy", "beam4", "mbr16")}
+    for row in rows:
+        preset = next(path for path in bench_memory.PRESETS if os.path.basename(path) == row["preset"])
+        cfg = dataclasses.replace(load_config([preset]),
+                                  **bench_memory.DECODINGS[row["figure"].split(":")[2]])
+        assert row["prompt_tokens"] == cfg.block_size - cfg.max_new_tokens
+        assert 1 <= row["prompts_per_batch"] <= cfg.gen_batch_size
+        assert row["value"] == pytest.approx(row["weights_gib"] + row["kv_cache_gib"] + row["logits_gib"])
+        assert row["value"] <= 15.0 and row["fits_t4"], row

@@ -50,8 +50,8 @@ def tensors_bytes(tensors):
 class DiskPlan:
     """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (the trained
     weights, of a LoRA run with small_lora only its adapters, and AdamW's two moments of each), best.pt (the
-    merged weights; both with train_rows fingerprints), and the second copy of the larger one while an atomic save replaces it; plus the export
-    when export_dir is set."""
+    merged weights), both with the train_rows' fingerprints, and the second copy of the larger one while an
+    atomic save replaces it; plus the export when export_dir is set."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once

@@ -79,7 +79,8 @@ def save_checkpoint(state, path):
             raise  # not torch's zip writer failing to write
         reason = e.strerror if isinstance(e, OSError) else "torch's writer stopped part-way: is the disk full?"
         kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
-        raise UserError(f"cannot write {path} ({reason}): {kept}; free some space or choose another --out_dir") from None
+        raise UserError(f"cannot write {path} ({reason}): {kept}; free some space or choose another "
+                        f"--out_dir") from None
 
 
 def load_checkpoint(path):

@@ -252,7 +252,8 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
                dynamic_ncols=True)
     start = time.perf_counter()
     with out_of_memory_hint(f"summarizing up to {cfg.gen_batch_size} dialogues at a time",
-                            f"--gen_memory_gb (now {memory / 2**30:.1f}) or --gen_batch_size (now {cfg.gen_batch_size})"):
+                            f"--gen_memory_gb (now {memory / 2**30:.1f}) or --gen_batch_size "
+                            f"(now {cfg.gen_batch_size})"):
         for batch in batches:
             with autocast:
                 new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens,

@@ -218,7 +218,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = model_to_train(cfg)
         self.lora_base = self.base_reference(model, ckpt) if rt.is_main else None
-        disk = DiskPlan(model, cfg, small_lora=self.lora_base is not None, train_rows=len(self.train_set))
+        disk = DiskPlan(model, cfg, small_lora=self.lora_base is not None, train_rows=len(self.train_set)) \
+            if rt.is_main else None
         rt.stop_if(disk.problem() if rt.is_main else None)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         self.model = rt.shard(model.to(rt.device))
@@ -256,6 +257,7 @@ class Trainer:
                   f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                   f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
                   f"{self.model.num_params() / 1e6:.1f}M parameters{trained_params(self.model, cfg)}; {rt.describe()}")
+            print(f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak")
             save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
     def base_reference(self, model, ckpt):

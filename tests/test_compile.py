@@ -81,8 +81,9 @@ def eos(model, prompts):
 
 
 def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, prompts, eos):
-    """Greedy (ended rows dropped at each EOS, or at half), beam and MBR over one batch of 64 and over batches of 1, 2, 17, 3 and 41 prompts, compiled (a
-    counting backend) as evaluate.py compiles them: the eager summaries, one graph, at most two compilations."""
+    """Greedy (ended rows dropped at each EOS, or at half), beam and MBR over one batch of 64 and over batches of
+    1, 2, 17, 3 and 41 prompts, compiled (a counting backend) as evaluate.py compiles them: the eager summaries,
+    one graph, at most two compilations."""
     settings = [dict(), dict(compact_below=0.5), dict(num_beams=3),
                 dict(temperature=0.8, top_k=20, seed=1, mbr_samples=4)]
     starts = [0, 1, 3, 20, 23, 64]

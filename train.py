@@ -361,7 +361,10 @@ class Trainer:
         n = self.cfg.micro_batch_size
         return out_of_memory_hint(f"training on micro-batches of {n} sequences",
                                   f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
-                                  + ("" if self.cfg.gradient_checkpointing else " or set --gradient_checkpointing=True"))
+                                  + ("" if self.cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                                  + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                     "gradients unsharded)" if self.rt.backend == "fsdp" and self.rt.reduce_once is True
+                                     else ""))
 
     def train_step(self, step):
         """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),

@@ -195,11 +195,13 @@ CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 def generation_memory(cfg, device):
     """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (the
-    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB."""
+    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB. Free counts what PyTorch's
+    caching allocator holds unused (e.g. a training step's activations, freed before an evaluation)."""
     if cfg.gen_memory_gb:
         return cfg.gen_memory_gb * 2**30
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (torch.cuda.mem_get_info(device)[0] + cached) / 2
     return CPU_GEN_MEMORY_GB * 2**30
 
 

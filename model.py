@@ -272,27 +272,22 @@ class GPT(nn.Module):
                            dropout=dropout, bias=True)
         sd_hf = hf.state_dict()
         del hf  # from here the dict holds transformers' tensors: each is freed once taken from it
-        state = {}
-        for name in cls.on_meta(config).state_dict():
+        model, state = cls.on_meta(config), {}
+        for name in model.state_dict():
             tensor = sd_hf.pop(name, None)
             tensor = state["transformer.wte.weight"] if tensor is None else tensor  # tied: listed once
             state[name] = tensor.t().contiguous() if name.endswith(CONV1D_WEIGHTS) else tensor
-        return cls.with_weights(config, state)
+        # the model holds these tensors themselves (no copy, no random initialization first): about one copy of
+        # the weights in host memory
+        model.load_state_dict(state, assign=True)
+        model.tie_weights()
+        return model
 
     @classmethod
     def on_meta(cls, config):
         """The model's structure without memory for its weights (all on the meta device)."""
         with torch.device("meta"):
             return cls(config)
-
-    @classmethod
-    def with_weights(cls, config, state):
-        """A model holding the tensors of `state` themselves (no copy, no random initialization first), so that
-        loading keeps about one copy of the weights in host memory."""
-        model = cls.on_meta(config)
-        model.load_state_dict(state, assign=True)
-        model.tie_weights()
-        return model
 
     def tie_weights(self):
         """wte and lm_head share one weight, as in GPT-2 (again after load_state_dict(assign=True), which

@@ -127,6 +127,11 @@ def resuming(cfg):
     return cfg.init_from == "resume" or bool(cfg.resume_from)
 
 
+def lora_base_source(cfg):
+    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
+    return cfg.init_from if cfg.init_from != "resume" else None
+
+
 def model_to_train(cfg):
     """(model, ckpt.pt's contents when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
     transformers directory, or 'resume' (which must not change what the run fixed); with LoRA adapters (base
@@ -138,8 +143,7 @@ def model_to_train(cfg):
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
     path = resume_path(cfg)
-    base = cfg.init_from if cfg.init_from != "resume" else None
-    model, ckpt = build_model(path, keep_adapters=True, lora_base=base)
+    model, ckpt = build_model(path, keep_adapters=True, lora_base=lora_base_source(cfg))
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
     if model.config.block_size != cfg.block_size:
@@ -269,8 +273,7 @@ class Trainer:
             return None
         if ckpt is not None:
             reference = ckpt.get("lora_base")
-            return reference and {**reference, "init_from": cfg.init_from if cfg.init_from != "resume"
-                                  else reference["init_from"]}
+            return reference and {**reference, "init_from": lora_base_source(cfg) or reference["init_from"]}
         return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
 
     def restore(self, ckpt):

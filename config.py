@@ -156,6 +156,19 @@ class Config:
                                        "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU")
     sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
                             "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)")
+    # calibration: a second stage that trains for ROUGE (README: Train for the score)
+    rank_weight: float = option(0.0, "> 0: calibration stage (start it from a trained run, --init_from=out/best.pt): "
+                                     "candidate summaries of every training dialogue are generated first, and this "
+                                     "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
+                                     "loss; 0 = token loss only")
+    rank_margin: float = option(0.01, "calibration: the ranking loss's margin per rank of difference between two "
+                                      "candidates' length-normalised log-probabilities")
+    rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "
+                                              "/ its length ** this")
+    rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue (distinct ones kept)")
+    rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
+                                        "sample (temperature 0.7, top-k 50)", ("beam", "sample"))
+    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt")
     # export
     export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)")
     overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")
@@ -185,6 +198,11 @@ def check_values(cfg):
         if not 0 <= getattr(cfg, name) < 1:
             raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
     parse_duration(cfg.max_time)
+    for name in ("rank_weight", "rank_margin", "rank_length_exponent"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.rank_candidates < 2:
+        raise UserError(f"rank_candidates={cfg.rank_candidates} must be >= 2: the ranking loss compares candidates")
     if cfg.gen_memory_gb < 0:
         raise UserError(f"gen_memory_gb={cfg.gen_memory_gb} must be >= 0 (0 = auto)")
     if cfg.learning_rate <= 0:

@@ -46,6 +46,20 @@ class Targets(NamedTuple):
         return Targets(self.y.to(device, non_blocking=True), self.index.to(device, non_blocking=True))
 
 
+class Packed(NamedTuple):
+    """Rows that each hold a prompt followed by several continuations of it (calibrate.pack): every position's
+    place in its sequence (B, T), which positions each one attends to (B, 1, T, T, boolean; a continuation sees
+    the prompt and itself), and the tokens to score (N,) with the flattened position whose output predicts each
+    (N,), so the prompt is run once for all of its continuations."""
+    positions: torch.Tensor
+    mask: torch.Tensor
+    source: torch.Tensor
+    tokens: torch.Tensor
+
+    def to(self, device):
+        return Packed(*(t.to(device, non_blocking=True) for t in self))
+
+
 class KVCache:
     """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
     dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
@@ -107,9 +121,9 @@ class CausalSelfAttention(nn.Module):
             kv_cache.fill(k, v, lengths)
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
                            for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], dim=2)
-        elif kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True)
+        elif kv_cache is None:  # training: causal, or as a Packed mask says
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training
+                                               else 0.0, is_causal=mask is None)
         else:
             k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -191,21 +205,27 @@ class GPT(nn.Module):
         because only the supervised positions go through lm_head (a summary is ~15% of a training row).
         targets may be Targets.of(y), with those positions of y.view(-1) found on the host where y is made, so
         that no shape depends on tensor values: under torch.compile that is one graph and no wait for the
-        device. Given y alone they are found here, which costs an eager caller nothing but breaks a compiled graph."""
+        device. Given y alone they are found here, which costs an eager caller nothing but breaks a compiled graph.
+        With Packed targets: the log-probability of each of its tokens (N,) in place of the loss."""
         B, T = idx.size()
-        if T > self.config.block_size:
+        packed = isinstance(targets, Packed)
+        if T > self.config.block_size and not packed:  # a packed row's positions restart for each continuation
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        pos = targets.positions if packed else torch.arange(T, device=idx.device)
+        mask = targets.mask if packed else None
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed (same dropout masks) in backward
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, None, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask=mask)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
+        if packed:
+            logits = self.lm_head(x.flatten(0, 1).index_select(0, targets.source))
+            return None, -F.cross_entropy(logits.float(), targets.tokens, reduction="none")
         targets, target_index = targets if isinstance(targets, Targets) else Targets.of(targets)
         logits = self.lm_head(x.flatten(0, 1).index_select(0, target_index))
         loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")

@@ -22,6 +22,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
+import calibrate
 import data
 import inference
 import lora
@@ -33,7 +34,7 @@ from evaluation import evaluate
 from files import no_empty_folder_left
 from generate import compile_decode
 from metrics import rouge
-from model import GPT, GPTConfig, Targets
+from model import GPT, GPTConfig, Packed, Targets
 from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
 from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
 from submission import check_against_sample, predict
@@ -139,6 +140,7 @@ def model_to_train(cfg):
     other than 'resume' says where a LoRA checkpoint's base model is now."""
     if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg)
+        model.set_dropout(cfg.dropout)  # a checkpoint (init_from=<best.pt>) brings its own
         if cfg.lora_rank:
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
@@ -226,7 +228,14 @@ class Trainer:
             if rt.is_main else None
         rt.stop_if(disk.problem() if rt.is_main else None)
         model.gradient_checkpointing = cfg.gradient_checkpointing
-        self.model = rt.shard(model.to(rt.device))
+        model = model.to(rt.device)
+        self.candidates_key = None  # a calibration stage's: what its candidates.pt was made for
+        if cfg.rank_weight:
+            self.candidates_key, candidates = self.calibration_candidates(model, ckpt)
+            self.batches = calibrate.RankedBatches(self.train_set, candidates, cfg, rt.rank, rt.world_size)
+            if rt.is_main:
+                print(f"calibration: {calibrate.describe(candidates)} in {calibrate.candidates_path(cfg)}")
+        self.model = rt.shard(model)
         self.optimizer = configure_optimizer(self.model, cfg, rt.device.type)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
         self.iter_num, self.best_score = 0, None
@@ -242,9 +251,9 @@ class Trainer:
         self.rouge_prompts, _ = inference.Run(self.model, cfg).prompts(self.val_set.dialogues[:n])
         trained = self.model
         if rt.compile:
-            x, y = self.batches.micro_batches(self.iter_num)[0]
+            x, y = self.on_device(self.batches.micro_batches(self.iter_num)[0])[:2]
             with self.out_of_memory_hint():
-                trained = compile_model(self.model, x.to(rt.device), y.to(rt.device), rt.autocast())
+                trained = compile_model(self.model, x, y, rt.autocast())
             if trained is not self.model:
                 compile_decode(self.model)  # for ROUGE
         self.wrapped = rt.wrap(trained)
@@ -275,6 +284,20 @@ class Trainer:
             reference = ckpt.get("lora_base")
             return reference and {**reference, "init_from": lora_base_source(cfg) or reference["init_from"]}
         return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
+
+    def calibration_candidates(self, model, ckpt):
+        """(key, Candidates) of a calibration stage: made by the starting weights, or on resuming those that the
+        checkpoint's stage trained on (the file must be there: the weights that made it are not)."""
+        cfg, rt = self.cfg, self.rt
+        if ckpt is None:
+            key = rt.all_gather_objects(calibrate.candidates_key(model, self.train_set, cfg) if rt.is_main else None)[0]
+        elif ckpt.get("candidates") is None:
+            raise UserError(f"{resume_path(cfg)} was trained without the ranking loss: start the calibration stage "
+                            f"from its weights in a new out_dir (--init_from=<its best.pt> --out_dir=<new>), or "
+                            f"resume with --rank_weight=0")
+        else:
+            key = ckpt["candidates"]
+        return key, calibrate.make_candidates(model, self.train_set, cfg, rt, key, may_generate=ckpt is None)
 
     def restore(self, ckpt):
         """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
@@ -341,6 +364,8 @@ class Trainer:
                 self.recent_skips.append(skipped)
                 stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens_per_s": tokens / seconds, "ms_per_iter": 1000 * seconds}
+                if cfg.rank_weight:
+                    stats["rank_loss"] = self.rank_loss
                 if self.scaler.is_enabled():
                     stats.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped)
                 if self.peak:
@@ -381,25 +406,28 @@ class Trainer:
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / self.batches.target_tokens(step)
-        loss_sum = torch.zeros((), device=rt.device)
+        loss_sum, rank_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         # a signal received, or max_time leaving no room after this step; no host-to-device copy unless set
         requests = torch.zeros(len(STOP_SIGNALS) + 1, device=rt.device)
         if self.stop_signal:
             requests[STOP_SIGNALS.index(self.stop_signal)] = 1
         if self.time.stop_now():
             requests[-1] = 1
-        for i, (x, y) in enumerate(micro_batches):
-            found = Targets.of(y)
-            targets = len(found.index)
-            x, found = x.to(rt.device, non_blocking=True), found.to(rt.device)
+        # the ranking loss (a calibration stage) is a mean over the global batch's dialogues
+        rank_scale = cfg.rank_weight * rt.world_size / cfg.batch_size
+        for i, batch in enumerate(micro_batches):
             with rt.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
-                    _, loss = self.wrapped(x, found)
-                self.scaler.scale(loss * targets * scale).backward()
-            loss_sum += loss.detach().float() * targets
-        # the stop request travels with the loss: one reduction and one host sync per step, as before
-        loss_sum, *requests = rt.all_reduce_sum(torch.cat([loss_sum[None], requests])).tolist()
+                    token_loss, rank_loss = self.micro_batch_losses(self.on_device(batch))
+                self.scaler.scale(token_loss * scale + rank_loss * rank_scale if rank_scale else
+                                  token_loss * scale).backward()
+            loss_sum += token_loss.detach().float()
+            rank_sum += rank_loss.detach()
+        # the stop request travels with the losses: one reduction and one host sync per step, as before
+        loss_sum, rank_sum, *requests = rt.all_reduce_sum(torch.cat([loss_sum[None], rank_sum[None],
+                                                                     requests])).tolist()
         loss = loss_sum * scale / rt.world_size
+        self.rank_loss = rank_sum / cfg.batch_size
         grad_norm, skipped = math.nan, True
         if math.isfinite(loss):
             self.scaler.unscale_(self.optimizer)  # true gradients, for the norm and the clipping
@@ -413,6 +441,22 @@ class Trainer:
         self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
         self.out_of_time = bool(requests[-1])
         return loss, int((self.train_set.lengths[global_batch] - 1).sum()), grad_norm, skipped
+
+    def on_device(self, batch):
+        """A micro-batch on the training device: (x, Targets) of a training batch (x, y), or a RankBatch."""
+        if isinstance(batch, calibrate.RankBatch):
+            return batch.to(self.rt.device)
+        x, y = batch
+        return x.to(self.rt.device, non_blocking=True), Targets.of(y).to(self.rt.device)
+
+    def micro_batch_losses(self, batch):
+        """(token loss summed over the micro-batch's targets, ranking loss summed over its dialogues: 0 but in
+        a calibration stage), from one forward of the trained model."""
+        if isinstance(batch, calibrate.RankBatch):
+            return calibrate.micro_batch_losses(self.wrapped, batch, self.cfg)
+        x, found = batch
+        _, loss = self.wrapped(x, found)
+        return loss * len(found.index), torch.zeros((), device=x.device)
 
     def step_flops(self, step):
         """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
@@ -496,7 +540,8 @@ class Trainer:
                 else {"model": model_state}
             writes = [(os.path.join(cfg.out_dir, "ckpt.pt"),
                        {**weights, **trained, "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
-                        "rng": rng, "schedule": self.schedule, "skipped_steps": self.skipped})]
+                        "rng": rng, "schedule": self.schedule, "skipped_steps": self.skipped,
+                        "candidates": self.candidates_key})]
             if best:
                 merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
                 writes.append((os.path.join(cfg.out_dir, "best.pt"), {**weights, "model": merged}))
@@ -511,7 +556,8 @@ class Trainer:
             with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(stats) + "\n")
             self.tracker.log(stats)
-        postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
+        postfix = {"loss": f"{stats['loss']:.4f}", **({"rank": f"{stats['rank_loss']:.4f}"} if "rank_loss" in stats
+                                                       else {}), "lr": f"{stats['lr']:.2e}",
                    "tok/s": f"{stats['tokens_per_s']:.0f}", "ms/it": f"{stats['ms_per_iter']:.0f}"}
         if "mfu" in stats:
             postfix["mfu"] = f"{100 * stats['mfu']:.1f}%"
@@ -541,7 +587,8 @@ def trained_params(model, cfg):
 
 
 def compile_model(model, x, y, autocast):
-    """torch.compile'd `model`, tried on one forward and backward of batch (x, y) now, because compiling happens
+    """torch.compile'd `model`, tried on one forward and backward of batch (x, y) now (y: targets, Targets, or a
+    calibration stage's Packed rows), because compiling happens
     lazily at the first call; the eager model, with one warning line, if the compiler fails. Any other error
     (out of memory included) propagates. Leaves no gradients behind and draws no random numbers.
     One graph (fullgraph) with its sizes symbolic from the start (dynamic): micro-batch widths and target counts
@@ -550,8 +597,8 @@ def compile_model(model, x, y, autocast):
     try:
         compiled = torch.compile(model, fullgraph=True, dynamic=True)
         with autocast:
-            _, loss = compiled(x, Targets.of(y))
-        loss.backward()
+            _, loss = compiled(x, y if isinstance(y, (Targets, Packed)) else Targets.of(y))
+        loss.sum().backward()
         return compiled
     except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build
         if not compiler_error(e):

@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python bench.py [--section=data|train|generate|decode|memory|compile|all] [--model=small|gpt2] [--json]
+python bench.py [--section=data|train|generate|decode|memory|compile|calibrate|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -21,17 +20,17 @@ import time
 import numpy as np
 import torch
 
+import bench_calibrate
 import bench_compile
 import bench_memory
 import data
-import train
+from bench_calibrate import SAMSUM_TINY, demo_arguments, train_quietly
 from config import PROMPT_TEMPLATE, load_config
 from data import EOT_ID
 from generate import generate
 from inference import open_run, summarize
 from metrics import rouge
 from model import GPT
-from runtime import Runtime
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SAMSUM_CSV = os.path.join(ROOT, "..", "shared", "data", "samsum-validation.csv")
@@ -328,10 +327,7 @@ def bench_train(args, device):
 MBR_SAMPLING = dict(temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True)
 DECODINGS = {"greedy": {}, "beam4": dict(num_beams=4), "mbr8": dict(mbr_samples=8, **MBR_SAMPLING),
              "mbr16": dict(mbr_samples=16, **MBR_SAMPLING)}
-# A tiny model trained from scratch on the SAMSum rows that are not held out (val_fraction of them are)
-SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv=", "--block_size=256",
-               "--max_new_tokens=48", "--batch_size=16", "--micro_batch_size=16", "--max_iters=300",
-               "--eval_interval=300", "--rouge_samples=0", "--best_metric=val_loss"]
+
 
 
 def bench_decode(args, device):
@@ -340,10 +336,7 @@ def bench_decode(args, device):
     on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
     autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
     with tempfile.TemporaryDirectory() as tmp:
-        demo = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
-                "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
-        demo += [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
-                 for split in ("train", "validation", "test")]
+        demo = demo_arguments(tmp, device)
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
         if os.path.exists(demo_ckpt):
             rows = compare_decodings("demo", load_config(demo), demo_ckpt, device, args.repeats)
@@ -362,14 +355,6 @@ def bench_decode(args, device):
     rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
                      f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
-
-
-def train_quietly(argv):
-    """Train as train.py would (its log on stderr, so stdout stays the benchmark's); returns the config."""
-    cfg = load_config(argv)
-    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(cfg, rt).fit()
-    return cfg
 
 
 def compare_decodings(name, cfg, ckpt, device, repeats):
@@ -423,7 +408,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
 
 SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, SAMSUM_CSV),
-            "compile": bench_compile.bench_compile}
+            "compile": bench_compile.bench_compile,
+            "calibrate": lambda args, device: bench_calibrate.bench_calibrate(args, device, SAMSUM_CSV)}
 
 
 def main():
@@ -443,6 +429,7 @@ def main():
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
     parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
     parser.add_argument("--compile_steps", type=int, default=50, help="training steps whose compilations are counted")
+    parser.add_argument("--calibrate_steps", type=int, default=100, help="steps of stage 2, (a) and (b) alike")
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()

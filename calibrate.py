@@ -114,22 +114,26 @@ def make_candidates(model, examples, cfg, rt, key, may_generate=True, progress=T
     another key is refused in one line, and so is a missing or unfinished one when not may_generate (`model` is
     not the one that made them). Every rank generates its share of each SAVE_EVERY rows (as predict
     shards), rank 0 saves after each. Returns the Candidates on every rank."""
-    path = candidates_path(cfg)
-    found = load_candidates(path) if rt.is_main else None
-    reason = found and stale_reason(found.key, key)
-    rt.stop_if(reason and f"{path} was generated from {reason}, not this run's: delete it to generate new "
-                          f"candidates, or pass --candidates_file=<another path>")
+    path, found, problem = candidates_path(cfg), None, None
+    if rt.is_main:  # the others wait in stop_if, and then take what rank 0 read
+        try:
+            found = load_candidates(path)
+        except UserError as e:
+            problem = str(e)
+        reason = found and stale_reason(found.key, key)
+        problem = problem or reason and (f"{path} was generated from {reason}, not this run's: delete it to "
+                                         f"generate new candidates, or pass --candidates_file=<another path>")
+    rt.stop_if(problem)
     found = rt.all_gather_objects(found)[0]
     candidates = found or Candidates(key, [], [])
     if candidates.done == len(examples):
         return candidates
-    if not may_generate:
-        raise UserError(f"{path} is {'unfinished' if found else 'missing'}: the calibration stage being resumed "
-                        f"trained on it, and the weights that made it are not these; restore it, or start the "
-                        f"stage again from its first checkpoint")
+    rt.stop_if(None if may_generate else (
+        f"{path} is {'unfinished' if found else 'missing'}: the calibration stage being resumed trained on it, and "
+        f"the weights that made it are not these; restore it, or start the stage again from its first checkpoint"))
     prompts = [examples.sequence(i)[:examples.prompt_lens[i]].tolist() for i in range(len(examples))]
     options = DECODINGS[cfg.rank_decoding](cfg.rank_candidates)
-    rows_cfg = _rows_config(cfg)
+    rows_cfg = cache_rows_config(cfg)
     device = model.lm_head.weight.device
     memory = min(rt.all_gather_objects(generation_memory(cfg, device)))
     autocast = rt.autocast()
@@ -171,7 +175,7 @@ def make_candidates(model, examples, cfg, rt, key, may_generate=True, progress=T
     return candidates
 
 
-def _rows_config(cfg):
+def cache_rows_config(cfg):
     """A config whose KV-cache rows per prompt (inference.cache_rows_per_prompt) are the candidates' draw's."""
     k = cfg.rank_candidates
     if cfg.rank_decoding == "beam":

@@ -53,7 +53,7 @@ def args(write_csv, tmp_path):
 
 def error_lines(capsys):
     """stderr's lines but progress bars."""
-    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s" not in line]
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%|" not in line]
 
 
 def test_out_dir_too_small_for_the_run_is_one_line_before_the_first_step(args, tmp_path, monkeypatch, capsys):

@@ -137,7 +137,7 @@ def test_a_stale_candidates_file_is_refused_in_one_line(stage1, tmp_path):
                       f"--train_csv={stage1 / 'other.csv'}"])
     for result, reason in ((other_weights, "another checkpoint's weights"), (other_rows, "other training rows")):
         assert result.returncode == 2, result.stderr[-2000:]
-        lines = [line for line in result.stderr.strip().splitlines() if "it/s]" not in line]  # progress bars
+        lines = [line for line in result.stderr.strip().splitlines() if "%|" not in line]  # not progress bars
         assert len(lines) == 1 and lines[0].startswith("error: ") and reason in lines[0], result.stderr
         assert "delete it" in lines[0]
     assert made.read_bytes() == before  # refused, not replaced

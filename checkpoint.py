@@ -139,11 +139,14 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds the adapters and a
       reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
       merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
-    cfg.dropout applies to the first two (a checkpoint's model has the dropout it was saved with). Errors name
-    the config key the source came from."""
+    cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
+    Errors name the config key the source came from."""
     if os.path.isfile(source) or source.endswith(".pt"):
         ckpt = load_checkpoint(source)
-        return model_from_checkpoint(ckpt, source, keep_adapters, lora_base), ckpt
+        model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
+        if cfg:
+            model.set_dropout(cfg.dropout)
+        return model, ckpt
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None

@@ -140,12 +140,11 @@ def model_to_train(cfg):
     other than 'resume' says where a LoRA checkpoint's base model is now."""
     if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg)
-        model.set_dropout(cfg.dropout)  # a checkpoint (init_from=<best.pt>) brings its own
         if cfg.lora_rank:
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
     path = resume_path(cfg)
-    model, ckpt = build_model(path, keep_adapters=True, lora_base=lora_base_source(cfg))
+    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg))
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
     if model.config.block_size != cfg.block_size:
@@ -157,7 +156,6 @@ def model_to_train(cfg):
                     else "what the model was trained on")
             raise UserError(f"{path} was trained with {key}={ckpt['config'][key]!r}, not {getattr(cfg, key)!r}: "
                             f"{what} cannot change when resuming; resume with --{key}={ckpt['config'][key]!r}")
-    model.set_dropout(cfg.dropout)
     return model, ckpt
 
 

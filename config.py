@@ -17,7 +17,8 @@ import sys
 import typing
 from dataclasses import dataclass, field, fields
 
-from files import atomic_write
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
@@ -25,10 +26,6 @@ LOG_DESTINATIONS = ("tensorboard", "wandb")
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
 
 
 def competition_file(name, fallback):

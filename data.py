@@ -16,8 +16,8 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from config import UserError
-from files import atomic_write
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256

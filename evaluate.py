@@ -12,10 +12,10 @@ command line's settings instead, into out_dir/baseline-<name>/.
 import sys
 
 from config import explicit_keys, load_config
-from evaluation import evaluate, sweep
-from files import no_empty_folder_left
-from inference import output_dir
-from runtime import Runtime, one_line_errors
+from summarizer.evaluation import evaluate, sweep
+from summarizer.files import no_empty_folder_left
+from summarizer.inference import output_dir
+from summarizer.runtime import Runtime, one_line_errors
 
 
 def main(argv=None):

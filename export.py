@@ -16,10 +16,11 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, UserError, explicit_keys, load_config
-from inference import describe_validation, open_run
+from config import GPT2_NAMES, explicit_keys, load_config
+from summarizer.errors import UserError
+from summarizer.inference import describe_validation, open_run
 from model import CONV1D_WEIGHTS
-from runtime import one_line_errors
+from summarizer.runtime import one_line_errors
 
 
 def to_transformers(model):

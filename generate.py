@@ -9,9 +9,9 @@ import torch
 from torch.nn import functional as F
 
 import data
-from metrics import mbr_select
+from summarizer.metrics import mbr_select
 from model import KVCache
-from runtime import compiler_error, warn_compile_failed
+from summarizer.runtime import compiler_error, warn_compile_failed
 
 
 class Sequence(NamedTuple):

@@ -8,10 +8,10 @@ An explicit --key=value changes a decoding setting (e.g. --num_beams=4); see inf
 import sys
 
 from config import explicit_keys, load_config
-from files import no_empty_folder_left
-from inference import output_dir
-from runtime import Runtime, one_line_errors
-from submission import predict
+from summarizer.files import no_empty_folder_left
+from summarizer.inference import output_dir
+from summarizer.runtime import Runtime, one_line_errors
+from summarizer.submission import predict
 
 
 def main(argv=None):

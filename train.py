@@ -22,23 +22,24 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-import calibrate
+from summarizer import calibrate
 import data
-import inference
-import lora
-from budget import DiskPlan, TimeBudget, save_problem
-from checkpoint import (archive_previous_run, build_model, keep_best_of_metric, lora_base_reference, make_out_dir,
+from summarizer import inference
+from summarizer import lora
+from summarizer.budget import DiskPlan, TimeBudget, save_problem
+from summarizer.checkpoint import (archive_previous_run, build_model, keep_best_of_metric, lora_base_reference, make_out_dir,
                         save_checkpoint)
-from config import FIELDS, FIXED_KEYS, UserError, format_config, grad_accum_steps, load_config, save_config
-from evaluation import evaluate
-from files import no_empty_folder_left
+from config import FIELDS, FIXED_KEYS, format_config, grad_accum_steps, load_config, save_config
+from summarizer.errors import UserError
+from summarizer.evaluation import evaluate
+from summarizer.files import no_empty_folder_left
 from generate import compile_decode
-from metrics import rouge
+from summarizer.metrics import rouge
 from model import GPT, GPTConfig, Packed, Targets
-from runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
-from schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
-from submission import check_against_sample, predict
-from tracking import Tracker, drop_rows_after, plot_metrics
+from summarizer.runtime import Runtime, compiler_error, one_line_errors, out_of_memory_hint, peak_flops, warn_compile_failed
+from summarizer.schedule import describe_schedule, learning_rate, lr_schedule, resumed_schedule
+from summarizer.submission import check_against_sample, predict
+from summarizer.tracking import Tracker, drop_rows_after, plot_metrics
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)

@@ -13,11 +13,12 @@ import subprocess
 import pytest
 import torch
 
-import budget
-import inference
+from summarizer import budget
+from summarizer import inference
 import train
-from checkpoint import load_checkpoint, save_checkpoint
-from config import UserError, load_config, parse_duration
+from summarizer.checkpoint import load_checkpoint, save_checkpoint
+from config import load_config, parse_duration
+from summarizer.errors import UserError
 from conftest import TINY, metrics
 from model import GPT
 
@@ -200,7 +201,7 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
 def test_generation_memory_of_every_kaggle_preset_fits_a_t4(tmp_path):
     """bench.py --section=memory's <model>:generate:<decoding>:gib, at each preset's settings and the longest
     prompt a preset allows (no SAMSum file here): weights, KV cache and logits within a T4's 15 GiB."""
-    import bench_memory
+    from bench import memory as bench_memory
     rows = bench_memory.generation_rows(str(tmp_path / "missing.csv"))
     names = {row["figure"] for row in rows}
     assert names == {f"{model}:generate:{decoding}:gib" for model in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")

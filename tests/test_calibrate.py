@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import calibrate
+from summarizer import calibrate
 import data
 import train
-from checkpoint import load_checkpoint
+from summarizer.checkpoint import load_checkpoint
 from config import load_config
 from conftest import metrics, run, synthetic_rows
 from model import GPT
-from runtime import Runtime
+from summarizer.runtime import Runtime
 from test_train import TINY, assert_same_losses
 
 STAGE1 = [*TINY, "--batch_size=8", "--micro_batch_size=4", "--max_iters=30", "--eval_interval=30",
@@ -156,7 +156,7 @@ def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_pat
 def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_path, monkeypatch):
     cfg = load_config(stage2_args(stage1, tmp_path))
     examples = data.load_datasets(cfg).train
-    from checkpoint import build_model
+    from summarizer.checkpoint import build_model
     model, _ = build_model(cfg.init_from)
     key = calibrate.candidates_key(model, examples, cfg)
     monkeypatch.setattr(calibrate, "SAVE_EVERY", 8)

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-import bench_compile
-import inference
+from bench import compile as bench_compile
+from summarizer import inference
 import train
-from bench_compile import Waits, counted_compiles, decode_counts
+from bench.compile import Waits, counted_compiles, decode_counts
 from config import load_config
 from generate import compile_decode, generate
 from model import GPT, GPTConfig, Targets
@@ -124,7 +124,7 @@ def test_inference_holds_weights_in_its_dtype_and_casts_none_per_step(model, pro
 
 def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
     from conftest import TINY
-    from runtime import Runtime
+    from summarizer.runtime import Runtime
     out = tmp_path / "out"
     args = [*TINY, f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}",
             "--max_iters=2", "--eval_interval=2", "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0",

@@ -5,7 +5,8 @@ import json
 import pytest
 
 import config
-from config import Config, UserError, grad_accum_steps, load_config, save_config
+from config import Config, grad_accum_steps, load_config, save_config
+from summarizer.errors import UserError
 
 
 def error_of(argv):

@@ -13,13 +13,13 @@ from transformers import GenerationConfig
 import evaluate
 import export
 import generate
-import inference
+from summarizer import inference
 import predict
 import train
-from checkpoint import load_checkpoint
+from summarizer.checkpoint import load_checkpoint
 from config import load_config
 from conftest import REPO, TINY, card_code, metrics, run, synthetic_rows
-from runtime import Runtime
+from summarizer.runtime import Runtime
 
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
 RUN = [*(flag for flag in TINY if not flag.startswith("--max_new_tokens")), "--n_embd=64", "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",

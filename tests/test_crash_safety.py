@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import REPO, synthetic_rows
 
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import data
-from config import PROMPT_TEMPLATE, Config, UserError
+from config import PROMPT_TEMPLATE, Config
+from summarizer.errors import UserError
 from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
 
 enc = get_tokenizer()

@@ -11,9 +11,9 @@ from rouge_score import rouge_scorer
 
 import evaluate
 import predict
-import submission
+from summarizer import submission
 import train
-from config import UserError
+from summarizer.errors import UserError
 from conftest import REPO, synthetic_rows
 
 MODEL = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]

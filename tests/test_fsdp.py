@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-import bench_fsdp
-import lora
+from bench import fsdp as bench_fsdp
+from summarizer import lora
 import train
-from checkpoint import load_checkpoint
+from summarizer.checkpoint import load_checkpoint
 from config import load_config
 from conftest import REPO, assert_export_matches
 from model import GPT, GPTConfig, PRETRAINED
-from runtime import reduce_once_bytes
+from summarizer.runtime import reduce_once_bytes
 
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=128",
         "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",

@@ -5,7 +5,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from generate import generate, summary_text
-from metrics import agreement, mbr_select
+from summarizer.metrics import agreement, mbr_select
 from model import GPT
 
 MAX_NEW = 24

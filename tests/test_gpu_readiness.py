@@ -1,6 +1,6 @@
 """The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
 proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU autocast, torch.compile (inductor)
-against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, scripts/gpu_check."""
+against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check."""
 import copy
 import importlib.util
 import json
@@ -16,13 +16,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import generate
-import inference
+from summarizer import inference
 import train
-from checkpoint import build_model, load_checkpoint
-from config import UserError, load_config
+from summarizer.checkpoint import build_model, load_checkpoint
+from config import load_config
+from summarizer.errors import UserError
 from conftest import REPO, metrics, synthetic_rows
 from model import GPT, GPTConfig
-from runtime import Runtime, choose_precision, peak_flops, use_compile
+from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
 
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
         "--device=cpu", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",
@@ -421,13 +422,11 @@ def test_notebook_launches_main_with_accelerate(monkeypatch):
                          {"num_processes": 2, "use_port": "29123"})]
 
 
-# ---- scripts/gpu_check ----------------------------------------------------------------------------------------
+# ---- bench/gpu_check ----------------------------------------------------------------------------------------
 
 def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
-    assert subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", "gpu_check.sh")]).returncode == 0
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "scripts", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    assert subprocess.run(["bash", "-n", os.path.join(REPO, "bench", "gpu_check.sh")]).returncode == 0
+    from bench import gpu_check
     report = tmp_path / "report.json"
     assert gpu_check.main(["--device=cpu", "--model=tiny", "--dtypes=float32,float16", "--compile=False", "--iters=2",
                            "--gen_prompts=2", "--max_new_tokens=8", f"--report={report}"]) == 0

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from checkpoint import load_checkpoint
+from summarizer.checkpoint import load_checkpoint
 from conftest import REPO, free_port, metrics
 
 STEPS = 60

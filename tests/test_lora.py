@@ -8,10 +8,10 @@ from peft.tuners.lora import LoraLayer
 from transformers import GPT2LMHeadModel
 
 import evaluate
-import lora
+from summarizer import lora
 import predict
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 from config import load_config
 from conftest import assert_export_matches, metrics
 from model import GPT, GPTConfig

@@ -69,8 +69,8 @@ def test_script_keys_extraction():
     line = "torchrun --nnodes=2 --rdzv_endpoint=h:1 train.py config/demo.py --max_iters=5 --bogus_key=1"
     assert script_keys(line) == ["max_iters", "bogus_key"]
     assert script_keys("accelerate launch --num_processes=2 evaluate.py --ckpt=x") == ["ckpt"]
-    assert script_keys("python bench.py --section=data --model=gpt2") == []
-    assert script_keys("bash scripts/gpu_check.sh --iters=30") == []
+    assert script_keys("python -m bench --section=data --model=gpt2") == []
+    assert script_keys("bash bench/gpu_check.sh --iters=30") == []
     assert code_lines("x\n```bash\npython train.py \\\n    --seed=1  # --nope=2\n```\n") == ["python train.py --seed=1"]
 
 
@@ -83,7 +83,7 @@ def test_command_keys_are_config_fields(readme):
 
 def test_command_paths_exist(readme):
     named = {path for line in code_lines(readme) for path in PATH.findall(line)}
-    for required in ("config/demo.py", "config/kaggle_t4x2.py", "scripts/gpu_check.sh", "bench.py",
+    for required in ("config/demo.py", "config/kaggle_t4x2.py", "bench/gpu_check.sh",
                      "train.py", "evaluate.py", "predict.py", "export.py"):
         assert required in named, f"README's commands do not mention {required}"
     in_prose = {"data/make_demo.py", "notebooks/kaggle_t4x2.ipynb"}

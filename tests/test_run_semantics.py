@@ -13,9 +13,10 @@ import torch
 import evaluate
 import predict
 import train
-from checkpoint import load_checkpoint
-from config import UserError, load_config
-from runtime import Runtime, choose_precision, use_compile
+from summarizer.checkpoint import load_checkpoint
+from config import load_config
+from summarizer.errors import UserError
+from summarizer.runtime import Runtime, choose_precision, use_compile
 from conftest import metrics, run
 
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",

@@ -11,8 +11,8 @@ import torch
 
 import conftest
 import train
-from checkpoint import load_checkpoint
-from config import UserError
+from summarizer.checkpoint import load_checkpoint
+from summarizer.errors import UserError
 from conftest import REPO, free_port, metrics, run, synthetic_rows
 
 TINY = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]

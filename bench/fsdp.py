@@ -1,4 +1,4 @@
-"""bench.py --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
+"""python -m bench --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
 
 Two gloo ranks on the CPU (two processes on 127.0.0.1) build train.Trainer with --backend=fsdp for a tiny GPT of
 GPT-2's structure (2 blocks of width 32, GPT-2's vocabulary) with the preset's dtype, gradient checkpointing, LoRA
@@ -24,11 +24,12 @@ import sys
 import tempfile
 
 import torch
+
+from bench import ROOT
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 RANKS = 2
 PRESETS = {"gpt2": "config/kaggle_t4x2.py", "gpt2-medium": "config/kaggle_t4x2_gpt2-medium.py",
@@ -88,7 +89,7 @@ def count_step(args, before):
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
     import train
     from config import load_config
-    from runtime import Runtime
+    from summarizer.runtime import Runtime
 
     fsdp = torch.distributed.fsdp
     shard = fsdp.fully_shard
@@ -143,7 +144,7 @@ def run_ranks(runs, tmp, timeout=TIMEOUT):
     env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(RANKS), OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
     logs = [open(os.path.join(tmp, f"rank{rank}.log"), "w+") for rank in range(RANKS)]
-    ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec, out], cwd=ROOT,
+    ranks = [subprocess.Popen([sys.executable, "-m", "bench.fsdp", "--worker", spec, out], cwd=ROOT,
                               env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log,
                               stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
     try:
@@ -198,7 +199,7 @@ def scaled_bytes(counted, shape_units):
 
 def preset_model(name, preset):
     """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    import lora
+    from summarizer import lora
     from config import Config
     from model import GPT, GPTConfig, PRETRAINED
     with torch.device("meta"):
@@ -223,10 +224,10 @@ def bench_fsdp(args=None):
     ..._vs_before (their ratio) for each Kaggle preset, as if run with --backend=fsdp (the preset's own backend is in
     the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
     holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
-    bench_memory.T4_USABLE_GIB. `args` is not read (bench.py passes its own). About 30 s on 2 CPU cores."""
-    from bench_memory import T4_USABLE_GIB
+    bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
+    from bench.memory import T4_USABLE_GIB
     from config import read_preset
-    from runtime import reduce_once_bytes
+    from summarizer.runtime import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         write_rows(os.path.join(tmp, "train.csv"))

@@ -6,8 +6,8 @@ import json
 import os
 from dataclasses import asdict
 
-from config import UserError
-from files import atomic_write
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 

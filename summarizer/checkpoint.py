@@ -12,9 +12,9 @@ import zipfile
 
 import torch
 
-import lora
-from config import UserError
-from files import atomic_write
+from summarizer import lora
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 from model import GPT, PRETRAINED, GPTConfig
 from data import TOKENIZER_ID
 

@@ -9,11 +9,12 @@ import numpy as np
 import pandas as pd
 
 import data
-import inference
-from checkpoint import make_out_dir
-from config import ROUGE_TYPES, UserError, parse_sweep
-from files import atomic_write
-from metrics import rouge, rouge_per_example
+from summarizer import inference
+from summarizer.checkpoint import make_out_dir
+from config import ROUGE_TYPES, parse_sweep
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
+from summarizer.metrics import rouge, rouge_per_example
 
 
 def validation_run(cfg, explicit, rt):

@@ -1,4 +1,4 @@
-"""bench.py --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
+"""python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
 
 Weights, gradients and optimizer state are the bytes of real tensors: the model of each shape is built on the meta
 device (no memory), with LoRA adapters where the mode has them, given a gradient per trainable parameter, and
@@ -24,8 +24,9 @@ import os
 import torch
 
 import data
-import inference
-import lora
+from bench import ROOT
+from summarizer import inference
+from summarizer import lora
 from config import Config, PROMPT_TEMPLATE, load_config
 from model import GPT, GPTConfig, PRETRAINED
 
@@ -191,7 +192,7 @@ def bench_memory(args, samsum_csv):
 
 # ---- generation: weights, KV cache and logits of one generate() call on a T4 --------------------------------------
 
-PRESETS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "kaggle_t4x2*.py")))
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "kaggle_t4x2*.py")))
 DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
              "mbr16": dict(temperature=0.7, mbr_samples=16, mbr_include_beam=True)}
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded

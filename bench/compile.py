@@ -1,9 +1,9 @@
-"""bench.py --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
+"""python -m bench --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
 decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
 them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
 output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads.
 
-    torchrun --nproc_per_node=2 --standalone bench_compile.py OUT.json [train.py arguments]
+    torchrun --nproc_per_node=2 --standalone -m bench.compile OUT.json [train.py arguments]
         the training worker: train.main with compilation counted; each rank writes OUT.json.<rank>
 """
 import collections
@@ -23,15 +23,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
-import inference
+from bench import ROOT
+from summarizer import inference
 import model as model_module
 from config import load_config
-from evaluation import evaluate
+from summarizer.evaluation import evaluate
 from generate import LogitsProcessors, generate
-from runtime import Runtime
+from summarizer.runtime import Runtime
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-SAMSUM_CSV = os.path.join(ROOT, "..", "shared", "data", "samsum-validation.csv")
 DEMO = [os.path.join(ROOT, "config", "demo.py"), "--evaluate_after=False", "--predict_after=False",
         "--sample_submission_csv="] + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
                                        for split in ("train", "validation", "test")]
@@ -180,10 +179,10 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
 
 # ---- the figures ------------------------------------------------------------------------------------------------
 
-def training_csv(folder, rows=400):
-    """SAMSum's validation CSV when ../shared has it, else random chats with its shape (3-14 turns)."""
-    if os.path.exists(SAMSUM_CSV):
-        return SAMSUM_CSV, "SAMSum validation"
+def training_csv(folder, samsum_csv, rows=400):
+    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
+    if os.path.exists(samsum_csv):
+        return samsum_csv, "SAMSum validation"
     rng = np.random.default_rng(0)
     words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
     chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
@@ -194,9 +193,9 @@ def training_csv(folder, rows=400):
     return path, "synthetic SAMSum-shaped chats"
 
 
-def train_counts(folder, steps, nproc=2):
+def train_counts(folder, steps, samsum_csv, nproc=2):
     """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""
-    csv, source = training_csv(folder)
+    csv, source = training_csv(folder, samsum_csv)
     out = os.path.join(folder, "train-counts.json")
     args = [f"--train_csv={csv}", "--validation_csv=", "--val_fraction=0.05", f"--out_dir={folder}/train",
             f"--data_cache_dir={folder}/cache", "--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32",
@@ -206,7 +205,7 @@ def train_counts(folder, steps, nproc=2):
             "--evaluate_after=False", "--predict_after=False"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             "--standalone", os.path.join(ROOT, "bench_compile.py"), out, *args], cwd=ROOT,
+                             "--standalone", "-m", "bench.compile", out, *args], cwd=ROOT,
                             env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
                             timeout=600)
     if result.returncode:
@@ -228,7 +227,7 @@ def demo_model(folder, steps=60):
 def bench_compile(args, device):
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        counts, source = train_counts(folder, args.compile_steps)
+        counts, source = train_counts(folder, args.compile_steps, args.samsum_csv)
         rows += [dict(section="compile", figure="train:graph_breaks", value=max(c["graph_breaks"] for c in counts.values()),
                       target="0"),
                  dict(section="compile", figure="train:compilations",
@@ -247,7 +246,7 @@ def bench_compile(args, device):
                  dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1"),
                  dict(section="compile", figure="decode:weight_casts_per_step", value=casts, target="0"),
                  dict(section="compile", figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25")]
-    import bench_fsdp
+    from bench import fsdp as bench_fsdp
     rows += bench_fsdp.bench_fsdp(args)
     rows.append(dict(section="compile", figure="setup", value=f"train: {args.compile_steps} steps of {source} "
                      f"batches on 2 gloo ranks (DDP, 2 layers x 32, 4 rows per micro-batch); decode: the demo model "
@@ -266,3 +265,14 @@ def worker(out, argv):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2:])
+
+
+def summary_end_token(model, prompts, max_new):
+    """A random-weight model never says <|endoftext|>, so every row runs to max_new_tokens. A fine-tuned one
+    ends each summary at its own length; to measure that case, use as EOS the token this model emits most
+    often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
+    counts = {}
+    for row in generate(model, prompts[:16], max_new, eos_token_id=-1):
+        for token in set(row[4:]):
+            counts[token] = counts.get(token, 0) + 1
+    return max(counts, key=counts.get)

@@ -5,10 +5,10 @@ import os
 import pandas as pd
 
 import data
-import inference
-from checkpoint import make_out_dir
-from config import UserError
-from files import atomic_write
+from summarizer import inference
+from summarizer.checkpoint import make_out_dir
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 
 
 def write_submission(ids, summaries, path):

@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python bench.py [--section=data|train|generate|decode|memory|compile|calibrate|all] [--model=small|gpt2] [--json]
+python -m bench [--section=data|train|generate|decode|memory|compile|calibrate|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
@@ -20,31 +20,31 @@ import time
 import numpy as np
 import torch
 
-import bench_calibrate
-import bench_compile
-import bench_memory
+from bench import ROOT, SAMSUM_CSV
+from bench import calibrate as bench_calibrate
+from bench import compile as bench_compile
+from bench import memory as bench_memory
 import data
-from bench_calibrate import SAMSUM_TINY, demo_arguments, train_quietly
+from bench.compile import summary_end_token
+from bench.calibrate import SAMSUM_TINY, demo_arguments, train_quietly
 from config import PROMPT_TEMPLATE, load_config
 from data import EOT_ID
 from generate import generate
-from inference import open_run, summarize
-from metrics import rouge
+from summarizer.inference import open_run, summarize
+from summarizer.metrics import rouge
 from model import GPT
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-SAMSUM_CSV = os.path.join(ROOT, "..", "shared", "data", "samsum-validation.csv")
 MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 
 
-def samsum_examples(n, seed=0):
+def samsum_examples(n, samsum_csv, seed=0):
     """(prompt tokens, summary tokens) pairs with SAMSum's lengths: the real validation dialogues when ../shared
     has them, else random tokens with lengths from log-normals fitted to SAMSum (prompt median ~130 tokens,
     summary mean ~25), and which of the two it is."""
     rng = np.random.default_rng(seed)
-    if os.path.exists(SAMSUM_CSV):
+    if os.path.exists(samsum_csv):
         import pandas as pd
-        frame = pd.read_csv(SAMSUM_CSV).dropna()
+        frame = pd.read_csv(samsum_csv).dropna()
         picked = rng.choice(len(frame), size=min(n, len(frame)), replace=False)
         enc = data.get_tokenizer()
         fmt = data.prompt_format(PROMPT_TEMPLATE, 1024, 80)
@@ -56,8 +56,8 @@ def samsum_examples(n, seed=0):
             for p, k in zip(prompt_lengths, summary_lengths)], "synthetic"
 
 
-def samsum_prompts(n, seed=0):
-    examples, source = samsum_examples(n, seed)
+def samsum_prompts(n, samsum_csv, seed=0):
+    examples, source = samsum_examples(n, samsum_csv, seed)
     return [prompt for prompt, _ in examples], source
 
 
@@ -138,7 +138,7 @@ def interleaved(candidates, device, repeats):
 
 def bench_generate(args, device):
     hf, ours = make_models(args.model, device)
-    prompts, source = samsum_prompts(args.gen_prompts)
+    prompts, source = samsum_prompts(args.gen_prompts, args.samsum_csv)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [[prompts[i] for i in order[s:s + args.gen_batch]] for s in range(0, len(order), args.gen_batch)]
     max_new = args.max_new_tokens
@@ -151,17 +151,6 @@ def bench_generate(args, device):
                      f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
                      f"median of {args.repeats}, {device}"))
     return rows
-
-
-def summary_end_token(model, prompts, max_new):
-    """A random-weight model never says <|endoftext|>, so every row runs to max_new_tokens. A fine-tuned one
-    ends each summary at its own length; to measure that case, use as EOS the token this model emits most
-    often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
-    counts = {}
-    for row in generate(model, prompts[:16], max_new, eos_token_id=-1):
-        for token in set(row[4:]):
-            counts[token] = counts.get(token, 0) + 1
-    return max(counts, key=counts.get)
 
 
 def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
@@ -227,9 +216,9 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     return rows
 
 
-def training_examples(n):
+def training_examples(n, samsum_csv):
     """An Examples set (prompt + summary + EOS, prompt masked) of n SAMSum-length rows, as data.py builds it."""
-    pairs, source = samsum_examples(n)
+    pairs, source = samsum_examples(n, samsum_csv)
     sequences = [p + s + [EOT_ID] for p, s in pairs]
     lengths = np.array([len(q) for q in sequences])
     return data.Examples(tokens=np.concatenate(sequences).astype(np.uint16),
@@ -238,7 +227,7 @@ def training_examples(n):
 
 
 def bench_data(args, device):
-    examples, source = training_examples(args.data_examples)
+    examples, source = training_examples(args.data_examples, args.samsum_csv)
     rows = [dict(section="data", figure="padding_fraction_fixed_1024",
                  value=1 - float((examples.lengths - 1).mean()) / 1024)]
     for micro in (8, 16):
@@ -262,7 +251,7 @@ def bench_train(args, device):
     approach, every row padded to 1024 with logits at every position."""
     hf, ours = make_models(args.model, device)
     hf.train(), ours.train()
-    examples, source = training_examples(args.train_batches * args.micro_batch)
+    examples, source = training_examples(args.train_batches * args.micro_batch, args.samsum_csv)
     sampler = data.LengthGroupedSampler(examples.lengths, len(examples), args.micro_batch, seed=0)
     batches = [data.collate(examples, idx) for idx in sampler.micro_batches(0)]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
@@ -345,13 +334,13 @@ def bench_decode(args, device):
             rows = compare_decodings("demo", train_quietly([*demo, f"--out_dir={tmp}/demo"]), None, device,
                                      args.repeats)
             source = "trained here with config/demo.py"
-        if os.path.exists(SAMSUM_CSV):
-            cfg = train_quietly([*demo, f"--train_csv={SAMSUM_CSV}", *SAMSUM_TINY, f"--out_dir={tmp}/samsum"])
+        if os.path.exists(args.samsum_csv):
+            cfg = train_quietly([*demo, f"--train_csv={args.samsum_csv}", *SAMSUM_TINY, f"--out_dir={tmp}/samsum"])
             rows += compare_decodings("samsum", cfg, None, device, args.repeats)
             source += (f"; samsum model: 2 layers, 64 wide, trained {cfg.max_iters} steps from scratch on "
-                       f"{1 - cfg.val_fraction:.0%} of {os.path.basename(SAMSUM_CSV)}, scored on the rest")
+                       f"{1 - cfg.val_fraction:.0%} of {os.path.basename(args.samsum_csv)}, scored on the rest")
         else:
-            rows.append(dict(section="decode", figure="samsum", value=f"skipped: {SAMSUM_CSV} not found"))
+            rows.append(dict(section="decode", figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
     rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
                      f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
@@ -407,9 +396,9 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
 
 
 SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
-            "memory": lambda args, device: bench_memory.bench_memory(args, SAMSUM_CSV),
+            "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
             "compile": bench_compile.bench_compile,
-            "calibrate": lambda args, device: bench_calibrate.bench_calibrate(args, device, SAMSUM_CSV)}
+            "calibrate": lambda args, device: bench_calibrate.bench_calibrate(args, device, args.samsum_csv)}
 
 
 def main():
@@ -417,6 +406,8 @@ def main():
     parser.add_argument("--section", default="all", choices=["all", *SECTIONS])
     parser.add_argument("--model", default="small", choices=list(MODELS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV (id, dialogue, summary) for the "
+                        "SAMSum figures; without it they use random tokens of SAMSum's lengths, or are skipped")
     parser.add_argument("--json", action="store_true", help="one JSON object per figure instead of a table")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gen_prompts", type=int, default=48)

@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 import data
-from checkpoint import build_model
-from config import DATA_KEYS, DECODING_KEYS, FIELDS, FIXED_KEYS, Config, UserError
+from summarizer.checkpoint import build_model
+from config import DATA_KEYS, DECODING_KEYS, FIELDS, FIXED_KEYS, Config
+from summarizer.errors import UserError
 from generate import compile_decode, generate, summary_text
-from runtime import out_of_memory_hint
+from summarizer.runtime import out_of_memory_hint
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel
 
-from config import UserError
+from summarizer.errors import UserError
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
 # more specific names first.

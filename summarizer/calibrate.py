@@ -17,13 +17,13 @@ import torch
 from tqdm import tqdm
 
 import data
-import lora
-from checkpoint import weights_digest
-from config import UserError
-from files import atomic_write
+from summarizer import lora
+from summarizer.checkpoint import weights_digest
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
 from generate import generate, summary_text
-from inference import generation_batches, generation_memory
-from metrics import rouge_per_example
+from summarizer.inference import generation_batches, generation_memory
+from summarizer.metrics import rouge_per_example
 from model import Packed
 
 # how candidates are drawn: beam search's n-best list, or samples (the same settings as MBR's in bench.py)

@@ -2,11 +2,11 @@
 # On a machine with one CUDA GPU (a Kaggle T4 is enough): fp16 + GradScaler, bf16 (refused on GPUs before Ampere),
 # torch.compile off and on at GPT-2 (124M) shapes: training MFU, greedy and MBR-16 decoding speed with a real EOS,
 # graph breaks, compilations and host syncs against their targets, and the Kaggle presets' peak training memory
-# against bench.py --section=memory; one JSON report (gpu_check_report.json here, or --report=PATH) to attach to an
-# issue. Then bench.py's side-by-side figures (ours vs transformers) at the same shapes. About 10 minutes on a T4,
+# against python -m bench --section=memory; one JSON report (gpu_check_report.json here, or --report=PATH) to attach to an
+# issue. Then python -m bench's side-by-side figures (ours vs transformers) at the same shapes. About 10 minutes on a T4,
 # mostly compiling, and a few more for the presets' memory (--presets= leaves it out).
-#     bash scripts/gpu_check.sh [--iters=30 --report=PATH ...]      extra flags go to scripts/gpu_check.py
-# Exits non-zero if a check fails (the report says which) or bench.py fails.
+#     bash bench/gpu_check.sh [--iters=30 --report=PATH ...]      extra flags go to bench/gpu_check.py
+# Exits non-zero if a check fails (the report says which) or python -m bench fails.
 set -uo pipefail
 report="$PWD/gpu_check_report.json"
 for arg in "$@"; do
@@ -15,7 +15,7 @@ done
 cd "$(dirname "$0")/.." || exit 1
 nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv || true
 status=0
-python scripts/gpu_check.py --model=gpt2 --device=cuda "$@" --report="$report" || status=$?
-python bench.py --model=gpt2 --device=cuda || status=$?
+python -m bench.gpu_check --model=gpt2 --device=cuda "$@" --report="$report" || status=$?
+python -m bench --model=gpt2 --device=cuda || status=$?
 echo "gpu_check report: $report (attach it to an issue)"
 exit "$status"

@@ -3,12 +3,12 @@ precision (fp32, fp16 + GradScaler, bf16) with torch.compile off and on: the rea
 memory; the batched generator's greedy tokens/s and MBR-16 summaries/s with rows ending at an EOS, and whether
 compiled greedy output equals eager; inductor's graph breaks and compilations in training and in decoding, and
 decoding's host syncs per step. Then, for the Kaggle presets that run in one process and fit the GPU, the peak
-torch.cuda.max_memory_allocated of a few training steps next to bench.py --section=memory's prediction. Random
+torch.cuda.max_memory_allocated of a few training steps next to python -m bench --section=memory's prediction. Random
 weights; SAMSum's validation dialogues when ../shared has them, else random ones: nothing to download. Exit
 status 1 if any check fails.
 
-    bash scripts/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
-    python scripts/gpu_check.py --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3
+    bash bench/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
+    python -m bench.gpu_check --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3
 """
 import argparse
 import contextlib
@@ -25,17 +25,15 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import bench_memory  # noqa: E402
-import train  # noqa: E402
-from bench import summary_end_token  # noqa: E402
-from bench_compile import SAMSUM_CSV, Waits, decoding_steps, training_csv  # noqa: E402
-from config import UserError, load_config  # noqa: E402
-from files import atomic_write  # noqa: E402
-from generate import compile_decode, generate  # noqa: E402
-from model import GPT, PRETRAINED, GPTConfig  # noqa: E402
-from runtime import Runtime, choose_precision  # noqa: E402
+from bench import memory as bench_memory
+import train
+from bench import ROOT, SAMSUM_CSV
+from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
+from config import UserError, load_config
+from summarizer.files import atomic_write
+from generate import compile_decode, generate
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer.runtime import Runtime, choose_precision
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
           "tiny": dict(n_layer=1, n_head=2, n_embd=32, block_size=128)}
@@ -177,7 +175,7 @@ def case(args, dtype, compile, device, capability, folder, csv, prompts, eager):
 # ---- the presets' memory ----------------------------------------------------------------------------------------
 
 def predicted_gib(name, mode, x, y):
-    """bench.py --section=memory's GiB per GPU of model `name` in `mode`, for micro-batch (x, y)."""
+    """python -m bench --section=memory's GiB per GPU of model `name` in `mode`, for micro-batch (x, y)."""
     shape = PRETRAINED[name]
     states = {"full": bench_memory.state_bytes(shape, False), "lora": bench_memory.state_bytes(shape, True)}
     return sum(bench_memory.per_rank(mode, states, bench_memory.activation_bytes(shape, x, y))) / GIB
@@ -211,7 +209,7 @@ def peak_training_gib(cfg, x, y, device, capability, steps=2):
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
-def preset_row(preset, device, capability, total_gib, batches):
+def preset_row(preset, device, capability, total_gib, batches, samsum_csv):
     """A preset's mode, predicted GiB per GPU and measured peak GiB, or why it was not measured."""
     path = os.path.join(ROOT, "config", f"{preset}.py")
     name = load_config([path]).init_from
@@ -223,7 +221,7 @@ def preset_row(preset, device, capability, total_gib, batches):
     if cfg.backend == "fsdp":
         return dict(row, note=f"needs 2 GPUs (torchrun --nproc_per_node=2 train.py config/{preset}.py): not measured")
     if cfg.micro_batch_size not in batches:
-        batches[cfg.micro_batch_size] = bench_memory.longest_micro_batch(SAMSUM_CSV, cfg.micro_batch_size)
+        batches[cfg.micro_batch_size] = bench_memory.longest_micro_batch(samsum_csv, cfg.micro_batch_size)
     x, y, _ = batches[cfg.micro_batch_size]
     row.update(width=x.shape[1], predicted_gib=predicted_gib(name, mode, x, y))
     if row["predicted_gib"] > total_gib:
@@ -300,6 +298,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2", choices=list(MODELS))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV; random dialogues without it")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     parser.add_argument("--compile", default="False,True", help="False, True or both (eager first)")
     parser.add_argument("--iters", type=int, default=30, help="training steps per case")
@@ -321,13 +320,13 @@ def main(argv=None):
                for _ in range(args.gen_prompts)]
     eager = {}  # per dtype: the EOS every row of that dtype uses, the eager greedy outputs
     with tempfile.TemporaryDirectory() as folder:
-        csv, _ = training_csv(folder)  # SAMSum validation, or random chats of its shape
+        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
         rows = [case(args, dtype, compile == "True", device, capability, folder, csv, prompts, eager)
                 for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
     presets, batches = [], {}
     if device.type == "cuda":
         total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-        presets = [preset_row(p, device, capability, total_gib, batches) for p in args.presets.split(",") if p]
+        presets = [preset_row(p, device, capability, total_gib, batches, args.samsum_csv) for p in args.presets.split(",") if p]
     found = checks(rows, presets)
 
     print(f"\n{args.model} shapes, micro-batch {args.micro_batch_size}, {args.iters} training steps per row; "
@@ -338,7 +337,7 @@ def main(argv=None):
     print_table(CASE_COLUMNS, rows)
     if presets:
         print("\npeak training memory of the presets (random weights, widest SAMSum-like micro-batch, two per step, "
-              "eager) against bench.py --section=memory's prediction")
+              "eager) against python -m bench --section=memory's prediction")
         print_table(PRESET_COLUMNS, presets)
     print(f"\nchecks: {sum(c['passed'] for c in found)} of {len(found)} passed")
     for c in found:

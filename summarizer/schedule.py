@@ -2,7 +2,7 @@
 reshaped by a changed config) when a run resumes."""
 import math
 
-from config import UserError
+from summarizer.errors import UserError
 
 
 def lr_schedule(run_config):

@@ -1,4 +1,4 @@
-"""bench.py --section=calibrate: does the calibration stage (calibrate.py) buy ROUGE? From one token-trained
+"""python -m bench --section=calibrate: does the calibration stage (calibrate.py) buy ROUGE? From one token-trained
 checkpoint, continue the same steps on the same rows with (a) the token loss only and (b) the token loss plus the
 ranking loss, then score the final weights of each, greedy and beam 4, on rows neither trained on: the demo model
 (its validation CSV) and a tiny model trained here on part of SAMSum's validation CSV (scored on the rest)."""
@@ -11,12 +11,12 @@ import time
 
 import data
 import train
+from bench import ROOT
 from config import load_config
-from inference import open_run, summarize
-from metrics import rouge
-from runtime import Runtime
+from summarizer.inference import open_run, summarize
+from summarizer.metrics import rouge
+from summarizer.runtime import Runtime
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 # A tiny model trained from scratch on the SAMSum rows that are not held out (val_fraction of them are)
 SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv=", "--block_size=256",
                "--max_new_tokens=48", "--batch_size=16", "--micro_batch_size=16", "--max_iters=300",

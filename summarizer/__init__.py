@@ -1,0 +1,1 @@
+"""The machinery that train.py, evaluate.py, predict.py and export.py share."""

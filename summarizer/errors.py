@@ -1,0 +1,5 @@
+"""The one exception type for mistakes a user can fix."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""

@@ -43,26 +43,41 @@ def option(default, help, choices=None):
 
 
 @dataclass
-class Config:
-    # data
+class Split:
+    """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, else data/train.csv")
     validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv")
-    test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
-                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv")
-    sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
-                                        "sample submission whose ids submission.csv must match; '' = no check")
     dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)")
     summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)")
     id_column: str = option("", "id column; '' = auto (id)")
     val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''")
     split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)")
+
+
+@dataclass
+class Submission:
+    """What predict.py summarizes, and the sample submission its ids must match."""
+    test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
+                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv")
+    sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
+                                        "sample submission whose ids submission.csv must match; '' = no check")
+
+
+@dataclass
+class RowFormat:
+    """How a training row is made: fixed by training, so inference takes it from the checkpoint."""
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
                                                    "summary and <|endoftext|>; must contain {dialogue} once")
     train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)")
+    block_size: int = option(1024, "longest sequence in tokens, a multiple of 8; longer dialogues are cut")
+
+
+@dataclass
+class Run:
+    """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and settings)")
     out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here")
-    # model
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
                                     "or a local transformers model directory")
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
@@ -71,13 +86,21 @@ class Config:
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
                                "out_dir/baseline-<name>/")
+
+
+@dataclass
+class ModelShape:
+    """A model's shape from scratch (a pretrained or resumed model brings its own)."""
     n_layer: int = option(12, "transformer blocks (init_from='scratch' only)")
     n_head: int = option(12, "attention heads (init_from='scratch' only)")
     n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)")
-    block_size: int = option(1024, "longest sequence in tokens, a multiple of 8; longer dialogues are cut")
-    dropout: float = option(0.0, "dropout probability while training")
     bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)")
-    # optimization
+
+
+@dataclass
+class Training:
+    """The optimization: batch, steps, learning rate and its schedule, time budget."""
+    dropout: float = option(0.0, "dropout probability while training")
     batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and accumulation")
     micro_batch_size: int = option(8, "sequences per forward pass on one rank")
     max_iters: int = option(300, "optimizer steps")
@@ -85,23 +108,36 @@ class Config:
     min_lr: float = option(2e-5, "learning rate at the end of the cosine decay")
     warmup_iters: int = option(20, "steps of linear warmup")
     lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters")
-    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
     seed: int = option(1337, "seed of the data order, dropout and sampling")
     max_time: str = option("", "time budget of the run, in seconds or as a duration (11h30m): training stops in "
                                "time to evaluate, write ckpt.pt and run evaluate_after/predict_after; '' = none")
-    # memory: bigger models on the same GPUs (bench.py --section=memory says what fits)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute")
+
+
+@dataclass
+class AdamW:
+    """AdamW's settings, which a resumed run applies to the optimizer it restores."""
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+
+
+@dataclass
+class Lora:
+    """LoRA adapters (lora_rank 0 = full fine-tuning)."""
     lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
                                "lora_targets; best.pt holds the merged weights")
     lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank")
     lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training")
     lora_targets: str = option(",".join(LORA_TARGETS), f"comma-separated Linear layers of each block that get "
                                                         f"adapters, among {', '.join(LORA_TARGETS)}")
-    # evaluation and logging
+
+
+@dataclass
+class Evaluation:
+    """Evaluation during training, checkpoints kept, and logging."""
     eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps")
     eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split")
     rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE")
@@ -113,7 +149,11 @@ class Config:
                              "wandb; '' = nowhere else")
     wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project")
     wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up")
-    # system
+
+
+@dataclass
+class System:
+    """Device, precision, compile and the distributed backend."""
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
                         ("auto", "float32", "bfloat16", "float16"))
@@ -133,7 +173,11 @@ class Config:
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
                                           "(only for a broken InfiniBand setup)")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
-    # generation
+
+
+@dataclass
+class Decoding:
+    """How summaries are decoded: generate()'s settings."""
     max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size")
     min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it")
     num_beams: int = option(1, "beam search width; 1 = greedy or sampling")
@@ -148,12 +192,21 @@ class Config:
                                  "temperature > 0) and keep the one that agrees most with the others; 0 = off")
     mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
+
+
+@dataclass
+class Summarizing:
+    """How many dialogues one generate() call takes, and evaluate.py's sweep."""
     gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)")
     gen_memory_gb: float = option(0.0, "GiB the KV cache of one generate() call may take (rows x num_beams or "
                                        "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU")
     sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
                             "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)")
-    # calibration: a second stage that trains for ROUGE (README: Train for the score)
+
+
+@dataclass
+class Calibration:
+    """The calibration stage: a ranking loss on candidate summaries (docs/calibration.md)."""
     rank_weight: float = option(0.0, "> 0: calibration stage (start it from a trained run, --init_from=out/best.pt): "
                                      "candidate summaries of every training dialogue are generated first, and this "
                                      "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
@@ -166,12 +219,35 @@ class Config:
     rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
                                         "sample (temperature 0.7, top-k 50)", ("beam", "sample"))
     candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt")
-    # export
+
+
+@dataclass
+class Export:
+    """export.py's output."""
     export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)")
     overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")
 
+
+GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding, Summarizing, Calibration, Export)  # in the order of --help and the reference
+
+
+@dataclass
+class Config(*reversed(GROUPS)):
+    """Every setting of train.py, evaluate.py, predict.py and export.py, flat (--key=value, config.json, a
+    checkpoint's saved config); the groups above name the settings that belong together."""
+
     def __post_init__(self):
         check_values(self)
+
+
+def keys(group):
+    """The names of a group's settings."""
+    return tuple(f.name for f in fields(group))
+
+
+def part(cfg, group):
+    """The group's settings of a Config (e.g. part(cfg, Decoding) for generate)."""
+    return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
 def check_values(cfg):
@@ -266,15 +342,10 @@ def lora_target_list(lora_targets):
     return [t.strip() for t in lora_targets.split(",") if t.strip()]
 
 
-# How inference.py treats a trained run's saved config: what training fixed comes from the checkpoint (a flag may
-# only repeat it); decoding and data settings default to the run's, and an explicit --key=value replaces them.
-FIXED_KEYS = ("prompt_template", "block_size", "train_on_prompt")
-DATA_KEYS = ("train_csv", "validation_csv", "val_fraction", "split_seed", "dialogue_column", "summary_column",
-             "id_column")
-SWEEP_KEYS = ("min_new_tokens", "num_beams", "temperature", "top_k", "top_p", "epsilon", "length_penalty",
-              "repetition_penalty", "no_repeat_ngram_size", "mbr_samples", "mbr_metric", "mbr_include_beam", "seed",
-              "gen_batch_size")
-DECODING_KEYS = ("max_new_tokens", *(key for key in SWEEP_KEYS if key != "gen_batch_size"))
+def sweep_keys():
+    """What evaluate.py --sweep may vary: the decoding settings but the summary budget (fixed by training), the
+    sampling seed and the generation batch."""
+    return (*keys(Decoding)[1:], "seed", "gen_batch_size")
 
 
 def parse_sweep(text):
@@ -285,8 +356,8 @@ def parse_sweep(text):
         key, eq, values = group.partition("=")
         if not eq or not values:
             raise UserError(f"sweep={text!r}: cannot read {group!r}, write key=value1,value2,...")
-        if key not in SWEEP_KEYS:
-            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; sweep one of {', '.join(SWEEP_KEYS)}")
+        if key not in sweep_keys():
+            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
         try:
             typed_values = [parse_override(f"--{key}={value}")[1] for value in values.split(",")]
         except UserError as e:

@@ -78,6 +78,11 @@ def get_tokenizer():
     return build_tokenizer(*bpe_files())
 
 
+def summary_text(tokens):
+    """A generated summary's text."""
+    return get_tokenizer().decode(tokens).strip()
+
+
 # ---- CSV -> rows of text ----------------------------------------------------------------------------------
 
 DIALOGUE_COLUMNS = ("dialogue", "article", "document", "text")

@@ -20,7 +20,7 @@ from config import GPT2_NAMES, explicit_keys, load_config
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run
 from model import CONV1D_WEIGHTS
-from summarizer.runtime import one_line_errors
+from summarizer.launch import one_line_errors
 
 
 def to_transformers(model):

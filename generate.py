@@ -1,6 +1,6 @@
 """Decoding, in the spirit of gpt-fast's generate.py: the decode state over the model's KV caches, transformers'
-logits processors, greedy and sampled decoding, beam search with n-best lists, minimum Bayes risk (MBR) decoding,
-and the torch.compile'd decode step. Token ids in, token ids out: inference.py turns dialogues into prompts."""
+logits processors, greedy and sampled decoding, beam search with n-best lists, the candidates of minimum Bayes
+risk (MBR) decoding, and the decode step (compiled by the caller). Token ids in, token ids out."""
 import copy
 from typing import NamedTuple
 
@@ -8,104 +8,91 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-import data
-from summarizer.metrics import mbr_select
 from model import KVCache
-from summarizer.runtime import compiler_error, warn_compile_failed
 
 
 class Sequence(NamedTuple):
-    """One generated continuation: its tokens (cut before EOS); the sum of the log-probabilities of the generated
-    tokens, EOS included, after the logits processors (as beam search scores them); and the number of generated
-    tokens, EOS included, which beam search's length penalty divides by (logprob / length ** length_penalty)."""
+    """One generated continuation: its tokens (cut before EOS) and how many were generated, EOS included."""
     tokens: list
-    logprob: float
     length: int
 
 
 @torch.inference_mode()
-def generate(model, prompts, max_new_tokens, eos_token_id=50256, temperature=0.0, top_k=None, top_p=None,
-             epsilon=0.0, num_beams=1, length_penalty=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-             min_new_tokens=0, seed=None, num_return_sequences=1, mbr_samples=0, mbr_metric="rougeL",
-             mbr_include_beam=False, output_scores=False, compact_below=None):
-    """Continue each prompt (a list of token-id lists, any lengths) by up to max_new_tokens tokens, at least
-    min_new_tokens before EOS. Returns, prompt by prompt in the prompts' order, num_return_sequences new-token
-    lists cut before EOS (Sequence objects with output_scores=True).
-    - temperature=0: greedy; num_beams>1: beam search as transformers' (early_stopping=False), whose n-best
-      (num_return_sequences <= num_beams) are the best finished hypotheses, best first.
-    - temperature>0: sampling (top_k, top_p, epsilon as transformers' epsilon_cutoff), seeded by `seed`;
-      num_return_sequences samples per prompt, identical ones adjacent.
-    - mbr_samples=N>0: per prompt, N samples (plus the greedy/beam result with mbr_include_beam) from one
-      prefill, and the one with the highest mean mbr_metric against the others is returned.
-    - compact_below: greedy and sampled rows that end stay in the batch until the running rows are at most this
-      fraction of it; only then are the running rows' caches copied into a smaller batch. None: 1.0 on the CPU,
-      where every row costs its compute (rows are dropped at each EOS), 0.5 on a GPU, where a decode step reads
-      the weights whatever the rows and a cache copy costs more than decoding ended rows.
-    Every prompt must fit block_size - max_new_tokens tokens (inference.py cuts dialogues to fit)."""
-    block_size = model.config.block_size
-    if not 0 < max_new_tokens < block_size:
-        raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {max_new_tokens}")
-    if not 0 <= min_new_tokens <= max_new_tokens:
-        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
-    if mbr_samples and (temperature <= 0 or num_return_sequences != 1):
-        raise ValueError("MBR samples its candidates and returns one sequence per prompt: use temperature > 0 "
-                         "and num_return_sequences=1")
-    if num_beams > 1 and temperature > 0 and not (mbr_samples and mbr_include_beam):
-        raise ValueError("beam search is deterministic: use temperature=0.0 with num_beams > 1")
-    if not mbr_samples and not 0 < num_return_sequences <= (num_beams if temperature == 0 else float("inf")):
-        raise ValueError(f"num_return_sequences={num_return_sequences} needs sampling (temperature > 0) or "
-                         f"num_beams >= num_return_sequences")
+def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
+             step=None, compact_below=None):
+    """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
+    by prompt, num_return_sequences new-token lists cut before EOS.
+    - temperature=0: greedy; num_beams>1: transformers' beam search (early_stopping=False), whose n-best are the
+      best finished hypotheses, best first.
+    - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; identical samples adjacent.
+    - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
+      mbr_pick(token lists, counts, metric) -> index chooses (summarizer.mbr.pick).
+    step: the decode step (decode_step compiled, or None for eager). compact_below: running rows at most this
+    fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every row costs compute,
+    0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
+    d = decoding
+    check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
         return []
     prompts = [list(p) for p in prompts]
-    if not all(0 < len(p) <= block_size - max_new_tokens for p in prompts):
-        raise ValueError(f"every prompt needs 1 to block_size - max_new_tokens = {block_size - max_new_tokens} "
-                         f"tokens, got lengths {sorted({len(p) for p in prompts})}")
     device = model.lm_head.weight.device
-    state = DecodeState(prompts, max_new_tokens, device)
+    state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
-    processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, min_new_tokens, eos_token_id,
-                                  temperature, top_k, top_p, epsilon)
     if compact_below is None:
         compact_below = 1.0 if device.type == "cpu" else 0.5
-    run = Decoding(decoder(model), processors, eos_token_id, output_scores, compact_below)
+    run = Decoder(model, step or eager_step(device), LogitsProcessors(d, eos_token_id), eos_token_id, compact_below)
 
     def deterministic(state, kv_caches):
-        if num_beams > 1:
-            return run.beam_search(logits, state, kv_caches, num_beams, length_penalty, num_return_sequences)
+        if d.num_beams > 1:
+            return run.beam_search(logits, state, kv_caches, d.num_beams, d.length_penalty, num_return_sequences)
         return [[s for s, _ in row] for row in run.sample(logits, state, kv_caches, None, [1] * len(prompts))]
 
-    if temperature == 0:
+    if d.temperature == 0:
         results = deterministic(state, kv_caches)
     else:
         # one random stream per prompt, from the seed and the prompt itself: a prompt's samples are the same
         # whichever batch it is decoded in (a memory budget may split batches) and however rows end
         entropy = np.random.SeedSequence().entropy if seed is None else seed
         streams = [np.random.default_rng([entropy, *prompt]) for prompt in prompts]
-        if mbr_samples:
+        if d.mbr_samples:
             every_row = torch.arange(len(prompts), device=device)
             best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
-                    if mbr_include_beam else [[] for _ in prompts])
-            samples = run.sample(logits, state, kv_caches, streams, [mbr_samples] * len(prompts))
-            results = [[mbr_pick(b[:1], s, mbr_metric)] for b, s in zip(best, samples)]
+                    if d.mbr_include_beam else [[] for _ in prompts])
+            samples = run.sample(logits, state, kv_caches, streams, [d.mbr_samples] * len(prompts))
+            results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples)]
         else:
             samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
             results = [[s for s, n in row for _ in range(n)] for row in samples]
-    return [s if output_scores else s.tokens for row in results for s in row]
+    return [s.tokens for row in results for s in row]
 
 
-def summary_text(tokens):
-    return data.get_tokenizer().decode(tokens).strip()
+def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
+    """ValueError for settings generate cannot follow, and for prompts that leave no room for max_new_tokens."""
+    block_size = model.config.block_size
+    if not 0 < d.max_new_tokens < block_size:
+        raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {d.max_new_tokens}")
+    if not 0 <= d.min_new_tokens <= d.max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={d.max_new_tokens}], got {d.min_new_tokens}")
+    if d.mbr_samples and (d.temperature <= 0 or num_return_sequences != 1 or mbr_pick is None):
+        raise ValueError("MBR samples its candidates and returns one sequence per prompt: use temperature > 0, "
+                         "num_return_sequences=1 and an mbr_pick")
+    if d.num_beams > 1 and d.temperature > 0 and not (d.mbr_samples and d.mbr_include_beam):
+        raise ValueError("beam search is deterministic: use temperature=0.0 with num_beams > 1")
+    if not d.mbr_samples and not 0 < num_return_sequences <= (d.num_beams if d.temperature == 0 else float("inf")):
+        raise ValueError(f"num_return_sequences={num_return_sequences} needs sampling (temperature > 0) or "
+                         f"num_beams >= num_return_sequences")
+    room = block_size - d.max_new_tokens
+    if not all(0 < len(p) <= room for p in prompts):
+        raise ValueError(f"every prompt needs 1 to block_size - max_new_tokens = {room} tokens, got lengths "
+                         f"{sorted({len(p) for p in prompts})}")
 
 
-def mbr_pick(best, samples, metric):
+def mbr_choice(best, samples, mbr_pick, metric):
     """The MBR choice among `best` (the greedy/beam result, or nothing) and the distinct `samples` ((Sequence,
     count) pairs); ties go to the greedy/beam result, then to the most frequent sample."""
-    samples = sorted(samples, key=lambda pair: -pair[1])
-    candidates = [(s, 1) for s in best] + samples
-    texts = [summary_text(s.tokens) for s, _ in candidates]
-    return candidates[mbr_select(texts, [n for _, n in candidates], metric)][0]
+    candidates = [(s, 1) for s in best] + sorted(samples, key=lambda pair: -pair[1])
+    return candidates[mbr_pick([s.tokens for s, _ in candidates], [n for _, n in candidates], metric)][0]
 
 
 class DecodeState:
@@ -158,11 +145,11 @@ class LogitsProcessors:
     masked before min_new_tokens (MinNewTokensLengthLogitsProcessor), then (sampling only) temperature, top-k,
     top-p and epsilon."""
 
-    def __init__(self, repetition_penalty, no_repeat_ngram_size, min_new_tokens, eos_token_id, temperature,
-                 top_k, top_p, epsilon):
-        self.repetition_penalty, self.no_repeat_ngram_size = repetition_penalty, no_repeat_ngram_size
-        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
-        self.temperature, self.top_k, self.top_p, self.epsilon = temperature, top_k, top_p, epsilon
+    def __init__(self, decoding, eos_token_id):
+        d = decoding
+        self.repetition_penalty, self.no_repeat_ngram_size = d.repetition_penalty, d.no_repeat_ngram_size
+        self.min_new_tokens, self.eos_token_id = d.min_new_tokens, eos_token_id
+        self.temperature, self.top_k, self.top_p, self.epsilon = d.temperature, d.top_k, d.top_p, d.epsilon
 
     def penalize(self, scores, state):
         """The processed scores, a new tensor where a processor applies (`scores` itself is never changed)."""
@@ -205,15 +192,15 @@ class LogitsProcessors:
         return logits, ids
 
 
-class Decoding:
+class Decoder:
     """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
 
-    def __init__(self, decode, processors, eos_token_id, with_logprob, compact_below):
-        self.decode, self.processors, self.eos = decode, processors, eos_token_id
-        self.with_logprob, self.compact_below = with_logprob, compact_below
+    def __init__(self, model, step, processors, eos_token_id, compact_below):
+        self.model, self.decode, self.processors, self.eos = model, step, processors, eos_token_id
+        self.compact_below = compact_below
 
     def step(self, state, kv_caches):
-        return self.decode(state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
+        return self.decode(self.model, state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
 
     def sample(self, logits, state, kv_caches, streams, counts):
         """Greedy (streams None) or sampled decoding, where prompt row r stands for counts[r] samples, drawn
@@ -223,12 +210,11 @@ class Decoding:
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
         model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
         at most compact_below of the batch or a row splits: only then are their caches copied into a smaller
-        batch. Each step waits for the device once, to read the tokens drawn (and their log-probabilities); the
-        rest is bookkeeping on the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
+        batch. Each step waits for the device once, to read the tokens drawn; the rest is bookkeeping on the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
         max_new = state.max_len - state.prompt_len
         results = [[] for _ in counts]
-        # per batch row: (prompt, samples it stands for, new tokens, log-probability), None once it has ended
-        rows = [(r, n, [], 0.0) for r, n in enumerate(counts)]
+        # per batch row: (prompt, samples it stands for, new tokens), None once it has ended
+        rows = [(r, n, []) for r, n in enumerate(counts)]
         for step in range(max_new):
             scores = self.processors.penalize(logits.float(), state)
             if streams is None:
@@ -238,23 +224,18 @@ class Decoding:
                 drawn = inverse_cdf(warped.softmax(dim=-1), uniforms(rows, streams))
                 if ids is not None:
                     drawn = ids.gather(1, drawn)
-            packed = drawn.double()  # token ids are exact in float64, and so are float32 log-probabilities
-            if self.with_logprob:
-                packed = torch.stack((packed, (scores.gather(1, drawn) - scores.logsumexp(-1, keepdim=True)).double()))
-            packed = packed.tolist()  # the step's one wait for the device
-            tokens, logprobs = packed if self.with_logprob else (packed, None)
+            tokens = drawn.tolist()  # the step's one wait for the device
             continuing, parents = [], []
             for i, row in enumerate(rows):
                 if row is None:
                     continue
-                owner, count, seq, logprob = row
+                owner, count, seq = row
                 taken = tokens[i][:count]
                 for token in sorted(set(taken)):
-                    n, token_logprob = taken.count(token), logprobs[i][taken.index(token)] if logprobs else 0.0
-                    ended = token == self.eos or step == max_new - 1
-                    sequence = (owner, n, seq + [int(token)] * (token != self.eos), logprob + token_logprob)
+                    n, ended = taken.count(token), token == self.eos or step == max_new - 1
+                    sequence = (owner, n, seq + [token] * (token != self.eos))
                     if ended:
-                        results[owner].append((Sequence(sequence[2], sequence[3], step + 1), n))
+                        results[owner].append((Sequence(sequence[2], step + 1), n))
                     else:
                         continuing.append(sequence)
                         parents.append(i)
@@ -265,7 +246,7 @@ class Decoding:
                 parent = torch.tensor(parents, device=logits.device)
                 state = state.select_rows(parent)
                 kv_caches = [cache.select_rows(parent) for cache in kv_caches]
-                next_tokens = torch.tensor([seq[-1] for _, _, seq, _ in continuing], device=logits.device)
+                next_tokens = torch.tensor([seq[-1] for _, _, seq in continuing], device=logits.device)
                 rows = continuing
             else:  # in place: every live row drew one token, drawn[:, 0]; ended rows decode on, unread
                 next_tokens = drawn[:, 0]
@@ -282,22 +263,14 @@ class Decoding:
         finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
         B, V, K = logits.size(0), logits.size(-1), num_beams
         max_new = state.max_len - state.prompt_len
-        device = logits.device
-        expand = torch.arange(B, device=device).repeat_interleave(K)
+        expand = torch.arange(B, device=logits.device).repeat_interleave(K)
         state = state.select_rows(expand)
         kv_caches = [cache.select_rows(expand) for cache in kv_caches]
         logits = logits[expand]
-        running_scores = torch.full((B, K), -1e9, device=device)
-        running_scores[:, 0] = 0.0
-        running_seqs = torch.full((B, K, max_new), self.eos, dtype=torch.long, device=device)
-        finished_seqs = running_seqs.clone()
-        finished_scores = torch.full((B, K), -1e9, device=device)
-        finished_logprobs = torch.zeros(B, K, device=device)
-        finished_lengths = torch.zeros(B, K, dtype=torch.long, device=device)
-        is_finished = torch.zeros(B, K, dtype=torch.bool, device=device)
-        improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
-        top_k_mask = torch.arange(2 * K, device=device) < K
-        batch_offset = torch.arange(B, device=device)[:, None] * K
+        running_scores, running_seqs, finished_scores, finished_seqs, finished_lengths, is_finished, improvable = \
+            beam_tensors(B, K, max_new, self.eos, logits.device)
+        top_k_mask = torch.arange(2 * K, device=logits.device) < K
+        batch_offset = torch.arange(B, device=logits.device)[:, None] * K
         for step in range(max_new):
             log_probs = self.processors.penalize(F.log_softmax(logits.float(), dim=-1), state)
             log_probs = (log_probs.view(B, K, V) + running_scores[:, :, None]).view(B, K * V)
@@ -320,7 +293,6 @@ class Decoding:
             best = torch.topk(merged_scores, K).indices
             finished_scores = merged_scores.gather(1, best)
             finished_seqs = torch.cat((finished_seqs, topk_seqs), 1).gather(1, best[:, :, None].expand(-1, -1, max_new))
-            finished_logprobs = torch.cat((finished_logprobs, topk_scores), 1).gather(1, best)
             finished_lengths = torch.cat((finished_lengths, torch.full_like(token, step + 1)), 1).gather(1, best)
             is_finished = torch.cat((is_finished, just_finished), dim=1).gather(1, best)
 
@@ -336,9 +308,19 @@ class Decoding:
             state.append(running_seqs[:, :, step].reshape(-1))
             logits = self.step(state, kv_caches)
         n = num_return_sequences
-        return [[Sequence(cut_at_eos(seq, self.eos), lp, length) for seq, lp, length in zip(*row)]
-                for row in zip(finished_seqs[:, :n].tolist(), finished_logprobs[:, :n].tolist(),
-                               finished_lengths[:, :n].tolist())]
+        return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row)]
+                for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist())]
+
+
+def beam_tensors(B, K, max_new, eos, device):
+    """The start of beam search for B prompts of K beams: running scores (only the first beam live) and
+    sequences, finished scores, sequences, lengths and flags, and whether each prompt can still improve."""
+    running_scores = torch.full((B, K), -1e9, device=device)
+    running_scores[:, 0] = 0.0
+    running_seqs = torch.full((B, K, max_new), eos, dtype=torch.long, device=device)
+    return (running_scores, running_seqs, torch.full((B, K), -1e9, device=device), running_seqs.clone(),
+            torch.zeros(B, K, dtype=torch.long, device=device), torch.zeros(B, K, dtype=torch.bool, device=device),
+            torch.ones(B, 1, dtype=torch.bool, device=device))
 
 
 def uniforms(rows, streams):
@@ -366,12 +348,11 @@ def cut_at_eos(tokens, eos_token_id):
     return tokens[:tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
 
 
-# ---- the compiled decode step ---------------------------------------------------------------------------------
-
-compiled_step = None  # torch.compile(decode_step), made by compile_decode(); one for all models
-
+# ---- the decode step -------------------------------------------------------------------------------------------
 
 def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
+    """Next-token logits of one decode step: what a caller compiles (torch.compile(decode_step, dynamic=True,
+    fullgraph=True)) and passes to generate as `step`."""
     return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
 
 
@@ -385,26 +366,5 @@ def cpu_decode_step(model, tokens, positions, input_pos, kv_caches, mask):
     return (model.lm_head.weight @ hidden.t()).t()
 
 
-def compile_decode(model):
-    """Decode `model` with a torch.compile'd step from now on. The step takes the model as an argument, so the
-    compiled code runs whichever model it is given (a copy.deepcopy of this one decodes with its own weights).
-    Compiling happens at the first call (and at a recompile); if the compiler fails: one warning line, and eager
-    decoding of this model from then on. Errors of the program itself (out of memory included) propagate."""
-    global compiled_step
-    compiled_step = torch.compile(decode_step, dynamic=True, fullgraph=True)
-    model.decode_compiled = True
-
-
-def decoder(model):
-    """decode(tokens, positions, input_pos, kv_caches, mask) -> next-token logits, compiled or eager."""
-    def decode(*args):
-        if model.decode_compiled:
-            try:
-                return compiled_step(model, *args)
-            except Exception as e:  # a failed compile wrote nothing the eager retry does not overwrite
-                if not compiler_error(e):
-                    raise
-                warn_compile_failed(e, "decoding eagerly")
-                model.decode_compiled = False
-        return (cpu_decode_step if model.lm_head.weight.device.type == "cpu" else decode_step)(model, *args)
-    return decode
+def eager_step(device):
+    return cpu_decode_step if device.type == "cpu" else decode_step

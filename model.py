@@ -46,20 +46,6 @@ class Targets(NamedTuple):
         return Targets(self.y.to(device, non_blocking=True), self.index.to(device, non_blocking=True))
 
 
-class Packed(NamedTuple):
-    """Rows that each hold a prompt followed by several continuations of it (calibrate.pack): every position's
-    place in its sequence (B, T), which positions each one attends to (B, 1, T, T, boolean; a continuation sees
-    the prompt and itself), and the tokens to score (N,) with the flattened position whose output predicts each
-    (N,), so the prompt is run once for all of its continuations."""
-    positions: torch.Tensor
-    mask: torch.Tensor
-    source: torch.Tensor
-    tokens: torch.Tensor
-
-    def to(self, device):
-        return Packed(*(t.to(device, non_blocking=True) for t in self))
-
-
 class KVCache:
     """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
     dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
@@ -121,7 +107,7 @@ class CausalSelfAttention(nn.Module):
             kv_cache.fill(k, v, lengths)
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
                            for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], dim=2)
-        elif kv_cache is None:  # training: causal, or as a Packed mask says
+        elif kv_cache is None:  # training: causal, or as a mask says
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training
                                                else 0.0, is_causal=mask is None)
         else:
@@ -176,7 +162,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.decode_compiled = False  # set by generate.compile_decode(), which holds the compiled step
         self.gradient_checkpointing = False  # set by the trainer (config key gradient_checkpointing)
 
     def _init_weights(self, module):
@@ -201,35 +186,32 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
-        With targets (B, T; -1 = ignore): the mean cross-entropy over non-ignored targets, and logits None,
-        because only the supervised positions go through lm_head (a summary is ~15% of a training row).
-        targets may be Targets.of(y), with those positions of y.view(-1) found on the host where y is made, so
-        that no shape depends on tensor values: under torch.compile that is one graph and no wait for the
-        device. Given y alone they are found here, which costs an eager caller nothing but breaks a compiled graph.
-        With Packed targets: the log-probability of each of its tokens (N,) in place of the loss."""
-        B, T = idx.size()
-        packed = isinstance(targets, Packed)
-        if T > self.config.block_size and not packed:  # a packed row's positions restart for each continuation
+        With targets (B, T; -1 = ignore), or Targets.of(them): the mean cross-entropy over the targets, and logits
+        None, because only the supervised positions go through lm_head (a summary is ~15% of a training row).
+        Targets found on the host where y is made keep every shape independent of the data: one compiled graph
+        and no wait for the device."""
+        T = idx.size(1)
+        if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        pos = targets.positions if packed else torch.arange(T, device=idx.device)
-        mask = targets.mask if packed else None
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.hidden_states(idx, torch.arange(T, device=idx.device))
+        if targets is None:
+            return self.lm_head(x), None
+        y, index = targets if isinstance(targets, Targets) else Targets.of(targets)
+        logits = self.lm_head(x.flatten(0, 1).index_select(0, index))
+        loss = F.cross_entropy(logits.float(), y.view(-1).index_select(0, index), reduction="sum")
+        return None, loss / max(index.numel(), 1)
+
+    def hidden_states(self, idx, positions, mask=None):
+        """The final hidden states (B, T, C) of idx at `positions` (T,) or (B, T), attending causally, or where
+        the boolean `mask` (B, 1, T, T) allows."""
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block in self.transformer.h:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed (same dropout masks) in backward
                 x = checkpoint(block, x, None, None, mask, use_reentrant=False)
             else:
                 x = block(x, mask=mask)
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x), None
-        if packed:
-            logits = self.lm_head(x.flatten(0, 1).index_select(0, targets.source))
-            return None, -F.cross_entropy(logits.float(), targets.tokens, reduction="none")
-        targets, target_index = targets if isinstance(targets, Targets) else Targets.of(targets)
-        logits = self.lm_head(x.flatten(0, 1).index_select(0, target_index))
-        loss = F.cross_entropy(logits.float(), targets.view(-1).index_select(0, target_index), reduction="sum")
-        return None, loss / max(target_index.numel(), 1)
+        return self.transformer.ln_f(x)
 
     def forward_cached(self, idx, positions, input_pos, kv_caches, mask, head=True):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots

@@ -10,7 +10,8 @@ import sys
 from config import explicit_keys, load_config
 from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir
-from summarizer.runtime import Runtime, one_line_errors
+from summarizer.launch import one_line_errors
+from summarizer.runtime import Runtime
 from summarizer.submission import predict
 
 

@@ -5,7 +5,7 @@ ranking loss that asks the model to give the better candidates the higher length
 candidates.pt holds them (make_candidates: generated once, sharded across ranks, saved as it goes, keyed to the
 weights and the training rows); RankedBatches packs each training row with its candidates (prompt once, then
 the reference and every candidate, each attending to the prompt and to itself); micro_batch_losses gives a
-micro-batch's summed token loss and ranking loss from one forward."""
+micro-batch's summed token loss and ranking loss from one forward of PackedScorer."""
 import hashlib
 import os
 import time
@@ -14,21 +14,19 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 from tqdm import tqdm
 
 import data
+from config import Decoding, part
+from generate import generate
 from summarizer import lora
 from summarizer.checkpoint import weights_digest
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from generate import generate, summary_text
 from summarizer.inference import generation_batches, generation_memory
 from summarizer.metrics import rouge_per_example
-from model import Packed
 
-# how candidates are drawn: beam search's n-best list, or samples (the same settings as MBR's in bench.py)
-DECODINGS = {"beam": lambda k: dict(num_beams=k, num_return_sequences=k),
-             "sample": lambda k: dict(temperature=0.7, top_k=50, epsilon=0.02, num_return_sequences=k)}
 QUALITY = ("rouge1", "rouge2", "rougeL")  # a candidate's quality: the mean of these F1 against the reference
 SAVE_EVERY = 512  # dialogues between two saves of candidates.pt while generating (what a crash can lose)
 
@@ -131,66 +129,105 @@ def make_candidates(model, examples, cfg, rt, key, may_generate=True, progress=T
     rt.stop_if(None if may_generate else (
         f"{path} is {'unfinished' if found else 'missing'}: the calibration stage being resumed trained on it, and "
         f"the weights that made it are not these; restore it, or start the stage again from its first checkpoint"))
-    prompts = [examples.sequence(i)[:examples.prompt_lens[i]].tolist() for i in range(len(examples))]
-    options = DECODINGS[cfg.rank_decoding](cfg.rank_candidates)
-    rows_cfg = cache_rows_config(cfg)
-    device = model.lm_head.weight.device
-    memory = min(rt.all_gather_objects(generation_memory(cfg, device)))
-    autocast = rt.autocast()
-    dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
     was_training = model.training
     model.eval()
-    start = time.perf_counter()
     with tqdm(total=len(examples), initial=candidates.done, disable=not (progress and rt.is_main),
               desc=f"candidates ({cfg.rank_candidates} per dialogue, {cfg.rank_decoding})", unit="dialogue",
               dynamic_ncols=True) as bar:
+        draw = CandidateDraw(model, examples, cfg, rt, bar)
         while candidates.done < len(examples):
-            first = candidates.done
+            start, first = time.perf_counter(), candidates.done
             chunk = list(range(first, min(first + SAVE_EVERY, len(examples))))
-            batches = generation_batches([prompts[i] for i in chunk], rows_cfg, model.config, memory, dtype,
-                                         rt.rank, rt.world_size)
-            mine = {}
-            for batch in batches:
-                rows = [chunk[j] for j in batch]
-                with autocast:
-                    drawn = generate(model, [prompts[i] for i in rows], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
-                                     seed=cfg.seed, **options)
-                k = options["num_return_sequences"]
-                for n, i in enumerate(rows):
-                    distinct = list({tuple(t): None for t in drawn[n * k:(n + 1) * k]})
-                    mine[i] = ([list(t) for t in distinct], quality(distinct, examples.summaries[i]))
-                bar.update(len(rows) * rt.world_size)
-            merged = {i: row for shard in rt.all_gather_objects(mine) for i, row in shard.items()}
+            merged = {i: row for shard in rt.all_gather_objects(draw.rows(chunk)) for i, row in shard.items()}
             for i in chunk:
                 candidates.tokens.append(merged[i][0])
                 candidates.quality.append(merged[i][1])
-            candidates.done = chunk[-1] + 1
-            bar.n = candidates.done
+            candidates.done = bar.n = chunk[-1] + 1
             bar.set_postfix(dialogues_per_s=f"{(candidates.done - first) / (time.perf_counter() - start):.1f}")
             if rt.is_main:
                 candidates.save(path)
-            start = time.perf_counter()
     model.train(was_training)
     rt.barrier()
     return candidates
 
 
-def cache_rows_config(cfg):
-    """A config whose KV-cache rows per prompt (inference.cache_rows_per_prompt) are the candidates' draw's."""
+class CandidateDraw:
+    """Draws rank_candidates candidate summaries of training rows with `model`, this rank's share of each chunk,
+    in batches whose KV cache fits the generation memory of every rank."""
+
+    def __init__(self, model, examples, cfg, rt, bar):
+        self.model, self.examples, self.cfg, self.rt, self.bar = model, examples, cfg, rt, bar
+        self.prompts = [examples.sequence(i)[:examples.prompt_lens[i]].tolist() for i in range(len(examples))]
+        self.decoding, self.cache_rows = candidate_decoding(cfg)
+        self.memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))
+        self.autocast = rt.autocast()
+        self.dtype = (self.autocast.fast_dtype if isinstance(self.autocast, torch.autocast)
+                      else model.lm_head.weight.dtype)
+
+    def rows(self, chunk):
+        """{row: (distinct candidates, their quality)} for this rank's share of training rows `chunk`."""
+        k, mine = self.cfg.rank_candidates, {}
+        batches = generation_batches([self.prompts[i] for i in chunk], self.cache_rows, self.cfg.gen_batch_size,
+                                     self.model.config, self.memory, self.dtype, self.rt.rank, self.rt.world_size)
+        for batch in batches:
+            rows = [chunk[j] for j in batch]
+            with self.autocast:
+                drawn = generate(self.model, [self.prompts[i] for i in rows], self.decoding, eos_token_id=data.EOT_ID,
+                                 seed=self.cfg.seed, num_return_sequences=k)
+            for n, i in enumerate(rows):
+                distinct = list({tuple(t): None for t in drawn[n * k:(n + 1) * k]})
+                mine[i] = ([list(t) for t in distinct], quality(distinct, self.examples.summaries[i]))
+            self.bar.update(len(rows) * self.rt.world_size)
+        return mine
+
+
+def candidate_decoding(cfg):
+    """(how rank_candidates candidates are drawn: beam search's n-best list, or samples with MBR's settings in the
+    benchmarks; a Decoding whose KV-cache rows per prompt are the draw's)."""
     k = cfg.rank_candidates
     if cfg.rank_decoding == "beam":
-        return replace(cfg, num_beams=max(k, 2), temperature=0.0, mbr_samples=0)
-    return replace(cfg, mbr_samples=k, temperature=0.7, num_beams=1, mbr_include_beam=False)
+        drawn = Decoding(max_new_tokens=cfg.max_new_tokens, num_beams=k)
+        return drawn, drawn
+    drawn = Decoding(max_new_tokens=cfg.max_new_tokens, temperature=0.7, top_k=50, epsilon=0.02)
+    return drawn, replace(drawn, mbr_samples=k, mbr_include_beam=False)  # k samples: the rows of k MBR samples
 
 
 def quality(sequences, reference):
     """The mean of QUALITY's ROUGE F1 of each candidate (token lists) against the reference text, in float32 as
     candidates.pt keeps it."""
-    scores = rouge_per_example([summary_text(list(s)) for s in sequences], [reference] * len(sequences))
+    scores = rouge_per_example([data.summary_text(list(s)) for s in sequences], [reference] * len(sequences))
     return np.float32([sum(scores[t][n] for t in QUALITY) / len(QUALITY) for n in range(len(sequences))]).tolist()
 
 
 # ---- training on them ------------------------------------------------------------------------------------------
+
+class Packed(NamedTuple):
+    """Rows that each hold a prompt followed by several continuations of it (pack): every position's place in its
+    sequence (B, T), which positions each one attends to (B, 1, T, T, boolean; a continuation sees the prompt and
+    itself), and the tokens to score (N,) with the flattened position whose output predicts each (N,), so the
+    prompt is run once for all of its continuations."""
+    positions: torch.Tensor
+    mask: torch.Tensor
+    source: torch.Tensor
+    tokens: torch.Tensor
+
+    def to(self, device):
+        return Packed(*(t.to(device, non_blocking=True) for t in self))
+
+
+class PackedScorer(torch.nn.Module):
+    """The model as the calibration stage trains it (what DDP, FSDP or Accelerate wrap, and torch.compile
+    compiles): forward(x, packed) -> the log-probability of each packed token (N,)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, packed):
+        hidden = self.model.hidden_states(x, packed.positions, packed.mask)
+        logits = self.model.lm_head(hidden.flatten(0, 1).index_select(0, packed.source))
+        return -F.cross_entropy(logits.float(), packed.tokens, reduction="none")
+
 
 class RankBatch(NamedTuple):
     """A micro-batch of packed rows: input x (B, T), Packed targets whose first `references` tokens are the token
@@ -283,10 +320,10 @@ def ranking_loss(scores, quality, dialogue, margin):
     return (hinge * better / pairs[dialogue].clamp(min=1)[:, None]).sum()
 
 
-def micro_batch_losses(model, batch, cfg):
+def micro_batch_losses(scorer, batch, cfg):
     """(summed token loss over the reference targets, ranking loss summed over the rows) of a RankBatch, from
-    one forward of `model`."""
-    _, logprobs = model(batch.x, batch.packed)
+    one forward of the (wrapped) PackedScorer."""
+    logprobs = scorer(batch.x, batch.packed)
     scores = sequence_scores(logprobs[batch.references:], batch.owner, batch.lengths, cfg.rank_length_exponent)
     return -logprobs[:batch.references].sum(), ranking_loss(scores, batch.quality, batch.dialogue, cfg.rank_margin)
 

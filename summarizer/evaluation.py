@@ -7,14 +7,36 @@ import time
 
 import numpy as np
 import pandas as pd
+import torch
 
 import data
+from model import Targets
 from summarizer import inference
 from summarizer.checkpoint import make_out_dir
 from config import ROUGE_TYPES, parse_sweep
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge, rouge_per_example
+
+
+@torch.no_grad()
+def validation_loss(model, val_set, cfg, rt):
+    """The mean loss per target token over the validation split (eval_val_batches micro-batches of it; 0 = all),
+    each rank taking its share; every rank returns the same number."""
+    loss_sum, targets = torch.zeros((), device=rt.device), 0
+    batches = list(data.eval_batches(val_set, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.eval_val_batches,
+                                     cfg.seed, cfg.train_on_prompt))
+    if rt.backend == "fsdp":  # each forward all-gathers weights with the other ranks: all run as many
+        no_rows = torch.zeros(0, data.PAD_MULTIPLE, dtype=torch.long)
+        batches += [(no_rows, no_rows - 1)] * (max(rt.all_gather_objects(len(batches))) - len(batches))
+    for x, y in batches:
+        found = Targets.of(y)
+        with rt.autocast():
+            _, loss = model(x.to(rt.device), found.to(rt.device))
+        loss_sum += loss.float() * len(found.index)
+        targets += len(found.index)
+    totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 def validation_run(cfg, explicit, rt):
@@ -36,7 +58,7 @@ def evaluate(cfg, explicit, rt):
     """ROUGE of the run on its whole validation split: a table on stdout, eval_predictions.csv and
     eval_metrics.json in inference.output_dir. Returns the report on rank 0, None on the other ranks."""
     run, val, prompts = validation_run(cfg, explicit, rt)
-    predictions = inference.summarize_sharded(run.model, prompts, run.cfg, rt)
+    predictions = inference.summarize_sharded(run.model, prompts, run.cfg, rt, step=run.step)
     if not rt.is_main:
         return None
     scores = rouge_per_example(predictions, val.summaries)
@@ -84,7 +106,7 @@ def sweep(cfg, explicit, rt):
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
         start = time.perf_counter()
-        predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt)
+        predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt, step=run.step)
         seconds = time.perf_counter() - start
         if rt.is_main:
             scores = rouge(predictions, val.summaries)

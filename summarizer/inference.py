@@ -1,10 +1,10 @@
 """The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
 evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
 
-A checkpoint keeps the config it was trained with. What training fixed (config.FIXED_KEYS: the prompt template,
-block_size, train_on_prompt) comes from it, and a --key=value that contradicts it stops in one line. Decoding and
-data settings (config.DECODING_KEYS, config.DATA_KEYS: columns, validation CSV or split) default to the run's, and
-an explicit --key=value replaces them. Presets never replace the run's settings: they say where and how to run
+A checkpoint keeps the config it was trained with. What training fixed (config.RowFormat: the prompt template,
+train_on_prompt, block_size) comes from it, and a --key=value that contradicts it stops in one line. Decoding and
+data settings (config.Decoding and the sampling seed, config.Split) default to the run's, and an explicit
+--key=value replaces them. Presets never replace the run's settings: they say where and how to run
 (out_dir, ckpt, test_csv, device, gen_batch_size). A --baseline has no run: the command line is its config.
 """
 import contextlib
@@ -19,10 +19,13 @@ from tqdm import tqdm
 
 import data
 from summarizer.checkpoint import build_model
-from config import DATA_KEYS, DECODING_KEYS, FIELDS, FIXED_KEYS, Config
+from config import FIELDS, Config, Decoding, RowFormat, Split, keys, part
+from generate import decode_step, eager_step, generate
+from summarizer import mbr
 from summarizer.errors import UserError
-from generate import compile_decode, generate, summary_text
-from summarizer.runtime import out_of_memory_hint
+from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
+
+RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Run:
     ckpt: dict | None = None
     overridden: list = ()  # decoding keys this command changed
     trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
+    step: object = None  # the decode step: CompiledDecodeStep when compiling, else None (eager)
 
     def prompt_format(self):
         """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
@@ -51,18 +55,17 @@ class Run:
 
 
 def resolved_config(cfg, saved, explicit, block_size):
-    """The config inference runs with: the run's saved config for FIXED_KEYS (a contradicting explicit flag is a
-    UserError naming both values), the run's DECODING_KEYS and DATA_KEYS unless given explicitly, this command's
-    for the rest. block_size is the model's."""
-    defaults = Config()
-    saved = {**{key: getattr(defaults, key) for key in FIXED_KEYS}, **saved, "block_size": block_size}
+    """The config inference runs with: the run's saved RowFormat (a contradicting explicit flag is a UserError
+    naming both values), the run's decoding and Split unless given explicitly, this command's for the rest.
+    block_size is the model's."""
+    saved = {**saved, "block_size": block_size}
     values = asdict(cfg)
-    for key in FIXED_KEYS:
+    for key in keys(RowFormat):
         if key in explicit and values[key] != saved[key]:
             raise UserError(f"--{key}={values[key]!r} contradicts the checkpoint, which was trained with "
                             f"{key}={saved[key]!r}: drop the flag (inference uses the run's {key})")
         values[key] = saved[key]
-    for key in (*DECODING_KEYS, *DATA_KEYS):
+    for key in (*RUN_DECODING, *keys(Split)):
         if key not in explicit and key in saved:
             values[key] = saved[key]
     return Config(**values)
@@ -82,7 +85,7 @@ def open_run(cfg, explicit=()):
         model, ckpt = build_model(path)
         saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
         run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
-        overridden = [key for key in DECODING_KEYS if key in explicit and saved.get(key) != getattr(run_cfg, key)]
+        overridden = [key for key in RUN_DECODING if key in explicit and saved.get(key) != getattr(run_cfg, key)]
         run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                   saved.get("max_new_tokens", run_cfg.max_new_tokens))
     run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
@@ -99,8 +102,7 @@ def load_run(cfg, explicit, rt, describe_data):
         print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
               f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
     run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    if rt.compile:
-        compile_decode(run.model)
+    run.step = CompiledDecodeStep() if rt.compile else None
     return run
 
 
@@ -119,7 +121,7 @@ def describe_decoding(cfg, overridden=(), from_run=True):
     defaults = Config()
     kind = ("MBR" if cfg.mbr_samples else "beam search" if cfg.num_beams > 1 else
             "sampling" if cfg.temperature > 0 else "greedy")
-    shown = [key for key in DECODING_KEYS if key == "max_new_tokens" or (
+    shown = [key for key in RUN_DECODING if key == "max_new_tokens" or (
         getattr(cfg, key) != getattr(defaults, key) and (key != "seed" or cfg.temperature > 0))]
     source = ("the run's" + (f", except {', '.join(f'--{k}' for k in overridden)}" if overridden else "")
               if from_run else "this command's")
@@ -151,13 +153,13 @@ def validation_set(run, cfg, explicit, rt):
     if not seen.any():
         return val, []
     saved = run.ckpt.get("config", {})
-    own = (all(getattr(run.cfg, key) == saved.get(key) for key in DATA_KEYS)
+    own = (all(getattr(run.cfg, key) == saved.get(key) for key in keys(Split))
            and splits.train.digest == trained["digest"] and val.digest == run.ckpt.get("validation_digest"))
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
                      f"(duplicates in {run.cfg.train_csv}, e.g. id {first}); scored as in training"]
-    changed = [f"--{key}" for key in DATA_KEYS if key in explicit]
+    changed = [f"--{key}" for key in keys(Split) if key in explicit]
     raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(run.cfg)}) were "
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
@@ -183,12 +185,24 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-def decoding_options(cfg):
-    """generate()'s keyword arguments from the config's generation keys."""
-    return dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, epsilon=cfg.epsilon,
-                num_beams=cfg.num_beams, length_penalty=cfg.length_penalty, repetition_penalty=cfg.repetition_penalty,
-                no_repeat_ngram_size=cfg.no_repeat_ngram_size, min_new_tokens=cfg.min_new_tokens, seed=cfg.seed,
-                mbr_samples=cfg.mbr_samples, mbr_metric=cfg.mbr_metric, mbr_include_beam=cfg.mbr_include_beam)
+class CompiledDecodeStep:
+    """generate's decode step under torch.compile (compiled at its first call); if the compiler fails, one warning
+    line and eager decoding from then on. Errors of the program itself (out of memory included) propagate."""
+
+    def __init__(self):
+        self.compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
+        self.failed = False
+
+    def __call__(self, model, *args):
+        if not self.failed:
+            try:
+                return self.compiled(model, *args)
+            except Exception as e:  # a failed compile wrote nothing the eager retry does not overwrite
+                if not compiler_error(e):
+                    raise
+                warn_compile_failed(e, "decoding eagerly")
+                self.failed = True
+        return eager_step(model.lm_head.weight.device)(model, *args)
 
 
 CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
@@ -206,13 +220,14 @@ def generation_memory(cfg, device):
     return CPU_GEN_MEMORY_GB * 2**30
 
 
-def cache_rows_per_prompt(cfg):
+def cache_rows_per_prompt(decoding):
     """KV-cache rows one prompt holds at the peak of generate(): greedy 2 (its row, and the copy that drops
     ended rows), beam search num_beams + 1 (its prefill row and the beams, reordered in place), MBR its prefill
     row and, at a split, two copies of its mbr_samples rows (or the beam's, if more)."""
-    rows = cfg.num_beams + 1 if cfg.num_beams > 1 else 2
-    if cfg.mbr_samples:
-        rows = max(rows if cfg.mbr_include_beam else 0, 1 + 2 * cfg.mbr_samples)
+    d = decoding
+    rows = d.num_beams + 1 if d.num_beams > 1 else 2
+    if d.mbr_samples:
+        rows = max(rows if d.mbr_include_beam else 0, 1 + 2 * d.mbr_samples)
     return rows
 
 
@@ -221,16 +236,16 @@ def kv_cache_bytes(model_config, rows, length, dtype):
     return 2 * model_config.n_layer * model_config.n_embd * rows * length * dtype.itemsize
 
 
-def generation_batches(prompts, cfg, model_config, memory, dtype, rank=0, world_size=1):
-    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most
-    gen_batch_size prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt +
-    max_new_tokens slots) fits `memory` bytes (one prompt at least), and every world_size-th of them."""
-    rows = cache_rows_per_prompt(cfg)
+def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
+    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most batch_size
+    prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt + max_new_tokens slots) fits
+    `memory` bytes (one prompt at least), and every world_size-th of them."""
+    rows = cache_rows_per_prompt(decoding)
     batches = []
     for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        length = len(prompts[i]) + cfg.max_new_tokens  # the longest so far: lengths ascend
+        length = len(prompts[i]) + decoding.max_new_tokens  # the longest so far: lengths ascend
         batch = batches[-1] if batches else []
-        if batch and len(batch) < cfg.gen_batch_size and \
+        if batch and len(batch) < batch_size and \
                 kv_cache_bytes(model_config, rows * (len(batch) + 1), length, dtype) <= memory:
             batch.append(i)
         else:
@@ -238,16 +253,17 @@ def generation_batches(prompts, cfg, model_config, memory, dtype, rank=0, world_
     return batches[rank::world_size]
 
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None):
+def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, step=None):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
     generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
     rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
     same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
-    single-process output."""
+    single-process output. step: generate's decode step (CompiledDecodeStep, or None for eager)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
-    batches = generation_batches(prompts, cfg, model.config, memory, dtype, rank, world_size)
+    decoding = part(cfg, Decoding)
+    batches = generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory, dtype, rank, world_size)
     summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()
@@ -259,10 +275,10 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
                             f"(now {cfg.gen_batch_size})"):
         for batch in batches:
             with autocast:
-                new_tokens = generate(model, [prompts[i] for i in batch], cfg.max_new_tokens,
-                                      eos_token_id=data.EOT_ID, **decoding_options(cfg))
+                new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
+                                      seed=cfg.seed, mbr_pick=mbr.pick, step=step)
             for i, tokens in zip(batch, new_tokens):
-                summaries[i] = summary_text(tokens)
+                summaries[i] = data.summary_text(tokens)
             bar.update(len(batch))
             bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
     bar.close()
@@ -270,12 +286,13 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     return summaries
 
 
-def summarize_sharded(model, prompts, cfg, rt, progress=True):
+def summarize_sharded(model, prompts, cfg, rt, progress=True, step=None):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
     in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     mine = summarize(model, prompts, cfg, contextlib.nullcontext() if held else rt.autocast(),
-                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory)
+                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory,
+                     step=step)
     shards = rt.all_gather_objects(mine)
     return [next(s for s in column if s is not None) for column in zip(*shards)]

@@ -1,7 +1,6 @@
-"""Where the job runs: process group (none, torchrun DDP or FSDP, Accelerate), device, precision, compile, peak
-FLOPS."""
+"""Where the job runs: device, precision, compile, peak FLOPS, and the process group as one object per backend
+(none, torchrun DDP or FSDP, Accelerate) that shards, wraps and checkpoints the model its way."""
 import contextlib
-import datetime
 import os
 import re
 import signal
@@ -9,11 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.nn.parallel import DistributedDataParallel
 
+from summarizer.backends import BACKENDS
 from summarizer.errors import UserError
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
@@ -37,16 +33,6 @@ def peak_flops(device_name, dtype):
         if re.search(rf"\b{key}\b", device_name.upper()):
             return table[dtype] * 1e12 if dtype in table else None
     return None
-
-
-def reduce_once_bytes(model, world_size, dtype):
-    """(held, kept): bytes per rank that reducing gradients once per optimizer step holds between FSDP's
-    micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps
-    anyway (its shards of the fp32 weights and gradients, and AdamW's two moments), from the unsharded model."""
-    params = list(model.parameters())  # tied weights once
-    gradients = sum(p.nbytes for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
-    held = sum(p.numel() for p in params) * dtype.itemsize + gradients
-    return held, (sum(p.nbytes for p in params) + 3 * gradients) / world_size
 
 
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
@@ -121,26 +107,6 @@ def out_of_memory_hint(doing, settings):
                                      + (f" ({detail})" if detail else "")) from None
 
 
-@contextlib.contextmanager
-def one_line_errors():
-    """For entry points: a UserError ends the command in one `error: ...` line (exit 2), an out-of-memory in one
-    line too (exit 1; out_of_memory_hint says what to lower), Ctrl-C in one `interrupted` line (exit 130). Under
-    torchrun the line names the rank."""
-    rank = os.environ.get("RANK")
-    where = f" (rank {rank})" if rank else ""
-    try:
-        yield
-    except UserError as e:
-        print(f"error{where}: {e}", file=sys.stderr)
-        sys.exit(2)
-    except torch.OutOfMemoryError as e:
-        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"interrupted{where}", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
-
-
 def warn_compile_failed(error, fallback):
     """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
     error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
@@ -170,11 +136,11 @@ def accelerate_settings(environ):
 
 
 class Runtime:
-    """Rank, world size and device of this process, and the few collective operations the trainer uses."""
+    """Rank, world size, device, precision and compile of this process; its backend (rt.parallel) and the few
+    collective operations the trainer uses."""
 
     def __init__(self, cfg):
         self.backend = resolve_backend(cfg.backend, os.environ)
-        self.accelerator = None
         want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
             raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
@@ -182,38 +148,11 @@ class Runtime:
             os.environ.setdefault("NCCL_P2P_DISABLE", "1")
         if cfg.nccl_ib_disable:
             os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        accelerate_precision = accelerate_dynamo = "no"
-        if self.backend == "accelerate":
-            from accelerate import Accelerator
-            from accelerate.utils import InitProcessGroupKwargs
-            accelerate_precision, accelerate_dynamo = accelerate_settings(os.environ)
-            # Precision and compile are ours (decided below, from Accelerate's settings too): Accelerate must not
-            # add an autocast or a torch.compile of its own around the model.
-            self.accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no", dynamo_backend="no",
-                                           kwargs_handlers=[InitProcessGroupKwargs(
-                                               timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
-            self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
-            self.device = self.accelerator.device
-        elif self.backend in ("ddp", "fsdp"):
-            if "RANK" not in os.environ:
-                raise UserError(f"backend={self.backend} needs torchrun: torchrun --nproc_per_node=N --standalone "
-                                f"train.py --backend={self.backend}")
-            if self.backend == "fsdp" and not hasattr(torch.distributed.fsdp, "fully_shard"):
-                raise UserError(f"backend=fsdp needs PyTorch 2.6 or newer (fully_shard), this is {torch.__version__}: "
-                                f"upgrade torch, or use backend=ddp")
-            self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            self.device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
-            if want_cuda:
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if want_cuda else "gloo", device_id=self.device if want_cuda else None,
-                                    timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-        else:
-            self.rank, self.world_size = 0, 1
-            self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if want_cuda else "cpu"))
+        accelerate_precision, accelerate_dynamo = (accelerate_settings(os.environ) if self.backend == "accelerate"
+                                                   else ("no", "no"))
+        self.parallel = BACKENDS[self.backend](cfg, want_cuda)
+        self.rank, self.world_size, self.device = self.parallel.rank, self.parallel.world_size, self.parallel.device
         self.is_main = self.rank == 0
-        accumulates = cfg.batch_size > cfg.micro_batch_size * self.world_size
-        self.reduce_once = cfg.fsdp_reduce_once if accumulates else False  # 'auto': decided by shard
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
@@ -221,6 +160,9 @@ class Runtime:
         self.decided_by = [f"Accelerate's {name}={value}" for name, value in
                            (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))
                            if value != "no"]
+        if self.backend == "fsdp":
+            accumulates = cfg.batch_size > cfg.micro_batch_size * self.world_size
+            self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
 
     def describe(self):
         """What runs, in words: the line the trainer prints (and what it prints is what runs)."""
@@ -232,12 +174,7 @@ class Runtime:
         return self
 
     def __exit__(self, *exc):
-        if self.backend in ("ddp", "fsdp") and dist.is_initialized():
-            if exc[0] is None:  # no rank tears its connections down while another still uses them
-                dist.barrier()
-            dist.destroy_process_group()
-        elif self.accelerator is not None:
-            self.accelerator.end_training()
+        self.parallel.close(clean=exc[0] is None)
 
     @property
     def distributed(self):
@@ -247,107 +184,6 @@ class Runtime:
         if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
-
-    def shard(self, model):
-        """Under FSDP, shard the model in place across the ranks with FSDP2's fully_shard: one unit per block, then
-        the root (embeddings, ln_f, the tied lm_head). Its parameters become DTensors (build the optimizer after
-        this) in fp32; with a 16-bit dtype each unit is all-gathered in that dtype and its gradients are
-        reduce-scattered in fp32, and autocast computes as under DDP. Decides fsdp_reduce_once='auto' (no_sync).
-        Other backends: the model unchanged."""
-        if self.backend != "fsdp":
-            return model
-        if self.reduce_once == "auto":
-            self.reduce_once = self.reduce_once_fits(model)
-        policy = torch.distributed.fsdp.MixedPrecisionPolicy()
-        if self.dtype != "float32":
-            policy = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype),
-                                                                 reduce_dtype=torch.float32)
-        for block in model.transformer.h:
-            torch.distributed.fsdp.fully_shard(block, mp_policy=policy)
-        torch.distributed.fsdp.fully_shard(model, mp_policy=policy)
-        return model
-
-    def reduce_once_fits(self, model):
-        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per
-        optimizer step holds (reduce_once_bytes); activations are not counted. On the CPU, yes. Rank 0 says why
-        not."""
-        if self.device.type != "cuda":
-            return True
-        held, kept = reduce_once_bytes(model, self.world_size, getattr(torch, self.dtype))
-        total = torch.tensor(torch.cuda.mem_get_info(self.device)[1], device=self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.MIN)  # all ranks decide alike
-        fits = held + kept <= total.item()
-        if not fits and self.is_main:
-            print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
-                  f"hold {held / 2**30:.1f} GiB of gathered {self.dtype} weights and fp32 gradients beside "
-                  f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
-                  f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
-        return fits
-
-    def wrap(self, model):
-        """The model as the backend trains it (DDP wrapper when there are several processes; FSDP: see shard)."""
-        if self.accelerator is not None:
-            return self.accelerator.prepare_model(model)
-        if self.distributed and self.backend != "fsdp":
-            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        return model
-
-    def no_sync(self, wrapped, sync):
-        """Skip the gradient reduction on all but the last micro-step of an accumulation. FSDP reduce-scatters
-        after every micro-step unless reduce_once (fsdp_accumulation)."""
-        if self.backend == "fsdp":
-            return self.fsdp_accumulation(wrapped, sync) if self.reduce_once else contextlib.nullcontext()
-        if sync or not self.distributed:
-            return contextlib.nullcontext()
-        return wrapped.no_sync()
-
-    @contextlib.contextmanager
-    def fsdp_accumulation(self, wrapped, sync):
-        """One micro-step under FSDP with reduce_once: the first forward of an optimizer step gathers the weights,
-        which stay gathered until the last backward; gradients accumulate unsharded in fp32 and are
-        reduce-scattered (averaged, as DDP's all-reduce) by the last backward only."""
-        model = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile
-        model.set_requires_gradient_sync(sync)
-        model.set_reshard_after_backward(sync)
-        for block in model.transformer.h:  # the root unit is never resharded after forward
-            block.set_reshard_after_forward(False, recurse=False)
-        yield
-        if sync:  # evaluation and generation shard as before
-            for block in model.transformer.h:
-                block.set_reshard_after_forward(True, recurse=False)
-
-    def training_state(self, model, optimizer):
-        """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this.
-        Under FSDP they are gathered from the shards onto rank 0's CPU ({} elsewhere), the optimizer's keyed by
-        parameter name."""
-        if self.backend != "fsdp":
-            return model.state_dict(), optimizer.state_dict()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-
-    def load_optimizer_state(self, model, optimizer, state, path):
-        """Load an optimizer state dict saved by training_state (each FSDP rank takes its shards of it)."""
-        by_name = any(isinstance(key, str) for key in state["state"])
-        if by_name != (self.backend == "fsdp"):
-            written, wanted = ("--backend=fsdp", f"backend {self.backend}") if by_name else ("another backend", "FSDP")
-            raise UserError(f"{path} was written by a run with {written}, whose optimizer state {wanted} cannot "
-                            f"load: resume with the backend it was trained with")
-        if by_name:
-            set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(state)
-            # load_state_dict keeps CPU tensors of the right dtype as they are: views of the checkpoint's mmap'd
-            # pages, which would keep the replaced file's disk space in use until the process ends
-            for per_param in optimizer.state.values():
-                for key, value in per_param.items():
-                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                        per_param[key] = value.clone()
-
-    def full_weights(self, model):
-        """The model's complete state dict on every rank (FSDP: all-gathered onto each rank's device)."""
-        if self.backend != "fsdp":
-            return model.state_dict()
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
     def barrier(self):
         if self.distributed:

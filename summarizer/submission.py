@@ -44,7 +44,7 @@ def predict(cfg, explicit, rt):
     prompts, cut = run.prompts(test.dialogues)
     if rt.is_main and cut:
         print(inference.cut_line(run, cut, len(prompts)))
-    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt)
+    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt, step=run.step)
     if not rt.is_main:
         return None
     path = os.path.join(out, "submission.csv")

@@ -100,6 +100,30 @@ def drop_rows_after(jsonl_path, iter_num):
     return len(lines) - len(kept)
 
 
+def log_row(out_dir, row, tracker):
+    """Append one row to out_dir/metrics.jsonl and send it to the tracker's destinations."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    tracker.log(row)
+
+
+def progress_postfix(stats, skipped=None):
+    """The progress bar's figures of a step: loss (and ranking loss), LR, tokens/s, ms/it, MFU and peak memory
+    where measured, and with fp16 the skipped steps."""
+    postfix = {"loss": f"{stats['loss']:.4f}"}
+    if "rank_loss" in stats:
+        postfix["rank"] = f"{stats['rank_loss']:.4f}"
+    postfix.update({"lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
+                    "ms/it": f"{stats['ms_per_iter']:.0f}"})
+    if "mfu" in stats:
+        postfix["mfu"] = f"{100 * stats['mfu']:.1f}%"
+    if "peak_mem_gb" in stats:
+        postfix["mem"] = f"{stats['peak_mem_gb']:.1f}G"
+    if skipped is not None:
+        postfix["skipped"] = skipped
+    return postfix
+
+
 def plot_metrics(jsonl_path, png_path):
     """Training/validation loss and ROUGE curves from metrics.jsonl (matplotlib, no display needed)."""
     import matplotlib

@@ -1,0 +1,112 @@
+"""Launching: the one-line ending of a command (user errors, out of memory, a crash of one rank of a distributed
+job) and training from a notebook cell in one process per GPU."""
+import contextlib
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import torch
+
+from config import load_config
+from summarizer.errors import UserError
+
+FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """For entry points: a UserError ends the command in one `error: ...` line (exit 2), an out-of-memory in one
+    line too (exit 1; out_of_memory_hint says what to lower), Ctrl-C in one `interrupted` line (exit 130). Under
+    torchrun the line names the rank."""
+    rank = os.environ.get("RANK")
+    where = f" (rank {rank})" if rank else ""
+    try:
+        yield
+    except UserError as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:
+        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"interrupted{where}", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+
+
+@contextlib.contextmanager
+def rank_error_lines():
+    """Under torchrun, a crash of this rank ends with its traceback and then one line naming the rank: among the
+    launcher's reports and the other ranks' errors (e.g. "connection closed by peer"), the root cause."""
+    try:
+        yield
+    except (UserError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:
+        rank = os.environ.get("RANK")
+        if rank is None:
+            raise
+        if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
+            print(f"error (rank {rank}): CUDA cannot start in a process forked from this notebook: train with "
+                  f"the notebook's torchrun cell (python -m torch.distributed.run ... train.py) instead of "
+                  f"notebook_main", file=sys.stderr)
+            sys.exit(1)
+        traceback.print_exc()
+        first_line = str(e).strip().partition("\n")[0]
+        print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
+        sys.exit(1)
+
+
+@contextlib.contextmanager
+def quiet_launcher_logs():
+    """Silence torch.distributed.elastic's loggers: when a worker fails they log the launcher's own traceback,
+    while the worker has already printed the error that matters."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def notebook_launch(main, argv, num_processes, port):
+    """Run main(argv + --backend=accelerate) in `num_processes` processes forked by Accelerate's
+    notebook_launcher, one per GPU. Nothing in the notebook may have used CUDA before; where forked workers cannot
+    use CUDA at all, they say to use the notebook's torchrun cell instead. Errors end in one line (exit 2)."""
+    try:
+        load_config(argv)  # a mistake in the arguments ends here, before any process starts
+        if torch.cuda.is_initialized():
+            raise UserError("CUDA was already initialised in this notebook (a cell used the GPU), and processes "
+                            "forked from it cannot use CUDA: restart the kernel and call notebook_main first")
+        launch_workers(main, argv, num_processes, port)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def launch_workers(main, argv, num_processes, port):
+    from accelerate import notebook_launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        with quiet_launcher_logs():
+            notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
+                              use_port=str(port))
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise UserError(f"port {port} is in use, probably by the processes of an earlier launch that are "
+                        f"still running: restart the kernel, or pass port=<another port>") from None
+    except ChildFailedError as e:  # each worker printed its own one-line error above
+        if all(failure.exitcode == 2 for failure in e.failures.values()):
+            sys.exit(2)  # a user error: nothing to add to the workers' lines
+        failed = ", ".join(str(rank) for rank in sorted(e.failures))
+        raise UserError(f"training failed in rank(s) {failed}: see the error line(s) above") from None
+    except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
+        if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
+            raise
+        raise UserError(f"{str(e).splitlines()[0]} (restart the kernel and call notebook_main first)") from None

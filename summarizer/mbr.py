@@ -1,0 +1,37 @@
+"""Minimum Bayes risk (MBR) decoding's choice: among a dialogue's candidate summaries, the one that agrees most,
+by the competition's ROUGE, with the others. generate() draws the candidates and calls pick."""
+from rapidfuzz import process
+from rapidfuzz.distance import LCSseq
+from rouge_score import rouge_scorer, scoring
+
+import data
+from summarizer.metrics import StemCachedTokenizer
+
+
+def pick(candidates, counts, metric="rougeL"):
+    """generate's mbr_pick: the index of the best of the candidate token lists (mbr_select on their text)."""
+    return mbr_select([data.summary_text(tokens) for tokens in candidates], counts, metric)
+
+
+def agreement(candidates, metric="rougeL"):
+    """The matrix of `metric` F1 of every candidate (row) scored against every other as the reference (column),
+    as rouge-score computes it. For rougeL the longest common subsequences of all pairs come at once from
+    rapidfuzz's LCS, in C++; rouge-score's is a Python table per pair, which was most of MBR's time."""
+    tokenizer = StemCachedTokenizer()
+    if metric == "rougeL":
+        tokens = [tokenizer.tokenize(c) for c in candidates]
+        lcs = process.cdist(tokens, tokens, scorer=LCSseq.similarity).tolist()
+        return [[scoring.fmeasure(n / len(prediction), n / len(reference)) if prediction and reference else 0.0
+                 for reference, n in zip(tokens, row)] for prediction, row in zip(tokens, lcs)]
+    scorer = rouge_scorer.RougeScorer([metric], tokenizer=tokenizer)
+    return [[scorer.score(reference, prediction)[metric].fmeasure for reference in candidates]
+            for prediction in candidates]
+
+
+def mbr_select(candidates, counts, metric="rougeL"):
+    """Index of the candidate with the highest mean `metric` F1 against the other candidates, where candidate i
+    stands for counts[i] identical samples (its copies count as others, scoring 1.0 when not empty). Ties go to
+    the earlier candidate."""
+    scores, total = agreement(candidates, metric), sum(counts)
+    utility = [(sum(c * a for c, a in zip(counts, row)) - row[i]) / max(1, total - 1) for i, row in enumerate(scores)]
+    return max(range(len(candidates)), key=lambda i: (utility[i], -i))

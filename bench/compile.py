@@ -24,11 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 from bench import ROOT
-from summarizer import inference
 import model as model_module
-from config import load_config
-from summarizer.evaluation import evaluate
+from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
+from summarizer import inference, mbr
+from summarizer.evaluation import evaluate
 from summarizer.runtime import Runtime
 
 DEMO = [os.path.join(ROOT, "config", "demo.py"), "--evaluate_after=False", "--predict_after=False",
@@ -171,9 +171,11 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
     weight = model.lm_head.weight
     memory = inference.generation_memory(cfg, weight.device)
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
-        for batch in inference.generation_batches(prompts, cfg, model.config, memory, weight.dtype):
-            generate(model, [prompts[i] for i in batch], cfg.max_new_tokens, eos_token_id=data.EOT_ID,
-                     compact_below=compact_below, **inference.decoding_options(cfg))
+        decoding = part(cfg, Decoding)
+        for batch in inference.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory,
+                                                  weight.dtype):
+            generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID, seed=cfg.seed,
+                     mbr_pick=mbr.pick, compact_below=compact_below)
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 
@@ -272,7 +274,7 @@ def summary_end_token(model, prompts, max_new):
     ends each summary at its own length; to measure that case, use as EOS the token this model emits most
     often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
     counts = {}
-    for row in generate(model, prompts[:16], max_new, eos_token_id=-1):
+    for row in generate(model, prompts[:16], Decoding(max_new_tokens=max_new), eos_token_id=-1):
         for token in set(row[4:]):
             counts[token] = counts.get(token, 0) + 1
     return max(counts, key=counts.get)

@@ -102,7 +102,7 @@ def count_step(args, before):
             with CollectiveBytes() as counted:
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
-                    "reduce_once": bool(rt.reduce_once), "micro_steps": trainer.accum_steps}
+                    "reduce_once": bool(rt.parallel.reduce_once), "micro_steps": trainer.accum_steps}
     finally:
         fsdp.fully_shard = shard
 
@@ -199,13 +199,13 @@ def scaled_bytes(counted, shape_units):
 
 def preset_model(name, preset):
     """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    from summarizer import lora
-    from config import Config
+    from config import Lora, keys
     from model import GPT, GPTConfig, PRETRAINED
+    from summarizer import lora
     with torch.device("meta"):
         model = GPT(GPTConfig(**PRETRAINED[name]))
     if preset.get("lora_rank"):
-        lora.add_adapters(model, **lora.settings(Config(**{k: v for k, v in preset.items() if k in lora.KEYS})))
+        lora.add_adapters(model, **lora.settings(Lora(**{k: v for k, v in preset.items() if k in keys(Lora)})))
     return model
 
 
@@ -227,7 +227,7 @@ def bench_fsdp(args=None):
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
     from bench.memory import T4_USABLE_GIB
     from config import read_preset
-    from summarizer.runtime import reduce_once_bytes
+    from summarizer.backends import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         write_rows(os.path.join(tmp, "train.csv"))

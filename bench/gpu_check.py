@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -29,15 +30,18 @@ from bench import memory as bench_memory
 import train
 from bench import ROOT, SAMSUM_CSV
 from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
-from config import UserError, load_config
-from summarizer.files import atomic_write
-from generate import compile_decode, generate
+from config import Decoding, load_config
+from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
+from summarizer import mbr, training
+from summarizer.errors import UserError
+from summarizer.files import atomic_write
+from summarizer.inference import CompiledDecodeStep
 from summarizer.runtime import Runtime, choose_precision
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
           "tiny": dict(n_layer=1, n_head=2, n_embd=32, block_size=128)}
-MBR16 = dict(mbr_samples=16, temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True, seed=0)
+MBR16 = dict(mbr_samples=16, temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True)
 PRESETS = ("kaggle_t4x2", "kaggle_t4x2_gpt2-medium", "kaggle_t4x2_gpt2-large", "kaggle_t4x2_gpt2-xl")
 LIMITS = {"train_graph_breaks": 0, "train_compilations": 2, "decode_graph_breaks": 0, "decode_compilations": 2,
           "decode_host_syncs_per_step": 1}
@@ -124,19 +128,19 @@ def generate_case(args, dtype, compile, device, prompts, eager):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODELS[args.model])).to(device).eval()
     fresh_compiles()
-    if compile:
-        compile_decode(model)
+    step = CompiledDecodeStep() if compile else None
+    greedy_decoding = Decoding(max_new_tokens=args.max_new_tokens)
     with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
         if dtype not in eager:
             eager[dtype] = {"eos": summary_end_token(model, prompts, args.max_new_tokens)}
         eos, counts = eager[dtype]["eos"], dict(syncs=0, steps=0)
         counted = contextlib.nullcontext if compile else lambda: host_syncs(counts)
-        greedy, greedy_s = timed(lambda: generate(model, prompts, args.max_new_tokens, eos_token_id=eos), device,
-                                 counted())
-        _, mbr_s = timed(lambda: generate(model, prompts, args.max_new_tokens, eos_token_id=eos, **MBR16), device,
-                         counted())
+        greedy, greedy_s = timed(lambda: generate(model, prompts, greedy_decoding, eos_token_id=eos, step=step),
+                                 device, counted())
+        _, mbr_s = timed(lambda: generate(model, prompts, replace(greedy_decoding, **MBR16), eos_token_id=eos, seed=0,
+                                          mbr_pick=mbr.pick, step=step), device, counted())
     row = dict(eos_token_id=eos, greedy_tokens_per_s=sum(map(len, greedy)) / greedy_s,
-               mbr16_summaries_per_s=len(prompts) / mbr_s, decode_compiled=model.decode_compiled)
+               mbr16_summaries_per_s=len(prompts) / mbr_s, decode_compiled=not (step is None or step.failed))
     if not compile:
         eager[dtype]["greedy"] = greedy
         return dict(row, decode_host_syncs_per_step=counts["syncs"] / counts["steps"])
@@ -189,10 +193,10 @@ def peak_training_gib(cfg, x, y, device, capability, steps=2):
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
-    model, _ = train.model_to_train(cfg)
+    model, _ = training.model_to_train(cfg)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model.to(device)
-    optimizer = train.configure_optimizer(model, cfg, device.type)
+    optimizer = training.configure_optimizer(model, cfg, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     x, y = x.to(device), y.to(device)
     for _ in range(steps):

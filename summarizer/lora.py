@@ -1,15 +1,14 @@
 """LoRA fine-tuning with peft: adapters on the blocks' Linear layers, base weights frozen; and the merged weights,
 a plain GPT state dict (same keys as a full fine-tune), that evaluate.py and predict.py load with no base model."""
-from config import lora_target_list
+from config import Lora, keys, lora_target_list
 
-KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # the config keys that define the adapters
 ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
 
 
 def settings(config):
-    """The LoRA keys of a Config, or of a saved config dict (a checkpoint's)."""
+    """The Lora settings of a Config (or a Lora), or of a saved config dict (a checkpoint's), as keywords."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
-    return {key: get(key) for key in KEYS}
+    return {key: get(key) for key in keys(Lora)}
 
 
 def add_adapters(model, lora_rank, lora_alpha, lora_dropout, lora_targets):

@@ -1,12 +1,16 @@
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from rouge_score import rouge_scorer
 
-from generate import generate, summary_text
-from summarizer.metrics import agreement, mbr_select
+from config import Decoding
+from data import summary_text
+from generate import generate
 from model import GPT
+from summarizer import mbr
+from summarizer.mbr import agreement, mbr_select
 
 MAX_NEW = 24
 
@@ -49,7 +53,7 @@ def naive_greedy(model, prompt, eos):
 def eos(ours, prompts):
     """An end-of-sequence id that the tiny model actually emits mid-way for some prompts and not for others,
     so the EOS handling is exercised (the real 50256 is almost never chosen by a random model)."""
-    outputs = generate(ours, prompts, MAX_NEW, eos_token_id=-1)
+    outputs = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1)
     counts = {}
     for out in outputs:
         for token in set(out[2:MAX_NEW - 2]):
@@ -60,7 +64,7 @@ def eos(ours, prompts):
 
 
 def test_greedy_matches_transformers_and_naive_loop(ours, tiny_hf, prompts, eos):
-    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    got = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     assert any(len(g) < MAX_NEW for g in got) and any(len(g) == MAX_NEW for g in got)
     with torch.no_grad():
         for prompt, row in zip(prompts, got):
@@ -69,32 +73,30 @@ def test_greedy_matches_transformers_and_naive_loop(ours, tiny_hf, prompts, eos)
 
 
 def test_batched_equals_one_at_a_time(ours, prompts, eos):
-    batched = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
-    assert batched == [generate(ours, [p], MAX_NEW, eos_token_id=eos)[0] for p in prompts]
+    batched = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
+    assert batched == [generate(ours, [p], Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("compact_below", [0.0, 0.5, 1.0])
 def test_ended_rows_in_place_or_dropped_give_the_same_greedy_summaries(ours, prompts, eos, compact_below):
     """Ended rows kept in the batch (0.0: until every row ends), dropped at half (a GPU's rule) or at each EOS
-    (the CPU's): the same summaries as one prompt at a time, with scores."""
-    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos, compact_below=compact_below, output_scores=True)
-    alone = [generate(ours, [p], MAX_NEW, eos_token_id=eos, output_scores=True)[0] for p in prompts]
-    assert [s.tokens for s in got] == [s.tokens for s in alone]
-    assert [s.length for s in got] == [s.length for s in alone]
-    assert [s.logprob for s in got] == pytest.approx([s.logprob for s in alone], abs=1e-4)
+    (the CPU's): the same summaries as one prompt at a time."""
+    got = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos, compact_below=compact_below)
+    alone = [generate(ours, [p], Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)[0] for p in prompts]
+    assert got == alone
 
 
 def test_eos_stops_only_its_row(ours, prompts, eos):
-    free = generate(ours, prompts, MAX_NEW, eos_token_id=-1)
-    stopped = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    free = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1)
+    stopped = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     for f, s in zip(free, stopped):
         assert s == cut(f, eos)
         assert eos not in s
 
 
 def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
-    got = generate(ours, prompts, MAX_NEW, eos_token_id=eos, num_beams=4)
-    greedy = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    got = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, num_beams=4), eos_token_id=eos)
+    greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     assert got != greedy
     with torch.no_grad():
         for prompt, row in zip(prompts, got):
@@ -104,65 +106,62 @@ def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2),
                                     dict(num_beams=3, length_penalty=0.6, no_repeat_ngram_size=3)])
 def test_processors_match_transformers(ours, tiny_hf, prompts, eos, kwargs):
-    got = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, **kwargs)
+    got = generate(ours, prompts[:8], Decoding(max_new_tokens=MAX_NEW, **kwargs), eos_token_id=eos)
     with torch.no_grad():
         for prompt, row in zip(prompts[:8], got):
             assert row == hf_generate(tiny_hf, prompt, eos, **kwargs)
 
 
 def test_sampling_is_reproducible_with_seed(ours, prompts):
-    a = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    b = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    c = generate(ours, prompts, MAX_NEW, temperature=1.0, top_k=50, top_p=0.9, seed=8)
+    a = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=50, top_p=0.9), seed=7)
+    b = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=50, top_p=0.9), seed=7)
+    c = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=50, top_p=0.9), seed=8)
     assert a == b and a != c
 
 
 def test_top_k_one_sampling_is_greedy(ours, prompts, eos):
-    sampled = generate(ours, prompts, MAX_NEW, eos_token_id=eos, temperature=0.7, top_k=1, seed=0)
-    assert sampled == generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    sampled = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=0.7, top_k=1), eos_token_id=eos, seed=0)
+    assert sampled == generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
 
 
 def test_bad_arguments_are_clear_errors(ours):
     block = ours.config.block_size
     with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(ours, [[1, 2]], block)
+        generate(ours, [[1, 2]], Decoding(max_new_tokens=block))
     with pytest.raises(ValueError, match="1 to block_size - max_new_tokens"):
-        generate(ours, [[1, 2], []], 4)
+        generate(ours, [[1, 2], []], Decoding(max_new_tokens=4))
     with pytest.raises(ValueError, match=f"1 to block_size - max_new_tokens = {block - 8} tokens"):
-        generate(ours, [list(range(block - 7))], 8)  # never cut silently: inference.py cuts dialogues
-    assert len(generate(ours, [list(range(block - 8))], 8, eos_token_id=-1)[0]) == 8
-    assert generate(ours, [], 4) == []
+        generate(ours, [list(range(block - 7))], Decoding(max_new_tokens=8))  # never cut silently: inference.py cuts dialogues
+    assert len(generate(ours, [list(range(block - 8))], Decoding(max_new_tokens=8), eos_token_id=-1)[0]) == 8
+    assert generate(ours, [], Decoding(max_new_tokens=4)) == []
 
 
 # ---- n-best, min_new_tokens, sampling with shared samples, MBR ------------------------------------------------
 
 def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, prompts, eos):
     k, beams, penalty = 3, 4, 0.8
-    got = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty,
-                        num_return_sequences=k, output_scores=True)
+    decoding = Decoding(max_new_tokens=MAX_NEW, num_beams=beams, length_penalty=penalty)
+    got = generate(ours, prompts[:8], decoding, eos_token_id=eos, num_return_sequences=k)
     assert len(got) == 8 * k
-    plain = generate(ours, prompts[:8], MAX_NEW, eos_token_id=eos, num_beams=beams, length_penalty=penalty)
-    assert [s.tokens for s in got[::k]] == plain  # the first of each n-best list is beam search's answer
+    plain = generate(ours, prompts[:8], decoding, eos_token_id=eos)
+    assert got[::k] == plain  # the first of each n-best list is beam search's answer
     ended_early = 0
     with torch.no_grad():
         for i, prompt in enumerate(prompts[:8]):
             out = tiny_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                    max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=eos, eos_token_id=eos,
                                    num_beams=beams, length_penalty=penalty, num_return_sequences=k,
-                                   output_scores=True, return_dict_in_generate=True)
-            mine = got[i * k:(i + 1) * k]
-            assert [s.tokens for s in mine] == [cut(row[len(prompt):], eos) for row in out.sequences.tolist()]
-            scores = [s.logprob / s.length ** penalty for s in mine]
-            assert scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
-            assert scores == sorted(scores, reverse=True)
-            ended_early += sum(s.length < MAX_NEW for s in mine)
+                                   return_dict_in_generate=True)
+            mine = got[i * k:(i + 1) * k]  # in transformers' order: best score first
+            assert mine == [cut(row[len(prompt):], eos) for row in out.sequences.tolist()]
+            ended_early += sum(len(tokens) < MAX_NEW for tokens in mine)
     assert ended_early > 0  # some hypotheses finished at EOS, so lengths and scores are not all alike
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
 def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs):
-    free = generate(ours, prompts[8:16], MAX_NEW, eos_token_id=eos, **kwargs)
-    got = generate(ours, prompts[8:16], MAX_NEW, eos_token_id=eos, min_new_tokens=10, **kwargs)
+    free = generate(ours, prompts[8:16], Decoding(max_new_tokens=MAX_NEW, **kwargs), eos_token_id=eos)
+    got = generate(ours, prompts[8:16], Decoding(max_new_tokens=MAX_NEW, min_new_tokens=10, **kwargs), eos_token_id=eos)
     assert any(len(row) < 10 for row in free) and all(len(row) >= 10 for row in got)
     with torch.no_grad():
         for prompt, row in zip(prompts[8:16], got):
@@ -171,8 +170,7 @@ def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs
 
 def test_n_samples_are_reproducible_with_seed(ours, prompts, eos):
     def draw(seed):
-        return generate(ours, prompts[:6], MAX_NEW, eos_token_id=eos, temperature=1.5, top_k=4,
-                             num_return_sequences=5, seed=seed)
+        return generate(ours, prompts[:6], Decoding(max_new_tokens=MAX_NEW, temperature=1.5, top_k=4), eos_token_id=eos, num_return_sequences=5, seed=seed)
     a = draw(7)
     assert len(a) == 30 and a == draw(7) and a != draw(8)
     assert all(len({tuple(row) for row in a[i:i + 5]}) > 1 for i in range(0, 30, 5))  # samples, not copies
@@ -191,8 +189,7 @@ def test_shared_samples_follow_the_model_distribution(ours):
 
     exact = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
     assert min(exact.values()) > 0.01
-    rows = generate(ours, [prompt], 2, eos_token_id=-1, temperature=temperature, top_k=3, num_return_sequences=n,
-                         seed=0)
+    rows = generate(ours, [prompt], Decoding(max_new_tokens=2, temperature=temperature, top_k=3), eos_token_id=-1, num_return_sequences=n, seed=0)
     counts = {}
     for row in rows:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -202,10 +199,9 @@ def test_shared_samples_follow_the_model_distribution(ours):
 
 
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
-    greedy = generate(ours, prompts, MAX_NEW, eos_token_id=eos)
+    greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary
-        assert generate(ours, prompts, MAX_NEW, eos_token_id=eos, temperature=1.0, top_k=1, seed=0, mbr_samples=6,
-                             mbr_include_beam=include_beam) == greedy
+        assert generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=1, mbr_samples=6, mbr_include_beam=include_beam), eos_token_id=eos, seed=0, mbr_pick=mbr.pick) == greedy
 
 
 def test_mbr_select_picks_the_consensus():
@@ -232,11 +228,12 @@ def test_agreement_is_rouge_score_of_every_pair(metric):
 
 
 def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
-    options = dict(eos_token_id=eos, temperature=1.0, top_k=3, seed=11)
     n, few = 8, prompts[:8]
-    picked = generate(ours, few, 12, mbr_samples=n, mbr_include_beam=True, **options)
-    samples = generate(ours, few, 12, num_return_sequences=n, **options)  # the same draws: same seed, one prefill
-    greedy = generate(ours, few, 12, eos_token_id=eos)
+    sampling = Decoding(max_new_tokens=12, temperature=1.0, top_k=3)
+    picked = generate(ours, few, replace(sampling, mbr_samples=n, mbr_include_beam=True), eos_token_id=eos, seed=11,
+                      mbr_pick=mbr.pick)
+    samples = generate(ours, few, sampling, eos_token_id=eos, seed=11, num_return_sequences=n)  # the same draws
+    greedy = generate(ours, few, Decoding(max_new_tokens=12), eos_token_id=eos)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     unique_best = 0
     for i, prompt in enumerate(few):
@@ -266,8 +263,7 @@ def test_sampling_warpers_match_transformers(settings):
         expected = TopPLogitsWarper(settings["top_p"])(None, expected)
     if settings.get("epsilon"):
         expected = EpsilonLogitsWarper(settings["epsilon"])(None, expected)
-    processors = LogitsProcessors(1.0, 0, 0, 0, settings["temperature"], settings.get("top_k", 0),
-                                  settings.get("top_p", 1.0), settings.get("epsilon", 0.0))
+    processors = LogitsProcessors(Decoding(**settings), eos_token_id=0)
     logits, ids = processors.warp(scores)
     got = logits if ids is None else torch.full_like(scores, -float("inf")).scatter(1, ids, logits)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))

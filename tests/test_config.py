@@ -1,3 +1,5 @@
+"""config.py: defaults, typed --key=value overrides, .py/.json presets read without running them, sweeps, and
+one-line errors that name the bad key or value."""
 import dataclasses
 import glob
 import json

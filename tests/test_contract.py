@@ -18,11 +18,11 @@ import predict
 import train
 from summarizer.checkpoint import load_checkpoint
 from config import load_config
-from conftest import REPO, TINY, card_code, metrics, run, synthetic_rows
+from conftest import REPO, card_code, metrics, run, save_csv, synthetic_rows, tiny
 from summarizer.runtime import Runtime
 
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
-RUN = [*(flag for flag in TINY if not flag.startswith("--max_new_tokens")), "--n_embd=64", "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",
+RUN = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",
        "--warmup_iters=5", "--log_interval=1000", "--gen_batch_size=8", "--sample_submission_csv="]
 
 
@@ -31,16 +31,16 @@ def trained(tmp_path_factory):
     """A tiny model trained with a custom template, its own validation CSV and max_new_tokens=12; `preset` is
     what a user passes later: the data and out_dir of the preset, none of the run's training flags."""
     folder = tmp_path_factory.mktemp("contract")
-    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
+    save_csv(folder / "train.csv", synthetic_rows(64, seed=0))
     train_dialogues = set(pd.read_csv(folder / "train.csv")["dialogue"])
     val = pd.DataFrame(synthetic_rows(40, seed=3))
     val = val[~val["dialogue"].isin(train_dialogues)].head(12)
-    val.to_csv(folder / "validation.csv", index=False)
+    save_csv(folder / "validation.csv", val)
     other = pd.DataFrame(synthetic_rows(60, seed=11))
     other = other[~other["dialogue"].isin(train_dialogues | set(val["dialogue"]))].head(10)
     other["id"] = [f"other-{i}" for i in range(len(other))]
-    other.to_csv(folder / "other.csv", index=False)
-    other.drop(columns="summary").to_csv(folder / "test.csv", index=False)
+    save_csv(folder / "other.csv", other)
+    save_csv(folder / "test.csv", other, test=True)
     preset = [*RUN, f"--train_csv={folder / 'train.csv'}", f"--test_csv={folder / 'test.csv'}",
               f"--data_cache_dir={folder / 'cache'}", f"--out_dir={folder / 'out'}"]
     training = [*preset, f"--prompt_template={TEMPLATE!r}", f"--validation_csv={folder / 'validation.csv'}",
@@ -85,10 +85,10 @@ def test_a_flag_that_contradicts_the_checkpoint_is_one_line(trained, tmp_path, c
     for main in (evaluate.main, predict.main):
         err = one_error_line(capsys, main, [*preset, "--prompt_template='{dialogue} TL;DR:'",
                                             f"--out_dir={tmp_path / 'x'}"])
-        assert "--prompt_template='{dialogue} TL;DR:' contradicts the checkpoint" in err
+        assert "--prompt_template='{dialogue} TL;DR:'" in err
         assert f"prompt_template={TEMPLATE!r}" in err
     err = one_error_line(capsys, evaluate.main, [*preset, "--block_size=64", f"--out_dir={tmp_path / 'x'}"])
-    assert "--block_size=64 contradicts the checkpoint, which was trained with block_size=128" in err
+    assert "--block_size=64" in err and "block_size=128" in err
     assert not (tmp_path / "x").exists()  # a failed command leaves no empty out_dir behind
 
 
@@ -104,8 +104,7 @@ def test_rows_the_run_trained_on_are_refused_and_a_disjoint_csv_is_scored(traine
     folder, preset, _ = trained
     for flags in ([f"--validation_csv={folder / 'train.csv'}"], ["--validation_csv=", "--val_fraction=0.2"]):
         err = one_error_line(capsys, evaluate.main, [*preset, *flags, f"--out_dir={tmp_path / 'x'}"])
-        assert "validation rows" in err and "were trained on by this checkpoint" in err
-        assert "--validation_csv" in err and "to use the run's own validation split" in err
+        assert "validation rows" in err and "trained on" in err and "--validation_csv" in err
     # the same dialogues under new ids are still rows it trained on
     copy = pd.read_csv(folder / "train.csv").head(5).assign(id=lambda f: "new-" + f["id"])
     copy.to_csv(tmp_path / "renamed.csv", index=False)
@@ -194,7 +193,7 @@ def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(small, tmp_p
     assert rows[4] > rows[3] and max(rows.values()) == pytest.approx(1e-2) and rows[20] < rows[11]
     err = one_error_line(capsys, train.main, [*small, "--max_iters=20", "--warmup_iters=10", "--rouge_samples=0",
                                               "--best_metric=val_loss", "--init_from=resume"])
-    assert "is at iter 20 and max_iters=20: nothing to train" in err
+    assert "iter 20" in err and "max_iters=20" in err
 
 
 def test_an_out_of_memory_in_the_compile_warm_up_propagates(small, tmp_path, monkeypatch, capfd):
@@ -247,7 +246,8 @@ def test_help_into_a_closed_pipe_is_not_an_error():
 def test_lora_on_an_untrained_model_warns(small, capfd):
     train.main([*small, "--max_iters=1", "--lora_rank=4", "--rouge_samples=0", "--best_metric=val_loss"])
     err = capfd.readouterr().err
-    assert "warning: lora_rank=4 with init_from=scratch trains small adapters on frozen random weights" in err
+    assert any(line.startswith("warning: ") and "lora_rank=4" in line and "init_from=scratch" in line
+               for line in err.splitlines()), err
 
 
 def test_a_failed_command_leaves_no_empty_out_dir(tmp_path, capsys):

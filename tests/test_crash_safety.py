@@ -9,17 +9,15 @@ import re
 import subprocess
 import time
 
-import pandas as pd
 import pytest
 import torch
 
 import train
 from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
-from conftest import REPO, synthetic_rows
+from conftest import REPO, TINY
 
-TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128",
-        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--batch_size=4",
-        "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
+RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
+       "--eval_val_batches=1"]
 KILLS = 20
 
 
@@ -48,14 +46,14 @@ def file_version(path):
     return stat.st_ino, stat.st_mtime_ns
 
 
-def test_sigkill_at_random_moments_never_loses_the_checkpoint(tmp_path):
+def test_sigkill_at_random_moments_never_loses_the_checkpoint(write_csv, tmp_path):
     """20 times: start (or resume) training with a checkpoint every step, wait until it has written a newer
     ckpt.pt, then SIGKILL it after a random delay or while it writes a checkpoint; ckpt.pt and best.pt must
     load, and the next resume must carry on past ckpt.pt's iteration."""
-    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    write_csv("train.csv", 40)
     out = tmp_path / "out"
     ckpt_path = str(out / "ckpt.pt")
-    args = [*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+    args = [*RUN, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
             f"--out_dir={out}", "--max_iters=100000", "--eval_interval=1"]
     # Forked from a server that has imported train already: a fresh interpreter would spend seconds on imports.
     context = multiprocessing.get_context("forkserver")
@@ -89,14 +87,14 @@ def test_sigkill_at_random_moments_never_loses_the_checkpoint(tmp_path):
 def error_line_of_training(tmp_path, out, capsys, *extra):
     """Train on tmp_path/train.csv into `out`; the run must end with exit code 2: its last stderr line."""
     with pytest.raises(SystemExit) as exit:
-        train.main([*TINY, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
+        train.main([*RUN, f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
                     f"--out_dir={out}", *extra])
     assert exit.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+def test_full_disk_while_saving_keeps_the_previous_checkpoint(write_csv, tmp_path, monkeypatch, capsys):
+    write_csv("train.csv", 40)
     out = tmp_path / "out"
     real_save = torch.save
     previous = {}
@@ -112,20 +110,19 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
     last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=3", "--eval_interval=1")
-    assert re.fullmatch(r"error: cannot write \S+ckpt\.pt \(No space left on device\): \S+ckpt\.pt still holds the "
-                        r"previous checkpoint; free some space or choose another --out_dir", last_line)
+    assert last_line.startswith("error: ") and re.search(r"\S+ckpt\.pt .*No space left on device.*--out_dir", last_line)
     assert (out / "ckpt.pt").read_bytes() == previous["bytes"]
     assert not [name for name in os.listdir(out) if ".tmp" in name]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 1
 
 
-def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(tmp_path):
+def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(write_csv, tmp_path):
     """tests/faulty_rank.py makes rank 1 raise in step 2; the job must end (not hang in a collective) with a
     non-zero exit and a last line from rank 1 that says what happened."""
-    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    write_csv("train.csv", 40)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     result = subprocess.run(
-        ["torchrun", "--nproc_per_node=2", "--standalone", "tests/faulty_rank.py", *TINY, "--micro_batch_size=2",
+        ["torchrun", "--nproc_per_node=2", "--standalone", "tests/faulty_rank.py", *RUN, "--micro_batch_size=2",
          f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
          f"--out_dir={tmp_path / 'out'}", "--max_iters=10", "--eval_interval=100", "--dist_timeout=30"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
@@ -134,10 +131,10 @@ def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(tmp_path):
                      re.MULTILINE), result.stderr[-3000:]
 
 
-def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(tmp_path, monkeypatch, capsys):
+def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_csv, tmp_path, monkeypatch, capsys):
     """From the 5th training step on every loss is NaN: no update is applied, and after train.NAN_PATIENCE such
     steps the run ends with one error line; best.pt (written at iter 4) is byte for byte what it was."""
-    pd.DataFrame(synthetic_rows(40, seed=0)).to_csv(tmp_path / "train.csv", index=False)
+    write_csv("train.csv", 40)
     out = tmp_path / "out"
     real_forward = train.GPT.forward
     seen = {"steps": 0}
@@ -155,9 +152,8 @@ def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(tmp_pa
 
     monkeypatch.setattr(train.GPT, "forward", nan_from_step_5)
     last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=20", "--eval_interval=4")
-    assert re.fullmatch(rf"error: loss is nan for {train.NAN_PATIENCE} iterations in a row \(iter 7\); stopped\. "
-                        r"\S+/best\.pt and ckpt\.pt are untouched since the last eval\. Lower learning_rate or use "
-                        r"dtype=float32/bfloat16", last_line), last_line
+    assert last_line.startswith("error: ") and re.search(
+        rf"\bnan\b.*\b{train.NAN_PATIENCE}\b.*\(iter 7\).*\S+/best\.pt.*learning_rate", last_line), last_line
     assert seen["steps"] == 4 + train.NAN_PATIENCE
     assert (out / "best.pt").read_bytes() == seen["best.pt"]
     best = load_checkpoint(str(out / "best.pt"))

@@ -1,3 +1,5 @@
+"""data.py: reading CSVs (columns, encodings, empty rows, ids), prompts and targets cut to block_size, the
+token cache, and the training/eval batches each rank sees."""
 import itertools
 import os
 
@@ -10,6 +12,7 @@ import data
 from config import PROMPT_TEMPLATE, Config
 from summarizer.errors import UserError
 from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
+from conftest import save_csv
 
 enc = get_tokenizer()
 
@@ -22,7 +25,7 @@ def dialogue(i, turns=3):
 def write_rows(path, n, start=0, turns=3):
     rows = [{"id": str(start + i), "dialogue": dialogue(start + i, turns + i % 7),
              "summary": f"Person{i % 5} talks about plan {start + i}."} for i in range(n)]
-    pd.DataFrame(rows).to_csv(path, index=False)
+    save_csv(path, rows)
     return rows
 
 

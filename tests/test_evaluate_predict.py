@@ -14,9 +14,10 @@ import predict
 from summarizer import submission
 import train
 from summarizer.errors import UserError
-from conftest import REPO, synthetic_rows
+from conftest import REPO, save_csv, synthetic_rows, tiny
 
-MODEL = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]
+# how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
+RUNTIME = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]
 # ids a careless writer would mangle: leading zeros, a float-looking one, a comma, a quote, a space
 TRICKY_IDS = ["007", "1e3", "a,b", 'say "hi"', "two words", "12", "0", "x-1", "NaN", "10", "9"]
 
@@ -25,15 +26,15 @@ TRICKY_IDS = ["007", "1e3", "a,b", 'say "hi"', "two words", "12", "0", "x-1", "N
 def trained(tmp_path_factory):
     """A tiny model trained for a few steps, long enough that its summaries overlap the references only in part."""
     folder = tmp_path_factory.mktemp("trained")
-    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
-    pd.DataFrame(synthetic_rows(24, seed=3)).to_csv(folder / "validation.csv", index=False)
-    test = pd.DataFrame(synthetic_rows(len(TRICKY_IDS), seed=4)).drop(columns="summary")
+    save_csv(folder / "train.csv", synthetic_rows(64, seed=0))
+    save_csv(folder / "validation.csv", synthetic_rows(24, seed=3))
+    test = pd.DataFrame(synthetic_rows(len(TRICKY_IDS), seed=4))
     test["id"] = TRICKY_IDS
     # different lengths, so length-sorted generation batches differ from file order
     test["dialogue"] = [d + "\nTom: and one more thing." * (i % 4) for i, d in enumerate(test["dialogue"])]
-    test.to_csv(folder / "test.csv", index=False)
-    train.main([*MODEL, "--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128",
-                f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
+    save_csv(folder / "test.csv", test, test=True)
+    train.main([*tiny(n_embd=64, max_new_tokens=20), "--gen_batch_size=4", f"--train_csv={folder / 'train.csv'}",
+                f"--validation_csv={folder / 'validation.csv'}",
                 f"--test_csv={folder / 'test.csv'}", f"--out_dir={folder / 'out'}",
                 f"--data_cache_dir={folder / 'cache'}", "--batch_size=16", "--micro_batch_size=16",
                 "--max_iters=60", "--eval_interval=60", "--learning_rate=1e-2", "--warmup_iters=5",
@@ -42,7 +43,7 @@ def trained(tmp_path_factory):
 
 
 def args(folder, out_dir, *extra):
-    return [*MODEL, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
+    return [*RUNTIME, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
             f"--test_csv={folder / 'test.csv'}", f"--data_cache_dir={folder / 'cache'}",
             f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={out_dir}", "--sample_submission_csv=", *extra]
 

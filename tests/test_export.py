@@ -7,7 +7,6 @@ import sys
 import types
 from contextlib import nullcontext
 
-import pandas as pd
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -21,14 +20,13 @@ from summarizer import inference
 from summarizer.checkpoint import build_model, load_checkpoint
 from config import load_config
 from summarizer.errors import UserError
-from conftest import card_code, synthetic_rows
+from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
 from test_tokenizer import TEXTS
 from summarizer.tracking import Tracker
 
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
 DECODING = ["--max_new_tokens=20", "--repetition_penalty=1.3", "--no_repeat_ngram_size=3"]
-MODEL = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128", "--device=cpu",
-         "--dtype=float32", "--compile=False", "--batch_size=16", "--micro_batch_size=16", "--warmup_iters=5",
+MODEL = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batch_size=16", "--warmup_iters=5",
          "--learning_rate=1e-2", "--log_interval=1", *DECODING]
 
 
@@ -58,8 +56,8 @@ class FakeWandb(types.ModuleType):
 def run(tmp_path_factory):
     """A tiny model trained 60 steps with TensorBoard and (fake) W&B logging, and its export."""
     folder = tmp_path_factory.mktemp("export")
-    pd.DataFrame(synthetic_rows(64, seed=0)).to_csv(folder / "train.csv", index=False)
-    pd.DataFrame(synthetic_rows(24, seed=3)).to_csv(folder / "validation.csv", index=False)
+    save_csv(folder / "train.csv", synthetic_rows(64, seed=0))
+    save_csv(folder / "validation.csv", synthetic_rows(24, seed=3))
     args = [*MODEL, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
             f"--data_cache_dir={folder / 'cache'}", f"--out_dir={folder / 'out'}"]
     wandb = FakeWandb()
@@ -72,11 +70,6 @@ def run(tmp_path_factory):
     return types.SimpleNamespace(folder=folder, args=args, wandb=wandb, ckpt=ckpt, hf_dir=str(folder / "hf"),
                                  model=build_model(str(folder / "out" / "best.pt"))[0].eval(),
                                  cfg=load_config([*args, "--max_iters=40"]))
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def hf_summaries(path, dialogues):

@@ -15,14 +15,13 @@ from summarizer import lora
 import train
 from summarizer.checkpoint import load_checkpoint
 from config import load_config
-from conftest import REPO, assert_export_matches
+from conftest import REPO, assert_export_matches, tiny, tiny_gpt
 from model import GPT, GPTConfig, PRETRAINED
 from summarizer.runtime import reduce_once_bytes
 
-TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=128",
-        "--max_new_tokens=16", "--device=cpu", "--dtype=float32", "--compile=False", "--log_interval=1",
-        "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16", "--micro_batch_size=4", "--eval_interval=3",
-        "--lr_decay_iters=6", "--dropout=0.1", "--gradient_checkpointing=True", "--sample_submission_csv="]
+RUN = [*tiny(n_layer=2), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16",
+       "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--dropout=0.1",
+       "--gradient_checkpointing=True", "--sample_submission_csv="]
 
 
 def run(cmd):
@@ -45,7 +44,7 @@ def losses(out_dir):
 @pytest.fixture
 def args(write_csv, tmp_path):
     # 80 rows: 4 held out for validation, all of them summarized for ROUGE while training
-    return [*TINY, f"--train_csv={write_csv('train.csv', 80)}", f"--data_cache_dir={tmp_path / 'cache'}",
+    return [*RUN, f"--train_csv={write_csv('train.csv', 80)}", f"--data_cache_dir={tmp_path / 'cache'}",
             "--rouge_samples=4", "--best_metric=val_loss"]
 
 
@@ -138,7 +137,7 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     """torch.compile (inductor, on CPU) of a LoRA model with checkpointed blocks: compiled, not the eager
     fallback, with the eager loss and gradients."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt()
     lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
     with torch.no_grad():
         for name, p in model.named_parameters():

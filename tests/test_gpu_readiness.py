@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 
-import pandas as pd
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -21,13 +20,14 @@ import train
 from summarizer.checkpoint import build_model, load_checkpoint
 from config import load_config
 from summarizer.errors import UserError
-from conftest import REPO, metrics, synthetic_rows
-from model import GPT, GPTConfig
+from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
+from model import GPT
 from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
 
-TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
-        "--device=cpu", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",
-        "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss", "--dropout=0.0"]
+# dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
+RUN = [*tiny(block_size=64, dtype=None, compile=None), "--log_interval=1", "--warmup_iters=2",
+       "--learning_rate=3e-3", "--batch_size=8", "--micro_batch_size=4", "--rouge_samples=0",
+       "--best_metric=val_loss", "--dropout=0.0"]
 
 
 # ---- precision, compile and peak FLOPS from the device's properties -------------------------------------------
@@ -128,7 +128,7 @@ def test_peak_flops_by_device_name_and_dtype(name, dtype, tflops):
 def test_training_flops_match_pytorchs_flop_counter():
     """MFU's numerator: the matmul FLOPs of forward + backward, lm_head at the targets only."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=32, bias=False))
+    model = tiny_gpt(block_size=64, vocab_size=256, bias=False)
     x = torch.randint(0, 256, (3, 48))
     y = torch.full_like(x, -1)
     y[:, -10:] = x[:, -10:]
@@ -145,7 +145,7 @@ def test_training_flops_match_pytorchs_flop_counter():
 @pytest.fixture
 def fp16_args(write_csv, tmp_path):
     csv = write_csv("train.csv", 40)
-    return [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path / 'out'}",
+    return [*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path / 'out'}",
             "--dtype=float16", "--compile=False", "--max_iters=2"]
 
 
@@ -186,12 +186,12 @@ def long_dialogues(tmp_path_factory):
     """Dialogues longer than block_size, so every training row is cut to it: one shape, one compilation."""
     folder = tmp_path_factory.mktemp("compile")
     rows = [dict(row, dialogue="\n".join([row["dialogue"]] * 3)) for row in synthetic_rows(48, seed=2)]
-    pd.DataFrame(rows).to_csv(folder / "train.csv", index=False)
+    save_csv(folder / "train.csv", rows)
     return folder
 
 
 def compile_args(folder):
-    return [*TINY, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}", "--eval_interval=2",
+    return [*RUN, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}", "--eval_interval=2",
             "--lr_decay_iters=6"]  # the same schedule however many steps a run stops after
 
 
@@ -359,7 +359,7 @@ def test_notebook_surfaces_accelerates_own_check_in_one_line(monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         train.notebook_main(NOTEBOOK_ARGS)
     err = one_error_line(capsys, exit_info)
-    assert "the `Accelerator` should only be initialized inside your training function" in err
+    assert "Accelerator" in err and "restart the kernel" in err
 
 
 def test_notebook_explains_a_port_in_use(capsys):
@@ -397,7 +397,7 @@ def test_notebook_worker_failures_add_no_launcher_traceback(monkeypatch, capsys)
     monkeypatch.setattr(accelerate, "notebook_launcher", failing(1))
     with pytest.raises(SystemExit) as exit_info:
         train.notebook_main(NOTEBOOK_ARGS)
-    assert "training failed in rank(s) 0, 1: see the error line(s) above" in one_error_line(capsys, exit_info)
+    assert "rank(s) 0, 1" in one_error_line(capsys, exit_info)
 
 
 def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, capsys):
@@ -409,17 +409,7 @@ def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, 
         train.main(NOTEBOOK_ARGS)
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and "Traceback" not in err and err.count("\n") == 1
-    assert err.startswith("error (rank 1): CUDA cannot start in a process forked from this notebook") and \
-        "torchrun cell" in err
-
-
-def test_notebook_launches_main_with_accelerate(monkeypatch):
-    import accelerate
-    launches = []
-    monkeypatch.setattr(accelerate, "notebook_launcher", lambda *args, **kwargs: launches.append((args, kwargs)))
-    train.notebook_main(NOTEBOOK_ARGS, num_processes=2, port=29123)
-    assert launches == [((train.main, ([*NOTEBOOK_ARGS, "--backend=accelerate"],)),
-                         {"num_processes": 2, "use_port": "29123"})]
+    assert err.startswith("error (rank 1): ") and "CUDA" in err and "torchrun" in err
 
 
 # ---- bench/gpu_check ----------------------------------------------------------------------------------------

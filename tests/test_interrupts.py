@@ -11,13 +11,12 @@ import time
 import pytest
 
 from summarizer.checkpoint import load_checkpoint
-from conftest import REPO, free_port, metrics
+from conftest import REPO, free_port, metrics, tiny
 
 STEPS = 60
-ARGS = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=64", "--block_size=128", "--max_new_tokens=16",
-        "--device=cpu", "--dtype=float32", "--compile=False", "--batch_size=16", "--micro_batch_size=8",
-        "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1", "--log_interval=1",
-        f"--max_iters={STEPS}", "--eval_interval=25", "--sample_submission_csv="]
+ARGS = [*tiny(n_embd=64), "--batch_size=16", "--micro_batch_size=8", "--rouge_samples=0", "--best_metric=val_loss",
+        "--eval_val_batches=1", "--log_interval=1", f"--max_iters={STEPS}", "--eval_interval=25",
+        "--sample_submission_csv="]
 
 
 def start(launcher, args):

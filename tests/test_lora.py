@@ -1,3 +1,5 @@
+"""LoRA adapters: only they train, merging gives base + low-rank update with unchanged logits, and train.py /
+evaluate.py / predict.py run LoRA from out_dir alone, refusing a resume without its base."""
 import copy
 import os
 import shutil
@@ -13,8 +15,8 @@ import predict
 import train
 from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 from config import load_config
-from conftest import assert_export_matches, metrics
-from model import GPT, GPTConfig
+from conftest import assert_export_matches, metrics, tiny, tiny_gpt
+from model import GPT
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -23,7 +25,7 @@ ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 def trained_adapter_model():
     """A tiny GPT with rank-2 adapters whose B is no longer zero (as after training), and the base state dict."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt(vocab_size=96)
     base = copy.deepcopy(model.state_dict())
     cfg = load_config(["--lora_rank=2", "--lora_alpha=8", "--lora_dropout=0.1"])
     lora.add_adapters(model, **lora.settings(cfg))
@@ -75,7 +77,7 @@ def test_merged_model_logits_equal_the_adapter_model(trained_adapter_model):
 
 def test_lora_targets_choose_the_layers():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt(vocab_size=96)
     lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=4", "--lora_targets=attn.c_proj,mlp.c_fc"])))
     adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
     assert adapted == [f"transformer.h.{i}.{t}" for i in range(2) for t in ("attn.c_proj", "mlp.c_fc")]
@@ -83,9 +85,9 @@ def test_lora_targets_choose_the_layers():
 
 # ---- training with LoRA: train.py, then evaluate.py/predict.py from out_dir alone --------------------------
 
-LORA = ["--n_layer=1", "--block_size=128", "--max_new_tokens=16", "--device=cpu", "--dtype=float32",
-        "--compile=False", "--log_interval=1", "--warmup_iters=2", "--learning_rate=1e-2", "--batch_size=8",
-        "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--rouge_samples=2", "--dropout=0.1",
+# init_from, n_head and n_embd come from the base model (lora_args)
+LORA = [*tiny(init_from=None, n_head=None, n_embd=None), "--log_interval=1", "--warmup_iters=2",
+        "--learning_rate=1e-2", "--batch_size=8", "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--rouge_samples=2", "--dropout=0.1",
         "--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True", "--sample_submission_csv="]
 
 

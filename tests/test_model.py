@@ -1,8 +1,11 @@
+"""model.py's GPT: transformers' logits with padding and packing, the masked loss, block_size refused, tied
+weights, and gradient checkpointing with the same losses and gradients."""
 import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig
+from conftest import tiny_gpt
+from model import GPT
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_loss_ignores_minus_one_and_matches_full_logits(ours):
 
 
 def test_sequence_longer_than_block_size_is_refused():
-    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_gpt(block_size=8, vocab_size=32, n_layer=1, n_embd=16)
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
@@ -73,7 +76,7 @@ def test_unknown_pretrained_name_is_one_clear_error(name):
 
 
 def test_weights_are_tied_and_training_step_runs():
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    model = tiny_gpt(block_size=16, dropout=0.1)
     assert model.lm_head.weight is model.transformer.wte.weight
     x = torch.randint(0, 64, (2, 16))
     _, loss = model(x, x)
@@ -99,7 +102,7 @@ def test_gradient_checkpointing_same_losses_and_gradients(dropout):
     """Recomputing each block in backward gives the forward's loss and gradients (dropout masks included, as
     checkpoint restores the RNG), leaves the RNG where training without it would, and keeps fewer bytes."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=3, n_head=2, n_embd=32, dropout=dropout))
+    model = tiny_gpt(n_layer=3, dropout=dropout)
     x = torch.randint(0, 64, (4, 32))
     y = torch.randint(0, 64, (4, 32))
     y[:, :12] = -1

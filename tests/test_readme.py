@@ -110,21 +110,6 @@ def test_config_reference_is_generated(pages, off_kaggle):
         f"docs/config.md's config reference is out of date with config.py; regenerate it with:\n{REGENERATE}")
 
 
-def test_script_keys_extraction():
-    line = "torchrun --nnodes=2 --rdzv_endpoint=h:1 train.py config/demo.py --max_iters=5 --bogus_key=1"
-    assert script_keys(line) == ["max_iters", "bogus_key"]
-    assert script_keys("accelerate launch --num_processes=2 evaluate.py --ckpt=x") == ["ckpt"]
-    assert script_keys("python -m bench --section=data --model=gpt2") == []
-    assert script_keys("bash bench/gpu_check.sh --iters=30") == []
-    assert code_lines("x\n```bash\npython train.py \\\n    --seed=1  # --nope=2\n```\n") == ["python train.py --seed=1"]
-
-
-def test_extraction_helpers():
-    assert named_sections("run `python -m bench --section=memory` and\npython -m bench --section=data|all") == [
-        "memory", "data", "all"]
-    assert named_sections("python -m bench --json") == []
-    assert LINK.findall("[a](docs/x.md) [b](y.md#h) [c](https://e.org/z.md) [d](#top)") == ["docs/x.md", "y.md"]
-    assert {"data", "train", "generate", "decode", "memory", "compile", "calibrate", "all"} <= bench_sections()
 
 
 def test_command_keys_are_config_fields(commands):

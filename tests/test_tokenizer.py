@@ -1,3 +1,4 @@
+"""The GPT-2 BPE tokenizer: transformers' ids, <|endoftext|> in user text stays text, damaged BPE files refused."""
 import shutil
 
 import pytest

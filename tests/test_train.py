@@ -1,3 +1,5 @@
+"""train.py: every launcher trains the same model, resume is bit-identical, checkpoints are complete, safe to
+load and survive a SIGKILL mid-write, and the pipeline learns its training set."""
 import os
 import pickle
 import signal
@@ -13,10 +15,10 @@ import conftest
 import train
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from conftest import REPO, free_port, metrics, run, synthetic_rows
+from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows
 
-TINY = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
-PARITY = [*TINY, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]
+RUN = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
+PARITY = [*RUN, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]
 
 
 def assert_same_losses(got, expected, rel=1e-4):
@@ -29,9 +31,8 @@ def assert_same_losses(got, expected, rel=1e-4):
 
 @pytest.fixture(scope="module")
 def parity_data(tmp_path_factory):
-    import pandas as pd
     folder = tmp_path_factory.mktemp("parity")
-    pd.DataFrame(synthetic_rows(120, seed=1)).to_csv(folder / "train.csv", index=False)
+    save_csv(folder / "train.csv", synthetic_rows(120, seed=1))
     return folder
 
 
@@ -77,7 +78,7 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
                          ids=["full", "lora"])
 def test_exact_resume_is_bit_identical(write_csv, tmp_path, mode):
     csv = write_csv("train.csv", 80)
-    common = [*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+    common = [*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
               "--micro_batch_size=4", "--eval_interval=4", "--lr_decay_iters=8", "--rouge_samples=2",
               "--dropout=0.1", *mode]
     train.main([*common, "--max_iters=8", f"--out_dir={tmp_path / 'straight'}"])
@@ -93,7 +94,7 @@ def test_exact_resume_is_bit_identical(write_csv, tmp_path, mode):
 
 def test_checkpoint_has_clean_keys_and_everything_to_resume(write_csv, tmp_path):
     csv = write_csv("train.csv", 40)
-    train.main([*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+    train.main([*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
                 "--micro_batch_size=4", "--max_iters=2", "--eval_interval=2", "--rouge_samples=2",
                 f"--out_dir={tmp_path}"])
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
@@ -106,7 +107,7 @@ def test_sigkill_during_checkpoint_write_leaves_a_loadable_checkpoint(write_csv,
     csv = write_csv("train.csv", 40)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}",
+        [sys.executable, "train.py", *RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}",
          "--batch_size=8", "--micro_batch_size=8", "--max_iters=100000", "--eval_interval=1", "--rouge_samples=0",
          "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,7 +124,7 @@ def test_sigkill_during_checkpoint_write_leaves_a_loadable_checkpoint(write_csv,
         proc.kill()
     ckpt = load_checkpoint(str(out / "ckpt.pt"))
     assert ckpt["iter_num"] >= 1
-    train.main([*TINY, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
+    train.main([*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
                 "--micro_batch_size=8", f"--max_iters={ckpt['iter_num'] + 1}", "--eval_interval=1",
                 "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}",
                 "--init_from=resume"])

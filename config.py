@@ -252,6 +252,12 @@ def part(cfg, group):
 
 def check_values(cfg):
     """Raise UserError naming the first key whose value cannot work."""
+    check_ranges(cfg)
+    check_combinations(cfg)
+
+
+def check_ranges(cfg):
+    """Each value alone: among its choices, in its range."""
     for f in fields(cfg):
         choices = f.metadata["choices"]
         if choices and getattr(cfg, f.name) not in choices:
@@ -290,6 +296,10 @@ def check_values(cfg):
         raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.repetition_penalty <= 0:
         raise UserError(f"repetition_penalty={cfg.repetition_penalty} must be > 0 (1.0 = off)")
+
+
+def check_combinations(cfg):
+    """Values that must agree with each other, and the texts that are parsed."""
     unknown = [d for d in cfg.log_to.split(",") if d and d not in LOG_DESTINATIONS]
     if unknown:
         raise UserError(f"log_to={cfg.log_to!r}: {unknown[0]!r} is not one of {', '.join(LOG_DESTINATIONS)} "
@@ -509,13 +519,15 @@ def help_text():
 
 
 def markdown_reference():
-    """The README's config reference: one table row per key."""
-    defaults = Config()
-    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, f in FIELDS.items():
-        default = repr(getattr(defaults, name)).replace("|", "\\|")
-        rows.append(f"| `{name}` | {type_name(f)} | `{default}` | {f.metadata['help']} |")
-    return "\n".join(rows)
+    """docs/config.md's reference: a table of keys per group of settings."""
+    defaults, sections = Config(), []
+    for group in GROUPS:
+        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in fields(group):
+            default = repr(getattr(defaults, f.name)).replace("|", "\\|")
+            rows.append(f"| `{f.name}` | {type_name(f)} | `{default}` | {f.metadata['help']} |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
 
 
 if __name__ == "__main__":

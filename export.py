@@ -116,7 +116,12 @@ The model has {block_size} positions and generates up to {run.max_new_tokens} to
 evaluation (a longer prompt would not fit: transformers raises an IndexError). The summary ends with
 `<|endoftext|>`. `prompt_ids` below builds a prompt exactly so.
 
-## Use
+{usage(name, head, tail, fmt.max_dialogue)}"""
+
+
+def usage(name, head, tail, max_dialogue):
+    """The card's "Use" section: transformers code that prompts the folder's model as training did."""
+    return f"""## Use
 
 ```python
 import torch
@@ -125,7 +130,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 path = "{name}"  # this folder, or its id on the Hugging Face Hub
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path)
-HEAD, TAIL, MAX_DIALOGUE_TOKENS = {head!r}, {tail!r}, {fmt.max_dialogue}
+HEAD, TAIL, MAX_DIALOGUE_TOKENS = {head!r}, {tail!r}, {max_dialogue}
 
 
 def prompt_ids(dialogue):

@@ -29,7 +29,7 @@ from summarizer.evaluation import evaluate, validation_loss
 from summarizer.files import no_empty_folder_left
 from summarizer.launch import notebook_launch, one_line_errors, rank_error_lines
 from summarizer.metrics import rouge
-from summarizer.runtime import Runtime, out_of_memory_hint, peak_flops
+from summarizer.runtime import Runtime, peak_flops
 from summarizer.schedule import learning_rate, lr_schedule
 from summarizer.submission import predict
 from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix
@@ -149,7 +149,7 @@ class Trainer:
         trained, step = calibrate.PackedScorer(self.model) if self.cfg.rank_weight else self.model, None
         if self.rt.compile:
             x, y = self.on_device(self.batches.micro_batches(self.iter_num)[0])[:2]
-            with self.out_of_memory_hint():
+            with training.out_of_memory_hint(self.cfg, self.rt):
                 compiled = training.compile_model(trained, x, y, self.rt.autocast())
             if compiled is not trained:
                 trained, step = compiled, inference.CompiledDecodeStep()
@@ -158,7 +158,7 @@ class Trainer:
     def fit(self):
         cfg, rt = self.cfg, self.rt
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, self.out_of_memory_hint(), stop_requests(self), tqdm(
+        with self.tracker, training.out_of_memory_hint(self.cfg, self.rt), stop_requests(self), tqdm(
                 total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
                 desc="training", unit="it") as bar:
             bad_steps = 0
@@ -200,29 +200,16 @@ class Trainer:
         if self.scaler.is_enabled():
             stats.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped)
         if self.peak:
-            lengths = self.train_set.lengths[self.batches.sampler.global_batch(self.iter_num - 1)] - 1
-            flops = self.model.training_flops(int(lengths.sum()), self.batches.target_tokens(self.iter_num - 1),
-                                              int((lengths ** 2).sum()))
+            flops = training.step_flops(self.model, self.train_set, self.batches, self.iter_num - 1)
             stats["mfu"] = flops / seconds / self.rt.world_size / self.peak
         if self.rt.device.type == "cuda":
             stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
         return stats
 
-    def out_of_memory_hint(self):
-        """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
-        n, reduce_once = self.cfg.micro_batch_size, getattr(self.rt.parallel, "reduce_once", False)
-        return out_of_memory_hint(f"training on micro-batches of {n} sequences",
-                                  f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
-                                  + ("" if self.cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
-                                  + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
-                                     "gradients unsharded)" if reduce_once is True else ""))
-
     def train_step(self, step):
-        """One optimizer step over global batch `step`. Returns its mean loss per target token (over all ranks),
-        the number of real tokens all ranks processed, the gradient norm before clipping, whether the step
-        was skipped (fp16 overflow: the GradScaler applies no update and lowers its scale; or a non-finite loss).
-        Sets stop_agreed to the signal (stop_requests) some rank received, else None, and out_of_time when some
-        rank's max_time leaves no room for another step: the same on every rank."""
+        """One optimizer step over global batch `step`: (mean loss per target token over all ranks, real tokens,
+        gradient norm before clipping, skipped: an fp16 overflow or a non-finite loss). Sets stop_agreed (a signal
+        some rank received) and out_of_time (some rank's max_time has no room for another step) on every rank."""
         cfg, rt = self.cfg, self.rt
         micro_batches = self.batches.micro_batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
@@ -288,7 +275,7 @@ class Trainer:
         metrics = {"val_loss": validation_loss(self.model, self.val_set, self.cfg, self.rt)}
         if self.rouge_prompts:
             start = time.perf_counter()
-            model = training.rouge_model(self.model, self.cfg, self.rt, self.decode_step)
+            model = training.rouge_model(self.model, self.cfg, self.rt)
             predictions = inference.summarize_sharded(model, self.rouge_prompts, self.cfg, self.rt, progress=False,
                                                       step=self.decode_step)
             self.time.summarized(len(predictions), time.perf_counter() - start)

@@ -27,7 +27,7 @@ from bench import memory as bench_memory
 import data
 from bench.compile import summary_end_token
 from bench.calibrate import SAMSUM_TINY, demo_arguments, train_quietly
-from config import PROMPT_TEMPLATE, load_config
+from config import PROMPT_TEMPLATE, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from summarizer.inference import open_run, summarize
@@ -153,43 +153,46 @@ def bench_generate(args, device):
     return rows
 
 
+@torch.inference_mode()
+def hf_greedy(hf, batches, max_new, eos, device):
+    """transformers' batched greedy generate, left-padded, cut at EOS."""
+    rows = []
+    for batch in batches:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=eos, eos_token_id=eos)[:, width:].tolist()
+        rows += [r[:r.index(eos)] if eos in r else r for r in out]
+    return rows
+
+
+@torch.inference_mode()
+def naive_greedy(model, prompts, max_new, eos, device):
+    """The reference notebook's decoding: one prompt at a time, the whole sequence run again for every token."""
+    rows = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(max_new):
+            token = int(model(torch.tensor([seq], device=device))[0][0, -1].argmax())
+            if token == eos:
+                break
+            seq.append(token)
+        rows.append(seq[len(prompt):])
+    return rows
+
+
 def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     """Summaries/s of our batched generator, transformers' batched generate and (optionally) a naive
     no-cache loop, one prompt at a time, on an evenly spread subset of the same length-sorted prompts."""
     flat = [p for batch in batches for p in batch]
     naive_picks = list(range(0, len(flat), max(1, len(flat) // args.naive_prompts)))[:args.naive_prompts]
 
-    def ours_batched():
-        return [row for batch in batches for row in generate(ours, batch, max_new, eos_token_id=eos)]
-
-    @torch.inference_mode()
-    def hf_batched():
-        rows = []
-        for batch in batches:
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[eos] * (width - len(p)) + p for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=eos, eos_token_id=eos)[:, width:].tolist()
-            rows += [r[:r.index(eos)] if eos in r else r for r in out]
-        return rows
-
-    @torch.inference_mode()
-    def naive_one_at_a_time():
-        rows = []
-        for i in naive_picks:
-            seq = list(flat[i])
-            for _ in range(max_new):
-                token = int(ours(torch.tensor([seq], device=device))[0][0, -1].argmax())
-                if token == eos:
-                    break
-                seq.append(token)
-            rows.append(seq[len(flat[i]):])
-        return rows
-
-    candidates = {"ours": ours_batched, "transformers": hf_batched}
+    greedy = Decoding(max_new_tokens=max_new)
+    candidates = {"ours": lambda: [row for batch in batches for row in generate(ours, batch, greedy, eos)],
+                  "transformers": lambda: hf_greedy(hf, batches, max_new, eos, device)}
     if with_naive:
-        candidates["naive"] = naive_one_at_a_time
+        candidates["naive"] = lambda: naive_greedy(ours, [flat[i] for i in naive_picks], max_new, eos, device)
     outputs, seconds, memory = interleaved(candidates, device, args.repeats)
     n = len(flat)
     rate = {"ours": n / seconds["ours"], "transformers": n / seconds["transformers"]}
@@ -245,6 +248,15 @@ def matmul_ceiling(device, size=2048, repeats=5):
     return 2 * size**3 * repeats / seconds
 
 
+def step_flops(model, batches, real_tokens, rows):
+    """Model FLOPs of our training step: 6 per parameter per token through the blocks, lm_head only at the
+    targets (that is all ours computes), attention 12 * layers * width * length per token (the mean length)."""
+    targets = sum(int((y != -1).sum()) for _, y in batches)
+    head = model.lm_head.weight.numel()
+    return (6 * (model.num_params() - head) * real_tokens + 6 * head * targets
+            + 12 * model.config.n_layer * model.config.n_embd * real_tokens / rows * real_tokens)
+
+
 def bench_train(args, device):
     """Forward + backward throughput in real (non-pad) tokens/s on identical length-grouped micro-batches:
     ours; transformers' GPT2LMHeadModel (same weights, attention mask, labels); and the reference notebook's
@@ -286,13 +298,7 @@ def bench_train(args, device):
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
-    # Model FLOPs of our step: 6 per parameter per token through the blocks, lm_head only at the targets
-    # (that is all ours computes), attention 12 * layers * width * length per token.
-    targets = sum(int((y != -1).sum()) for _, y in batches)
-    head = ours.lm_head.weight.numel()
-    mean_len = real_tokens / len(examples)
-    flops = (6 * (ours.num_params() - head) * real_tokens + 6 * head * targets
-             + 12 * ours.config.n_layer * ours.config.n_embd * mean_len * real_tokens) / seconds["ours"]
+    flops = step_flops(ours, batches, real_tokens, len(examples)) / seconds["ours"]
     ceiling = matmul_ceiling(device)
     return [
         dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),

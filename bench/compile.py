@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
-from bench import ROOT
+from bench import ROOT, SAMSUM_CSV
 import model as model_module
 from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
@@ -181,7 +181,7 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
 
 # ---- the figures ------------------------------------------------------------------------------------------------
 
-def training_csv(folder, samsum_csv, rows=400):
+def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
     """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
     if os.path.exists(samsum_csv):
         return samsum_csv, "SAMSum validation"
@@ -195,7 +195,7 @@ def training_csv(folder, samsum_csv, rows=400):
     return path, "synthetic SAMSum-shaped chats"
 
 
-def train_counts(folder, steps, samsum_csv, nproc=2):
+def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
     """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""
     csv, source = training_csv(folder, samsum_csv)
     out = os.path.join(folder, "train-counts.json")

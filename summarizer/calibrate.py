@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import data
-from config import Decoding, part
+from config import Decoding
 from generate import generate
 from summarizer import lora
 from summarizer.checkpoint import weights_digest

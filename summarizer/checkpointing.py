@@ -6,7 +6,6 @@ import os
 import sys
 from dataclasses import asdict
 
-import torch
 
 import data
 from config import AdamW, keys

@@ -3,7 +3,6 @@
 import contextlib
 import os
 import re
-import signal
 import sys
 
 import torch

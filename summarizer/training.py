@@ -10,7 +10,7 @@ import torch
 import data
 from config import Lora, ModelShape, RowFormat, keys
 from model import GPT, GPTConfig, Targets
-from summarizer import calibrate, lora
+from summarizer import calibrate, lora, runtime
 from summarizer.budget import DiskPlan
 from summarizer.checkpoint import archive_previous_run, build_model, lora_base_reference, make_out_dir
 from summarizer.errors import UserError
@@ -169,7 +169,23 @@ def compile_model(model, x, y, autocast):
         set_rng_state(rng)
 
 
-def rouge_model(model, cfg, rt, step):
+def out_of_memory_hint(cfg, rt):
+    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+    return runtime.out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                                      f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                                      + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                                      + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                         "gradients unsharded)" if reduce_once is True else ""))
+
+
+def step_flops(model, train_set, batches, step):
+    """Model FLOPs of optimizer step `step` (all ranks): real tokens only, padding is not useful work."""
+    lengths = train_set.lengths[batches.sampler.global_batch(step)] - 1
+    return model.training_flops(int(lengths.sum()), batches.target_tokens(step), int((lengths ** 2).sum()))
+
+
+def rouge_model(model, cfg, rt):
     """The model that summarizes for ROUGE during training: the trained one, or under FSDP, where every forward is
     a collective that ranks generating different lengths cannot keep in step, a plain copy with the gathered (and
     LoRA-merged) weights: it needs room for a full copy of the weights on each GPU."""

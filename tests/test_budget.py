@@ -13,14 +13,13 @@ import subprocess
 import pytest
 import torch
 
-from summarizer import budget
-from summarizer import inference
 import train
-from summarizer.checkpoint import load_checkpoint, save_checkpoint
-from config import load_config, parse_duration
-from summarizer.errors import UserError
+from config import Decoding, load_config, parse_duration, part
 from conftest import TINY, metrics
 from model import GPT
+from summarizer import budget, checkpointing, inference, training
+from summarizer.checkpoint import load_checkpoint, save_checkpoint
+from summarizer.errors import UserError
 
 
 @contextlib.contextmanager
@@ -73,7 +72,7 @@ def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args
     with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
         out = small / "out"
         train.main([*args, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
-        plan = budget.DiskPlan(train.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
+        plan = budget.DiskPlan(training.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
         on_disk = os.path.getsize(out / "ckpt.pt") + os.path.getsize(out / "best.pt")
         assert on_disk <= plan.ckpt + plan.best <= on_disk + 2 * 2**20 + 2 * budget.ZIP_BYTES_FIXED
         # resuming replaces ckpt.pt and best.pt: their bytes count as room
@@ -90,13 +89,13 @@ def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args
 def test_a_save_that_meets_a_full_disk_keeps_the_previous_checkpoints(args, tmp_path, monkeypatch, capsys):
     with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
         out = small / "out"
-        save = train.Trainer.save
+        save = checkpointing.save
 
         def save_then_fill(trainer, stats, best):
             save(trainer, stats, best)
             if trainer.iter_num == 2:
                 fill(small, 2**20)
-        monkeypatch.setattr(train.Trainer, "save", save_then_fill)
+        monkeypatch.setattr(checkpointing, "save", save_then_fill)
         with pytest.raises(SystemExit) as stopped:
             train.main([*args, f"--out_dir={out}", "--max_iters=6", "--eval_interval=2"])
         assert stopped.value.code == 2
@@ -173,10 +172,11 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
     rng = random.Random(0)
     prompts = [[rng.randrange(50257) for _ in range(rng.randint(3, 60))] for _ in range(24)]
     cfg = load_config(["--gen_batch_size=24", "--max_new_tokens=12", "--device=cpu", *options])
-    rows = inference.cache_rows_per_prompt(cfg)
+    decoding = part(cfg, Decoding)
+    rows = inference.cache_rows_per_prompt(decoding)
     small = inference.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
-    assert len(inference.generation_batches(prompts, cfg, model.config, small, torch.float32)) >= 6
-    assert len(inference.generation_batches(prompts, cfg, model.config, 2**40, torch.float32)) == 1
+    assert len(inference.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
+    assert len(inference.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
     whole = inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
     assert inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=small) == whole
     if "--seed=3" in options:  # the seed matters
@@ -191,9 +191,11 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
         per_prompt = inference.kv_cache_bytes(model.config, rows, 50 + 20, torch.float32)
         cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
                            *options])
-        assert inference.cache_rows_per_prompt(cfg) == rows
+        decoding = part(cfg, Decoding)
+        assert inference.cache_rows_per_prompt(decoding) == rows
         memory = inference.generation_memory(cfg, torch.device("cpu"))
-        sizes = [len(b) for b in inference.generation_batches(prompts, cfg, model.config, memory, torch.float32)]
+        sizes = [len(b) for b in inference.generation_batches(prompts, decoding, 64, model.config, memory,
+                                                              torch.float32)]
         assert sizes == [10, 10, 10, 10], (options, sizes)
 
 

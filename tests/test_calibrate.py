@@ -69,7 +69,7 @@ def test_packed_rows_score_every_candidate_as_transformers_scores_it_alone(tiny_
     ours = GPT.from_pretrained(tiny_hf_dir).eval()
     batch = calibrate.pack(examples, [0, 1, 2], candidates, train_on_prompt)
     with torch.no_grad():
-        _, logprobs = ours(batch.x, batch.packed)
+        logprobs = calibrate.PackedScorer(ours)(batch.x, batch.packed)
         expected = []  # transformers, one sequence at a time: the references' targets, then every candidate's
         for (prompt, summary), first in zip(pairs, [0 if train_on_prompt else None] * 3):
             sequence = prompt + summary + [data.EOT_ID]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from bench import compile as bench_compile
-from summarizer import inference
-import train
 from bench.compile import Waits, counted_compiles, decode_counts
-from config import load_config
-from generate import compile_decode, generate
+from config import Decoding, load_config
+from generate import generate
 from model import GPT, GPTConfig, Targets
+from summarizer import inference, mbr, training
+import train
 
 MAX_NEW = 20
 
@@ -42,7 +42,7 @@ def test_training_step_is_one_graph_over_varied_widths(checkpointing):
         y[torch.rand(4, width, generator=g) < 0.6] = -1  # prompts and padding: a varying number of targets
         return x, y
     with counted_compiles() as (counter, breaks):
-        compiled = train.compile_model(model, *batch(64), contextlib.nullcontext())
+        compiled = training.compile_model(model, *batch(64), contextlib.nullcontext())
         for width in (72, 24, 200, 8, 136, 256, 40, 96):
             x, y = batch(width)
             _, loss = compiled(x, Targets.of(y))
@@ -72,7 +72,7 @@ def prompts():
 def eos(model, prompts):
     """A token the model emits mid-way in some rows and not in others: the EOS pattern varies across rows."""
     counts = {}
-    for row in generate(model, prompts, MAX_NEW, eos_token_id=-1):
+    for row in generate(model, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1):
         for token in set(row[1:MAX_NEW - 2]):
             counts[token] = counts.get(token, 0) + 1
     token = max(counts, key=counts.get)
@@ -84,26 +84,24 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     """Greedy (ended rows dropped at each EOS, or at half), beam and MBR over one batch of 64 and over batches of
     1, 2, 17, 3 and 41 prompts, compiled (a counting backend) as evaluate.py compiles them: the eager summaries,
     one graph, at most two compilations."""
-    settings = [dict(), dict(compact_below=0.5), dict(num_beams=3),
-                dict(temperature=0.8, top_k=20, seed=1, mbr_samples=4)]
+    mbr4 = dict(seed=1, mbr_pick=mbr.pick)
+    settings = [(Decoding(MAX_NEW), {}), (Decoding(MAX_NEW), dict(compact_below=0.5)),
+                (Decoding(MAX_NEW, num_beams=3), {}), (Decoding(MAX_NEW, temperature=0.8, top_k=20, mbr_samples=4), mbr4)]
     starts = [0, 1, 3, 20, 23, 64]
     batches = [prompts] + [prompts[a:b] for a, b in zip(starts, starts[1:])]
-    cases = [(batch, options, generate(model, batch, MAX_NEW, eos, **options))
-             for options in settings for batch in batches]
-    copy = GPT(model.config)
-    copy.load_state_dict(model.state_dict())
-    copy.eval()
+    cases = [(batch, decoding, options, generate(model, batch, decoding, eos, **options))
+             for decoding, options in settings for batch in batches]
     with counted_compiles() as (counter, breaks):
-        compile_decode(copy)
-        for batch, options, expected in cases:
-            assert generate(copy, batch, MAX_NEW, eos, **options) == expected
-    assert copy.decode_compiled and breaks() == 0 and counter.compilations["decode"] <= 2
+        step = inference.CompiledDecodeStep()
+        for batch, decoding, options, expected in cases:
+            assert generate(model, batch, decoding, eos, step=step, **options) == expected
+    assert not step.failed and breaks() == 0 and counter.compilations["decode"] <= 2
 
 
 def test_decode_waits_once_per_step_and_copies_few_cache_bytes(model, prompts, eos):
     cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20"])
     syncs, casts, copied_vs_read = decode_counts(model, prompts, cfg)
-    lengths = [len(row) for row in generate(model, prompts, MAX_NEW, eos)]
+    lengths = [len(row) for row in generate(model, prompts, Decoding(max_new_tokens=MAX_NEW), eos)]
     assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW  # rows end at different steps
     assert syncs <= 1 and casts == 0 and copied_vs_read <= 0.25
 

@@ -17,7 +17,7 @@ from summarizer import inference
 import predict
 import train
 from summarizer.checkpoint import load_checkpoint
-from config import load_config
+from config import Decoding, load_config
 from conftest import REPO, card_code, metrics, run, save_csv, synthetic_rows, tiny
 from summarizer.runtime import Runtime
 
@@ -211,17 +211,17 @@ def test_an_out_of_memory_in_the_compile_warm_up_propagates(small, tmp_path, mon
     assert err.strip().splitlines()[-1].startswith("error: out of memory while training on micro-batches of 8")
 
 
-def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, monkeypatch, capfd):
+def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, capfd):
     from model import GPT
     model = GPT.from_pretrained(tiny_hf_dir).eval()
-    generate.compile_decode(model)
+    step = inference.CompiledDecodeStep()
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory.")
-    monkeypatch.setattr(generate, "compiled_step", out_of_memory)
+    step.compiled = out_of_memory
     with pytest.raises(torch.OutOfMemoryError):
-        generate.generate(model, [[1, 2, 3]], 4)
-    assert model.decode_compiled and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
+        generate.generate(model, [[1, 2, 3]], Decoding(4), step=step)
+    assert not step.failed and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
 
 
 # ---- layout and first contact --------------------------------------------------------------------------------

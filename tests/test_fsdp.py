@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from bench import fsdp as bench_fsdp
-from summarizer import lora
 import train
-from summarizer.checkpoint import load_checkpoint
 from config import load_config
 from conftest import REPO, assert_export_matches, tiny, tiny_gpt
 from model import GPT, GPTConfig, PRETRAINED
-from summarizer.runtime import reduce_once_bytes
+from summarizer import lora, training
+from summarizer.backends import reduce_once_bytes
+from summarizer.checkpoint import load_checkpoint
 
 RUN = [*tiny(n_layer=2), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16",
        "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--dropout=0.1",
@@ -148,7 +148,7 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     y = torch.randint(0, 64, (2, 32))
     runs = []
     for compiled in (False, True):
-        trained = train.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
+        trained = training.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
         _, loss = trained(x, y)
         loss.backward()
         runs.append((trained, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))

@@ -2,7 +2,6 @@
 proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU autocast, torch.compile (inductor)
 against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check."""
 import copy
-import importlib.util
 import json
 import math
 import os
@@ -15,13 +14,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import generate
-from summarizer import inference
 import train
-from summarizer.checkpoint import build_model, load_checkpoint
-from config import load_config
-from summarizer.errors import UserError
+from config import Decoding, load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from model import GPT
+from summarizer import inference, training
+from summarizer.checkpoint import build_model, load_checkpoint
+from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
@@ -208,14 +207,14 @@ def compiled_then_eager_then_compiled(long_dialogues):
     the eager run's checkpoint. Returns the metrics and what compile_model returned each time."""
     out = long_dialogues / "mixed"
     returned = []
-    real_compile_model = train.compile_model
-    train.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
+    real_compile_model = training.compile_model
+    training.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
     try:
         for compile, iters, init in [(True, 2, "scratch"), (False, 4, "resume"), (True, 6, "resume")]:
             train.main([*compile_args(long_dialogues), f"--compile={compile}", f"--max_iters={iters}",
                         f"--init_from={init}", f"--out_dir={out}"])
     finally:
-        train.compile_model = real_compile_model
+        training.compile_model = real_compile_model
     return metrics(out), returned, out
 
 
@@ -248,7 +247,7 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
     _, _, out = compiled_then_eager_then_compiled
     cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--device=cpu"])
     run = inference.load_run(cfg, set(), Runtime(cfg), inference.describe_validation)
-    assert run.model.decode_compiled is compiles
+    assert isinstance(run.step, inference.CompiledDecodeStep) is compiles
 
 
 def greedy_case(tiny_hf_dir):
@@ -258,7 +257,7 @@ def greedy_case(tiny_hf_dir):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 41, 60)]
     counts = {}
-    for row in generate.generate(model, prompts, 16, eos_token_id=-1):
+    for row in generate.generate(model, prompts, Decoding(16), eos_token_id=-1):
         for token in set(row[2:14]):
             counts[token] = counts.get(token, 0) + 1
     eos = max(counts, key=counts.get)
@@ -268,32 +267,30 @@ def greedy_case(tiny_hf_dir):
 
 def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    eager = generate.generate(model, prompts, 16, eos_token_id=eos)
+    eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
-    generate.compile_decode(model)
-    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
+    step = inference.CompiledDecodeStep()
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
-def test_a_deepcopy_after_compile_decode_decodes_with_its_own_weights(tiny_hf_dir, monkeypatch, capfd):
+def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_hf_dir, monkeypatch, capfd):
     # dynamo with its eager backend: what matters is which weights the compiled step reads, not inductor's code
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    generate.compile_decode(model)
-    original = generate.generate(model, prompts, 16, eos_token_id=eos)
+    step = inference.CompiledDecodeStep()
+    original = generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.transformer.h[1].mlp.c_proj.weight.mul_(-1.0)
-    eager_twin = copy.deepcopy(twin)
-    eager_twin.decode_compiled = False
-    calls = []
-    real_step = generate.compiled_step
-    monkeypatch.setattr(generate, "compiled_step", lambda m, *args: calls.append(m) or real_step(m, *args))
-    assert generate.generate(twin, prompts, 16, eos_token_id=eos) == generate.generate(eager_twin, prompts, 16, eos_token_id=eos)
-    assert generate.generate(twin, prompts, 16, eos_token_id=eos) != original
-    assert generate.generate(model, prompts, 16, eos_token_id=eos) == original
-    assert any(m is twin for m in calls) and any(m is model for m in calls) and not any(m is eager_twin for m in calls)
+    calls, real_step = [], step.compiled
+    step.compiled = lambda m, *args: calls.append(m) or real_step(m, *args)
+    twin_summaries = generate.generate(twin, prompts, Decoding(16), eos_token_id=eos, step=step)
+    assert twin_summaries == generate.generate(twin, prompts, Decoding(16), eos_token_id=eos)  # eager
+    assert twin_summaries != original
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == original
+    assert any(m is twin for m in calls) and any(m is model for m in calls)
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
@@ -323,10 +320,10 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
 
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    eager = generate.generate(model, prompts, 16, eos_token_id=eos)
-    generate.compile_decode(model)
-    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
-    assert generate.generate(model, prompts, 16, eos_token_id=eos) == eager
+    eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
+    step = inference.CompiledDecodeStep()
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
     assert warnings_in(capfd.readouterr().err) == [
         "warning: torch.compile failed (RuntimeError: simulated compiler crash); decoding eagerly"]
 

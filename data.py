@@ -439,10 +439,6 @@ class LengthGroupedSampler:
         k = np.random.default_rng([self.seed, 1, group]).permutation(self.group_steps)[slot]
         return by_length[k * self.batch_size:(k + 1) * self.batch_size]
 
-    def epoch(self, step):
-        """Epochs completed at the start of `step`, fractional."""
-        return step * self.batch_size / len(self.lengths)
-
     def micro_batches(self, step, rank=0, world_size=1):
         """Rank `rank`'s micro-batches of example indices for `step`, longest first (so an out-of-memory shows
         on the first one, and the allocator's biggest blocks are reused by the rest)."""
@@ -469,9 +465,6 @@ class TrainBatches:
         """Non -1 targets in the whole global batch of `step`, on every rank without communication: divide the
         summed loss by it to average per target token over the global batch."""
         return int(self.targets[self.sampler.global_batch(step)].sum())
-
-    def epoch(self, step):
-        return self.sampler.epoch(step)
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):

@@ -10,13 +10,12 @@ does not. `--init_from=DIR` fine-tunes the exported folder further.
 import os
 import shutil
 import sys
-from dataclasses import asdict
 
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, explicit_keys, load_config
+from config import GPT2_NAMES, Decoding, explicit_keys, load_config, part
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run
 from model import CONV1D_WEIGHTS
@@ -41,26 +40,23 @@ def to_transformers(model):
     return hf.eval()
 
 
-def generation_config(run):
-    """transformers' GenerationConfig for the decoding that summarize() does with the run's settings (`run`: the
-    config as a dict; keys a checkpoint from an older version lacks fall back to the old defaults)."""
-    if run.get("mbr_samples", 0) > 0:
-        raise UserError(f"mbr_samples={run['mbr_samples']}: transformers' generate() has no MBR decoding to put in "
+def generation_config(d):
+    """transformers' GenerationConfig for the decoding that summarize() does with the run's Decoding `d`."""
+    if d.mbr_samples > 0:
+        raise UserError(f"mbr_samples={d.mbr_samples}: transformers' generate() has no MBR decoding to put in "
                         f"generation_config.json; export with --mbr_samples=0 and the greedy, beam or sampling "
                         f"settings to ship")
-    settings = dict(max_new_tokens=run.get("max_new_tokens", 128), num_beams=run.get("num_beams", 1),
-                    repetition_penalty=run.get("repetition_penalty", 1.0),
-                    no_repeat_ngram_size=run.get("no_repeat_ngram_size", 0),
+    settings = dict(max_new_tokens=d.max_new_tokens, num_beams=d.num_beams, repetition_penalty=d.repetition_penalty,
+                    no_repeat_ngram_size=d.no_repeat_ngram_size,
                     bos_token_id=data.EOT_ID, eos_token_id=data.EOT_ID, pad_token_id=data.EOT_ID)
-    if settings["num_beams"] > 1:
-        settings.update(length_penalty=run.get("length_penalty", 1.0), early_stopping=False)
-    if run.get("min_new_tokens", 0) > 0:
-        settings["min_new_tokens"] = run["min_new_tokens"]
-    if run.get("temperature", 0.0) > 0:  # top_k=0 is off in both, whereas transformers' own default is 50
-        settings.update(do_sample=True, temperature=run["temperature"], top_k=run.get("top_k", 0),
-                        top_p=run.get("top_p", 1.0))
-        if run.get("epsilon", 0.0) > 0:
-            settings["epsilon_cutoff"] = run["epsilon"]
+    if d.num_beams > 1:
+        settings.update(length_penalty=d.length_penalty, early_stopping=False)
+    if d.min_new_tokens > 0:
+        settings["min_new_tokens"] = d.min_new_tokens
+    if d.temperature > 0:  # top_k=0 is off in both, whereas transformers' own default is 50
+        settings.update(do_sample=True, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
+        if d.epsilon > 0:
+            settings["epsilon_cutoff"] = d.epsilon
     else:
         settings["do_sample"] = False
     return GenerationConfig(**settings)
@@ -80,7 +76,7 @@ def save_tokenizer(folder, block_size):
 def model_card(ckpt, run, fmt, name):
     """README.md of the folder: what the model is, how it was trained and scored, and how to prompt it (with the
     code that builds a prompt as our PromptFormat `fmt` does, long dialogues cut the same way)."""
-    metrics = ckpt.get("metrics", {})
+    metrics = ckpt["metrics"]
     scores = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in metrics)
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {run.rouge_samples} validation dialogues)"
@@ -103,7 +99,7 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 | base model | {base} |
 | training data | {os.path.basename(run.train_csv)} |
 | validation data | {validation} |
-| steps | {ckpt.get("iter_num", "?")} (batch {run.batch_size} sequences of up to {block_size} tokens) |
+| steps | {ckpt["iter_num"]} (batch {run.batch_size} sequences of up to {block_size} tokens) |
 | validation scores at that step | {scores or "none recorded"} |
 | decoding | generation_config.json: {decoding}, up to {run.max_new_tokens} new tokens |
 
@@ -191,7 +187,7 @@ def export(cfg, explicit=()):
     check_target(target, cfg.overwrite)
     run = open_run(cfg, explicit)
     hf = to_transformers(run.model)
-    hf.generation_config = generation_config(asdict(run.cfg))
+    hf.generation_config = generation_config(part(run.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)

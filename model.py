@@ -193,7 +193,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        x = self.hidden_states(idx, torch.arange(T, device=idx.device))
+        x = self.transform(idx, torch.arange(T, device=idx.device))
         if targets is None:
             return self.lm_head(x), None
         y, index = targets if isinstance(targets, Targets) else Targets.of(targets)
@@ -201,9 +201,14 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float(), y.view(-1).index_select(0, index), reduction="sum")
         return None, loss / max(index.numel(), 1)
 
-    def hidden_states(self, idx, positions, mask=None):
-        """The final hidden states (B, T, C) of idx at `positions` (T,) or (B, T), attending causally, or where
-        the boolean `mask` (B, 1, T, T) allows."""
+    def hidden_states(self, idx, positions, mask):
+        """The final hidden states (B, T, C) of idx at `positions` (B, T), attending where the boolean `mask`
+        (B, 1, T, T) allows: rows that pack several sequences (the calibration stage's). A forward method of its
+        own, which FSDP gathers the weights for (backends.FSDP.shard)."""
+        return self.transform(idx, positions, mask)
+
+    def transform(self, idx, positions, mask=None):
+        """The transformer from embeddings to ln_f: hidden states (B, T, C), attending causally or as `mask` says."""
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block in self.transformer.h:
             if self.gradient_checkpointing and torch.is_grad_enabled():

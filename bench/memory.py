@@ -222,11 +222,11 @@ def generation_rows(samsum_csv):
         length = longest_prompt(samsum_csv, base)
         for decoding, options in DECODINGS.items():
             cfg = dataclasses.replace(base, **options)
-            decoding = part(cfg, Decoding)
+            settings = part(cfg, Decoding)
             prompts = [[0] * length] * cfg.gen_batch_size
-            batch = len(inference.generation_batches(prompts, decoding, cfg.gen_batch_size, config, memory,
+            batch = len(inference.generation_batches(prompts, settings, cfg.gen_batch_size, config, memory,
                                                      torch.float16)[0])
-            per_prompt = inference.cache_rows_per_prompt(decoding)
+            per_prompt = inference.cache_rows_per_prompt(settings)
             kv = inference.kv_cache_bytes(config, batch * per_prompt, length + cfg.max_new_tokens, torch.float16)
             logits = LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * config.vocab_size * 4
             total = (weights + kv + logits) / GIB

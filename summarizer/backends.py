@@ -185,7 +185,7 @@ class FSDP(DDP):
         for block in self.model.transformer.h:  # the root unit is never resharded after forward
             block.set_reshard_after_forward(False, recurse=False)
         yield
-        if sync:  # evaluation and generation shard as before
+        if sync:  # evaluation and generation reshard after each forward again
             for block in self.model.transformer.h:
                 block.set_reshard_after_forward(True, recurse=False)
 

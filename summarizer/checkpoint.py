@@ -201,8 +201,8 @@ def in_hub_cache(name):
 
 def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     """The checkpoint's model (see build_model)."""
-    if ckpt.get("tokenizer", TOKENIZER_ID) != TOKENIZER_ID:
-        raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
+    if ckpt.get("tokenizer") != TOKENIZER_ID:
+        raise UserError(f"{path} was trained with tokenizer {ckpt.get('tokenizer')}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
     try:
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned

@@ -66,7 +66,7 @@ def resolved_config(cfg, saved, explicit, block_size):
                             f"{key}={saved[key]!r}: drop the flag (inference uses the run's {key})")
         values[key] = saved[key]
     for key in (*RUN_DECODING, *keys(Split)):
-        if key not in explicit and key in saved:
+        if key not in explicit:
             values[key] = saved[key]
     return Config(**values)
 
@@ -83,11 +83,11 @@ def open_run(cfg, explicit=()):
     else:
         path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
         model, ckpt = build_model(path)
-        saved = {key: value for key, value in ckpt.get("config", {}).items() if key in FIELDS}
+        saved = {key: value for key, value in ckpt["config"].items() if key in FIELDS}
         run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
-        overridden = [key for key in RUN_DECODING if key in explicit and saved.get(key) != getattr(run_cfg, key)]
+        overridden = [key for key in RUN_DECODING if key in explicit and saved[key] != getattr(run_cfg, key)]
         run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-                  saved.get("max_new_tokens", run_cfg.max_new_tokens))
+                  saved["max_new_tokens"])
     run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
     return run
 
@@ -108,11 +108,10 @@ def load_run(cfg, explicit, rt, describe_data):
 
 def describe_checkpoint(ckpt):
     """'iter 300, best rougeL 0.4123, val_loss 2.1034' from what train.py saved with the weights."""
-    metrics = ckpt.get("metrics", {})
-    best_metric = ckpt.get("best_metric") or ckpt.get("config", {}).get("best_metric", "val_loss")
+    metrics, best_metric = ckpt["metrics"], ckpt["best_metric"]
     scores = [f"best {best_metric} {metrics[best_metric]:.4f}" if best_metric in metrics else ""]
     scores += [f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rougeL") if k in metrics and k != best_metric]
-    return ", ".join([f"iter {ckpt.get('iter_num', '?')}", *filter(None, scores)])
+    return ", ".join([f"iter {ckpt['iter_num']}", *filter(None, scores)])
 
 
 def describe_decoding(cfg, overridden=(), from_run=True):
@@ -141,20 +140,17 @@ def validation_set(run, cfg, explicit, rt):
     Returns (examples, notes)."""
     splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
     val = splits.val
-    trained = run.ckpt.get("train_rows") if run.ckpt else None
-    if trained is None:
-        note = "" if run.ckpt is None else (
-            f"note: {run.weights.partition(' (')[0]} records no training rows (an older version wrote it): "
-            f"cannot check that the validation rows were not trained on")
-        return val, [note] if note else []
+    if run.ckpt is None:  # a baseline trained on nothing here
+        return val, []
+    trained = run.ckpt["train_rows"]
     seen = np.isin(data.text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
     if val.has_ids and trained["ids"] is not None:
         seen |= np.isin(data.text_hashes(val.ids).numpy(), trained["ids"].numpy())
     if not seen.any():
         return val, []
-    saved = run.ckpt.get("config", {})
-    own = (all(getattr(run.cfg, key) == saved.get(key) for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == run.ckpt.get("validation_digest"))
+    saved = run.ckpt["config"]
+    own = (all(getattr(run.cfg, key) == saved[key] for key in keys(Split))
+           and splits.train.digest == trained["digest"] and val.digest == run.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "

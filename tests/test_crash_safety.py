@@ -15,6 +15,7 @@ import torch
 import train
 from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import REPO, TINY
+from model import GPT
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
        "--eval_val_batches=1"]
@@ -136,7 +137,7 @@ def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_
     steps the run ends with one error line; best.pt (written at iter 4) is byte for byte what it was."""
     write_csv("train.csv", 40)
     out = tmp_path / "out"
-    real_forward = train.GPT.forward
+    real_forward = GPT.forward
     seen = {"steps": 0}
 
     def nan_from_step_5(model, idx, targets=None):
@@ -150,7 +151,7 @@ def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_
                 loss = loss * float("nan")
         return logits, loss
 
-    monkeypatch.setattr(train.GPT, "forward", nan_from_step_5)
+    monkeypatch.setattr(GPT, "forward", nan_from_step_5)
     last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=20", "--eval_interval=4")
     assert last_line.startswith("error: ") and re.search(
         rf"\bnan\b.*\b{train.NAN_PATIENCE}\b.*\(iter 7\).*\S+/best\.pt.*learning_rate", last_line), last_line

@@ -16,9 +16,9 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2Toke
 
 import data
 from config import GPT2_NAMES, Decoding, explicit_keys, load_config, part
+from model import CONV1D_WEIGHTS
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run
-from model import CONV1D_WEIGHTS
 from summarizer.launch import one_line_errors
 
 

@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-
 PRETRAINED = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),

@@ -20,19 +20,19 @@ import time
 import numpy as np
 import torch
 
+import data
 from bench import ROOT, SAMSUM_CSV
 from bench import calibrate as bench_calibrate
 from bench import compile as bench_compile
 from bench import memory as bench_memory
-import data
-from bench.compile import summary_end_token
 from bench.calibrate import SAMSUM_TINY, demo_arguments, train_quietly
+from bench.compile import summary_end_token
 from config import PROMPT_TEMPLATE, Decoding, load_config
 from data import EOT_ID
 from generate import generate
+from model import GPT
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
-from model import GPT
 
 MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 

@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
-from bench import ROOT, SAMSUM_CSV
 import model as model_module
+from bench import ROOT, SAMSUM_CSV
 from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr

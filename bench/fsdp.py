@@ -24,11 +24,11 @@ import sys
 import tempfile
 
 import torch
-
-from bench import ROOT
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import ROOT
 
 GIB = 2**30
 RANKS = 2
@@ -200,7 +200,7 @@ def scaled_bytes(counted, shape_units):
 def preset_model(name, preset):
     """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
     from config import Lora, keys
-    from model import GPT, GPTConfig, PRETRAINED
+    from model import GPT, PRETRAINED, GPTConfig
     from summarizer import lora
     with torch.device("meta"):
         model = GPT(GPTConfig(**PRETRAINED[name]))

@@ -26,9 +26,9 @@ from dataclasses import replace
 
 import torch
 
-from bench import memory as bench_memory
 import train
 from bench import ROOT, SAMSUM_CSV
+from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
 from config import Decoding, load_config
 from generate import generate

@@ -25,10 +25,9 @@ import torch
 
 import data
 from bench import ROOT
-from summarizer import inference
-from summarizer import lora
-from config import Config, Decoding, PROMPT_TEMPLATE, load_config, part
-from model import GPT, GPTConfig, PRETRAINED
+from config import PROMPT_TEMPLATE, Config, Decoding, load_config, part
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import inference, lora
 
 GIB = 2**30
 T4_USABLE_GIB = 15.0

@@ -8,8 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from summarizer.errors import UserError

@@ -12,11 +12,11 @@ import zipfile
 
 import torch
 
+from data import TOKENIZER_ID
+from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from model import GPT, PRETRAINED, GPTConfig
-from data import TOKENIZER_ID
 
 # What a training run (and evaluate.py/predict.py after it) writes into out_dir.
 RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",

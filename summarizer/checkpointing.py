@@ -6,7 +6,6 @@ import os
 import sys
 from dataclasses import asdict
 
-
 import data
 from config import AdamW, keys
 from summarizer import lora
@@ -15,7 +14,7 @@ from summarizer.checkpoint import keep_best_of_metric, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.schedule import describe_schedule, resumed_schedule
 from summarizer.tracking import drop_rows_after
-from summarizer.training import apply_hyperparameters, resume_path, set_rng_state, rng_state
+from summarizer.training import apply_hyperparameters, resume_path, rng_state, set_rng_state
 
 
 def checkpoint(trainer, stats):

@@ -10,10 +10,10 @@ import pandas as pd
 import torch
 
 import data
+from config import ROUGE_TYPES, parse_sweep
 from model import Targets
 from summarizer import inference
 from summarizer.checkpoint import make_out_dir
-from config import ROUGE_TYPES, parse_sweep
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge, rouge_per_example

@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 import data
-from summarizer.checkpoint import build_model
 from config import FIELDS, Config, Decoding, RowFormat, Split, keys, part
 from generate import decode_step, eager_step, generate
 from summarizer import mbr
+from summarizer.checkpoint import build_model
 from summarizer.errors import UserError
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
 

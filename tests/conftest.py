@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",

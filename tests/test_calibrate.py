@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from summarizer import calibrate
 import data
 import train
-from summarizer.checkpoint import load_checkpoint
 from config import load_config
 from conftest import metrics, run, save_csv, synthetic_rows
 from model import GPT
+from summarizer import calibrate
+from summarizer.checkpoint import load_checkpoint
 from summarizer.runtime import Runtime
 from test_train import RUN, assert_same_losses
 

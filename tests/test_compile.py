@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
+import train
 from bench import compile as bench_compile
 from bench.compile import Waits, counted_compiles, decode_counts
 from config import Decoding, load_config
 from generate import generate
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, mbr, training
-import train
 
 MAX_NEW = 20
 

@@ -13,12 +13,12 @@ from transformers import GenerationConfig
 import evaluate
 import export
 import generate
-from summarizer import inference
 import predict
 import train
-from summarizer.checkpoint import load_checkpoint
 from config import Decoding, load_config
 from conftest import REPO, card_code, metrics, run, save_csv, synthetic_rows, tiny
+from summarizer import inference
+from summarizer.checkpoint import load_checkpoint
 from summarizer.runtime import Runtime
 
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"

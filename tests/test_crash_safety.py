@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import train
-from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import REPO, TINY
 from model import GPT
+from summarizer.checkpoint import load_checkpoint, model_from_checkpoint
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
        "--eval_val_batches=1"]

@@ -10,9 +10,9 @@ import torch
 
 import data
 from config import PROMPT_TEMPLATE, Config
-from summarizer.errors import UserError
-from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
 from conftest import save_csv
+from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
+from summarizer.errors import UserError
 
 enc = get_tokenizer()
 

@@ -11,10 +11,10 @@ from rouge_score import rouge_scorer
 
 import evaluate
 import predict
-from summarizer import submission
 import train
-from summarizer.errors import UserError
 from conftest import REPO, save_csv, synthetic_rows, tiny
+from summarizer import submission
+from summarizer.errors import UserError
 
 # how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
 RUNTIME = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]

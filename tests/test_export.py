@@ -16,13 +16,13 @@ from transformers import GenerationConfig, GPT2LMHeadModel, GPT2TokenizerFast
 import data
 import export
 import train
+from config import load_config
+from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import build_model, load_checkpoint
-from config import load_config
 from summarizer.errors import UserError
-from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
-from test_tokenizer import TEXTS
 from summarizer.tracking import Tracker
+from test_tokenizer import TEXTS
 
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
 DECODING = ["--max_new_tokens=20", "--repetition_penalty=1.3", "--no_repeat_ngram_size=3"]

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from bench import fsdp as bench_fsdp
 import train
+from bench import fsdp as bench_fsdp
 from config import load_config
 from conftest import REPO, assert_export_matches, tiny, tiny_gpt
-from model import GPT, GPTConfig, PRETRAINED
+from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, training
 from summarizer.backends import reduce_once_bytes
 from summarizer.checkpoint import load_checkpoint

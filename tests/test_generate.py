@@ -252,8 +252,8 @@ def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
                                       dict(temperature=0.7, top_k=50, top_p=0.9, epsilon=0.02),
                                       dict(temperature=1.0, epsilon=0.05)])
 def test_sampling_warpers_match_transformers(settings):
-    from transformers import (EpsilonLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import EpsilonLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     from generate import LogitsProcessors
     scores = torch.randn(6, 500, generator=torch.Generator().manual_seed(0)) * 3
     expected = TemperatureLogitsWarper(settings["temperature"])(None, scores)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from summarizer.checkpoint import load_checkpoint
 from conftest import REPO, free_port, metrics, tiny
+from summarizer.checkpoint import load_checkpoint
 
 STEPS = 60
 ARGS = [*tiny(n_embd=64), "--batch_size=16", "--micro_batch_size=8", "--rouge_samples=0", "--best_metric=val_loss",

@@ -6,6 +6,7 @@ import os
 import nbformat
 import pandas as pd
 from nbclient import NotebookClient
+
 from conftest import REPO
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "kaggle_t4x2.ipynb")

@@ -13,11 +13,11 @@ import torch
 import evaluate
 import predict
 import train
-from summarizer.checkpoint import load_checkpoint
 from config import load_config
+from conftest import metrics, run, tiny
+from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, use_compile
-from conftest import metrics, run, tiny
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)
 RUN = [*tiny(dtype=None), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",

@@ -13,9 +13,9 @@ import torch
 
 import conftest
 import train
+from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows
 
 RUN = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
 PARITY = [*RUN, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]

@@ -261,7 +261,7 @@ def tokenize_table(table, fmt, block_size, progress=False):
         for start in range(0, n, chunk):
             dialogues = enc.encode_ordinary_batch(table.dialogues[start:start + chunk])
             summaries = enc.encode_ordinary_batch(table.summaries[start:start + chunk])
-            for i, (dialogue, summary) in enumerate(zip(dialogues, summaries), start):
+            for i, (dialogue, summary) in enumerate(zip(dialogues, summaries, strict=True), start):
                 example = encode_example(dialogue, summary, fmt, block_size)
                 if example is not None:
                     sequence, prompt_lens[i], cut[i] = example
@@ -398,7 +398,7 @@ def collate(examples, indices, train_on_prompt=False):
     width = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
     x = np.full((len(indices), width), EOT_ID, np.int64)
     y = np.full((len(indices), width), -1, np.int64)
-    for row, (i, n) in enumerate(zip(indices, lengths)):
+    for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
         sequence = examples.sequence(i)
         x[row, :n] = sequence[:-1]
         y[row, :n] = sequence[1:]

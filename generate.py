@@ -60,7 +60,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
             best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
                     if d.mbr_include_beam else [[] for _ in prompts])
             samples = run.sample(logits, state, kv_caches, streams, [d.mbr_samples] * len(prompts))
-            results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples)]
+            results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples, strict=True)]
         else:
             samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
             results = [[s for s, n in row for _ in range(n)] for row in samples]
@@ -160,7 +160,7 @@ class LogitsProcessors:
                                                          s / self.repetition_penalty))
         if self.no_repeat_ngram_size > 0:
             n, banned = self.no_repeat_ngram_size, []
-            for row, (seq, pad) in enumerate(zip(state.seen_tokens().tolist(), state.pad.tolist())):
+            for row, (seq, pad) in enumerate(zip(state.seen_tokens().tolist(), state.pad.tolist(), strict=True)):
                 seq = seq[pad:]
                 prefix = tuple(seq[len(seq) - n + 1:])
                 banned += [(row, seq[i + n - 1]) for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == prefix]
@@ -250,7 +250,7 @@ class Decoder:
                 rows = continuing
             else:  # in place: every live row drew one token, drawn[:, 0]; ended rows decode on, unread
                 next_tokens = drawn[:, 0]
-                alive = dict(zip(parents, continuing))
+                alive = dict(zip(parents, continuing, strict=True))
                 rows = [alive.get(i) for i in range(len(rows))]
             state.append(next_tokens)
             logits = self.step(state, kv_caches)
@@ -308,8 +308,8 @@ class Decoder:
             state.append(running_seqs[:, :, step].reshape(-1))
             logits = self.step(state, kv_caches)
         n = num_return_sequences
-        return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row)]
-                for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist())]
+        return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
+                for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]
 
 
 def beam_tensors(B, K, max_new, eos, device):

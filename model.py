@@ -66,7 +66,7 @@ class KVCache:
         self.k = k.new_zeros(len(lengths), H, self.max_len, D)
         self.v = k.new_zeros(len(lengths), H, self.max_len, D)
         end = max(lengths)
-        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2))):
+        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2), strict=True)):
             self.k[row, :, end - k_row.size(2):end] = k_row[0]
             self.v[row, :, end - v_row.size(2):end] = v_row[0]
 
@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         if lengths is not None:
             kv_cache.fill(k, v, lengths)
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
-                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], dim=2)
+                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)], dim=2)
         elif kv_cache is None:  # training: causal, or as a mask says
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training
                                                else 0.0, is_causal=mask is None)
@@ -224,7 +224,7 @@ class GPT(nn.Module):
         for a caller that applies lm_head its own way."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-        for block, cache in zip(self.transformer.h, kv_caches):
+        for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, input_pos, mask)
         return self.next_token_logits(x[:, -1]) if head else self.transformer.ln_f(x[:, -1])
 
@@ -236,7 +236,7 @@ class GPT(nn.Module):
         idx = torch.tensor([[t for p in prompts for t in p]], device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        for block, cache in zip(self.transformer.h, kv_caches):
+        for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, lengths=lengths)
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         return self.next_token_logits(x[0, last])

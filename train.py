@@ -246,7 +246,7 @@ class Trainer:
             self.scaler.update()
             skipped = self.scaler.get_scale() < loss_scale
         self.optimizer.zero_grad(set_to_none=True)
-        self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests) if n), None)
+        self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests, strict=False) if n), None)
         self.out_of_time = bool(requests[-1])
         tokens = int((self.train_set.lengths[self.batches.sampler.global_batch(step)] - 1).sum())
         return loss, tokens, grad_norm, skipped

@@ -53,7 +53,7 @@ def samsum_examples(n, samsum_csv, seed=0):
     prompt_lengths = np.clip(rng.lognormal(np.log(130), 0.6, size=n), 16, 760).astype(int)
     summary_lengths = np.clip(rng.lognormal(np.log(22), 0.5, size=n), 3, 76).astype(int)
     return [(rng.integers(0, EOT_ID, size=p).tolist(), rng.integers(0, EOT_ID, size=k).tolist())
-            for p, k in zip(prompt_lengths, summary_lengths)], "synthetic"
+            for p, k in zip(prompt_lengths, summary_lengths, strict=True)], "synthetic"
 
 
 def samsum_prompts(n, samsum_csv, seed=0):
@@ -196,7 +196,7 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     outputs, seconds, memory = interleaved(candidates, device, args.repeats)
     n = len(flat)
     rate = {"ours": n / seconds["ours"], "transformers": n / seconds["transformers"]}
-    matches = sum(a == b for a, b in zip(outputs["ours"], outputs["transformers"]))
+    matches = sum(a == b for a, b in zip(outputs["ours"], outputs["transformers"], strict=True))
     rows = [
         dict(section="generate", figure="summaries_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
         dict(section="generate", figure="summaries_per_s_transformers", value=rate["transformers"],
@@ -209,7 +209,7 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     ]
     if with_naive:
         naive_rate = len(naive_picks) / seconds["naive"]
-        naive_matches = sum(outputs["ours"][i] == row for i, row in zip(naive_picks, outputs["naive"]))
+        naive_matches = sum(outputs["ours"][i] == row for i, row in zip(naive_picks, outputs["naive"], strict=True))
         rows += [
             dict(section="generate", figure="summaries_per_s_naive", value=naive_rate, peak_mb=memory["naive"]),
             dict(section="generate", figure="speedup_vs_naive", value=rate["ours"] / naive_rate, target=">= 20"),

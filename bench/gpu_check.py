@@ -147,7 +147,7 @@ def generate_case(args, dtype, compile, device, prompts, eager):
     breaks, graphs = compile_counts()
     row.update(decode_graph_breaks=breaks, decode_compilations=graphs)
     if "greedy" in eager[dtype]:
-        row["greedy_same"] = sum(a == b for a, b in zip(greedy, eager[dtype]["greedy"]))
+        row["greedy_same"] = sum(a == b for a, b in zip(greedy, eager[dtype]["greedy"], strict=True))
     return row
 
 
@@ -282,7 +282,7 @@ def print_table(columns, rows):
     widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
     for line in lines:
         print(" ".join(format(text, f"{'>' if spec else '<'}{w}")
-                       for text, (_, _, spec), w in zip(line, columns, widths)).rstrip())
+                       for text, (_, _, spec), w in zip(line, columns, widths, strict=True)).rstrip())
 
 
 CASE_COLUMNS = [("dtype", "dtype", ""), ("compile", "compile", ""), ("train tok/s", "train_tokens_per_s", ".0f"),

@@ -71,7 +71,7 @@ class Candidates:
     def from_state(cls, state):
         flat, lengths = state["tokens"].tolist(), state["lengths"].tolist()
         starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        sequences = [flat[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        sequences = [flat[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
         quality, tokens, quality_rows, at = state["quality"].tolist(), [], [], 0
         for count in state["counts"].tolist():
             tokens.append(sequences[at:at + count])
@@ -257,10 +257,10 @@ def pack(examples, indices, candidates, train_on_prompt=False):
         tokens, positions, segment = sequence[:-1], list(range(len(sequence) - 1)), [0] * (len(sequence) - 1)
         first = 0 if train_on_prompt else prompt - 1
         references.append([(row, t, sequence[t + 1]) for t in range(first, len(sequence) - 1)])
-        for c, (candidate, q) in enumerate(zip(candidates.tokens[i], candidates.quality[i])):
+        for c, (candidate, q) in enumerate(zip(candidates.tokens[i], candidates.quality[i], strict=True)):
             start = len(tokens)
             sources = [prompt - 1] + list(range(start, start + len(candidate)))
-            scored += [(row, s, t, len(lengths)) for s, t in zip(sources, candidate + [data.EOT_ID])]
+            scored += [(row, s, t, len(lengths)) for s, t in zip(sources, candidate + [data.EOT_ID], strict=True)]
             tokens += candidate
             positions += range(prompt, prompt + len(candidate))
             segment += [c + 1] * len(candidate)

@@ -101,7 +101,7 @@ def sweep(cfg, explicit, rt):
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
     run, val, prompts = validation_run(cfg, explicit, rt)
     rows = []
-    for i, (setting, setting_cfg) in enumerate(zip(settings, setting_configs(run.cfg, settings))):
+    for i, (setting, setting_cfg) in enumerate(zip(settings, setting_configs(run.cfg, settings), strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")

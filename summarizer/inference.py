@@ -273,7 +273,7 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
             with autocast:
                 new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                       seed=cfg.seed, mbr_pick=mbr.pick, step=step)
-            for i, tokens in zip(batch, new_tokens):
+            for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
             bar.update(len(batch))
             bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
@@ -291,4 +291,4 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True, step=None):
                      progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory,
                      step=step)
     shards = rt.all_gather_objects(mine)
-    return [next(s for s in column if s is not None) for column in zip(*shards)]
+    return [next(s for s in column if s is not None) for column in zip(*shards, strict=True)]

@@ -11,7 +11,7 @@ def rouge_per_example(predictions, references):
     """rouge-score F1 (Porter stemmer on) for each (prediction, reference) pair: {type: [f1, ...]}."""
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=StemCachedTokenizer())
     scores = {t: [] for t in ROUGE_TYPES}
-    for prediction, reference in zip(predictions, references):
+    for prediction, reference in zip(predictions, references, strict=True):
         result = scorer.score(reference, prediction)
         for t in ROUGE_TYPES:
             scores[t].append(result[t].fmeasure)

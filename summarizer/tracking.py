@@ -141,7 +141,7 @@ def plot_metrics(jsonl_path, png_path):
     for key in ("rouge1", "rouge2", "rougeL"):
         points = [(r["iter"], r[key]) for r in evals if key in r]
         if points:
-            ax_rouge.plot(*zip(*points), "o-", label=key)
+            ax_rouge.plot(*zip(*points, strict=True), "o-", label=key)
             ax_rouge.legend()
     ax_rouge.set_xlabel("iter")
     ax_rouge.set_ylabel("ROUGE F1")

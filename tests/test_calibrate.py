@@ -71,13 +71,13 @@ def test_packed_rows_score_every_candidate_as_transformers_scores_it_alone(tiny_
     with torch.no_grad():
         logprobs = calibrate.PackedScorer(ours)(batch.x, batch.packed)
         expected = []  # transformers, one sequence at a time: the references' targets, then every candidate's
-        for (prompt, summary), first in zip(pairs, [0 if train_on_prompt else None] * 3):
+        for (prompt, summary), first in zip(pairs, [0 if train_on_prompt else None] * 3, strict=True):
             sequence = prompt + summary + [data.EOT_ID]
             start = len(prompt) - 1 if first is None else 0
             log_softmax = F.log_softmax(tiny_hf(torch.tensor([sequence[:-1]])).logits[0], -1)
             expected += log_softmax[torch.arange(start, len(sequence) - 1), torch.tensor(sequence[start + 1:])].tolist()
         assert batch.references == len(expected)
-        for (prompt, _), row in zip(pairs, candidates.tokens):
+        for (prompt, _), row in zip(pairs, candidates.tokens, strict=True):
             for candidate in row:
                 sequence = prompt + candidate + [data.EOT_ID]
                 log_softmax = F.log_softmax(tiny_hf(torch.tensor([sequence[:-1]])).logits[0], -1)
@@ -120,7 +120,7 @@ def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_pat
     assert any(r["rank_loss"] > 0 for r in rows)  # the ranking loss is there, and it is trained on
     candidates = calibrate.load_candidates(str(tmp_path / "straight" / "candidates.pt"))
     assert candidates.done == len(candidates.tokens) == 38 and straight["candidates"] == candidates.key
-    for row, qualities in zip(candidates.tokens, candidates.quality):
+    for row, qualities in zip(candidates.tokens, candidates.quality, strict=True):
         assert 1 <= len(row) <= 3 and len({tuple(c) for c in row}) == len(row) and all(0 <= q <= 1 for q in qualities)
 
 
@@ -191,5 +191,5 @@ def test_two_ranks_generate_the_same_candidates_and_train_the_same_stage2(stage1
     single = calibrate.load_candidates(str(tmp_path / "single" / "candidates.pt"))
     assert calibrate.load_candidates(str(tmp_path / backend / "candidates.pt")) == single
     assert_same_losses(metrics(tmp_path / backend), metrics(tmp_path / "single"))
-    for got, expected in zip(metrics(tmp_path / backend), metrics(tmp_path / "single")):
+    for got, expected in zip(metrics(tmp_path / backend), metrics(tmp_path / "single"), strict=True):
         assert math.isclose(got["rank_loss"], expected["rank_loss"], rel_tol=1e-4, abs_tol=1e-7)

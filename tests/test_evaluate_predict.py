@@ -57,7 +57,7 @@ def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_p
     assert frame["id"].tolist() == validation["id"].tolist()
     assert frame["reference"].tolist() == validation["summary"].tolist()
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
-    scores = [scorer.score(r, p) for r, p in zip(frame["reference"], frame["prediction"])]
+    scores = [scorer.score(r, p) for r, p in zip(frame["reference"], frame["prediction"], strict=True)]
     for kind in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
         f1 = [s[kind].fmeasure for s in scores]
         assert report[kind]["mean"] == pytest.approx(sum(f1) / len(f1), abs=1e-12)

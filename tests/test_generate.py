@@ -67,7 +67,7 @@ def test_greedy_matches_transformers_and_naive_loop(ours, tiny_hf, prompts, eos)
     got = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     assert any(len(g) < MAX_NEW for g in got) and any(len(g) == MAX_NEW for g in got)
     with torch.no_grad():
-        for prompt, row in zip(prompts, got):
+        for prompt, row in zip(prompts, got, strict=True):
             assert row == hf_generate(tiny_hf, prompt, eos)
             assert row == naive_greedy(ours, prompt, eos)
 
@@ -89,7 +89,7 @@ def test_ended_rows_in_place_or_dropped_give_the_same_greedy_summaries(ours, pro
 def test_eos_stops_only_its_row(ours, prompts, eos):
     free = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1)
     stopped = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
-    for f, s in zip(free, stopped):
+    for f, s in zip(free, stopped, strict=True):
         assert s == cut(f, eos)
         assert eos not in s
 
@@ -99,7 +99,7 @@ def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
     greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     assert got != greedy
     with torch.no_grad():
-        for prompt, row in zip(prompts, got):
+        for prompt, row in zip(prompts, got, strict=True):
             assert row == hf_generate(tiny_hf, prompt, eos, num_beams=4)
 
 
@@ -108,7 +108,7 @@ def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
 def test_processors_match_transformers(ours, tiny_hf, prompts, eos, kwargs):
     got = generate(ours, prompts[:8], Decoding(max_new_tokens=MAX_NEW, **kwargs), eos_token_id=eos)
     with torch.no_grad():
-        for prompt, row in zip(prompts[:8], got):
+        for prompt, row in zip(prompts[:8], got, strict=True):
             assert row == hf_generate(tiny_hf, prompt, eos, **kwargs)
 
 
@@ -164,7 +164,7 @@ def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs
     got = generate(ours, prompts[8:16], Decoding(max_new_tokens=MAX_NEW, min_new_tokens=10, **kwargs), eos_token_id=eos)
     assert any(len(row) < 10 for row in free) and all(len(row) >= 10 for row in got)
     with torch.no_grad():
-        for prompt, row in zip(prompts[8:16], got):
+        for prompt, row in zip(prompts[8:16], got, strict=True):
             assert row == hf_generate(tiny_hf, prompt, eos, min_new_tokens=10, **kwargs)
 
 
@@ -185,7 +185,7 @@ def test_shared_samples_follow_the_model_distribution(ours):
         with torch.no_grad():
             logits = ours(torch.tensor([seq]))[0][0, -1] / temperature
         values, ids = logits.topk(3)
-        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist(), strict=True))
 
     exact = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
     assert min(exact.values()) > 0.01

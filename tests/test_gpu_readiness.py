@@ -222,7 +222,7 @@ def test_compiled_training_matches_eager_across_checkpoints(eager_run, compiled_
     mixed, returned, _ = compiled_then_eager_then_compiled
     assert len(returned) == 2 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in returned)
     assert [r["iter"] for r in mixed] == [r["iter"] for r in eager_run] == [1, 2, 3, 4, 5, 6]
-    for got, expected in zip(mixed, eager_run):
+    for got, expected in zip(mixed, eager_run, strict=True):
         for key in ("loss", "val_loss"):
             if key in expected:
                 assert got[key] == pytest.approx(expected[key], abs=1e-4), (key, got["iter"])
@@ -314,7 +314,7 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
     train.main([*compile_args(long_dialogues), "--compile=True", "--max_iters=2", f"--out_dir={out}"])
     assert warnings_in(capfd.readouterr().err) == [
         "warning: torch.compile failed (RuntimeError: simulated compiler crash); training eagerly"]
-    for got, expected in zip(metrics(out), eager_run[:2]):
+    for got, expected in zip(metrics(out), eager_run[:2], strict=True):
         assert got["loss"] == expected["loss"]
 
 
@@ -423,7 +423,7 @@ def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
     assert result["device"] == "cpu" and result["passed"] and result["presets"] == []  # no peak memory on CPU
     assert [(c["check"], c["passed"]) for c in result["checks"]] == [
         (f"{dtype} eager: decode_host_syncs_per_step", True) for dtype in ("float32", "float16")]
-    for row, dtype in zip(result["rows"], ("float32", "float16")):
+    for row, dtype in zip(result["rows"], ("float32", "float16"), strict=True):
         assert row["dtype"] == dtype and row["compile"] is False and row["train_tokens_per_s"] > 0
         assert row["train_mfu"] is None and row["mbr16_summaries_per_s"] > 0  # no MFU on CPU
         assert row["decode_host_syncs_per_step"] == 1 and ("GradScaler" in row["note"]) == (dtype == "float16")

@@ -113,7 +113,7 @@ def test_a_fresh_schedule_is_warmup_then_cosine_to_min_lr():
     assert lrs[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])
     assert lrs[2] == pytest.approx(1e-3) and lrs[10:] == [1e-4, 1e-4]
     assert lrs[6] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 4 / 8)) * 9e-4)
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))
 
 
 def test_resume_with_a_larger_max_iters_never_raises_the_lr(args, tmp_path, capsys):
@@ -134,7 +134,7 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
     old = train.lr_schedule({"warmup_iters": 2, "learning_rate": 3e-3, "min_lr": 2e-5, "lr_decay_iters": 10,
                              "max_iters": 6})
     assert lrs[6] == pytest.approx(train.learning_rate(6, old))  # continues from where the run was
-    assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12]))  # and decays to min_lr at the new horizon
+    assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12], strict=False))  # and decays to min_lr at the new horizon
     assert lrs[11] > 2e-5 and f"cosine decay to {lrs[11]:.2e} at iter 12 (it would reach min_lr 2.00e-05 at iter 13)" \
         in capsys.readouterr().out
 

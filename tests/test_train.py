@@ -23,7 +23,7 @@ PARITY = [*RUN, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--roug
 
 def assert_same_losses(got, expected, rel=1e-4):
     assert [r["iter"] for r in got] == [r["iter"] for r in expected]
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         for key in ("loss", "val_loss", "rougeL"):
             if key in e:
                 assert g[key] == pytest.approx(e[key], rel=rel), (key, g["iter"])
@@ -184,7 +184,7 @@ def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, sin
     finally:
         for node in nodes:
             node.kill()
-    for node, (_, stderr) in zip(nodes, outputs):
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr[-3000:]
     assert sum("x 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of 2 ranks, logged by rank 0
     two_nodes = metrics(parity_data / "two_nodes")

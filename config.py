@@ -46,7 +46,8 @@ def option(default, help, choices=None):
 class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
-                            f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, else data/train.csv")
+                            f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
+                            "else data/train.csv")
     validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv")
     dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)")
     summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)")
@@ -215,7 +216,8 @@ class Calibration:
                                       "candidates' length-normalised log-probabilities")
     rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "
                                               "/ its length ** this")
-    rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue (distinct ones kept)")
+    rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue "
+                                     "(distinct ones kept)")
     rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
                                         "sample (temperature 0.7, top-k 50)", ("beam", "sample"))
     candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt")
@@ -228,7 +230,9 @@ class Export:
     overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")
 
 
-GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding, Summarizing, Calibration, Export)  # in the order of --help and the reference
+# in the order of --help and the reference
+GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
+          Summarizing, Calibration, Export)
 
 
 @dataclass
@@ -367,7 +371,8 @@ def parse_sweep(text):
         if not eq or not values:
             raise UserError(f"sweep={text!r}: cannot read {group!r}, write key=value1,value2,...")
         if key not in sweep_keys():
-            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
+            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; "
+                            f"sweep one of {', '.join(sweep_keys())}")
         try:
             typed_values = [parse_override(f"--{key}={value}")[1] for value in values.split(",")]
         except UserError as e:
@@ -382,7 +387,8 @@ def grad_accum_steps(cfg, world_size):
     if cfg.batch_size % per_pass:
         raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size = "
                         f"{cfg.micro_batch_size} * {world_size} = {per_pass}: set --batch_size to a multiple of "
-                        f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides {cfg.batch_size}")
+                        f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides "
+                        f"{cfg.batch_size}")
     return cfg.batch_size // per_pass
 
 
@@ -522,7 +528,8 @@ def markdown_reference():
     """docs/config.md's reference: a table of keys per group of settings."""
     defaults, sections = Config(), []
     for group in GROUPS:
-        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | meaning |",
+                "| --- | --- | --- | --- |"]
         for f in fields(group):
             default = repr(getattr(defaults, f.name)).replace("|", "\\|")
             rows.append(f"| `{f.name}` | {type_name(f)} | `{default}` | {f.metadata['help']} |")

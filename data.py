@@ -27,7 +27,8 @@ VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726
 # GPT-2's pre-tokenization regex, as tiktoken writes it for r50k/gpt2.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # What a checkpoint records of the tokenizer it was trained with, so inference refuses another one.
-TOKENIZER_ID = "gpt2-bpe:" + hashlib.sha256(f"{ENCODER_JSON_SHA256}{VOCAB_BPE_SHA256}{GPT2_PATTERN}".encode()).hexdigest()[:16]
+TOKENIZER_ID = "gpt2-bpe:" + hashlib.sha256(
+    f"{ENCODER_JSON_SHA256}{VOCAB_BPE_SHA256}{GPT2_PATTERN}".encode()).hexdigest()[:16]
 
 
 class TokenizerFileError(UserError):
@@ -268,8 +269,8 @@ def tokenize_table(table, fmt, block_size, progress=False):
                     lengths[i] = len(sequence)
                     pieces.append(np.array(sequence, np.uint16))
             bar.update(len(dialogues))
-    return {"tokens": np.concatenate([np.zeros(0, np.uint16)] + pieces), "offsets": np.concatenate([[0], np.cumsum(lengths)]), "prompt_lens": prompt_lens,
-            "cut": cut}
+    return {"tokens": np.concatenate([np.zeros(0, np.uint16)] + pieces),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]), "prompt_lens": prompt_lens, "cut": cut}
 
 
 def no_op():

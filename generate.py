@@ -210,7 +210,8 @@ class Decoder:
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
         model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
         at most compact_below of the batch or a row splits: only then are their caches copied into a smaller
-        batch. Each step waits for the device once, to read the tokens drawn; the rest is bookkeeping on the host. Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
+        batch. Each step waits for the device once, to read the tokens drawn; the rest is bookkeeping on the host.
+        Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
         max_new = state.max_len - state.prompt_len
         results = [[] for _ in counts]
         # per batch row: (prompt, samples it stands for, new tokens), None once it has ended

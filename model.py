@@ -105,7 +105,8 @@ class CausalSelfAttention(nn.Module):
         if lengths is not None:
             kv_cache.fill(k, v, lengths)
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
-                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)], dim=2)
+                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)],
+                          dim=2)
         elif kv_cache is None:  # training: causal, or as a mask says
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training
                                                else 0.0, is_causal=mask is None)

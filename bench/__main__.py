@@ -362,7 +362,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
     # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_run): greedy in it against
     # float32. By compute capability: is_bf16_supported() is True on a T4, which only emulates bfloat16.
-    half = torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    half = (torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0)
+            else torch.float16)
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
     half_model = copy.deepcopy(model).to(half)
     half_model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))

@@ -230,8 +230,8 @@ def bench_compile(args, device):
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         counts, source = train_counts(folder, args.compile_steps, args.samsum_csv)
-        rows += [dict(section="compile", figure="train:graph_breaks", value=max(c["graph_breaks"] for c in counts.values()),
-                      target="0"),
+        rows += [dict(section="compile", figure="train:graph_breaks",
+                      value=max(c["graph_breaks"] for c in counts.values()), target="0"),
                  dict(section="compile", figure="train:compilations",
                       value=max(c["compilations"].get("train", 0) for c in counts.values()), target="<= 2")]
         cfg = demo_model(folder)

@@ -330,7 +330,8 @@ def main(argv=None):
     presets, batches = [], {}
     if device.type == "cuda":
         total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-        presets = [preset_row(p, device, capability, total_gib, batches, args.samsum_csv) for p in args.presets.split(",") if p]
+        presets = [preset_row(p, device, capability, total_gib, batches, args.samsum_csv)
+                   for p in args.presets.split(",") if p]
     found = checks(rows, presets)
 
     print(f"\n{args.model} shapes, micro-batch {args.micro_batch_size}, {args.iters} training steps per row; "

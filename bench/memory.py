@@ -84,7 +84,8 @@ def state_bytes(shape, with_lora):
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values()]
     # all-gathered while computing: the root unit (it is not resharded after forward) and two blocks
-    gathered = nbytes(p for n, p in model.named_parameters() if ".h." not in n) + 2 * nbytes(model.transformer.h[0].parameters())
+    gathered = (nbytes(p for n, p in model.named_parameters() if ".h." not in n)
+                + 2 * nbytes(model.transformer.h[0].parameters()))
     return {"single": (nbytes(params), nbytes(p.grad for p in trainable), nbytes(state)),
             "fsdp2": (shard_bytes(params) + gathered, shard_bytes(p.grad for p in trainable) + gathered,
                       shard_bytes(state))}
@@ -172,7 +173,8 @@ def bench_memory(args, samsum_csv):
         shape = dict(PRETRAINED[name])
         states = {"full": state_bytes(shape, False), "lora": state_bytes(shape, True)}
         activations = activation_bytes(shape, x, y)
-        measured = measured_activation_bytes(shape, x, y, activations) if name in args.memory_measured.split(",") else {}
+        measured = (measured_activation_bytes(shape, x, y, activations) if name in args.memory_measured.split(",")
+                    else {})
         for mode in MODES:
             parts = per_rank(mode, states, activations)
             total = sum(parts) / GIB

@@ -81,7 +81,8 @@ def bring(rng, a, b, activity, place, time):
 
 def late(rng, a, b, activity, place, time):
     minutes = rng.choice([5, 10, 15, 20, 30])
-    turns = [(a, rng.choice([f"I'm running {minutes} minutes late, sorry!", f"Sorry, I'll be {minutes} minutes late."])),
+    turns = [(a, rng.choice([f"I'm running {minutes} minutes late, sorry!",
+                             f"Sorry, I'll be {minutes} minutes late."])),
              (b, f"No problem, I'm already at {place}."),
              (a, rng.choice(["Order something for me", "Be there soon"]))]
     return turns, f"{a} will be {minutes} minutes late to meet {b} at {place}."
@@ -118,7 +119,8 @@ def main(out_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo"
         write(os.path.join(out_dir, f"{split}.csv"), ["id", "dialogue", "summary"],
               [(f"{split}-{i:04d}", d, s) for i, (d, s) in enumerate(examples[split])])
     test_ids = [f"test-{i:04d}" for i in range(sizes["test"])]
-    write(os.path.join(out_dir, "test.csv"), ["id", "dialogue"], zip(test_ids, (d for d, _ in examples["test"]), strict=True))
+    write(os.path.join(out_dir, "test.csv"), ["id", "dialogue"],
+          zip(test_ids, (d for d, _ in examples["test"]), strict=True))
     write(os.path.join(out_dir, "sample_submission.csv"), ["id", "summary"], ((i, "") for i in test_ids))
     print(f"wrote {', '.join(f'{n} {split}' for split, n in sizes.items())} rows to {out_dir}")
 

@@ -278,7 +278,8 @@ def pack(examples, indices, candidates, train_on_prompt=False):
         shared[row, :prompt] = True
     causal = np.tril(np.ones((width, width), bool))
     same = segment[:, :, None] == segment[:, None, :]
-    mask = causal & (same & (segment[:, :, None] >= 0) | shared[:, None, :]) | np.eye(width, dtype=bool)  # a pad sees itself
+    # a pad sees itself
+    mask = causal & (same & (segment[:, :, None] >= 0) | shared[:, None, :]) | np.eye(width, dtype=bool)
     targets = [t for row in references for t in row] + [t[:3] for t in scored]
     source = torch.tensor([r * width + s for r, s, _ in targets], dtype=torch.long)
     target_tokens = torch.tensor([t for _, _, t in targets], dtype=torch.long)

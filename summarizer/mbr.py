@@ -22,7 +22,8 @@ def agreement(candidates, metric="rougeL"):
         tokens = [tokenizer.tokenize(c) for c in candidates]
         lcs = process.cdist(tokens, tokens, scorer=LCSseq.similarity).tolist()
         return [[scoring.fmeasure(n / len(prediction), n / len(reference)) if prediction and reference else 0.0
-                 for reference, n in zip(tokens, row, strict=True)] for prediction, row in zip(tokens, lcs, strict=True)]
+                 for reference, n in zip(tokens, row, strict=True)]
+                for prediction, row in zip(tokens, lcs, strict=True)]
     scorer = rouge_scorer.RougeScorer([metric], tokenizer=tokenizer)
     return [[scorer.score(reference, prediction)[metric].fmeasure for reference in candidates]
             for prediction in candidates]
@@ -33,5 +34,6 @@ def mbr_select(candidates, counts, metric="rougeL"):
     stands for counts[i] identical samples (its copies count as others, scoring 1.0 when not empty). Ties go to
     the earlier candidate."""
     scores, total = agreement(candidates, metric), sum(counts)
-    utility = [(sum(c * a for c, a in zip(counts, row, strict=True)) - row[i]) / max(1, total - 1) for i, row in enumerate(scores)]
+    utility = [(sum(c * a for c, a in zip(counts, row, strict=True)) - row[i]) / max(1, total - 1)
+               for i, row in enumerate(scores)]
     return max(range(len(candidates)), key=lambda i: (utility[i], -i))

@@ -52,7 +52,8 @@ def describe_schedule(schedule, it, max_iters):
     if max_iters <= s["warmup_iters"]:
         plan = f"warmup: rises to {last:.2e} at iter {max_iters} (the warmup ends at iter {s['warmup_iters'] + 1})"
     elif it >= s["decay_iters"]:
-        plan = f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters} (--lr_decay_iters=N decays over a new horizon)"
+        plan = (f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters} "
+                "(--lr_decay_iters=N decays over a new horizon)")
     else:
         if s["decay_iters"] <= s["warmup_iters"]:
             plan = f"min_lr {s['min_lr']:.2e} from iter {s['warmup_iters'] + 1}"

@@ -104,8 +104,9 @@ class Inputs:
         return out
 
     def evaluate(self, *extra):
-        return [*tiny(init_from=None), f"--train_csv={self.trained / 'train.csv'}", f"--data_cache_dir={self.trained / 'cache'}",
-                f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}", *extra]
+        return [*tiny(init_from=None), f"--train_csv={self.trained / 'train.csv'}",
+                f"--data_cache_dir={self.trained / 'cache'}", f"--ckpt={self.best}", f"--out_dir={self.tmp / 'out'}",
+                *extra]
 
     def predict(self, *extra, rows=None, content=None):
         csv = self.file("test.csv", content if content is not None else csv_bytes(rows or rows_to_summarize()))
@@ -159,7 +160,8 @@ CASES = [
      r"ckpt\.pt does not exist"),
     ("resume with another block_size", "train", lambda f: f.resume("--block_size=256"), ERROR,
      r"trained with block_size=128, not 256: resume with --block_size=128"),
-    ("out_dir not writable", "train", lambda f: f.train(str(f.trained / "train.csv"), f"--out_dir={f.unwritable_dir()}"),
+    ("out_dir not writable", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), f"--out_dir={f.unwritable_dir()}"),
      ERROR, r"out_dir \S+ is not writable"),
     ("wrong value type", "evaluate", lambda f: f.evaluate("--max_new_tokens=lots"), ERROR,
      r"max_new_tokens expects int, got 'lots'"),
@@ -176,7 +178,9 @@ CASES = [
      lambda f: f.predict(f"--ckpt={f.file('half.pt', open(f.best, 'rb').read()[:100_000])}"), ERROR,
      r"checkpoint \S*half\.pt is corrupted \(100,000 bytes, not a complete torch\.save archive.*no other "
      r"checkpoint in \S+ is intact"),
-    ("truncated ckpt.pt", "train", lambda f: f.damaged("ckpt.pt") and f.train(str(f.trained / "train.csv"), "--max_iters=2", "--init_from=resume"), ERROR,
+    ("truncated ckpt.pt", "train",
+     lambda f: f.damaged("ckpt.pt") and f.train(str(f.trained / "train.csv"), "--max_iters=2", "--init_from=resume"),
+     ERROR,
      r"ckpt\.pt is corrupted .*; intact: \S+best\.pt \(iter 1\); start from its weights with --init_from="),
     ("truncated best.pt", "evaluate", lambda f: f.evaluate(f"--ckpt={f.damaged('best.pt') / 'best.pt'}"), ERROR,
      r"best\.pt is corrupted .*; intact: \S+ckpt\.pt \(iter 1\); score one with --ckpt="),
@@ -200,7 +204,8 @@ CASES = [
      lambda f: f.predict(rows=rows_to_summarize({0: {"dialogue": None}, 1: {"dialogue": ""}})), OK,
      r"^2 test dialogue\(s\) are empty(.|\n)*wrote 3 summaries"),
     ("BOM, CRLF and non-UTF-8 bytes in test.csv", "predict",
-     lambda f: f.predict(content=b"\xef\xbb\xbf" + csv_bytes(rows_to_summarize(), newline="\r\n").replace(b"Hi", b"H\xe9")),
+     lambda f: f.predict(
+         content=b"\xef\xbb\xbf" + csv_bytes(rows_to_summarize(), newline="\r\n").replace(b"Hi", b"H\xe9")),
      OK, r"^wrote 3 summaries"),
     ("out_dir not writable", "predict", lambda f: f.predict(f"--out_dir={f.unwritable_dir()}"), ERROR,
      r"out_dir \S+ is not writable"),

@@ -86,7 +86,8 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     one graph, at most two compilations."""
     mbr4 = dict(seed=1, mbr_pick=mbr.pick)
     settings = [(Decoding(MAX_NEW), {}), (Decoding(MAX_NEW), dict(compact_below=0.5)),
-                (Decoding(MAX_NEW, num_beams=3), {}), (Decoding(MAX_NEW, temperature=0.8, top_k=20, mbr_samples=4), mbr4)]
+                (Decoding(MAX_NEW, num_beams=3), {}),
+                (Decoding(MAX_NEW, temperature=0.8, top_k=20, mbr_samples=4), mbr4)]
     starts = [0, 1, 3, 20, 23, 64]
     batches = [prompts] + [prompts[a:b] for a, b in zip(starts, starts[1:], strict=False)]
     cases = [(batch, decoding, options, generate(model, batch, decoding, eos, **options))

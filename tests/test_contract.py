@@ -157,8 +157,9 @@ def data_tokens(template):
 
 @pytest.fixture
 def small(write_csv, tmp_path):
-    return [*RUN, "--n_embd=32", "--max_new_tokens=16", f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'c'}",
-            f"--out_dir={tmp_path / 'out'}", "--batch_size=8", "--micro_batch_size=8", "--log_interval=1"]
+    return [*RUN, "--n_embd=32", "--max_new_tokens=16", f"--train_csv={write_csv('train.csv', 48)}",
+            f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={tmp_path / 'out'}", "--batch_size=8",
+            "--micro_batch_size=8", "--log_interval=1"]
 
 
 def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(small, tmp_path, capsys):
@@ -256,5 +257,6 @@ def test_a_failed_command_leaves_no_empty_out_dir(tmp_path, capsys):
                                       f"--ckpt={tmp_path / 'missing.pt'}", f"--out_dir={tmp_path / 'new'}"])
         assert not (tmp_path / "new").exists()
     (tmp_path / "kept").mkdir()
-    one_error_line(capsys, train.main, [*RUN, f"--train_csv={tmp_path / 'missing.csv'}", f"--out_dir={tmp_path / 'kept'}"])
+    one_error_line(capsys, train.main,
+                   [*RUN, f"--train_csv={tmp_path / 'missing.csv'}", f"--out_dir={tmp_path / 'kept'}"])
     assert (tmp_path / "kept").is_dir()  # a folder that was there stays

@@ -171,7 +171,8 @@ def test_long_dialogue_is_cut_never_the_summary_header_or_cue(tmp_path):
     assert prompt_len == 64 - 16
     assert sequence[:len(head)] == head and sequence[prompt_len - len(tail):prompt_len] == tail
     assert sequence[prompt_len:] == summary_tokens
-    assert sequence[len(head):prompt_len - len(tail)] == enc.encode_ordinary(long_dialogue)[:prompt_len - len(head) - len(tail)]
+    assert (sequence[len(head):prompt_len - len(tail)]
+            == enc.encode_ordinary(long_dialogue)[:prompt_len - len(head) - len(tail)])
     assert data.prompt_format(PROMPT_TEMPLATE, 64, 16).encode(long_dialogue) == (sequence[:prompt_len], True)
     x, y = data.collate(examples, [0])
     assert x.shape == (1, 64) and y[0][y[0] != -1].tolist() == summary_tokens

@@ -120,7 +120,8 @@ def test_sampling_is_reproducible_with_seed(ours, prompts):
 
 
 def test_top_k_one_sampling_is_greedy(ours, prompts, eos):
-    sampled = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=0.7, top_k=1), eos_token_id=eos, seed=0)
+    sampled = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=0.7, top_k=1), eos_token_id=eos,
+                       seed=0)
     assert sampled == generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
 
 
@@ -131,7 +132,8 @@ def test_bad_arguments_are_clear_errors(ours):
     with pytest.raises(ValueError, match="1 to block_size - max_new_tokens"):
         generate(ours, [[1, 2], []], Decoding(max_new_tokens=4))
     with pytest.raises(ValueError, match=f"1 to block_size - max_new_tokens = {block - 8} tokens"):
-        generate(ours, [list(range(block - 7))], Decoding(max_new_tokens=8))  # never cut silently: inference.py cuts dialogues
+        # never cut silently: inference.py cuts dialogues
+        generate(ours, [list(range(block - 7))], Decoding(max_new_tokens=8))
     assert len(generate(ours, [list(range(block - 8))], Decoding(max_new_tokens=8), eos_token_id=-1)[0]) == 8
     assert generate(ours, [], Decoding(max_new_tokens=4)) == []
 
@@ -170,7 +172,8 @@ def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs
 
 def test_n_samples_are_reproducible_with_seed(ours, prompts, eos):
     def draw(seed):
-        return generate(ours, prompts[:6], Decoding(max_new_tokens=MAX_NEW, temperature=1.5, top_k=4), eos_token_id=eos, num_return_sequences=5, seed=seed)
+        return generate(ours, prompts[:6], Decoding(max_new_tokens=MAX_NEW, temperature=1.5, top_k=4),
+                        eos_token_id=eos, num_return_sequences=5, seed=seed)
     a = draw(7)
     assert len(a) == 30 and a == draw(7) and a != draw(8)
     assert all(len({tuple(row) for row in a[i:i + 5]}) > 1 for i in range(0, 30, 5))  # samples, not copies
@@ -189,7 +192,8 @@ def test_shared_samples_follow_the_model_distribution(ours):
 
     exact = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
     assert min(exact.values()) > 0.01
-    rows = generate(ours, [prompt], Decoding(max_new_tokens=2, temperature=temperature, top_k=3), eos_token_id=-1, num_return_sequences=n, seed=0)
+    rows = generate(ours, [prompt], Decoding(max_new_tokens=2, temperature=temperature, top_k=3), eos_token_id=-1,
+                    num_return_sequences=n, seed=0)
     counts = {}
     for row in rows:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -201,7 +205,9 @@ def test_shared_samples_follow_the_model_distribution(ours):
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
     greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary
-        assert generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=1, mbr_samples=6, mbr_include_beam=include_beam), eos_token_id=eos, seed=0, mbr_pick=mbr.pick) == greedy
+        decoding = Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=1, mbr_samples=6,
+                            mbr_include_beam=include_beam)
+        assert generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr.pick) == greedy
 
 
 def test_mbr_select_picks_the_consensus():

@@ -135,12 +135,14 @@ def test_bench_sections_exist(pages):
     known = bench_sections()
     for path, text in pages.items():
         unknown = sorted(set(named_sections(text)) - known)
-        assert not unknown, f"{path} runs python -m bench with sections it does not have: {unknown} (has {sorted(known)})"
+        assert not unknown, (f"{path} runs python -m bench with sections it does not have: {unknown} "
+                             f"(has {sorted(known)})")
 
 
 def test_readme_is_short(readme):
     lines = readme.count("\n") + (not readme.endswith("\n"))
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines; move detail into docs/ "
+                                       f"(at most {README_MAX_LINES})")
 
 
 def test_readme_links_every_docs_page(readme):

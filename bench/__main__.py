@@ -433,7 +433,7 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}
-    for name, run in sections.items():
+    for run in sections.values():
         rows = run(args, device)
         for row in rows:
             if args.json:

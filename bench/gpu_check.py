@@ -98,9 +98,10 @@ def train_case(args, dtype, compile, folder, csv):
     return dict(row, train_graph_breaks=breaks, train_compilations=graphs) if compile else row
 
 
-def timed(fn, device, warm_up=contextlib.nullcontext()):
-    """(fn's output, seconds of a second call): the first call, inside `warm_up`, compiles and warms up."""
-    with warm_up:
+def timed(fn, device, warm_up=None):
+    """(fn's output, seconds of a second call): the first call, inside `warm_up` (a context manager, if given),
+    compiles and warms up."""
+    with contextlib.nullcontext() if warm_up is None else warm_up:
         fn()
     synchronize(device)
     start = time.perf_counter()

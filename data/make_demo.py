@@ -110,7 +110,10 @@ def write(path, header, rows):
         writer.writerows(rows)
 
 
-def main(out_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo"), seed=0):
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+
+
+def main(out_dir=DEMO_DIR, seed=0):
     rng = random.Random(seed)
     os.makedirs(out_dir, exist_ok=True)
     sizes = {"train": 1600, "validation": 100, "test": 100}

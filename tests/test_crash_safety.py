@@ -66,10 +66,11 @@ def test_sigkill_at_random_moments_never_loses_the_checkpoint(write_csv, tmp_pat
         proc = context.Process(target=train_logged, args=([*args, f"--init_from={'resume' if kill else 'scratch'}"],
                                                           str(tmp_path / "train.log")))
         proc.start()
-        wait_for(lambda: file_version(ckpt_path) not in (None, before), proc, "a new ckpt.pt")
+        wait_for(lambda before=before: file_version(ckpt_path) not in (None, before), proc, "a new ckpt.pt")
         if kill % 2:
             writing = (f"ckpt.pt.tmp{proc.pid}", f"best.pt.tmp{proc.pid}")
-            wait_for(lambda: any(name in writing for name in os.listdir(out)), proc, "a checkpoint write")
+            wait_for(lambda writing=writing: any(name in writing for name in os.listdir(out)), proc,
+                     "a checkpoint write")
             moments.append("while writing")
         else:
             time.sleep(rng.uniform(0, 0.5))

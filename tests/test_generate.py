@@ -242,7 +242,7 @@ def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
     greedy = generate(ours, few, Decoding(max_new_tokens=12), eos_token_id=eos)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     unique_best = 0
-    for i, prompt in enumerate(few):
+    for i in range(len(few)):
         texts = [summary_text(t) for t in [greedy[i], *samples[i * n:(i + 1) * n]]]
         utility = [sum(scorer.score(texts[j], texts[c])["rougeL"].fmeasure for j in range(len(texts)) if j != c)
                    / (len(texts) - 1) for c in range(len(texts))]

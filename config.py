@@ -513,10 +513,15 @@ def save_config(cfg, path):
         f.write("\n")
 
 
-def format_config(cfg):
-    """The resolved config, one `key = value` line per field, for printing once on rank 0."""
-    width = max(map(len, FIELDS))
-    return "\n".join(f"{name:<{width}} = {getattr(cfg, name)!r}" for name in FIELDS)
+def changed_settings(argv):
+    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': the keys whose value differs from the
+    default, and the preset or command line that set them last."""
+    defaults, cfg, source = Config(), load_config(argv), {}
+    for arg in argv:
+        keys_set = [parse_override(arg)[0]] if arg.startswith("--") else read_preset(arg)
+        source.update(dict.fromkeys(keys_set, "command line" if arg.startswith("--") else arg))
+    changed = [key for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
+    return ", ".join(f"{key}={getattr(cfg, key)!r} ({source[key]})" for key in changed)
 
 
 def help_text():

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, format_config, grad_accum_steps, load_config, save_config
+from config import FIELDS, changed_settings, grad_accum_steps, load_config, save_config
 from model import Targets
 from summarizer import calibrate, checkpointing, inference, training
 from summarizer.budget import TimeBudget
@@ -36,7 +36,7 @@ from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the current step and stop (stop_requests)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop (StopRequest)
 
 
 def main(argv=None):
@@ -45,8 +45,13 @@ def main(argv=None):
     with one_line_errors():
         cfg = load_config(argv)
         with rank_error_lines(), no_empty_folder_left(cfg.out_dir), Runtime(cfg) as rt:
-            trainer = Trainer(cfg, rt)
-            trainer.fit()
+            if rt.is_main:
+                print(f"settings: {changed_settings(argv) or 'the defaults'}; every key: "
+                      f"{os.path.join(cfg.out_dir, 'config.json')}")
+            stop = StopRequest(rt, cfg.out_dir)
+            with stop.handlers():
+                trainer = Trainer(cfg, rt, stop)
+                trainer.fit()
             if trainer.stop_agreed:
                 if rt.is_main:
                     print(f"stopped by {signal.Signals(trainer.stop_agreed).name} after iter {trainer.iter_num}: "
@@ -82,30 +87,49 @@ def continue_command(argv, world_size):
     return shlex.join([*launcher, "train.py", *args])
 
 
-@contextlib.contextmanager
-def stop_requests(trainer):
-    """While training, SIGINT (Ctrl-C, a notebook's stop button) and SIGTERM (a session or job ending) only set
-    trainer.stop_signal; the ranks agree on it at the end of the step (train_step) and stop together."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class StopRequest:
+    """The first stop signal this process received (SIGINT: Ctrl-C, a notebook's stop button; SIGTERM: a session
+    or job ending). Training stops after the step in progress, on every rank together, and rank 0 says so at once;
+    a second Ctrl-C in a single process stops at once."""
 
-    def request(signum, frame):
-        trainer.stop_signal = trainer.stop_signal or signum  # torchrun forwards a second copy: not a new request
-    previous = {s: signal.signal(s, request) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def __init__(self, rt, out_dir):
+        self.rt, self.out_dir = rt, out_dir
+        self.signal = self.trainer = None  # the trainer, once built: which step is in progress
+
+    def __call__(self, signum, frame):
+        if self.signal is None:
+            self.signal = signum
+            if self.rt.is_main:
+                step = self.trainer.iter_num + 1 if self.trainer else 1
+                print(f"\n{signal.Signals(signum).name}: stopping after iter {step}, then saving "
+                      f"{os.path.join(self.out_dir, 'ckpt.pt')}", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT and not self.rt.distributed:  # under torchrun a rank gets copies of one signal
+            print(f"second Ctrl-C: stopping at once; {self.out_dir}/ckpt.pt and best.pt stay as the last save "
+                  f"left them", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def handlers(self):
+        """SIGINT and SIGTERM come here while inside (in the main thread; elsewhere they cannot be caught)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 class Trainer:
     """The training loop and its run control (stop signals, max_time, NaN patience, fp16 skips) over the state
     that summarizer.training builds and summarizer.checkpointing saves and restores."""
 
-    def __init__(self, cfg, rt):
+    def __init__(self, cfg, rt, stop=None):
         self.cfg, self.rt = cfg, rt
+        self.stop = stop or StopRequest(rt, cfg.out_dir)
+        self.stop.trainer = self
         started = time.monotonic()
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
@@ -130,35 +154,23 @@ class Trainer:
         self.iter_num, self.best_score, self.skipped = 0, None, 0
         self.schedule = lr_schedule(asdict(cfg))
         self.recent_skips, self.skip_warned_at = collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
-        self.stop_signal = self.stop_agreed = None  # a signal this rank received; the one the ranks agreed on
+        self.stop_agreed = None  # the stop signal the ranks agreed on after a step
         self.out_of_time = False  # the ranks agreed that max_time leaves no room for another step
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         notes = [*splits.notes, *(checkpointing.restore(self, ckpt) if ckpt is not None else [])]
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Run(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        self.wrapped, self.decode_step = self.compiled_and_wrapped()
+        self.wrapped, self.decode_step = training.compiled_and_wrapped(
+            self.model, cfg, rt, lambda: self.on_device(self.batches.micro_batches(self.iter_num)[0]))
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
-            print(format_config(cfg))
             print("\n".join(training.start_lines(self, notes, disk)))
             save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
-
-    def compiled_and_wrapped(self):
-        """(what a step calls: the model, or a calibration stage's PackedScorer, compiled when the runtime
-        compiles and wrapped by the backend; the decode step of the ROUGE evaluations)."""
-        trained, step = calibrate.PackedScorer(self.model) if self.cfg.rank_weight else self.model, None
-        if self.rt.compile:
-            x, y = self.on_device(self.batches.micro_batches(self.iter_num)[0])[:2]
-            with training.out_of_memory_hint(self.cfg, self.rt):
-                compiled = training.compile_model(trained, x, y, self.rt.autocast())
-            if compiled is not trained:
-                trained, step = compiled, inference.CompiledDecodeStep()
-        return self.rt.parallel.wrap(trained), step
 
     def fit(self):
         cfg, rt = self.cfg, self.rt
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, training.out_of_memory_hint(self.cfg, self.rt), stop_requests(self), tqdm(
+        with self.tracker, training.out_of_memory_hint(self.cfg, self.rt), tqdm(
                 total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
                 desc="training", unit="it") as bar:
             bad_steps = 0
@@ -218,12 +230,7 @@ class Trainer:
         scale = rt.world_size / self.batches.target_tokens(step)
         rank_scale = cfg.rank_weight * rt.world_size / cfg.batch_size  # the ranking loss: a mean over dialogues
         loss_sum, rank_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        # a signal received, or max_time leaving no room after this step; no host-to-device copy unless set
-        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=rt.device)
-        if self.stop_signal:
-            requests[STOP_SIGNALS.index(self.stop_signal)] = 1
-        if self.time.stop_now():
-            requests[-1] = 1
+        out_of_time = self.time.stop_now()  # whether max_time leaves room for a step after this one
         for i, batch in enumerate(micro_batches):
             with rt.parallel.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
@@ -232,6 +239,12 @@ class Trainer:
                                   token_loss * scale).backward()
             loss_sum += token_loss.detach().float()
             rank_sum += rank_loss.detach()
+        # a signal received until now (during this step too), or no room after it; no copy to the device unless set
+        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=rt.device)
+        if self.stop.signal:
+            requests[STOP_SIGNALS.index(self.stop.signal)] = 1
+        if out_of_time:
+            requests[-1] = 1
         # the stop request travels with the losses: one reduction and one host sync per step
         loss_sum, rank_sum, *requests = rt.all_reduce_sum(torch.cat([loss_sum[None], rank_sum[None],
                                                                      requests])).tolist()

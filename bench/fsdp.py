@@ -209,12 +209,18 @@ def preset_model(name, preset):
     return model
 
 
+def t4_dtype(preset):
+    """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
+    from summarizer.runtime import choose_precision
+    return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
+
+
 def tiny_args(preset, data_dir):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
     from config import Config, grad_accum_steps
     cfg = Config(**preset)
     steps = grad_accum_steps(cfg, RANKS)
-    return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={cfg.dtype}",
+    return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
             f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
             f"--train_csv={os.path.join(data_dir, 'train.csv')}", f"--data_cache_dir={os.path.join(data_dir, 'cache')}"]
 
@@ -246,14 +252,14 @@ def bench_fsdp(args=None):
         model = preset_model(name, preset)
         now, before = (scaled_bytes(counted[index[name, b]], units(model)) for b in (False, True))
         common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
-                      dtype=preset["dtype"], lora_rank=preset.get("lora_rank", 0),
+                      dtype=t4_dtype(preset), lora_rank=preset.get("lora_rank", 0),
                       micro_steps=counted[index[name, False]]["micro_steps"])
         rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step", value=sum(now.values()) / GIB,
                          **{f"{kind}_gib": b / GIB for kind, b in now.items()}))
         rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step_before", value=sum(before.values()) / GIB,
                          **{f"{kind}_gib": b / GIB for kind, b in before.items()}))
         rows.append(dict(common, figure=f"fsdp:{name}:comm_vs_before", value=sum(now.values()) / sum(before.values())))
-        held, kept = reduce_once_bytes(model, RANKS, getattr(torch, preset["dtype"]))
+        held, kept = reduce_once_bytes(model, RANKS, getattr(torch, t4_dtype(preset)))
         rows.append(dict(common, figure=f"fsdp:{name}:reduce_once_gib_per_rank", value=(held + kept) / GIB,
                          held_gib=held / GIB, kept_gib=kept / GIB, fits_t4=(held + kept) / GIB <= T4_USABLE_GIB))
     return rows

@@ -24,7 +24,5 @@ rouge_samples = 32
 max_new_tokens = 32
 gen_batch_size = 50
 device = "cpu"
-dtype = "float32"
-compile = False
 evaluate_after = True
 predict_after = True

@@ -1,7 +1,8 @@
 """GPT-2 large (774M) on Kaggle's 2x T4, full fine-tuning with FSDP (weights, gradients and AdamW state split
 across the two GPUs) and gradient checkpointing:
     torchrun --standalone --nproc_per_node=2 train.py config/kaggle_t4x2_gpt2-large.py
-bench.py --section=memory: 8.2 GiB per GPU (on one GPU 13.2 GiB fits, but DDP adds a 2.9 GiB gradient copy)."""
+python -m bench --section=memory: 8.2 GiB per GPU (on one GPU 13.2 GiB fits, but DDP adds a 2.9 GiB gradient copy).
+dtype and compile are auto: float16 with a GradScaler and torch.compile on a T4, bfloat16 from Ampere on."""
 init_from = "gpt2-large"
 out_dir = "out-gpt2-large"
 backend = "fsdp"
@@ -9,7 +10,5 @@ batch_size = 256
 micro_batch_size = 8
 gradient_checkpointing = True
 device = "cuda"
-dtype = "float16"
-compile = True
 nccl_p2p_disable = True
 gen_batch_size = 16

@@ -155,6 +155,9 @@ class Runtime:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
+        if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
+            print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
+                  "--dtype=float32 (or --dtype=auto, float32 on a CPU)", file=sys.stderr)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.decided_by = [f"Accelerate's {name}={value}" for name, value in
                            (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))

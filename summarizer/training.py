@@ -14,6 +14,7 @@ from summarizer import calibrate, lora, runtime
 from summarizer.budget import DiskPlan
 from summarizer.checkpoint import archive_previous_run, build_model, lora_base_reference, make_out_dir
 from summarizer.errors import UserError
+from summarizer.inference import CompiledDecodeStep
 from summarizer.runtime import compiler_error, warn_compile_failed
 from summarizer.submission import check_against_sample
 
@@ -144,6 +145,19 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def compiled_and_wrapped(model, cfg, rt, first_batch):
+    """(what a training step calls: the model, or a calibration stage's PackedScorer, compiled when the runtime
+    compiles (tried on first_batch(), on the device) and wrapped by the backend; the decode step for ROUGE)."""
+    trained, step = calibrate.PackedScorer(model) if cfg.rank_weight else model, None
+    if rt.compile:
+        x, y = first_batch()[:2]
+        with out_of_memory_hint(cfg, rt):
+            compiled = compile_model(trained, x, y, rt.autocast())
+        if compiled is not trained:
+            trained, step = compiled, CompiledDecodeStep()
+    return rt.parallel.wrap(trained), step
 
 
 def compile_model(model, x, y, autocast):

@@ -172,4 +172,11 @@ def test_help_and_reference_document_every_key(capsys):
     table = config.markdown_reference()
     for f in dataclasses.fields(Config):
         assert f.metadata["help"] and f"--{f.name}=" in printed and f"| `{f.name}` |" in table
-    assert config.format_config(Config()).count("\n") == len(dataclasses.fields(Config)) - 1
+
+
+def test_start_up_names_the_changed_keys_and_where_they_came_from(tmp_path):
+    preset = tmp_path / "p.py"
+    preset.write_text("batch_size = 64\nmicro_batch_size = 8\nmax_iters = 300\n")  # max_iters: the default
+    line = config.changed_settings([str(preset), "--max_iters=5", "--micro_batch_size=4"])
+    assert f"batch_size=64 ({preset})" in line and "max_iters=5 (command line)" in line
+    assert "micro_batch_size=4 (command line)" in line and line.count("=") == 3

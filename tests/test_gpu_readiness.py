@@ -90,6 +90,24 @@ def test_cpu_is_float32_and_not_compiled_unless_asked():
     assert (rt.dtype, rt.use_scaler, rt.compile) == ("bfloat16", False, True)
 
 
+@pytest.mark.parametrize("preset", ["kaggle_t4x2", "kaggle_t4x2_gpt2-medium", "kaggle_t4x2_gpt2-large",
+                                    "kaggle_t4x2_gpt2-xl"])
+def test_a_kaggle_preset_tried_on_a_cpu_trains_in_float32_and_chooses_float16_on_a_t4(preset, capsys):
+    path = os.path.join(REPO, "config", f"{preset}.py")
+    rt = Runtime(load_config([path, "--device=cpu", "--backend=none"]))
+    assert (rt.dtype, rt.use_scaler, rt.compile) == ("float32", False, False)
+    cfg = load_config([path])
+    assert choose_precision(cfg.dtype, "cuda", (7, 5)) == ("float16", True) and cfg.compile == "auto"
+    assert "float16" not in capsys.readouterr().err
+
+
+def test_float16_asked_for_on_a_cpu_says_in_one_line_that_it_is_emulated(capsys):
+    rt = Runtime(load_config(["--device=cpu", "--dtype=float16"]))
+    assert rt.dtype == "float16"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "float16" in lines[0] and "emulated" in lines[0] and "--dtype=float32" in lines[0]
+
+
 @pytest.mark.parametrize("requested, device_type, expected", [
     ("auto", "cuda", True), ("auto", "cpu", False), (True, "cpu", True), (False, "cuda", False)])
 def test_compile_auto_means_on_cuda_only(requested, device_type, expected):

@@ -32,8 +32,9 @@ def logged_iters(out):
     return [json.loads(line)["iter"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def stop_during_training(process, out, pids, sig, after_iter=10):
-    """Send `sig` to `pids()` once the run has logged `after_iter` (between two evaluations); its output."""
+def stop_during_training(process, out, pids, sig, after_iter):
+    """Send `sig` to `pids()` once the run has logged step `after_iter` (between two evaluations), so during the
+    next step; its output."""
     deadline = time.monotonic() + 120
     while max(logged_iters(out), default=0) < after_iter:
         assert process.poll() is None, process.stdout.read()
@@ -67,10 +68,11 @@ def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how
 
     process = start(launcher, args)
     pids = (lambda: ranks_of(process)) if how.startswith("torchrun") else (lambda: [process.pid])
-    output = stop_during_training(process, stopped, pids, sig)
+    output = stop_during_training(process, stopped, pids, sig, after_iter=10)
     assert process.returncode == expected_code and "Traceback" not in output, output
     reached = max(logged_iters(stopped))
-    assert 10 <= reached < STEPS and reached % 25 != 0
+    assert reached == 11  # the signal came during step 11 (step 10 was logged): that step ends, no other runs
+    assert f"{sig.name}: stopping after iter 11, then saving {stopped / 'ckpt.pt'}" in output
     assert f"stopped by {sig.name} after iter {reached}: {stopped / 'ckpt.pt'} holds it; continue with:" in output
     assert load_checkpoint(str(stopped / "ckpt.pt"))["iter_num"] == reached
     command = output.split("continue with:\n", 1)[1].splitlines()[0].strip()

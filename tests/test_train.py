@@ -190,3 +190,22 @@ def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, sin
     two_nodes = metrics(parity_data / "two_nodes")
     assert [r["loss"] for r in two_nodes] == [r["loss"] for r in metrics(parity_data / "one_node")]
     assert_same_losses(two_nodes, single_process)
+
+
+def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
+    """Before the first training line: the keys the preset and the command line changed (named, with where each
+    came from), the notes and the line that says what runs, the disk plan; not every key of the config."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "train.py", "config/demo.py", "--max_iters=1", "--eval_interval=1",
+                             "--rouge_samples=1", f"--out_dir={out}", f"--data_cache_dir={tmp_path / 'cache'}",
+                             "--evaluate_after=False", "--predict_after=False"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            timeout=300)
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.replace("\r", "\n").splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("training:"))
+    assert first <= 20, lines[:first]
+    settings = next(line for line in lines[:first] if line.startswith("settings: "))
+    assert "init_from='scratch' (config/demo.py)" in settings and "max_iters=1 (command line)" in settings
+    assert f"{out / 'config.json'}" in settings and (out / "config.json").is_file()
+    assert not any(line.startswith("learning_rate ") for line in lines[:first])  # no key-per-line listing

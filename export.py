@@ -15,12 +15,13 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, Decoding, explicit_keys, load_config, part
+from config import FIELDS, GPT2_NAMES, Config, Decoding, Split, explicit_keys, keys, load_config, part
 from model import CONV1D_WEIGHTS
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run
 from summarizer.launch import one_line_errors
 
+CARD_FACTS = ("init_from", "batch_size", "rouge_samples", *keys(Split))  # read from the checkpoint
 
 def to_transformers(model):
     """A GPT2LMHeadModel that computes what our GPT computes: the same tensors with the Conv1D weights transposed
@@ -73,20 +74,21 @@ def save_tokenizer(folder, block_size):
     tokenizer.save_pretrained(folder)
 
 
-def model_card(ckpt, run, fmt, name):
-    """README.md of the folder: what the model is, how it was trained and scored, and how to prompt it (with the
-    code that builds a prompt as our PromptFormat `fmt` does, long dialogues cut the same way)."""
+def model_card(ckpt, trained, run, fmt, name):
+    """README.md of the folder: what the model is, how it was trained (`trained`: the checkpoint's config) and
+    scored, and how to prompt and decode it (`run`: the config inference resolved), with the code that builds a
+    prompt as our PromptFormat `fmt` does, long dialogues cut the same way."""
     metrics = ckpt["metrics"]
     scores = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in metrics)
     if "rougeL" in metrics:
-        scores += f" (ROUGE F1 on up to {run.rouge_samples} validation dialogues)"
-    validation = describe_validation(run).removeprefix("validation ")
-    base = run.init_from if run.init_from in GPT2_NAMES else f"{run.init_from} (init_from)"
+        scores += f" (ROUGE F1 on up to {trained.rouge_samples} validation dialogues)"
+    validation = describe_validation(trained).removeprefix("validation ")
+    base = trained.init_from if trained.init_from in GPT2_NAMES else f"{trained.init_from} (init_from)"
     decoding = "beam search" if run.num_beams > 1 else "sampling" if run.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
     head, tail = data.template_text(run.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
-                       *([f"base_model: {run.init_from}"] if run.init_from in GPT2_NAMES else []),
+                       *([f"base_model: {trained.init_from}"] if trained.init_from in GPT2_NAMES else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
     return f"""{front}
 
@@ -97,9 +99,9 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 | | |
 | --- | --- |
 | base model | {base} |
-| training data | {os.path.basename(run.train_csv)} |
+| training data | {os.path.basename(trained.train_csv)} |
 | validation data | {validation} |
-| steps | {ckpt["iter_num"]} (batch {run.batch_size} sequences of up to {block_size} tokens) |
+| steps | {ckpt["iter_num"]} (batch {trained.batch_size} sequences of up to {block_size} tokens) |
 | validation scores at that step | {scores or "none recorded"} |
 | decoding | generation_config.json: {decoding}, up to {run.max_new_tokens} new tokens |
 
@@ -186,6 +188,11 @@ def export(cfg, explicit=()):
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
     run = open_run(cfg, explicit)
+    trained = Config(**{key: value for key, value in run.ckpt["config"].items() if key in FIELDS})
+    for key in CARD_FACTS:  # what the card says of training is the run's: a flag may only repeat it
+        if key in explicit and getattr(cfg, key) != getattr(trained, key):
+            raise UserError(f"--{key}={getattr(cfg, key)!r} contradicts the checkpoint, which was trained with "
+                            f"{key}={getattr(trained, key)!r}: drop the flag (the model card describes the run)")
     hf = to_transformers(run.model)
     hf.generation_config = generation_config(part(run.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
@@ -195,7 +202,7 @@ def export(cfg, explicit=()):
         hf.save_pretrained(tmp)
         save_tokenizer(tmp, run.model.config.block_size)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(run.ckpt, run.cfg, run.prompt_format(), os.path.basename(target)))
+            f.write(model_card(run.ckpt, trained, run.cfg, run.prompt_format(), os.path.basename(target)))
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None

@@ -126,6 +126,15 @@ def test_model_card_has_the_template_and_the_run(run):
     assert "train.csv" in card and "validation.csv" in card
     assert f"| steps | {run.ckpt['iter_num']} " in card
     assert f"rougeL {run.ckpt['metrics']['rougeL']:.4f}" in card
+    # exported without the training flags: what the card says of training comes from the checkpoint
+    assert "base_model:" not in card and "| base model | scratch (init_from) |" in card
+    assert "(batch 16 sequences" in card and "on up to 4 validation dialogues" in card
+
+
+def test_a_flag_that_contradicts_the_run_in_the_card_is_one_line(run, tmp_path, capsys):
+    ckpt = f"--ckpt={run.folder / 'out' / 'best.pt'}"
+    err = one_line_error(capsys, export.main, [ckpt, f"--export_dir={tmp_path / 'hf'}", "--batch_size=64"])
+    assert "--batch_size=64" in err and "batch_size=16" in err
 
 
 def test_init_from_export_starts_at_the_checkpoints_loss(run, tmp_path):

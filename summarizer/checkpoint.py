@@ -38,21 +38,30 @@ def archive_previous_run(out_dir):
     """Move the files of an earlier run in out_dir (RUN_FILES, and best-<metric>.pt files) into
     out_dir/previous-run-<its time>/, so a fresh run neither appends to its metrics nor overwrites its checkpoints.
     Returns a line saying so, or None."""
-    found = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
-    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
+    best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
+    found, folder = move_aside(out_dir, [*RUN_FILES, *best], "previous-run")
     if not found:
         return None
+    return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
+            f"--init_from=resume instead)")
+
+
+def move_aside(out_dir, names, prefix):
+    """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
+    moved, the folder), or ([], None)."""
+    found = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
+    if not found:
+        return [], None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
     stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
-    folder, n = os.path.join(out_dir, f"previous-run-{stamp}"), 1
+    folder, n = os.path.join(out_dir, f"{prefix}-{stamp}"), 1
     while os.path.exists(folder):
         n += 1
-        folder = os.path.join(out_dir, f"previous-run-{stamp}-{n}")
+        folder = os.path.join(out_dir, f"{prefix}-{stamp}-{n}")
     os.makedirs(folder)
     for name in found:
         os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
-            f"--init_from=resume instead)")
+    return found, folder
 
 
 def keep_best_of_metric(out_dir, metric):

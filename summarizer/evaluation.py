@@ -13,7 +13,7 @@ import data
 from config import ROUGE_TYPES, parse_sweep
 from model import Targets
 from summarizer import inference
-from summarizer.checkpoint import make_out_dir
+from summarizer.checkpoint import make_out_dir, move_aside
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge, rouge_per_example
@@ -63,12 +63,16 @@ def evaluate(cfg, explicit, rt):
         return None
     scores = rouge_per_example(predictions, val.summaries)
     report = {t: {"mean": float(np.mean(v)), "ci95": bootstrap_interval(v)} for t, v in scores.items()}
+    report["weights"] = run.weights
     report["n"] = len(predictions)
     report["mean_generated_tokens"] = mean_tokens(predictions)
     report["mean_reference_tokens"] = mean_tokens(val.summaries)
     frame = pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                           "prediction": predictions, **{t: scores[t] for t in ("rouge1", "rouge2", "rougeL")}})
     out = inference.output_dir(cfg)
+    moved = set_aside_other_weights(out, run.weights)
+    if moved:
+        print(moved)
     predictions_csv, metrics_json = os.path.join(out, "eval_predictions.csv"), os.path.join(out, "eval_metrics.json")
     with atomic_write(predictions_csv) as f:
         frame.to_csv(f, index=False)
@@ -77,6 +81,22 @@ def evaluate(cfg, explicit, rt):
     print(format_report(report))
     print(f"wrote {predictions_csv} and {metrics_json}")
     return report
+
+
+def set_aside_other_weights(out, weights):
+    """Move out's eval_predictions.csv and eval_metrics.json into out/previous-eval-<time>/ when other weights
+    made them, so scoring another checkpoint into this folder replaces nothing. A line saying so, or None."""
+    path = os.path.join(out, "eval_metrics.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            made_by = json.load(f).get("weights")
+    except (OSError, ValueError):
+        made_by = None
+    if made_by == weights or not os.path.exists(path):
+        return None
+    found, folder = move_aside(out, ["eval_predictions.csv", "eval_metrics.json"], "previous-eval")
+    return (f"{out} held the evaluation of other weights ({made_by or 'unnamed'}): moved its {', '.join(found)} "
+            f"to {folder}")
 
 
 def bootstrap_interval(values, samples=1000, seed=0):

@@ -71,6 +71,21 @@ def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_p
     assert report["n"] == len(validation) and str(tmp_path / "eval_predictions.csv") in printed
 
 
+def test_scoring_other_weights_into_a_folder_moves_its_evaluation_aside_and_says_so(trained, tmp_path, capsys):
+    evaluate.main(args(trained, tmp_path))
+    first = json.loads((tmp_path / "eval_metrics.json").read_text())
+    assert first["weights"].startswith(str(trained / "out" / "best.pt"))
+    evaluate.main(args(trained, tmp_path))  # the same weights again: replaced, nothing set aside
+    assert not list(tmp_path.glob("previous-eval-*"))
+    capsys.readouterr()
+    evaluate.main([*args(trained, tmp_path), f"--ckpt={trained / 'out' / 'ckpt.pt'}"])
+    aside = list(tmp_path.glob("previous-eval-*"))
+    assert len(aside) == 1 and json.loads((aside[0] / "eval_metrics.json").read_text()) == first
+    assert (aside[0] / "eval_predictions.csv").is_file() and str(aside[0]) in capsys.readouterr().out
+    assert json.loads((tmp_path / "eval_metrics.json").read_text())["weights"].startswith(
+        str(trained / "out" / "ckpt.pt"))
+
+
 def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys):
     # temperature 5 samples nonsense: the best setting is not in the first rows
     evaluate.main(args(trained, tmp_path / "sweep", "--sweep=temperature=5.0,0.0 repetition_penalty=1.0,1.3"))

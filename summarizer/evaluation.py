@@ -16,7 +16,7 @@ from summarizer import inference
 from summarizer.checkpoint import make_out_dir, move_aside
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.metrics import rouge, rouge_per_example
+from summarizer.metrics import rouge_per_example
 
 
 @torch.no_grad()
@@ -120,7 +120,7 @@ def sweep(cfg, explicit, rt):
     settings = parse_sweep(cfg.sweep)
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
     run, val, prompts = validation_run(cfg, explicit, rt)
-    rows = []
+    rows, per_example = [], []
     for i, (setting, setting_cfg) in enumerate(zip(settings, setting_configs(run.cfg, settings), strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
         if rt.is_main:
@@ -129,12 +129,17 @@ def sweep(cfg, explicit, rt):
         predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt, step=run.step)
         seconds = time.perf_counter() - start
         if rt.is_main:
-            scores = rouge(predictions, val.summaries)
-            rows.append({"setting": label, "rouge1": scores["rouge1"], "rouge2": scores["rouge2"],
-                         "rougeL": scores["rougeL"], "mean_tokens": mean_tokens(predictions),
-                         "summaries_per_s": len(predictions) / seconds})
+            scores = rouge_per_example(predictions, val.summaries)
+            per_example.append(scores["rougeL"])
+            rows.append({"setting": label, **{t: float(np.mean(scores[t])) for t in ("rouge1", "rouge2", "rougeL")},
+                         "mean_tokens": mean_tokens(predictions), "summaries_per_s": len(predictions) / seconds})
     if not rt.is_main:
         return None
+    best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
+    low, high = bootstrap_interval(per_example[best])
+    for row in rows:  # differences inside the best one's 95% interval are noise on this many dialogues
+        row["within_best_ci95"] = bool(low <= row["rougeL"] <= high)
+    fastest = max((row for row in rows if row["within_best_ci95"]), key=lambda row: row["summaries_per_s"])
     table = format_sweep(rows)
     out = inference.output_dir(cfg)
     paths = [os.path.join(out, name) for name in ("sweep.csv", "sweep.md")]
@@ -142,11 +147,12 @@ def sweep(cfg, explicit, rt):
         pd.DataFrame(rows).to_csv(f, index=False)
     with atomic_write(paths[1]) as f:
         f.write(table + "\n")
-    best = max(rows, key=lambda row: row["rougeL"])
-    flags = " ".join(f"--{k}={v}" for k, v in settings[rows.index(best)].items())
+    flags = " ".join(f"--{k}={v}" for k, v in settings[rows.index(fastest)].items())
     print(table)
     print(f"wrote {paths[0]} and {paths[1]}")
-    print(f"best ROUGE-L {best['rougeL']:.4f}: {best['setting']}; pass to predict.py: {flags}")
+    print(f"best ROUGE-L {rows[best]['rougeL']:.4f}: {rows[best]['setting']} (95% interval [{low:.4f}, {high:.4f}]); "
+          f"the fastest setting within it: {fastest['setting']} ({fastest['summaries_per_s']:.1f} summaries/s); "
+          f"pass to predict.py: {flags}")
     return rows
 
 
@@ -163,10 +169,11 @@ def setting_configs(base, settings):
 
 def format_sweep(rows):
     lines = [f"ROUGE F1 of {len(rows)} decoding settings on the validation split",
-             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s | within the best's 95% |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['setting']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} | "
-              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} |" for r in rows]
+              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} | {'yes' if r['within_best_ci95'] else ''} |"
+              for r in rows]
     return "\n".join(lines)
 
 

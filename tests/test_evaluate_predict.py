@@ -94,15 +94,21 @@ def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, t
     assert printed.count("weights: ") == 1 and table["setting"].tolist() == [
         "temperature=5.0 repetition_penalty=1.0", "temperature=5.0 repetition_penalty=1.3",
         "temperature=0.0 repetition_penalty=1.0", "temperature=0.0 repetition_penalty=1.3"]
-    assert list(table.columns) == ["setting", "rouge1", "rouge2", "rougeL", "mean_tokens", "summaries_per_s"]
+    assert list(table.columns) == ["setting", "rouge1", "rouge2", "rougeL", "mean_tokens", "summaries_per_s",
+                                   "within_best_ci95"]
     assert (table["summaries_per_s"] > 0).all() and (table["mean_tokens"] > 0).all()
     markdown = (tmp_path / "sweep" / "sweep.md").read_text()
     for row in table.itertuples():
         assert f"| {row.setting} | {row.rouge1:.4f} | {row.rouge2:.4f} | {row.rougeL:.4f} |" in markdown
     best = table.loc[table["rougeL"].idxmax()]
     assert best["setting"].startswith("temperature=0.0") and table["rougeL"][:2].max() < best["rougeL"] - 0.1
-    flags = " ".join(f"--{kv}" for kv in best["setting"].split())
-    assert f"best ROUGE-L {best['rougeL']:.4f}: {best['setting']}; pass to predict.py: {flags}" in printed
+    assert f"best ROUGE-L {best['rougeL']:.4f}: {best['setting']} (95% interval [" in printed
+    assert best["within_best_ci95"] and not table["within_best_ci95"][:2].any()
+    # differences within the best one's interval are noise: the fastest of those settings is recommended
+    fastest = table[table["within_best_ci95"]].sort_values("summaries_per_s").iloc[-1]
+    flags = " ".join(f"--{kv}" for kv in fastest["setting"].split())
+    assert f"the fastest setting within it: {fastest['setting']} (" in printed
+    assert printed.rstrip().endswith(f"pass to predict.py: {flags}")
     # the greedy row is what evaluate.py reports for the same settings
     evaluate.main(args(trained, tmp_path / "plain"))
     report = json.loads((tmp_path / "plain" / "eval_metrics.json").read_text())

@@ -311,7 +311,8 @@ class Trainer:
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {self.iter_num}: {scores}")
-            plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"))
+            plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"),
+                         f"{self.cfg.out_dir} ({self.cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
 
 
 if __name__ == "__main__":

@@ -124,8 +124,9 @@ def progress_postfix(stats, skipped=None):
     return postfix
 
 
-def plot_metrics(jsonl_path, png_path):
-    """Training/validation loss and ROUGE curves from metrics.jsonl (matplotlib, no display needed)."""
+def plot_metrics(jsonl_path, png_path, title=""):
+    """metrics.png: training and validation loss, and validation ROUGE, by step, from metrics.jsonl (matplotlib,
+    no display needed), titled with the run (its out_dir)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,6 +138,8 @@ def plot_metrics(jsonl_path, png_path):
     ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
     ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
     ax_loss.set_xlabel("iter")
+    ax_loss.set_ylabel("loss (cross-entropy per target token)")
+    ax_loss.set_title("loss")
     ax_loss.legend()
     for key in ("rouge1", "rouge2", "rougeL"):
         points = [(r["iter"], r[key]) for r in evals if key in r]
@@ -145,6 +148,8 @@ def plot_metrics(jsonl_path, png_path):
             ax_rouge.legend()
     ax_rouge.set_xlabel("iter")
     ax_rouge.set_ylabel("ROUGE F1")
+    ax_rouge.set_title("validation ROUGE")
+    fig.suptitle(title or os.path.dirname(os.path.abspath(png_path)))
     fig.tight_layout()
     with atomic_write(png_path, "wb") as f:
         fig.savefig(f, format="png")

@@ -65,6 +65,9 @@ def model_to_train(cfg):
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
     path = resume_path(cfg)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
+                        f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume")
     model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg))
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")

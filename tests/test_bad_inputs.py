@@ -157,7 +157,7 @@ CASES = [
      lambda f: f.train(str(f.trained / "train.csv"), f"--init_from={f.tmp / 'no-model'}"), ERROR,
      r"init_from='\S*no-model' is neither one of gpt2"),
     ("resume without ckpt.pt", "train", lambda f: f.train(str(f.trained / "train.csv"), "--init_from=resume"), ERROR,
-     r"ckpt\.pt does not exist"),
+     r"ckpt\.pt does not exist: nothing to resume; .*--resume_from="),
     ("resume with another block_size", "train", lambda f: f.resume("--block_size=256"), ERROR,
      r"trained with block_size=128, not 256: resume with --block_size=128"),
     ("out_dir not writable", "train",

@@ -164,6 +164,15 @@ def check_target(path, overwrite):
                         f"model.safetensors), so --overwrite=True will not delete it: choose another folder")
 
 
+def readable_as_umask_says(folder):
+    """Give the folder's files the mode a new file gets (safetensors writes its file 0600, unreadable to the
+    others a shared folder or a Kaggle dataset is made for)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
 def replace_folder(tmp, target):
     """Rename folder tmp to target. An earlier target is moved aside first, and deleted only once tmp is in place."""
     old = f"{target}.old{os.getpid()}"
@@ -203,6 +212,7 @@ def export(cfg, explicit=()):
         save_tokenizer(tmp, run.model.config.block_size)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(run.ckpt, trained, run.cfg, run.prompt_format(), os.path.basename(target)))
+        readable_as_umask_says(tmp)
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None

@@ -263,8 +263,8 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()
-    bar = tqdm(total=sum(map(len, batches)), desc="summarizing", unit="summary", disable=not progress,
-               dynamic_ncols=True)
+    # every rank's progress, as this rank's share of the batches times world_size shows it
+    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     with out_of_memory_hint(f"summarizing up to {cfg.gen_batch_size} dialogues at a time",
                             f"--gen_memory_gb (now {memory / 2**30:.1f}) or --gen_batch_size "
@@ -275,8 +275,9 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
                                       seed=cfg.seed, mbr_pick=mbr.pick, step=step)
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
-            bar.update(len(batch))
+            bar.update(min(len(batch) * world_size, bar.total - bar.n))
             bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
+    bar.update(bar.total - bar.n)  # this rank is done: so, within a batch, are the others
     bar.close()
     model.train(was_training)
     return summaries

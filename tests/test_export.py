@@ -118,6 +118,10 @@ def test_exported_tokenizer_encodes_like_ours(run):
     assert tokenizer.padding_side == "left"
     for name in ("vocab.json", "merges.txt"):
         assert os.path.isfile(os.path.join(run.hf_dir, name))
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: os.stat(os.path.join(run.hf_dir, name)).st_mode & 0o777 for name in os.listdir(run.hf_dir)}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # model.safetensors too, which safetensors writes 0600
 
 
 def test_model_card_has_the_template_and_the_run(run):

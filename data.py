@@ -278,20 +278,39 @@ def no_op():
 
 
 def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
-    """tokenize_table's arrays, built once by the main rank and saved, while the other ranks wait at `barrier`;
-    later runs load them. The file name carries a hash of everything the tokens depend on."""
+    """(tokenize_table's arrays, notes): built once by the main rank and saved in data_cache_dir, while the other
+    ranks wait at `barrier`; later runs load them. The file name carries a hash of everything the tokens depend
+    on. A data_cache_dir that cannot be written (a read-only checkout) gives way to out_dir/.cache/data, and a
+    note says so."""
     key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
                                TOKENIZER_ID)).encode()).hexdigest()
-    stem = os.path.splitext(os.path.basename(table.path))[0]
-    path = os.path.join(cfg.data_cache_dir, f"{stem}-{key[:16]}.npz")
-    if is_main and not os.path.exists(path):
+    name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{key[:16]}.npz"
+    folders = [cfg.data_cache_dir, os.path.join(cfg.out_dir, ".cache", "data")]
+    notes = []
+    if is_main and not any(os.path.exists(os.path.join(folder, name)) for folder in folders):
         arrays = tokenize_table(table, fmt, cfg.block_size, progress=True)
-        os.makedirs(cfg.data_cache_dir, exist_ok=True)
-        with atomic_write(path, "wb") as f:
-            np.savez(f, **arrays)
+        problem = save_tokens(folders[0], name, arrays)
+        if problem and save_tokens(folders[1], name, arrays):
+            raise UserError(f"data_cache_dir {folders[0]} cannot be written ({problem}), nor {folders[1]}: pass "
+                            f"--data_cache_dir=<a writable folder>")
+        if problem:
+            notes.append(f"data_cache_dir {folders[0]} cannot be written ({problem}): tokens cached in {folders[1]} "
+                         f"(--data_cache_dir chooses another folder)")
     barrier()
+    path = next(os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name)))
     with np.load(path) as f:
-        return {name: f[name] for name in f.files}
+        return {key: f[key] for key in f.files}, notes
+
+
+def save_tokens(folder, name, arrays):
+    """Save the arrays as folder/name; the reason it cannot be written there, or None."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with atomic_write(os.path.join(folder, name), "wb") as f:
+            np.savez(f, **arrays)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def text_hashes(texts):
@@ -358,12 +377,14 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(cfg.train_csv, "train_csv", cfg)
-    arrays = cached_tokens(table, cfg, fmt, is_main, barrier)
-    notes = [f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary"] if table.empty else []
+    arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
+    if table.empty:
+        notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
     if cfg.validation_csv:
         val_table = read_table(cfg.validation_csv, "validation_csv", cfg)
-        val = Examples.from_rows(val_table, cached_tokens(val_table, cfg, fmt, is_main, barrier),
-                                 np.arange(len(val_table.ids)))
+        val_arrays, val_notes = cached_tokens(val_table, cfg, fmt, is_main, barrier)
+        val = Examples.from_rows(val_table, val_arrays, np.arange(len(val_table.ids)))
+        notes += val_notes
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
         if val_table.empty:
             notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")

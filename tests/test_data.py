@@ -1,7 +1,11 @@
 """data.py: reading CSVs (columns, encodings, empty rows, ids), prompts and targets cut to block_size, the
 token cache, and the training/eval batches each rank sees."""
+import contextlib
 import itertools
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -10,7 +14,7 @@ import torch
 
 import data
 from config import PROMPT_TEMPLATE, Config
-from conftest import save_csv
+from conftest import REPO, save_csv
 from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
 from summarizer.errors import UserError
 
@@ -326,3 +330,58 @@ def test_eval_batches_cover_the_split_once(tmp_path):
     assert sum(int((y != -1).sum()) for batches in per_rank for _, y in batches) == targets
     limited = [list(data.eval_batches(examples, 4, rank, 2, max_batches=3)) for rank in range(2)]
     assert sum(x.shape[0] for batches in limited for x, _ in batches) == 12
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """`folder` cannot be written while inside: a read-only bind mount for root (whom permissions do not stop),
+    else its permissions."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(folder, 0o755)
+        return
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_data_cache_folder_that_cannot_be_written_gives_way_to_one_under_out_dir(tmp_path):
+    write_rows(tmp_path / "train.csv", 20)
+    (tmp_path / "cache").mkdir()
+    cfg = Config(train_csv=str(tmp_path / "train.csv"), data_cache_dir=str(tmp_path / "cache"),
+                 out_dir=str(tmp_path / "out"), val_fraction=0.25, block_size=128, max_new_tokens=16)
+    with read_only(tmp_path / "cache"):
+        splits = data.load_datasets(cfg)
+        [note] = [note for note in splits.notes if "cannot be written" in note]
+        assert note.startswith(f"data_cache_dir {tmp_path / 'cache'} cannot be written (")
+        assert f"tokens cached in {tmp_path / 'out' / '.cache' / 'data'}" in note
+        assert len(os.listdir(tmp_path / "out" / ".cache" / "data")) == 1
+        assert data.load_datasets(cfg).train.ids == splits.train.ids  # read back from there
+    write_rows(tmp_path / "other.csv", 20, start=100)  # tokens not cached anywhere yet
+    with read_only(tmp_path / "cache"), read_only(tmp_path / "out"):
+        with pytest.raises(UserError, match="--data_cache_dir"):
+            data.load_datasets(Config(**{**cfg.__dict__, "train_csv": str(tmp_path / "other.csv")}))
+
+
+def test_a_read_only_checkout_trains_with_a_writable_out_dir(tmp_path):
+    """The repository attached as a Kaggle dataset (read-only): the demo trains, its tokens cached under out_dir."""
+    checkout = tmp_path / "repo"
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        os.makedirs(checkout / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(REPO, name), checkout / name)
+    out = tmp_path / "out"
+    with read_only(checkout):
+        result = subprocess.run([sys.executable, "train.py", "config/demo.py", "--max_iters=1", "--rouge_samples=0",
+                                 "--best_metric=val_loss", "--evaluate_after=False", "--predict_after=False",
+                                 f"--out_dir={out}"], cwd=checkout, capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1"))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "data_cache_dir .cache/data cannot be written" in result.stdout
+    assert (out / "ckpt.pt").is_file() and os.listdir(out / ".cache" / "data")

@@ -23,7 +23,7 @@ import data
 from config import FIELDS, changed_settings, grad_accum_steps, load_config, save_config
 from model import Targets
 from summarizer import calibrate, checkpointing, inference, training
-from summarizer.budget import TimeBudget
+from summarizer.budget import TimeBudget, process_age
 from summarizer.errors import UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.files import no_empty_folder_left
@@ -40,7 +40,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in
 
 
 def main(argv=None):
-    """Entry point for the command line and for the notebook launcher; errors end in one line."""
+    """Entry point for the command line and for the notebook launcher; errors end in one line. From the command
+    line, max_time counts from the process's start (imports and set-up included)."""
+    started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv)
@@ -50,7 +52,7 @@ def main(argv=None):
                       f"{os.path.join(cfg.out_dir, 'config.json')}")
             stop = StopRequest(rt, cfg.out_dir)
             with stop.handlers():
-                trainer = Trainer(cfg, rt, stop)
+                trainer = Trainer(cfg, rt, stop, started)
                 trainer.fit()
             if trainer.stop_agreed:
                 if rt.is_main:
@@ -126,11 +128,11 @@ class Trainer:
     """The training loop and its run control (stop signals, max_time, NaN patience, fp16 skips) over the state
     that summarizer.training builds and summarizer.checkpointing saves and restores."""
 
-    def __init__(self, cfg, rt, stop=None):
+    def __init__(self, cfg, rt, stop=None, started=None):
         self.cfg, self.rt = cfg, rt
         self.stop = stop or StopRequest(rt, cfg.out_dir)
         self.stop.trainer = self
-        started = time.monotonic()
+        started = time.monotonic() if started is None else started  # what max_time counts from
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
         training.prepare_out_dir(cfg, rt)

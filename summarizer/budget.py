@@ -127,6 +127,18 @@ def save_problem(writes, iter_num):
     return None
 
 
+def process_age():
+    """Seconds since this process started (Linux's /proc), or 0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22: start, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 class TimeBudget:
     """max_time of a run: from the measured seconds of its steps, of its evaluations with their checkpoint saves,
     and of a summary (the evaluations' ROUGE) times the dialogues evaluate_after/predict_after will summarize,

@@ -9,13 +9,14 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import train
 from config import Decoding, load_config, parse_duration, part
-from conftest import TINY, metrics
+from conftest import REPO, TINY, metrics
 from model import GPT
 from summarizer import budget, checkpointing, inference, training
 from summarizer.checkpoint import load_checkpoint, save_checkpoint
@@ -137,6 +138,13 @@ def test_max_time_reads_seconds_and_durations(text, seconds):
 def test_a_bad_max_time_is_one_line(text):
     with pytest.raises(UserError, match="max_time="):
         load_config([f"--max_time={text}"])
+
+
+def test_a_process_knows_its_age():
+    """What max_time counts from on the command line: the process's start, imports included."""
+    code = "import time; time.sleep(1.5); from summarizer.budget import process_age; print(process_age())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert 1.5 <= float(result.stdout) < 20
 
 
 def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_path, capsys):

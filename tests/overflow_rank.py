@@ -13,8 +13,8 @@ import train
 original_init = train.Trainer.__init__
 
 
-def init_with_overflow(self, cfg, rt):
-    original_init(self, cfg, rt)
+def init_with_overflow(self, cfg, rt, *args):
+    original_init(self, cfg, rt, *args)
     unscale = self.scaler.unscale_
 
     def unscale_with_overflow(optimizer):

@@ -148,6 +148,7 @@ class TimeBudget:
         self.seconds = parse_duration(cfg.max_time)
         self.started = started  # time.monotonic() when the run began
         self.after_summaries = after_summaries
+        self.after_commands = int(cfg.evaluate_after) + int(cfg.predict_after)  # each loads, scores and writes
         self.steps = collections.deque(maxlen=20)  # seconds of the recent steps
         self.finish = None  # seconds of the last evaluation with its checkpoint save
         self.per_summary = 0.0
@@ -164,9 +165,11 @@ class TimeBudget:
 
     def stop_now(self):
         """Whether the run must stop after the step about to start: before an evaluation is measured, 5% of the
-        budget stands for it."""
+        budget stands for it; evaluate_after and predict_after take an evaluation's time each beside their
+        summaries (loading the checkpoint, scoring, writing)."""
         if self.seconds is None or not self.steps:
             return False
         finish = 1.5 * self.finish if self.finish is not None else 0.05 * self.seconds
+        after = self.per_summary * self.after_summaries + finish * self.after_commands
         left = self.seconds - (time.monotonic() - self.started)
-        return 2 * max(self.steps) + finish + self.per_summary * self.after_summaries > left
+        return 2 * max(self.steps) + finish + after > left

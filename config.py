@@ -1,24 +1,11 @@
-"""One typed config for train.py, evaluate.py and predict.py: defaults, presets and --key=value overrides.
+"""Every setting of train.py, evaluate.py, predict.py and export.py: the groups of settings, each with its
+default and one-line help, flat in Config; and load_config(argv), a command line read into a checked Config.
 
-    python train.py [preset.py|preset.json ...] [--key=value ...]      later arguments win; --help lists the keys
-
-Values are Python literals (`--learning_rate=3e-4`, `--compile=False`, `--prompt_template='"..."'`); for a text
-field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). Preset .py files are parsed
-with `ast`, never executed: only top-level `name = <literal>` lines. `python config.py` prints the reference
-table of all keys in Markdown.
+The command line and presets are read in summarizer/command_line.py, and the rules a Config must follow are in
+summarizer/rules.py; both import this module, which imports neither at its top.
 """
-import ast
-import dataclasses
-import difflib
-import json
 import os
-import re
-import sys
-import typing
 from dataclasses import dataclass, field, fields
-
-from summarizer.errors import UserError
-from summarizer.files import atomic_write
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
@@ -150,6 +137,8 @@ class Evaluation:
                              "wandb; '' = nowhere else")
     wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project")
     wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up")
+    compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its out_dir "
+                              "or eval_predictions.csv): paired ROUGE differences on stdout and in eval_report.html")
 
 
 @dataclass
@@ -193,6 +182,18 @@ class Decoding:
                                  "temperature > 0) and keep the one that agrees most with the others; 0 = off")
     mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
+
+    def contradiction(self):
+        """The first of these settings that contradicts the others, in one line naming them; '' when none does.
+        Config validation and generate() both ask it (they raise UserError and ValueError with it)."""
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            return f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
+        if self.mbr_samples and self.temperature <= 0:
+            return f"mbr_samples={self.mbr_samples} samples its candidates: set temperature > 0 (e.g. 0.7)"
+        if self.num_beams > 1 and self.temperature > 0 and not (self.mbr_samples and self.mbr_include_beam):
+            return (f"num_beams={self.num_beams} is beam search, which does not sample: use temperature=0.0 or "
+                    f"num_beams=1 (or, for MBR's beam candidate, mbr_samples > 0 and mbr_include_beam=True)")
+        return ""
 
 
 @dataclass
@@ -241,7 +242,8 @@ class Config(*reversed(GROUPS)):
     checkpoint's saved config); the groups above name the settings that belong together."""
 
     def __post_init__(self):
-        check_values(self)
+        from summarizer.rules import check  # it imports this module
+        check(self)
 
 
 def keys(group):
@@ -254,293 +256,11 @@ def part(cfg, group):
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
-def check_values(cfg):
-    """Raise UserError naming the first key whose value cannot work."""
-    check_ranges(cfg)
-    check_combinations(cfg)
-
-
-def check_ranges(cfg):
-    """Each value alone: among its choices, in its range."""
-    for f in fields(cfg):
-        choices = f.metadata["choices"]
-        if choices and getattr(cfg, f.name) not in choices:
-            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(map(str, choices))}")
-    positive = ("batch_size", "micro_batch_size", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
-                "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout", "max_iters")
-    non_negative = ("warmup_iters", "lr_decay_iters", "eval_val_batches", "rouge_samples", "top_k",
-                    "no_repeat_ngram_size", "split_seed", "seed", "min_lr", "weight_decay", "grad_clip",
-                    "temperature", "mbr_samples", "lora_rank")
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"{name}={getattr(cfg, name)} must be > 0")
-    for name in non_negative:
-        if getattr(cfg, name) < 0:
-            raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
-    for name in ("val_fraction", "dropout", "beta1", "beta2", "lora_dropout", "epsilon"):
-        if not 0 <= getattr(cfg, name) < 1:
-            raise UserError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
-    parse_duration(cfg.max_time)
-    for name in ("rank_weight", "rank_margin", "rank_length_exponent"):
-        if getattr(cfg, name) < 0:
-            raise UserError(f"{name}={getattr(cfg, name)} must be >= 0")
-    if cfg.rank_candidates < 2:
-        raise UserError(f"rank_candidates={cfg.rank_candidates} must be >= 2: the ranking loss compares candidates")
-    if cfg.gen_memory_gb < 0:
-        raise UserError(f"gen_memory_gb={cfg.gen_memory_gb} must be >= 0 (0 = auto)")
-    if cfg.learning_rate <= 0:
-        raise UserError(f"learning_rate={cfg.learning_rate} must be > 0")
-    if cfg.lora_alpha <= 0:
-        raise UserError(f"lora_alpha={cfg.lora_alpha} must be > 0")
-    for target in lora_target_list(cfg.lora_targets) or [""]:
-        if target not in LORA_TARGETS:
-            raise UserError(f"lora_targets={cfg.lora_targets!r}: {target!r} is not one of {', '.join(LORA_TARGETS)} "
-                            f"(give one or more, comma-separated)")
-    if not 0 < cfg.top_p <= 1:
-        raise UserError(f"top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.repetition_penalty <= 0:
-        raise UserError(f"repetition_penalty={cfg.repetition_penalty} must be > 0 (1.0 = off)")
-
-
-def check_combinations(cfg):
-    """Values that must agree with each other, and the texts that are parsed."""
-    unknown = [d for d in cfg.log_to.split(",") if d and d not in LOG_DESTINATIONS]
-    if unknown:
-        raise UserError(f"log_to={cfg.log_to!r}: {unknown[0]!r} is not one of {', '.join(LOG_DESTINATIONS)} "
-                        f"(comma-separated, no spaces)")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise UserError(f"device={cfg.device!r} is not one of auto, cpu, cuda, cuda:N")
-    if cfg.n_embd % cfg.n_head:
-        raise UserError(f"n_embd={cfg.n_embd} is not a multiple of n_head={cfg.n_head}")
-    if cfg.block_size % 8:
-        raise UserError(f"block_size={cfg.block_size} must be a multiple of 8 (batches are padded to multiples of 8)")
-    if cfg.init_from in GPT2_NAMES and cfg.block_size > 1024:
-        raise UserError(f"block_size={cfg.block_size} exceeds GPT-2's 1024 positions: use block_size <= 1024 "
-                        f"or init_from='scratch'")
-    if cfg.batch_size % cfg.micro_batch_size:
-        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
-    if not 0 <= cfg.min_new_tokens <= cfg.max_new_tokens:
-        raise UserError(f"min_new_tokens={cfg.min_new_tokens} must be in [0, max_new_tokens={cfg.max_new_tokens}]")
-    if cfg.mbr_samples and cfg.temperature == 0:
-        raise UserError(f"mbr_samples={cfg.mbr_samples} samples its candidates: set temperature > 0 (e.g. 0.7)")
-    if cfg.num_beams > 1 and cfg.temperature > 0 and not (cfg.mbr_samples and cfg.mbr_include_beam):
-        raise UserError(f"num_beams={cfg.num_beams} is beam search, which does not sample: use temperature=0.0 "
-                        f"or num_beams=1 (or, for MBR's beam candidate, mbr_samples > 0 and mbr_include_beam=True)")
-    parse_sweep(cfg.sweep)
-    if cfg.best_metric == "rougeL" and cfg.rouge_samples == 0:
-        raise UserError("best_metric='rougeL' needs rouge_samples > 0 (or use best_metric='val_loss')")
-    try:
-        ok = cfg.prompt_template.count("{dialogue}") == 1 and cfg.prompt_template.format(dialogue="") is not None
-    except (KeyError, IndexError, ValueError):
-        ok = False
-    if not ok:
-        raise UserError(f"prompt_template={cfg.prompt_template!r} must contain {{dialogue}} exactly once and no "
-                        f"other braces (write {{{{ and }}}} for literal ones)")
-
-
-def parse_duration(text):
-    """max_time's seconds: '' -> None, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' -> 5400.0."""
-    if not text.strip():
-        return None
-    parts = re.fullmatch(r"\s*(?:([\d.]+)h)?\s*(?:([\d.]+)m)?\s*(?:([\d.]+)s?)?\s*", text)
-    try:
-        hours, minutes, seconds = (float(p or 0) for p in parts.groups())
-    except (AttributeError, ValueError):
-        parts = None
-    if parts is None or not any(parts.groups()) or hours * 3600 + minutes * 60 + seconds <= 0:
-        raise UserError(f"max_time={text!r} is not a positive duration: write seconds (41400) or e.g. 11h30m, 45m")
-    return hours * 3600 + minutes * 60 + seconds
-
-
-def lora_target_list(lora_targets):
-    return [t.strip() for t in lora_targets.split(",") if t.strip()]
-
-
-def sweep_keys():
-    """What evaluate.py --sweep may vary: the decoding settings but the summary budget (fixed by training), the
-    sampling seed and the generation batch."""
-    return (*keys(Decoding)[1:], "seed", "gen_batch_size")
-
-
-def parse_sweep(text):
-    """'num_beams=1,4 length_penalty=0.8,1.0' -> every combination, as [{key: value}, ...] (the last key varies
-    fastest); [] for ''. Values are read as --key=value would be."""
-    settings = [{}] if text.strip() else []
-    for group in text.split():
-        key, eq, values = group.partition("=")
-        if not eq or not values:
-            raise UserError(f"sweep={text!r}: cannot read {group!r}, write key=value1,value2,...")
-        if key not in sweep_keys():
-            raise UserError(f"sweep={text!r}: {key!r} is not a decoding setting; "
-                            f"sweep one of {', '.join(sweep_keys())}")
-        try:
-            typed_values = [parse_override(f"--{key}={value}")[1] for value in values.split(",")]
-        except UserError as e:
-            raise UserError(f"sweep={text!r}: {e}") from None
-        settings = [dict(s, **{key: v}) for s in settings for v in typed_values]
-    return settings
-
-
-def grad_accum_steps(cfg, world_size):
-    """Micro-batches each rank runs per optimizer step so that all ranks together process batch_size sequences."""
-    per_pass = cfg.micro_batch_size * world_size
-    if cfg.batch_size % per_pass:
-        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size = "
-                        f"{cfg.micro_batch_size} * {world_size} = {per_pass}: set --batch_size to a multiple of "
-                        f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides "
-                        f"{cfg.batch_size}")
-    return cfg.batch_size // per_pass
-
-
-# ---- parsing --------------------------------------------------------------------------------------------
-
 FIELDS = {f.name: f for f in fields(Config)}
 
 
-def check_key(key, source):
-    if key not in FIELDS:
-        close = difflib.get_close_matches(key, FIELDS, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else "run with --help to list the keys"
-        raise UserError(f"unknown config key {key!r} in {source}: {hint}")
-
-
-def types_of(f):
-    """The types a field accepts: (int,), or (bool, str) for `bool | str`."""
-    return typing.get_args(f.type) or (f.type,)
-
-
-def type_name(f):
-    return " or ".join(kind.__name__ for kind in types_of(f))
-
-
-def typed(key, value, source):
-    """`value` as the field's type (an int is accepted for a float), or UserError naming the key."""
-    check_key(key, source)
-    kinds = types_of(FIELDS[key])
-    if kinds == (float,) and type(value) is int:
-        return float(value)
-    if type(value) not in kinds:
-        raise UserError(f"{key} expects {type_name(FIELDS[key])}, got {value!r} ({type(value).__name__}) in {source}")
-    return value
-
-
-def parse_override(arg):
-    """'--key=value' -> (key, value) with the value as a Python literal, or as text for a text field."""
-    key, eq, text = arg[2:].partition("=")
-    if not arg.startswith("--") or not eq:
-        raise UserError(f"cannot read argument {arg!r}: use --key=value, or a preset .py/.json file")
-    source = f"--{key}={text}"
-    check_key(key, source)
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = text
-    if FIELDS[key].type is str and not isinstance(value, str):
-        value = text
-    return key, typed(key, value, source)
-
-
-def read_preset(path):
-    """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
-    if not os.path.isfile(path):
-        raise UserError(f"preset {path} does not exist: pass an existing .py or .json file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"preset {path} is not valid JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise UserError(f"preset {path} must hold a JSON object of key: value")
-        return {key: typed(key, value, path) for key, value in values.items()}
-    if not path.endswith(".py"):
-        raise UserError(f"preset {path} must end in .py or .json")
-    try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as e:
-        raise UserError(f"preset {path} line {e.lineno}: syntax error: {e.msg}") from None
-    values = {}
-    for node in tree.body:
-        source = f"{path} line {node.lineno}"
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            continue  # a docstring
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise UserError(f"{source}: only `name = <literal>` lines are allowed in a preset, got "
-                            f"{ast.get_source_segment(text, node)!r}")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise UserError(f"{source}: {ast.get_source_segment(text, node.value)!r} is not a literal "
-                            f"(write the value itself, e.g. 256, not 8 * 32)") from None
-        values[node.targets[0].id] = typed(node.targets[0].id, value, source)
-    return values
-
-
-def load_config(argv, base=None):
-    """The Config from `base` (default: the defaults) updated by presets and --key=value overrides, in order."""
-    if "-h" in argv or "--help" in argv:
-        print_help()
-        raise SystemExit(0)
-    values = dataclasses.asdict(base) if base is not None else {}
-    for arg in argv:
-        if arg.startswith("--"):
-            key, value = parse_override(arg)
-            values[key] = value
-        else:
-            values.update(read_preset(arg))
-    return Config(**values)
-
-
-def explicit_keys(argv):
-    """The keys given as --key=value (not those a preset sets): what a command asks for in so many words."""
-    return {parse_override(arg)[0] for arg in argv if arg.startswith("--") and arg not in ("-h", "--help")}
-
-
-def print_help():
-    """The usage and every key; a reader that stops early (`--help | head`) is not an error."""
-    try:
-        print(__doc__.strip() + "\n\n" + help_text(), flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
-
-
-def save_config(cfg, path):
-    """Write the resolved config as JSON, atomically."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with atomic_write(path) as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-        f.write("\n")
-
-
-def changed_settings(argv):
-    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': the keys whose value differs from the
-    default, and the preset or command line that set them last."""
-    defaults, cfg, source = Config(), load_config(argv), {}
-    for arg in argv:
-        keys_set = [parse_override(arg)[0]] if arg.startswith("--") else read_preset(arg)
-        source.update(dict.fromkeys(keys_set, "command line" if arg.startswith("--") else arg))
-    changed = [key for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
-    return ", ".join(f"{key}={getattr(cfg, key)!r} ({source[key]})" for key in changed)
-
-
-def help_text():
-    defaults = Config()
-    return "\n".join(f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items())
-
-
-def markdown_reference():
-    """docs/config.md's reference: a table of keys per group of settings."""
-    defaults, sections = Config(), []
-    for group in GROUPS:
-        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | meaning |",
-                "| --- | --- | --- | --- |"]
-        for f in fields(group):
-            default = repr(getattr(defaults, f.name)).replace("|", "\\|")
-            rows.append(f"| `{f.name}` | {type_name(f)} | `{default}` | {f.metadata['help']} |")
-        sections.append("\n".join(rows))
-    return "\n\n".join(sections)
-
-
-if __name__ == "__main__":
-    print(markdown_reference())
+def load_config(argv):
+    """The checked Config that a command line asks for: presets and --key=value overrides, later ones winning;
+    --help prints every key and exits."""
+    from summarizer.command_line import read_arguments  # it imports this module
+    return Config(**read_arguments(argv))

@@ -462,16 +462,30 @@ class LengthGroupedSampler:
         return by_length[k * self.batch_size:(k + 1) * self.batch_size]
 
     def micro_batches(self, step, rank=0, world_size=1):
-        """Rank `rank`'s micro-batches of example indices for `step`, longest first (so an out-of-memory shows
-        on the first one, and the allocator's biggest blocks are reused by the rest)."""
-        assert self.batch_size % (self.micro_batch_size * world_size) == 0, "see config.grad_accum_steps"
-        rounds = self.global_batch(step).reshape(-1, world_size, self.micro_batch_size)
+        """Rank `rank`'s micro-batches of example indices for `step`."""
+        return self.split(self.global_batch(step), rank, world_size)
+
+    def split(self, batch, rank=0, world_size=1):
+        """Rank `rank`'s micro-batches of a global batch, longest first (so an out-of-memory shows on the first
+        one, and the allocator's biggest blocks are reused by the rest)."""
+        rounds = batch.reshape(-1, world_size, self.micro_batch_size).copy()
         rounds[1::2] = rounds[1::2, ::-1]
         return list(rounds[::-1, rank])
 
 
+@dataclass
+class GlobalBatch:
+    """One optimizer step's batch: this rank's micro-batches, and counts over every rank's share, computed once:
+    input tokens (padding aside), supervised targets (the summed loss is divided by them) and the sum of squared
+    sequence lengths (attention's FLOPs)."""
+    micro_batches: list
+    tokens: int
+    targets: int
+    attended: int
+
+
 class TrainBatches:
-    """Rank `rank`'s (x, y) micro-batches for any step, and the global batch's number of targets."""
+    """The GlobalBatch of any step, with rank `rank`'s micro-batches as (x, y)."""
 
     def __init__(self, examples, cfg, rank=0, world_size=1):
         self.examples, self.train_on_prompt = examples, cfg.train_on_prompt
@@ -479,14 +493,15 @@ class TrainBatches:
         self.sampler = LengthGroupedSampler(examples.lengths, cfg.batch_size, cfg.micro_batch_size, cfg.seed)
         self.targets = examples.target_counts(cfg.train_on_prompt)
 
-    def micro_batches(self, step):
-        return [collate(self.examples, indices, self.train_on_prompt)
-                for indices in self.sampler.micro_batches(step, self.rank, self.world_size)]
+    def __call__(self, step):
+        indices = self.sampler.global_batch(step)
+        inputs = self.examples.lengths[indices] - 1
+        return GlobalBatch([self.collate(part) for part in self.sampler.split(indices, self.rank, self.world_size)],
+                           int(inputs.sum()), int(self.targets[indices].sum()), int((inputs ** 2).sum()))
 
-    def target_tokens(self, step):
-        """Non -1 targets in the whole global batch of `step`, on every rank without communication: divide the
-        summed loss by it to average per target token over the global batch."""
-        return int(self.targets[self.sampler.global_batch(step)].sum())
+    def collate(self, indices):
+        """A micro-batch of the examples at `indices`."""
+        return collate(self.examples, indices, self.train_on_prompt)
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):

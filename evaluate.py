@@ -2,16 +2,20 @@
 
     python evaluate.py [preset] [--ckpt=path | --baseline=scratch|gpt2|<hf dir>] [--key=value ...]
     python evaluate.py [preset] --sweep="num_beams=1,4 min_new_tokens=0,8"
+    python evaluate.py [preset] --compare=<another out_dir or its eval_predictions.csv>
     torchrun --nproc_per_node=2 evaluate.py [...]          the validation set is sharded; rank 0 writes
 
 Scores the checkpoint (--ckpt, default out_dir/best.pt) with its run's prompt template, validation split and
 decoding (see inference.py: an explicit --key=value changes decoding or data settings, never the template);
 --baseline scores GPT-2 without fine-tuning or an untrained model (scratch, the preset's shape) with the
-command line's settings instead, into out_dir/baseline-<name>/.
+command line's settings instead, into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json
+and eval_report.html (the page to read in a browser; report.py); --compare adds the paired ROUGE differences from
+another evaluation of the same dialogues, on stdout and in the report.
 """
 import sys
 
-from config import explicit_keys, load_config
+from config import load_config
+from summarizer.command_line import explicit_keys
 from summarizer.evaluation import evaluate, sweep
 from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir

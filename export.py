@@ -10,15 +10,18 @@ does not. `--init_from=DIR` fine-tunes the exported folder further.
 import os
 import shutil
 import sys
+from dataclasses import asdict
 
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import FIELDS, GPT2_NAMES, Config, Decoding, Split, explicit_keys, keys, load_config, part
+from config import FIELDS, GPT2_NAMES, Config, Decoding, Split, keys, load_config, part
 from model import CONV1D_WEIGHTS
+from summarizer.checkpoint import check_fixed
+from summarizer.command_line import explicit_keys
 from summarizer.errors import UserError
-from summarizer.inference import describe_validation, open_run
+from summarizer.inference import describe_validation, open_run, training_note
 from summarizer.launch import one_line_errors
 
 CARD_FACTS = ("init_from", "batch_size", "rouge_samples", *keys(Split))  # read from the checkpoint
@@ -198,10 +201,9 @@ def export(cfg, explicit=()):
     check_target(target, cfg.overwrite)
     run = open_run(cfg, explicit)
     trained = Config(**{key: value for key, value in run.ckpt["config"].items() if key in FIELDS})
-    for key in CARD_FACTS:  # what the card says of training is the run's: a flag may only repeat it
-        if key in explicit and getattr(cfg, key) != getattr(trained, key):
-            raise UserError(f"--{key}={getattr(cfg, key)!r} contradicts the checkpoint, which was trained with "
-                            f"{key}={getattr(trained, key)!r}: drop the flag (the model card describes the run)")
+    # what the card says of training is the run's: a flag may only repeat it
+    check_fixed(asdict(trained), asdict(cfg), [key for key in CARD_FACTS if key in explicit], "the checkpoint",
+                lambda key, _: "drop the flag (the model card describes the run)")
     hf = to_transformers(run.model)
     hf.generation_config = generation_config(part(run.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
@@ -218,6 +220,9 @@ def export(cfg, explicit=()):
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    note = training_note(run.path)
+    if note:
+        print(note)
     print(f"exported {run.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
     return target
 

@@ -19,7 +19,7 @@ class Sequence(NamedTuple):
 
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
-             step=None, compact_below=None):
+             decode_step=None, compact_below=None):
     """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
     by prompt, num_return_sequences new-token lists cut before EOS.
     - temperature=0: greedy; num_beams>1: transformers' beam search (early_stopping=False), whose n-best are the
@@ -27,7 +27,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; identical samples adjacent.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, counts, metric) -> index chooses (summarizer.mbr.pick).
-    step: the decode step (decode_step compiled, or None for eager). compact_below: running rows at most this
+    decode_step: the decode step (decode_step compiled, or None for eager). compact_below: running rows at most this
     fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every row costs compute,
     0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
     d = decoding
@@ -41,7 +41,8 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     logits = model.prefill(prompts, kv_caches)
     if compact_below is None:
         compact_below = 1.0 if device.type == "cpu" else 0.5
-    run = Decoder(model, step or eager_step(device), LogitsProcessors(d, eos_token_id), eos_token_id, compact_below)
+    run = Decoder(model, decode_step or eager_step(device), LogitsProcessors(d, eos_token_id), eos_token_id,
+                  compact_below)
 
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
@@ -68,17 +69,16 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
 
 
 def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
-    """ValueError for settings generate cannot follow, and for prompts that leave no room for max_new_tokens."""
+    """ValueError for settings generate cannot follow (those that contradict each other: Decoding.contradiction),
+    and for prompts that leave no room for max_new_tokens."""
     block_size = model.config.block_size
     if not 0 < d.max_new_tokens < block_size:
         raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {d.max_new_tokens}")
-    if not 0 <= d.min_new_tokens <= d.max_new_tokens:
-        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={d.max_new_tokens}], got {d.min_new_tokens}")
-    if d.mbr_samples and (d.temperature <= 0 or num_return_sequences != 1 or mbr_pick is None):
-        raise ValueError("MBR samples its candidates and returns one sequence per prompt: use temperature > 0, "
+    if problem := d.contradiction():
+        raise ValueError(problem)
+    if d.mbr_samples and (num_return_sequences != 1 or mbr_pick is None):
+        raise ValueError("MBR returns one sequence per prompt, the one mbr_pick chooses: use "
                          "num_return_sequences=1 and an mbr_pick")
-    if d.num_beams > 1 and d.temperature > 0 and not (d.mbr_samples and d.mbr_include_beam):
-        raise ValueError("beam search is deterministic: use temperature=0.0 with num_beams > 1")
     if not d.mbr_samples and not 0 < num_return_sequences <= (d.num_beams if d.temperature == 0 else float("inf")):
         raise ValueError(f"num_return_sequences={num_return_sequences} needs sampling (temperature > 0) or "
                          f"num_beams >= num_return_sequences")
@@ -112,24 +112,24 @@ class DecodeState:
         self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)
         self.input_pos = slots[P - 1:P]
         self.tokens = None
-        self.step = 0  # tokens generated so far
+        self.generated = 0  # tokens generated so far
 
     def append(self, next_tokens):
         """Record each row's next token and point the state at the slot it goes into."""
-        slot = self.prompt_len + self.step
+        slot = self.prompt_len + self.generated
         self.history[:, slot] = next_tokens
         self.slot_filled[:, slot] = True
         # a compiled step guards on strides, of one-row batches too: always (1, 1)
         self.tokens = next_tokens.clone(memory_format=torch.contiguous_format)[:, None]
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
-        self.step += 1
+        self.generated += 1
 
     def decode_mask(self):
-        return self.slot_filled[:, None, None, :self.prompt_len + self.step]
+        return self.slot_filled[:, None, None, :self.prompt_len + self.generated]
 
     def seen_tokens(self):
-        return self.history[:, :self.prompt_len + self.step]
+        return self.history[:, :self.prompt_len + self.generated]
 
     def select_rows(self, rows):
         """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
@@ -167,7 +167,7 @@ class LogitsProcessors:
             if banned:
                 scores = scores.index_put(tuple(torch.tensor(banned, device=scores.device).t()),
                                           torch.tensor(-float("inf"), device=scores.device))
-        if state.step < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
+        if state.generated < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
             scores = scores.clone()
             scores[:, self.eos_token_id] = -float("inf")
         return scores
@@ -195,12 +195,13 @@ class LogitsProcessors:
 class Decoder:
     """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
 
-    def __init__(self, model, step, processors, eos_token_id, compact_below):
-        self.model, self.decode, self.processors, self.eos = model, step, processors, eos_token_id
+    def __init__(self, model, decode_step, processors, eos_token_id, compact_below):
+        self.model, self.decode_step, self.processors, self.eos = model, decode_step, processors, eos_token_id
         self.compact_below = compact_below
 
-    def step(self, state, kv_caches):
-        return self.decode(self.model, state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask())
+    def next_logits(self, state, kv_caches):
+        return self.decode_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
+                                state.decode_mask())
 
     def sample(self, logits, state, kv_caches, streams, counts):
         """Greedy (streams None) or sampled decoding, where prompt row r stands for counts[r] samples, drawn
@@ -254,7 +255,7 @@ class Decoder:
                 alive = dict(zip(parents, continuing, strict=True))
                 rows = [alive.get(i) for i in range(len(rows))]
             state.append(next_tokens)
-            logits = self.step(state, kv_caches)
+            logits = self.next_logits(state, kv_caches)
         return results
 
     def beam_search(self, logits, state, kv_caches, num_beams, length_penalty, num_return_sequences):
@@ -304,10 +305,10 @@ class Decoder:
                 break
             reorder = (batch_offset + parent).view(-1)
             for cache in kv_caches:
-                cache.reorder_rows(reorder, state.prompt_len + state.step)
+                cache.reorder_rows(reorder, state.prompt_len + state.generated)
             state = state.select_rows(reorder)
             state.append(running_seqs[:, :, step].reshape(-1))
-            logits = self.step(state, kv_caches)
+            logits = self.next_logits(state, kv_caches)
         n = num_return_sequences
         return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]
@@ -353,7 +354,7 @@ def cut_at_eos(tokens, eos_token_id):
 
 def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
     """Next-token logits of one decode step: what a caller compiles (torch.compile(decode_step, dynamic=True,
-    fullgraph=True)) and passes to generate as `step`."""
+    fullgraph=True)) and passes to generate as `decode_step`."""
     return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
 
 

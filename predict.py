@@ -7,7 +7,8 @@ An explicit --key=value changes a decoding setting (e.g. --num_beams=4); see inf
 """
 import sys
 
-from config import explicit_keys, load_config
+from config import load_config
+from summarizer.command_line import explicit_keys
 from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir
 from summarizer.launch import one_line_errors

@@ -4,6 +4,10 @@
     torchrun --nproc_per_node=N --standalone train.py [...]                     DDP, N processes
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
+
+Reads top to bottom: main, what a run is built from (data, the model to train, its objective), the run control
+that says when to stop, and the Trainer with its loop. The checkpoint's contents are summarizer.checkpoint's
+TrainingState; out_dir is summarizer.run_folder's.
 """
 import collections
 import contextlib
@@ -20,52 +24,54 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, changed_settings, grad_accum_steps, load_config, save_config
-from model import Targets
-from summarizer import calibrate, checkpointing, inference, training
-from summarizer.budget import TimeBudget, process_age
+from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
+from model import GPT, GPTConfig, Targets
+from summarizer import inference, lora, run_folder
+from summarizer.checkpoint import TrainingState, check_fixed
+from summarizer.command_line import changed_settings, parse_duration, save_config
 from summarizer.errors import UserError
 from summarizer.evaluation import evaluate, validation_loss
-from summarizer.files import no_empty_folder_left
-from summarizer.launch import notebook_launch, one_line_errors, rank_error_lines
+from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
 from summarizer.metrics import rouge
-from summarizer.runtime import Runtime, peak_flops
-from summarizer.schedule import learning_rate, lr_schedule
-from summarizer.submission import predict
-from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix
+from summarizer.model_source import build_model, lora_base_reference
+from summarizer.rules import grad_accum_steps
+from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
+from summarizer.schedule import learning_rate
+from summarizer.submission import check_against_sample, predict
+from summarizer.tracking import Tracker, drop_rows_after, log_row, plot_metrics, progress_postfix
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop (StopRequest)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop
 
 
-def main(argv=None):
+def main(argv=None, objective=None, script="train.py"):
     """Entry point for the command line and for the notebook launcher; errors end in one line. From the command
-    line, max_time counts from the process's start (imports and set-up included)."""
+    line, max_time counts from the process's start (imports and set-up included). `objective`: what a step
+    minimizes, TokenLoss unless a stage built on this loop (`script`) brings its own."""
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv)
-        with rank_error_lines(), no_empty_folder_left(cfg.out_dir), Runtime(cfg) as rt:
+        with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
                 print(f"settings: {changed_settings(argv) or 'the defaults'}; every key: "
-                      f"{os.path.join(cfg.out_dir, 'config.json')}")
-            stop = StopRequest(rt, cfg.out_dir)
-            with stop.handlers():
-                trainer = Trainer(cfg, rt, stop, started)
+                      f"{os.path.join(cfg.out_dir, run_folder.CONFIG)}")
+            control = RunControl(cfg, rt, started)
+            with control.handlers():
+                trainer = Trainer(cfg, rt, control, objective)
                 trainer.fit()
-            if trainer.stop_agreed:
+            ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
+            if control.stop_signal:
                 if rt.is_main:
-                    print(f"stopped by {signal.Signals(trainer.stop_agreed).name} after iter {trainer.iter_num}: "
-                          f"{os.path.join(cfg.out_dir, 'ckpt.pt')} holds it; continue with:\n"
-                          f"  {continue_command(argv, rt.world_size)}")
+                    print(f"stopped by {signal.Signals(control.stop_signal).name} after iter {trainer.state.step}: "
+                          f"{ckpt} holds it; continue with:\n  {continue_command(script, argv, rt.world_size)}")
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
-                sys.exit(0 if rt.distributed else 128 + trainer.stop_agreed)
-            if trainer.out_of_time and rt.is_main:
-                ckpt = os.path.join(cfg.out_dir, "ckpt.pt")
-                print(f"max_time={cfg.max_time}: stopped after iter {trainer.iter_num} of {cfg.max_iters} with "
+                sys.exit(0 if rt.distributed else 128 + control.stop_signal)
+            if control.out_of_time and rt.is_main:
+                print(f"max_time={cfg.max_time}: stopped after iter {trainer.state.step} of {cfg.max_iters} with "
                       f"time left for what follows; {ckpt} holds it; continue with:\n"
-                      f"  {continue_command(argv, rt.world_size)}\n"
+                      f"  {continue_command(script, argv, rt.world_size)}\n"
                       f"or in a new session, with this output attached as input, add "
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
             # this run's config is the contract: every key counts as given
@@ -80,33 +86,161 @@ def notebook_main(argv=(), num_processes=2, port=29500):
     notebook_launch(main, list(argv), num_processes, port)
 
 
-def continue_command(argv, world_size):
+def continue_command(script, argv, world_size):
     """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
     torchrun when the run had several processes."""
     args = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))] + ["--init_from=resume"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
-    return shlex.join([*launcher, "train.py", *args])
+    return shlex.join([*launcher, script, *args])
 
 
-class StopRequest:
-    """The first stop signal this process received (SIGINT: Ctrl-C, a notebook's stop button; SIGTERM: a session
-    or job ending). Training stops after the step in progress, on every rank together, and rank 0 says so at once;
-    a second Ctrl-C in a single process stops at once."""
+# ---- what a run is built from --------------------------------------------------------------------------------
 
-    def __init__(self, rt, out_dir):
-        self.rt, self.out_dir = rt, out_dir
-        self.signal = self.trainer = None  # the trainer, once built: which step is in progress
+def resuming(cfg):
+    return cfg.init_from == "resume" or bool(cfg.resume_from)
 
+
+def resume_path(cfg):
+    return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
+
+
+def lora_base_source(cfg):
+    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
+    return cfg.init_from if cfg.init_from != "resume" else None
+
+
+def datasets(cfg, rt):
+    """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
+    predict reads after hours of training are checked now."""
+    splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    after_summaries = len(splits.val) if cfg.evaluate_after else 0
+    if cfg.predict_after:
+        test = data.read_test(cfg)
+        after_summaries += len(test.ids)
+        if cfg.sample_submission_csv:
+            check_against_sample(test.ids, cfg.sample_submission_csv)
+    return splits, after_summaries
+
+
+def model_to_train(cfg):
+    """(model, ckpt.pt's contents when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
+    transformers directory, or 'resume' (resume_path), which must not change what the run fixed; with LoRA
+    adapters (base frozen) when lora_rank > 0."""
+    if not resuming(cfg):
+        model, _ = build_model(cfg.init_from, cfg)
+        if cfg.lora_rank:
+            lora.add_adapters(model, **lora.settings(cfg))
+        return model, None
+    path = resume_path(cfg)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
+                        f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
+                        + run_folder.missing_file_hint(path, "--resume_from"))
+    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg))
+    if "optimizer" not in ckpt:
+        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
+    fixed = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
+             **dict.fromkeys(keys(RowFormat), "what the model was trained on")}
+    check_fixed(ckpt["config"], asdict(cfg), fixed, path,
+                lambda key, value: f"{fixed[key]} cannot change when resuming; resume with --{key}={value!r}")
+    return model, ckpt
+
+
+def lora_base(cfg, model, ckpt):
+    """What ckpt.pt keeps of a LoRA run's frozen base instead of its weights (where it comes from, its hash),
+    or None where it keeps the weights: full fine-tuning, adapters on a random (scratch) base."""
+    if not cfg.lora_rank:
+        return None
+    if ckpt is not None:
+        reference = ckpt.get("lora_base")  # none: the adapters sit on a scratch base, which ckpt.pt holds
+        return reference and {**reference, "init_from": lora_base_source(cfg) or reference["init_from"]}
+    return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
+
+
+def rouge_model(model, cfg, rt):
+    """The model that summarizes for ROUGE during training: the trained one, or under FSDP, where every forward is
+    a collective that ranks generating different lengths cannot keep in step, a plain copy with the gathered (and
+    LoRA-merged) weights: it needs room for a full copy of the weights on each GPU."""
+    if rt.backend != "fsdp":
+        return model
+    weights = rt.parallel.full_weights(model)
+    if cfg.lora_rank:
+        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
+    with torch.device(rt.device):
+        copy = GPT(GPTConfig(**asdict(model.config)))
+    copy.load_state_dict(weights)
+    return copy.eval()
+
+
+def memory_hint(cfg, rt):
+    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                 "gradients unsharded)" if reduce_once is True else ""))
+
+
+class TokenLoss:
+    """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
+    it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
+    offers the same five things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
+    checkpoint_keys = {}  # what this objective adds to ckpt.pt
+    extra_loss = None  # the metrics.jsonl name of a second loss term, if any
+
+    def __init__(self, cfg, rt, train_set, model, ckpt):
+        self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
+
+    def module(self, model):
+        """What a step calls (compiled and wrapped by the backend)."""
+        return model
+
+    def on_device(self, batch, device):
+        x, y = batch
+        return x.to(device, non_blocking=True), Targets.of(y).to(device)
+
+    def losses(self, module, batch):
+        """(token loss summed over the micro-batch's targets, a second term already weighed, its unweighed sum)."""
+        x, found = batch
+        _, loss = module(x, found)
+        zero = torch.zeros((), device=x.device)
+        return loss * len(found.index), zero, zero
+
+
+# ---- the run control: when to stop ----------------------------------------------------------------------------
+
+class RunControl:
+    """Asked once a step whether the run stops after it: a stop signal (SIGINT: Ctrl-C or a notebook's stop
+    button; SIGTERM: a session or job ending) that any rank received, max_time (no room left for another step
+    and what follows the loop), or NaN patience (an error). It also warns when fp16 keeps skipping steps."""
+
+    def __init__(self, cfg, rt, started=None):
+        self.cfg, self.rt = cfg, rt
+        self.budget = parse_duration(cfg.max_time)  # seconds, or None
+        self.started = time.monotonic() if started is None else started
+        self.after_summaries = 0  # dialogues evaluate_after/predict_after will summarize
+        self.step_seconds = collections.deque(maxlen=20)
+        self.evaluation_seconds = None  # of the last evaluation with its checkpoint save
+        self.per_summary = 0.0
+        self.received = None  # the first stop signal this process received
+        self.stop_signal = None  # the one the ranks agreed on after a step
+        self.out_of_time = False  # the ranks agreed that max_time leaves no room for another step
+        self.step_in_progress = 1  # for the acknowledgment
+        self.bad_steps = 0
+        self.recent_skips = collections.deque(maxlen=SKIP_WINDOW)
+        self.skip_warned_at = -SKIP_WINDOW
+
+    # stop signals
     def __call__(self, signum, frame):
-        if self.signal is None:
-            self.signal = signum
+        if self.received is None:
+            self.received = signum
             if self.rt.is_main:
-                step = self.trainer.iter_num + 1 if self.trainer else 1
-                print(f"\n{signal.Signals(signum).name}: stopping after iter {step}, then saving "
-                      f"{os.path.join(self.out_dir, 'ckpt.pt')}", file=sys.stderr, flush=True)
+                print(f"\n{signal.Signals(signum).name}: stopping after iter {self.step_in_progress}, then saving "
+                      f"{os.path.join(self.cfg.out_dir, run_folder.CKPT)}", file=sys.stderr, flush=True)
         elif signum == signal.SIGINT and not self.rt.distributed:  # under torchrun a rank gets copies of one signal
-            print(f"second Ctrl-C: stopping at once; {self.out_dir}/ckpt.pt and best.pt stay as the last save "
+            print(f"second Ctrl-C: stopping at once; {self.cfg.out_dir}/ckpt.pt and best.pt stay as the last save "
                   f"left them", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
 
@@ -123,198 +257,256 @@ class StopRequest:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    # max_time
+    def no_room_after_this_step(self):
+        """Whether the run must stop after the step about to start: before an evaluation is measured, 5% of the
+        budget stands for it; evaluate_after and predict_after take an evaluation's time each beside their
+        summaries (loading the checkpoint, scoring, writing)."""
+        if self.budget is None or not self.step_seconds:
+            return False
+        finish = 1.5 * self.evaluation_seconds if self.evaluation_seconds is not None else 0.05 * self.budget
+        after = (self.per_summary * self.after_summaries
+                 + finish * (int(self.cfg.evaluate_after) + int(self.cfg.predict_after)))
+        left = self.budget - (time.monotonic() - self.started)
+        return 2 * max(self.step_seconds) + finish + after > left
+
+    def requests(self, device, out_of_time):
+        """This rank's stop requests as a tensor to sum over ranks (one slot per signal, then out of time): it
+        travels with the step's losses, in its one reduction."""
+        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=device)
+        if self.received:
+            requests[STOP_SIGNALS.index(self.received)] = 1
+        if out_of_time:
+            requests[-1] = 1
+        return requests
+
+    def after_step(self, step, requests, loss, skipped, seconds):
+        """Take in the step just done (1-based `step`) and the summed requests of every rank; stops the run with one
+        line after NAN_PATIENCE non-finite losses in a row. Returns whether the loop stops now."""
+        self.step_seconds.append(seconds)
+        self.step_in_progress = step + 1
+        self.stop_signal = next((s for s, n in zip(STOP_SIGNALS, requests, strict=False) if n), None)
+        self.out_of_time = bool(requests[-1])
+        self.bad_steps = 0 if math.isfinite(loss) else self.bad_steps + 1
+        if self.bad_steps >= NAN_PATIENCE:
+            raise UserError(f"loss is {loss} for {self.bad_steps} iterations in a row (iter {step}); stopped. "
+                            f"{self.cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
+                            f"Lower learning_rate or use dtype=float32/bfloat16")
+        self.recent_skips.append(skipped)
+        return bool(self.stop_signal or self.out_of_time)
+
+    def skip_warning(self, step, loss_scale):
+        """The warning line when fp16's GradScaler keeps skipping steps (once per SKIP_WINDOW), else None."""
+        if sum(self.recent_skips) <= SKIP_WARN or step - self.skip_warned_at < SKIP_WINDOW:
+            return None
+        self.skip_warned_at = step
+        return (f"warning: the fp16 GradScaler skipped {sum(self.recent_skips)} of the last {SKIP_WINDOW} steps "
+                f"(loss scale now {loss_scale:g}): gradients keep overflowing; lower learning_rate, or use "
+                f"--dtype=bfloat16 (Ampere or newer) or --dtype=float32")
+
+
+# ---- the trainer -------------------------------------------------------------------------------------------
 
 class Trainer:
-    """The training loop and its run control (stop signals, max_time, NaN patience, fp16 skips) over the state
-    that summarizer.training builds and summarizer.checkpointing saves and restores."""
+    """A training run: set up in __init__ (out_dir, data, model, objective, state, compile), then fit() runs the
+    loop. Its TrainingState is what ckpt.pt holds."""
 
-    def __init__(self, cfg, rt, stop=None, started=None):
+    def __init__(self, cfg, rt, control=None, objective=None):
         self.cfg, self.rt = cfg, rt
-        self.stop = stop or StopRequest(rt, cfg.out_dir)
-        self.stop.trainer = self
-        started = time.monotonic() if started is None else started  # what max_time counts from
+        self.control = control or RunControl(cfg, rt)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
-        training.prepare_out_dir(cfg, rt)
-        splits, after_summaries = training.datasets(cfg, rt)
-        self.time = TimeBudget(cfg, after_summaries, started)
+        splits, self.control.after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
-        self.train_rows = self.train_set.fingerprints()  # kept in checkpoints: inference refuses to score these
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model, ckpt = training.model_to_train(cfg)
-        self.lora_base = training.lora_base(cfg, model, ckpt) if rt.is_main else None
-        disk = training.check_disk(model, cfg, rt, self.lora_base is not None, len(self.train_set))
+        model, ckpt = model_to_train(cfg)
+        base = lora_base(cfg, model, ckpt) if rt.is_main else None
+        disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
+        rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
+        # every input is checked: an earlier run's files can go aside
+        moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
+        if moved:
+            print(moved)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         model = model.to(rt.device)
-        self.batches, self.candidates_key = data.TrainBatches(self.train_set, cfg, rt.rank, rt.world_size), None
-        if cfg.rank_weight:
-            self.candidates_key, candidates = training.calibration_candidates(model, self.train_set, cfg, rt, ckpt)
-            self.batches = calibrate.RankedBatches(self.train_set, candidates, cfg, rt.rank, rt.world_size)
-        self.model = rt.parallel.shard(model)
-        self.optimizer = training.configure_optimizer(self.model, cfg, rt.device.type)
-        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
-        self.iter_num, self.best_score, self.skipped = 0, None, 0
-        self.schedule = lr_schedule(asdict(cfg))
-        self.recent_skips, self.skip_warned_at = collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
-        self.stop_agreed = None  # the stop signal the ranks agreed on after a step
-        self.out_of_time = False  # the ranks agreed that max_time leaves no room for another step
+        self.objective = (objective or TokenLoss)(cfg, rt, self.train_set, model, ckpt)
+        self.state = TrainingState.start(rt.parallel.shard(model), cfg, rt,
+                                         train_rows=self.train_set.fingerprints(),
+                                         validation_digest=self.val_set.digest, lora_base=base,
+                                         extra=dict(self.objective.checkpoint_keys))
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-        notes = [*splits.notes, *(checkpointing.restore(self, ckpt) if ckpt is not None else [])]
+        notes = list(splits.notes)
+        if ckpt is not None:
+            notes += self.state.restore(ckpt, cfg, rt, resume_path(cfg))
+            dropped = drop_rows_after(os.path.join(cfg.out_dir, run_folder.METRICS), self.state.step) \
+                if rt.is_main else 0
+            if dropped:
+                notes.append(f"metrics.jsonl: {dropped} row(s) logged after iter {self.state.step} were dropped; "
+                             f"those steps run and are logged again")
+        self.control.step_in_progress = self.state.step + 1
         n = min(cfg.rouge_samples, len(self.val_set))
-        self.rouge_prompts, _ = inference.Run(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        self.wrapped, self.decode_step = training.compiled_and_wrapped(
-            self.model, cfg, rt, lambda: self.on_device(self.batches.micro_batches(self.iter_num)[0]))
+        self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
+        self.module, self.decode_step = self.module_to_train()
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
-            print("\n".join(training.start_lines(self, notes, disk)))
-            save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
+            print("\n".join([*notes, *self.start_lines(disk)]))
+            save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
+
+    @property
+    def model(self):
+        return self.state.model
+
+    @property
+    def scaler(self):
+        return self.state.scaler
+
+    def module_to_train(self):
+        """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
+        micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None)."""
+        module, decode_step = self.objective.module(self.model), None
+        if self.rt.compile:
+            first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
+            with memory_hint(self.cfg, self.rt):
+                compiled = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
+            if compiled is not module:
+                module, decode_step = compiled, inference.CompiledDecodeStep()
+        return self.rt.parallel.wrap(module), decode_step
+
+    def start_lines(self, disk):
+        """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
+        cfg, rt = self.cfg, self.rt
+        trained = ""
+        if cfg.lora_rank:
+            count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {cfg.lora_targets})"
+        return [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
+                f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
+                f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
+                f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
+                f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak"]
 
     def fit(self):
-        cfg, rt = self.cfg, self.rt
+        cfg, rt, state, control = self.cfg, self.rt, self.state, self.control
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, training.out_of_memory_hint(self.cfg, self.rt), tqdm(
-                total=cfg.max_iters, initial=self.iter_num, disable=not rt.is_main, dynamic_ncols=True,
-                desc="training", unit="it") as bar:
-            bad_steps = 0
-            while self.iter_num < cfg.max_iters:
-                lr = learning_rate(self.iter_num, self.schedule)
-                for group in self.optimizer.param_groups:
+        with self.tracker, memory_hint(cfg, rt), tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main,
+                                                      dynamic_ncols=True, desc="training", unit="it") as bar:
+            while state.step < cfg.max_iters:
+                lr = learning_rate(state.step, state.schedule)
+                for group in state.optimizer.param_groups:
                     group["lr"] = lr
                 start = time.perf_counter()
-                loss, tokens, grad_norm, skipped = self.train_step(self.iter_num)
+                batch = self.objective.batches(state.step)
+                loss, extra, grad_norm, skipped, requests = self.step(batch)
                 seconds = time.perf_counter() - start
-                self.time.step_done(seconds)
-                self.iter_num += 1
-                bad_steps = 0 if math.isfinite(loss) else bad_steps + 1
-                if bad_steps >= NAN_PATIENCE:
-                    raise UserError(f"loss is {loss} for {bad_steps} iterations in a row (iter {self.iter_num}); "
-                                    f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
-                                    f"Lower learning_rate or use dtype=float32/bfloat16")
-                self.skipped += skipped
-                self.recent_skips.append(skipped)
-                stats = self.step_stats(loss, lr, grad_norm, tokens, seconds)
-                if self.iter_num % cfg.eval_interval == 0 or self.iter_num == cfg.max_iters or self.out_of_time:
+                state.step += 1
+                state.skipped_steps += skipped
+                stop = control.after_step(state.step, requests, loss, skipped, seconds)
+                stats = {"iter": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                         "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
+                if self.objective.extra_loss:
+                    stats[self.objective.extra_loss] = extra
+                if state.scaler.is_enabled():
+                    stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
+                if self.peak:
+                    flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
+                    stats["mfu"] = flops / seconds / rt.world_size / self.peak
+                if rt.device.type == "cuda":
+                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+                if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or control.out_of_time:
                     start = time.perf_counter()
-                    stats.update(self.evaluate())
-                    checkpointing.checkpoint(self, stats)
-                    self.time.evaluation_done(time.perf_counter() - start)
-                elif self.stop_agreed:
-                    checkpointing.save(self, stats, best=False)
+                    stats.update(self.validate())
+                    self.checkpoint(stats)
+                    control.evaluation_seconds = time.perf_counter() - start
+                elif control.stop_signal:
+                    state.save(cfg, rt, stats, best=False)
                 if rt.is_main:
                     self.log(stats, bar)
-                if self.stop_agreed or self.out_of_time:
+                if stop:
                     return
-
-    def step_stats(self, loss, lr, grad_norm, tokens, seconds):
-        """The metrics.jsonl row of the step just done (before its evaluation, if any)."""
-        stats = {"iter": self.iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                 "tokens_per_s": tokens / seconds, "ms_per_iter": 1000 * seconds}
-        if self.cfg.rank_weight:
-            stats["rank_loss"] = self.rank_loss
-        if self.scaler.is_enabled():
-            stats.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped)
-        if self.peak:
-            flops = training.step_flops(self.model, self.train_set, self.batches, self.iter_num - 1)
-            stats["mfu"] = flops / seconds / self.rt.world_size / self.peak
-        if self.rt.device.type == "cuda":
-            stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
-        return stats
 
     def train_step(self, step):
         """One optimizer step over global batch `step`: (mean loss per target token over all ranks, real tokens,
-        gradient norm before clipping, skipped: an fp16 overflow or a non-finite loss). Sets stop_agreed (a signal
-        some rank received) and out_of_time (some rank's max_time has no room for another step) on every rank."""
-        cfg, rt = self.cfg, self.rt
-        micro_batches = self.batches.micro_batches(step)
+        gradient norm before clipping, skipped: an fp16 overflow or a non-finite loss)."""
+        batch = self.objective.batches(step)
+        loss, _, grad_norm, skipped, _ = self.step(batch)
+        return loss, batch.tokens, grad_norm, skipped
+
+    def step(self, batch):
+        """One optimizer step over a GlobalBatch: (mean loss per target token over all ranks, the second loss term
+        per dialogue, gradient norm before clipping, skipped, every rank's stop requests summed)."""
+        cfg, rt, state = self.cfg, self.rt, self.state
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
-        scale = rt.world_size / self.batches.target_tokens(step)
-        rank_scale = cfg.rank_weight * rt.world_size / cfg.batch_size  # the ranking loss: a mean over dialogues
-        loss_sum, rank_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        out_of_time = self.time.stop_now()  # whether max_time leaves room for a step after this one
-        for i, batch in enumerate(micro_batches):
-            with rt.parallel.no_sync(self.wrapped, sync=i == len(micro_batches) - 1):
+        scale = rt.world_size / batch.targets
+        loss_sum, extra_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+        out_of_time = self.control.no_room_after_this_step()
+        for i, micro_batch in enumerate(batch.micro_batches):
+            with rt.parallel.no_sync(self.module, sync=i == len(batch.micro_batches) - 1):
                 with rt.autocast():
-                    token_loss, rank_loss = self.micro_batch_losses(self.on_device(batch))
-                self.scaler.scale(token_loss * scale + rank_loss * rank_scale if rank_scale else
-                                  token_loss * scale).backward()
+                    token_loss, weighed, extra = self.objective.losses(
+                        self.module, self.objective.on_device(micro_batch, rt.device))
+                state.scaler.scale(token_loss * scale + weighed).backward()
             loss_sum += token_loss.detach().float()
-            rank_sum += rank_loss.detach()
-        # a signal received until now (during this step too), or no room after it; no copy to the device unless set
-        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=rt.device)
-        if self.stop.signal:
-            requests[STOP_SIGNALS.index(self.stop.signal)] = 1
-        if out_of_time:
-            requests[-1] = 1
-        # the stop request travels with the losses: one reduction and one host sync per step
-        loss_sum, rank_sum, *requests = rt.all_reduce_sum(torch.cat([loss_sum[None], rank_sum[None],
-                                                                     requests])).tolist()
-        loss = loss_sum * scale / rt.world_size
-        self.rank_loss = rank_sum / cfg.batch_size
+            extra_sum += extra.detach().float()
+        # a signal received until now (during this step too), or no room after it: it travels with the losses,
+        # one reduction and one host sync per step
+        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None],
+                                               self.control.requests(rt.device, out_of_time)])).tolist()
+        loss, extra, requests = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, reduced[2:]
         grad_norm, skipped = math.nan, True
         if math.isfinite(loss):
-            self.scaler.unscale_(self.optimizer)  # true gradients, for the norm and the clipping
+            state.scaler.unscale_(state.optimizer)  # true gradients, for the norm and the clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf).item()
-            loss_scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # with fp16, skips the update if any gradient overflowed
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < loss_scale
-        self.optimizer.zero_grad(set_to_none=True)
-        self.stop_agreed = next((s for s, n in zip(STOP_SIGNALS, requests, strict=False) if n), None)
-        self.out_of_time = bool(requests[-1])
-        tokens = int((self.train_set.lengths[self.batches.sampler.global_batch(step)] - 1).sum())
-        return loss, tokens, grad_norm, skipped
-
-    def on_device(self, batch):
-        """A micro-batch on the training device: (x, Targets) of a training batch (x, y), or a RankBatch."""
-        if isinstance(batch, calibrate.RankBatch):
-            return batch.to(self.rt.device)
-        x, y = batch
-        return x.to(self.rt.device, non_blocking=True), Targets.of(y).to(self.rt.device)
-
-    def micro_batch_losses(self, batch):
-        """(token loss summed over the micro-batch's targets, ranking loss summed over its dialogues: 0 but in
-        a calibration stage), from one forward of the trained model."""
-        if isinstance(batch, calibrate.RankBatch):
-            return calibrate.micro_batch_losses(self.wrapped, batch, self.cfg)
-        x, found = batch
-        _, loss = self.wrapped(x, found)
-        return loss * len(found.index), torch.zeros((), device=x.device)
+            loss_scale = state.scaler.get_scale()
+            state.scaler.step(state.optimizer)  # with fp16, skips the update if any gradient overflowed
+            state.scaler.update()
+            skipped = state.scaler.get_scale() < loss_scale
+        state.optimizer.zero_grad(set_to_none=True)
+        return loss, extra, grad_norm, skipped, requests
 
     @torch.no_grad()
-    def evaluate(self):
+    def validate(self):
         """Validation loss and ROUGE on a fixed validation subset, summarized in the same batches as one process
         would; every rank returns the same numbers."""
         self.model.eval()
         metrics = {"val_loss": validation_loss(self.model, self.val_set, self.cfg, self.rt)}
         if self.rouge_prompts:
             start = time.perf_counter()
-            model = training.rouge_model(self.model, self.cfg, self.rt)
+            model = rouge_model(self.model, self.cfg, self.rt)
             predictions = inference.summarize_sharded(model, self.rouge_prompts, self.cfg, self.rt, progress=False,
-                                                      step=self.decode_step)
-            self.time.summarized(len(predictions), time.perf_counter() - start)
+                                                      decode_step=self.decode_step)
+            self.control.per_summary = (time.perf_counter() - start) / len(predictions)
             metrics.update(rouge(predictions, self.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
 
+    def checkpoint(self, stats):
+        """After an evaluation: ckpt.pt, and best.pt when the configured metric improved; diverged weights are not
+        worth resuming from, so a non-finite val_loss keeps the previous checkpoints."""
+        if not math.isfinite(stats["val_loss"]):
+            if self.rt.is_main:
+                print(f"warning: val_loss is {stats['val_loss']} at iter {self.state.step}; keeping the previous "
+                      f"checkpoints", file=sys.stderr)
+            return
+        self.state.save(self.cfg, self.rt, stats, best=self.state.improved(stats, self.cfg.best_metric))
+
     def log(self, stats, bar):
         """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar, a
         warning when fp16 keeps skipping steps, and the plot after an evaluation."""
-        if self.iter_num % self.cfg.log_interval == 0 or "val_loss" in stats:
-            log_row(self.cfg.out_dir, stats, self.tracker)
-        bar.set_postfix(progress_postfix(stats, self.skipped if self.scaler.is_enabled() else None))
+        cfg, step = self.cfg, self.state.step
+        if step % cfg.log_interval == 0 or "val_loss" in stats:
+            log_row(cfg.out_dir, stats, self.tracker)
+        bar.set_postfix(progress_postfix(stats, self.state.skipped_steps if self.scaler.is_enabled() else None))
         bar.update(1)
-        if sum(self.recent_skips) > SKIP_WARN and self.iter_num - self.skip_warned_at >= SKIP_WINDOW:
-            self.skip_warned_at = self.iter_num
-            bar.write(f"warning: the fp16 GradScaler skipped {sum(self.recent_skips)} of the last {SKIP_WINDOW} steps "
-                      f"(loss scale now {self.scaler.get_scale():g}): gradients keep overflowing; lower "
-                      f"learning_rate, or use --dtype=bfloat16 (Ampere or newer) or --dtype=float32", file=sys.stderr)
+        warning = self.control.skip_warning(step, self.scaler.get_scale())
+        if warning:
+            bar.write(warning, file=sys.stderr)
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
-            bar.write(f"iter {self.iter_num}: {scores}")
-            plot_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), os.path.join(self.cfg.out_dir, "metrics.png"),
-                         f"{self.cfg.out_dir} ({self.cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
+            bar.write(f"iter {step}: {scores}")
+            plot_metrics(os.path.join(cfg.out_dir, run_folder.METRICS), os.path.join(cfg.out_dir, run_folder.PLOT),
+                         f"{cfg.out_dir} ({cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
 
 
 if __name__ == "__main__":

@@ -136,10 +136,10 @@ def generate_case(args, dtype, compile, device, prompts, eager):
             eager[dtype] = {"eos": summary_end_token(model, prompts, args.max_new_tokens)}
         eos, counts = eager[dtype]["eos"], dict(syncs=0, steps=0)
         counted = contextlib.nullcontext if compile else lambda: host_syncs(counts)
-        greedy, greedy_s = timed(lambda: generate(model, prompts, greedy_decoding, eos_token_id=eos, step=step),
+        greedy, greedy_s = timed(lambda: generate(model, prompts, greedy_decoding, eos_token_id=eos, decode_step=step),
                                  device, counted())
         _, mbr_s = timed(lambda: generate(model, prompts, replace(greedy_decoding, **MBR16), eos_token_id=eos, seed=0,
-                                          mbr_pick=mbr.pick, step=step), device, counted())
+                                          mbr_pick=mbr.pick, decode_step=step), device, counted())
     row = dict(eos_token_id=eos, greedy_tokens_per_s=sum(map(len, greedy)) / greedy_s,
                mbr16_summaries_per_s=len(prompts) / mbr_s, decode_compiled=not (step is None or step.failed))
     if not compile:

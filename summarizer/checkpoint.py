@@ -1,81 +1,20 @@
-"""Models and their checkpoint files: the one function that builds a model (untrained, pretrained GPT-2, or a
-checkpoint's); checkpoints written atomically by rank 0 and read back with weights_only so a file cannot run code;
-the check that out_dir can take them, and moving an earlier run's files (or an earlier best.pt) aside."""
-import datetime
+"""A checkpoint: its file format (torch.save written atomically, read back with weights_only so a file cannot run
+code, a damaged file named with the intact ones beside it) and the training state it holds (TrainingState: what
+ckpt.pt saves and a resumed run restores; best.pt keeps the weights with the same record of the run)."""
 import glob
-import hashlib
+import math
 import os
-import socket
-import threading
-import urllib.parse
 import zipfile
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from data import TOKENIZER_ID
-from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora
+import data
+from config import AdamW, keys
+from summarizer import lora, run_folder
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-
-# What a training run (and evaluate.py/predict.py after it) writes into out_dir.
-RUN_FILES = ("ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png", "eval_predictions.csv",
-             "eval_metrics.json", "submission.csv", "sweep.csv", "sweep.md", "tensorboard", "wandb")
-
-
-def make_out_dir(path):
-    """Create out_dir and check that a file can be written there, before any work whose results would be lost."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
-
-
-def archive_previous_run(out_dir):
-    """Move the files of an earlier run in out_dir (RUN_FILES, and best-<metric>.pt files) into
-    out_dir/previous-run-<its time>/, so a fresh run neither appends to its metrics nor overwrites its checkpoints.
-    Returns a line saying so, or None."""
-    best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
-    found, folder = move_aside(out_dir, [*RUN_FILES, *best], "previous-run")
-    if not found:
-        return None
-    return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
-            f"--init_from=resume instead)")
-
-
-def move_aside(out_dir, names, prefix):
-    """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
-    moved, the folder), or ([], None)."""
-    found = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
-    if not found:
-        return [], None
-    newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
-    stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
-    folder, n = os.path.join(out_dir, f"{prefix}-{stamp}"), 1
-    while os.path.exists(folder):
-        n += 1
-        folder = os.path.join(out_dir, f"{prefix}-{stamp}-{n}")
-    os.makedirs(folder)
-    for name in found:
-        os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    return found, folder
-
-
-def keep_best_of_metric(out_dir, metric):
-    """Rename out_dir/best.pt, the best by `metric`, to best-<metric>.pt (best-<metric>-2.pt, ... if taken), so a
-    run that now picks its best by another metric loses nothing. Returns the new path, or None without best.pt."""
-    best = os.path.join(out_dir, "best.pt")
-    if not os.path.exists(best):
-        return None
-    kept, n = os.path.join(out_dir, f"best-{metric}.pt"), 1
-    while os.path.exists(kept):
-        n += 1
-        kept = os.path.join(out_dir, f"best-{metric}-{n}.pt")
-    os.replace(best, kept)
-    return kept
+from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
 
 def save_checkpoint(state, path):
@@ -96,7 +35,8 @@ def load_checkpoint(path):
     """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers. A
     truncated or damaged file is one line that says so and which other checkpoints beside it are intact."""
     if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>")
+        raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>"
+                        + run_folder.missing_file_hint(path, "--ckpt"))
     if not complete_archive(path):
         raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
                         f"torch.save archive: truncated by a full disk or an interrupted copy?); "
@@ -140,143 +80,132 @@ def intact_neighbours(path):
     return f"intact: {', '.join(intact)}; {use}"
 
 
-def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None):
-    """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
-    - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
-    - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
-      cfg.block_size when that is shorter;
-    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds the adapters and a
-      reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
-      merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
-    cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
-    Errors name the config key the source came from."""
-    if os.path.isfile(source) or source.endswith(".pt"):
-        ckpt = load_checkpoint(source)
-        model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
-        if cfg:
-            model.set_dropout(cfg.dropout)
-        return model, ckpt
-    if source == "scratch":
-        return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                             dropout=cfg.dropout, bias=cfg.bias)), None
-    offline = source in PRETRAINED and not hub_reachable()
-    if offline and not in_hub_cache(source):
-        raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
-                        f"internet; on Kaggle: Settings > Internet): attach the weights as a folder, e.g. a Kaggle "
-                        f"dataset, and pass --{key}=/kaggle/input/<folder> (config.json and model.safetensors as "
-                        f"save_pretrained writes them), or train from --{key}=scratch")
-    try:
-        model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0, local_files_only=offline)
-    except FileNotFoundError as e:
-        raise UserError(f"{key}={e}") from None
-    if cfg and cfg.block_size < model.config.block_size:
-        model.crop_block_size(cfg.block_size)
-    return model, None
 
 
-def hub_endpoint():
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+# ---- the training state ------------------------------------------------------------------------------------
+
+def configure_optimizer(model, cfg, device_type):
+    """AdamW with weight decay on 2-D weights only (not biases, LayerNorms); fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device_type == "cuda")
 
 
-def hub_reachable(timeout=3.0):
-    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a connection within `timeout` seconds. Without this,
-    an offline machine spends about a minute in transformers' retries before its error."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return False
-    url = urllib.parse.urlparse(hub_endpoint())
-    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
-    answered = []
-
-    def connect():  # in a thread: a name lookup has no timeout of its own
-        try:
-            socket.create_connection(address, timeout=timeout).close()
-            answered.append(True)
-        except OSError:
-            pass
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(answered)
+def rng_state():
+    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
-def in_hub_cache(name):
-    """Whether GPT-2 `name` was downloaded before (transformers can then load it offline)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    def cached(filename):
-        return isinstance(try_to_load_from_cache(name, filename), str)
-    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
-def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
-    """The checkpoint's model (see build_model)."""
-    if ckpt.get("tokenizer") != TOKENIZER_ID:
-        raise UserError(f"{path} was trained with tokenizer {ckpt.get('tokenizer')}, this version has {TOKENIZER_ID}: "
-                        f"its token ids would mean other text")
-    try:
-        model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
-    except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
-        raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
-                        f"{str(e) or type(e).__name__}") from None
-    state = ckpt["model"]
-    if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
-        state = {**base_weights(ckpt, path, lora_base, model), **state}
-    if lora.has_adapters(state) and keep_adapters:
-        lora.add_adapters(model, **lora.settings(ckpt["config"]))
-    elif lora.has_adapters(state):
-        state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
-    try:
-        model.load_state_dict(own_copies(state), assign=True)
-    except RuntimeError as e:
-        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
-    model.tie_weights()
-    return model
+@dataclass
+class TrainingState:
+    """What ckpt.pt holds and a resumed run restores: the model as the backend shards it, AdamW, the fp16
+    GradScaler, the LR schedule, the optimizer steps done (`step`, saved as iter_num), the best score so far, the
+    steps fp16 skipped, and each rank's RNG. The sampler needs no state of its own: a step's batch is a function
+    of the step. What every checkpoint says of the run: the training rows (inference refuses to score them), the
+    validation split's digest, a LoRA base's reference, and `extra`, a stage's own keys."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    schedule: dict
+    train_rows: dict
+    validation_digest: str
+    lora_base: dict | None = None
+    extra: dict = field(default_factory=dict)
+    step: int = 0
+    best_score: float | None = None
+    skipped_steps: int = 0
+
+    @classmethod
+    def start(cls, model, cfg, rt, **record):
+        """The state of a run at step 0: a fresh optimizer, scaler and schedule for `model` (sharded)."""
+        return cls(model, configure_optimizer(model, cfg, rt.device.type),
+                   torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
+
+    def improved(self, stats, metric):
+        """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best); a
+        non-finite score never does."""
+        score, best = stats[metric], self.best_score
+        better = math.isfinite(score) and (best is None or (score < best if metric == "val_loss" else score > best))
+        if better:
+            self.best_score = score
+        return better
+
+    def save(self, cfg, rt, metrics, best):
+        """Rank 0 writes ckpt.pt, and with `best` best.pt (weights, config, metrics); the others wait. A LoRA run's
+        ckpt.pt keeps its adapters and where its base comes from; its best.pt the merged weights. A save that
+        cannot fit on the disk stops every rank with one line before anything is written."""
+        rng = rt.all_gather_objects(rng_state())
+        model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
+        writes = []
+        if rt.is_main:
+            record = {"model_args": asdict(self.model.config), "iter_num": self.step, "best_metric": cfg.best_metric,
+                      "best_score": self.best_score, "config": asdict(cfg),
+                      "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)},
+                      "tokenizer": data.TOKENIZER_ID, "train_rows": self.train_rows,
+                      "validation_digest": self.validation_digest}
+            trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
+                       if self.lora_base else {"model": model_state})
+            writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
+                           {**record, **trained, **self.extra, "optimizer": optimizer_state,
+                            "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
+                            "skipped_steps": self.skipped_steps}))
+            if best:
+                merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
+                writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
+        rt.stop_if(run_folder.save_problem(writes, self.step) if rt.is_main else None)
+        for path, state in writes:
+            save_checkpoint(state, path)
+        rt.barrier()
+
+    def restore(self, ckpt, cfg, rt, path):
+        """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
+        hyperparameters this run's config changed applied. Returns the lines that say so."""
+        saved = ckpt["config"]
+        if ckpt["iter_num"] >= cfg.max_iters:
+            raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
+                            f"continue with --max_iters above {ckpt['iter_num']}")
+        rt.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
+        # the optimizer's state dict brings back the saved run's AdamW settings: this run's config decides
+        decay, no_decay = self.optimizer.param_groups
+        decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
+        for group in self.optimizer.param_groups:
+            group["betas"] = (cfg.beta1, cfg.beta2)
+        if ckpt["scaler"]:  # {} from a run without fp16
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.step, self.skipped_steps = ckpt["iter_num"], ckpt["skipped_steps"]
+        if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
+            set_rng_state(ckpt["rng"][rt.rank])
+        self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
+        notes = [f"resuming {path} at iter {self.step}; " + describe_schedule(self.schedule, self.step, cfg.max_iters)]
+        if ckpt["best_metric"] == cfg.best_metric:
+            self.best_score = ckpt["best_score"]
+        else:
+            kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
+            notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
+                         f"{cfg.best_metric} from the next evaluation on"
+                         + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))
+        changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
+                   if saved[k] != getattr(cfg, k)]
+        if changed:
+            notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
+        return notes
 
 
-def own_copies(state):
-    """The tensors of `state` (read from a checkpoint's mmap) copied into this process's memory once each: one
-    copy of the weights in host memory, and no tensor that keeps the file mapped, whose disk space would stay
-    in use after a save replaces it."""
-    copies, owned = {}, {}
-    for key, tensor in state.items():
-        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-        if storage not in copies:
-            copies[storage] = tensor.clone()
-        owned[key] = copies[storage]
-    return owned
-
-
-def weights_digest(state_dict):
-    """sha256 of a state dict's tensors (names, dtypes, shapes, bytes), in key order: the identity of a LoRA
-    run's frozen base."""
-    digest = hashlib.sha256()
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def lora_base_reference(source, model):
-    """What a LoRA ckpt.pt keeps of its frozen base instead of its weights: where it came from and their hash."""
-    return {"init_from": source, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
-
-
-def base_weights(ckpt, path, source, model):
-    """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
-    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight)."""
-    reference = ckpt["lora_base"]
-    source = source or reference["init_from"]
-    try:
-        base, _ = build_model(source)
-    except UserError as e:
-        raise UserError(f"{path} holds LoRA adapters, not the base model they were trained on, which cannot be "
-                        f"loaded from {source} ({e}): pass the base with --init_from=<GPT-2 name or folder>") from None
-    if base.config.block_size > model.config.block_size:
-        base.crop_block_size(model.config.block_size)
-    if weights_digest(base.state_dict()) != reference["sha256"]:
-        raise UserError(f"{path} holds LoRA adapters trained on another base model than {source} (its weights' "
-                        f"sha256 differs): pass the base they were trained on with --init_from=<GPT-2 name or folder>")
-    adapted = {key.rsplit(".lora_A.", 1)[0] for key in ckpt["model"] if ".lora_A." in key}
-    return {(f"{layer}.base_layer.{kind}" if layer in adapted else key): value
-            for key, value in base.state_dict().items() for layer, _, kind in [key.rpartition(".")]}
+def check_fixed(trained, values, keys, path, advice):
+    """One line for the first of `keys` whose value in `values` (this command's config, as a dict) contradicts
+    the config the checkpoint at `path` was trained with (`trained`); advice(key, trained value) ends it."""
+    for key in keys:
+        if values[key] != trained[key]:
+            raise UserError(f"--{key}={values[key]!r} contradicts {path}: it was trained with {key}={trained[key]!r}, "
+                            f"not {values[key]!r}; {advice(key, trained[key])}")

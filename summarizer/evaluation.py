@@ -1,5 +1,6 @@
-"""Scoring a run on its validation split: ROUGE with bootstrap intervals (evaluate), or several decoding settings
-side by side (sweep). evaluate.py is their command line; train.py runs evaluate after training on request."""
+"""Scoring a run on its validation split: ROUGE with bootstrap intervals and diagnostics (evaluate), or several
+decoding settings side by side (sweep); either against another evaluation of the same dialogues (--compare), by a
+paired bootstrap. evaluate.py is their command line; train.py runs evaluate after training on request."""
 import dataclasses
 import json
 import os
@@ -8,15 +9,21 @@ import time
 import numpy as np
 import pandas as pd
 import torch
+from rouge_score import tokenize
 
 import data
-from config import ROUGE_TYPES, parse_sweep
+from config import ROUGE_TYPES
 from model import Targets
-from summarizer import inference
-from summarizer.checkpoint import make_out_dir, move_aside
+from summarizer import inference, run_folder
+from summarizer.command_line import parse_sweep
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge_per_example
+from summarizer.report import write_report
+
+COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
+REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing
+TIE = 1e-9  # per-dialogue score changes this small are the same score
 
 
 @torch.no_grad()
@@ -43,7 +50,7 @@ def validation_run(cfg, explicit, rt):
     """(run, validation examples) for scoring, after the first line and the notes on what was checked and cut."""
     out = inference.output_dir(cfg)
     if rt.is_main:
-        make_out_dir(out)
+        run_folder.make(out)
     run = inference.load_run(cfg, explicit, rt, inference.describe_validation)
     val, notes = inference.validation_set(run, cfg, explicit, rt)
     prompts, cut = run.prompts(val.dialogues)
@@ -55,38 +62,95 @@ def validation_run(cfg, explicit, rt):
 
 
 def evaluate(cfg, explicit, rt):
-    """ROUGE of the run on its whole validation split: a table on stdout, eval_predictions.csv and
-    eval_metrics.json in inference.output_dir. Returns the report on rank 0, None on the other ranks."""
+    """ROUGE of the run on its whole validation split: a table on stdout, eval_predictions.csv, eval_metrics.json
+    and eval_report.html in inference.output_dir; with cfg.compare, the paired differences from that evaluation.
+    Returns the report on rank 0, None on the other ranks."""
+    other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     run, val, prompts = validation_run(cfg, explicit, rt)
-    predictions = inference.summarize_sharded(run.model, prompts, run.cfg, rt, step=run.step)
+    other = None if other is None else matched(other, val, cfg.compare)
+    predictions = inference.summarize_sharded(run.model, prompts, run.cfg, rt, decode_step=run.decode_step)
     if not rt.is_main:
         return None
+    frame = scored_frame(val, predictions)
+    report = scores_report(frame, run, run.cfg, run.overridden)
+    comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
+    write_evaluation(cfg, run, frame, report, comparison)
+    print(format_report(report))
+    return report
+
+
+def scored_frame(val, predictions):
+    """The evaluation's rows, as eval_predictions.csv holds them: id, dialogue, reference, prediction, their ROUGE
+    F1 and the lengths in tokens of the summary, the reference and the dialogue."""
     scores = rouge_per_example(predictions, val.summaries)
-    report = {t: {"mean": float(np.mean(v)), "ci95": bootstrap_interval(v)} for t, v in scores.items()}
+    return pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
+                         "prediction": predictions, **scores, "generated_tokens": token_counts(predictions),
+                         "reference_tokens": token_counts(val.summaries),
+                         "dialogue_tokens": token_counts(val.dialogues)})
+
+
+def scores_report(frame, run, decoding_cfg, overridden):
+    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE means with 95% bootstrap
+    intervals, and the diagnostics of the summaries' lengths."""
+    report = {t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES}
     report["weights"] = run.weights
-    report["n"] = len(predictions)
-    report["mean_generated_tokens"] = mean_tokens(predictions)
-    report["mean_reference_tokens"] = mean_tokens(val.summaries)
-    frame = pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
-                          "prediction": predictions, **{t: scores[t] for t in ("rouge1", "rouge2", "rougeL")}})
+    report["step"] = run.ckpt["iter_num"] if run.ckpt else None
+    report["decoding"] = inference.describe_decoding(decoding_cfg, overridden, run.ckpt is not None)
+    report["split"] = inference.describe_validation(run.cfg)
+    report["n"] = len(frame)
+    report["mean_generated_tokens"] = float(frame["generated_tokens"].mean())
+    report["mean_reference_tokens"] = float(frame["reference_tokens"].mean())
+    report["diagnostics"] = diagnostics(frame, decoding_cfg.max_new_tokens)
+    return report
+
+
+def diagnostics(frame, max_new_tokens):
+    """What moves a leaderboard score besides the words: how long the summaries run against the references, and how
+    many stopped at max_new_tokens (their re-encoded text as long as that), came out empty or loop."""
+    generated = frame["generated_tokens"]
+    return {"length_ratio": float(generated.mean() / max(frame["reference_tokens"].mean(), 1e-9)),
+            "max_new_tokens": max_new_tokens,
+            "at_max_new_tokens": int((generated >= max_new_tokens).sum()),
+            "empty": int((frame["prediction"].str.strip() == "").sum()),
+            "repeated_ngram": REPEAT_N,
+            "with_repeated_ngram": int(sum(repeats_ngram(text) for text in frame["prediction"]))}
+
+
+def repeats_ngram(text, n=REPEAT_N):
+    """Whether some word n-gram (ROUGE's words: lowercased, letters and digits) occurs twice in text."""
+    words = tokenize.tokenize(text, None)
+    ngrams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(set(ngrams)) < len(ngrams)
+
+
+def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
+    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (an evaluation of
+    other weights there moved aside first), and with a comparison its lines on stdout."""
     out = inference.output_dir(cfg)
     moved = set_aside_other_weights(out, run.weights)
     if moved:
         print(moved)
-    predictions_csv, metrics_json = os.path.join(out, "eval_predictions.csv"), os.path.join(out, "eval_metrics.json")
-    with atomic_write(predictions_csv) as f:
+    if comparison is not None:
+        report["compare"] = {"with": comparison.label, **comparison.stats}
+    paths = [os.path.join(out, name) for name in run_folder.EVAL_FILES]
+    with atomic_write(paths[0]) as f:
         frame.to_csv(f, index=False)
-    with atomic_write(metrics_json) as f:
+    with atomic_write(paths[1]) as f:
         json.dump(report, f, indent=2)
-    print(format_report(report))
-    print(f"wrote {predictions_csv} and {metrics_json}")
-    return report
+    curve = os.path.join(os.path.dirname(run.path), run_folder.METRICS) if run.path else ""
+    write_report(paths[2], frame, report, curve=curve if os.path.isfile(curve) else "", comparison=comparison,
+                 sweep_rows=sweep_rows)
+    print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
+    if comparison is not None:
+        for t in COMPARED:
+            print(comparison_line(t, comparison.stats[t], comparison.label, len(frame)))
 
 
 def set_aside_other_weights(out, weights):
-    """Move out's eval_predictions.csv and eval_metrics.json into out/previous-eval-<time>/ when other weights
-    made them, so scoring another checkpoint into this folder replaces nothing. A line saying so, or None."""
-    path = os.path.join(out, "eval_metrics.json")
+    """Move out's eval_predictions.csv, eval_metrics.json and eval_report.html into out/previous-eval-<time>/ when
+    other weights made them, so scoring another checkpoint into this folder replaces nothing. A line saying so, or
+    None."""
+    path = os.path.join(out, run_folder.EVAL_METRICS)
     try:
         with open(path, encoding="utf-8") as f:
             made_by = json.load(f).get("weights")
@@ -94,7 +158,7 @@ def set_aside_other_weights(out, weights):
         made_by = None
     if made_by == weights or not os.path.exists(path):
         return None
-    found, folder = move_aside(out, ["eval_predictions.csv", "eval_metrics.json"], "previous-eval")
+    found, folder = run_folder.move_aside(out, list(run_folder.EVAL_FILES), "previous-eval")
     return (f"{out} held the evaluation of other weights ({made_by or 'unnamed'}): moved its {', '.join(found)} "
             f"to {folder}")
 
@@ -107,53 +171,143 @@ def bootstrap_interval(values, samples=1000, seed=0):
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def mean_tokens(texts):
+def paired_bootstrap(ours, theirs, samples=1000, seed=0):
+    """(mean of ours - theirs, its 95% bootstrap interval) over the same dialogues: each resample draws dialogues,
+    both scores of a dialogue together, so what the dialogues share (some are hard for any model) cancels out."""
+    differences = np.asarray(ours, dtype=float) - np.asarray(theirs, dtype=float)
+    return float(differences.mean()), bootstrap_interval(differences, samples, seed)
+
+
+def token_counts(texts):
+    """Each text's length in GPT-2 tokens."""
     enc = data.get_tokenizer()
-    return float(np.mean([len(enc.encode_ordinary(text)) for text in texts]))
+    return [len(enc.encode_ordinary(text)) for text in texts]
+
+
+@dataclasses.dataclass
+class Comparison:
+    """This evaluation against another of the same dialogues: its label (the --compare argument), its rows in this
+    evaluation's order, and per ROUGE the paired difference (compare)."""
+    label: str
+    other: pd.DataFrame
+    stats: dict
+
+
+def read_evaluation(where):
+    """The rows of another evaluation (an out_dir, or its eval_predictions.csv), or a UserError naming what is
+    missing."""
+    path = os.path.join(where, run_folder.EVAL_PREDICTIONS) if os.path.isdir(where) else where
+    if not os.path.isfile(path):
+        raise UserError(f"--compare={where}: {path} does not exist; give an out_dir that evaluate.py wrote into, "
+                        f"or its {run_folder.EVAL_PREDICTIONS}")
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    missing = [c for c in ("id", "dialogue", "reference", "prediction", *COMPARED) if c not in frame]
+    if missing:
+        raise UserError(f"--compare={where}: {path} has no {', '.join(missing)} column(s); it is not an "
+                        f"{run_folder.EVAL_PREDICTIONS} that evaluate.py wrote")
+    return frame.astype(dict.fromkeys(COMPARED, float))
+
+
+def matched(other, val, where):
+    """`other`'s rows in the order of the validation examples `val`, or a UserError in one line naming how their
+    dialogues differ: ids on one side only, or the same id with another dialogue or reference."""
+    ours, theirs = pd.Index(val.ids), pd.Index(other["id"])
+    refused = f"--compare={where} scored other dialogues than this evaluation"
+    if theirs.has_duplicates:
+        raise UserError(f"{refused}: id {theirs[theirs.duplicated()][0]} is there twice")
+    missing, extra = ours.difference(theirs), theirs.difference(ours)
+    if len(missing) or len(extra):
+        sides = [f"{len(missing)} of the {len(ours)} ids here are not there (e.g. {missing[0]})" if len(missing)
+                 else "", f"{len(extra)} of its {len(theirs)} are not here (e.g. {extra[0]})" if len(extra) else ""]
+        raise UserError(f"{refused}: {', and '.join(filter(None, sides))}")
+    other = other.set_index("id").loc[list(val.ids)].reset_index()
+    for column, texts in (("dialogue", val.dialogues), ("reference", val.summaries)):
+        # compared by words: a CSV round trip may change line endings
+        differ = [i for i, (a, b) in enumerate(zip(other[column], texts, strict=True)) if a.split() != b.split()]
+        if differ:
+            raise UserError(f"{refused}: {len(differ)} of the {len(ours)} ids have another {column} there "
+                            f"(e.g. id {val.ids[differ[0]]})")
+    return other
+
+
+def compare(frame, other):
+    """Per ROUGE of COMPARED: frame's mean minus other's with its paired 95% interval, and on how many dialogues
+    frame's score is better, worse or the same. Both frames hold the same dialogues in the same order."""
+    stats = {}
+    for t in COMPARED:
+        differences = frame[t].to_numpy(dtype=float) - other[t].to_numpy(dtype=float)
+        mean, ci95 = paired_bootstrap(frame[t], other[t])
+        stats[t] = {"mean_diff": mean, "ci95": ci95, "better": int((differences > TIE).sum()),
+                    "worse": int((differences < -TIE).sum()), "same": int((abs(differences) <= TIE).sum())}
+    return stats
+
+
+def comparison_line(t, stats, label, n):
+    """'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'."""
+    low, high = stats["ci95"]
+    return (f"{t} {stats['mean_diff']:+.4f} [{low:+.4f}, {high:+.4f}] vs {label}: better on {stats['better']}, "
+            f"worse on {stats['worse']} of {n}")
 
 
 def sweep(cfg, explicit, rt):
     """Score every decoding setting of cfg.sweep (each on top of the run's decoding) on the validation split with
-    one loaded model: a table on stdout and in sweep.csv and sweep.md in inference.output_dir, and the best
-    setting (ROUGE-L) as flags for predict.py. Every setting is checked before any work. Returns the table's rows
-    on rank 0, None on the other ranks."""
+    one loaded model: a table on stdout and in sweep.csv and sweep.md in inference.output_dir, the recommended
+    setting's evaluation files (write_evaluation, the table in its report), and that setting as flags for
+    predict.py: the fastest whose ROUGE-L a paired test cannot tell from the best's. Every setting is checked
+    before any work. Returns the table's rows on rank 0, None on the other ranks."""
     settings = parse_sweep(cfg.sweep)
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
+    other = read_evaluation(cfg.compare) if cfg.compare else None
     run, val, prompts = validation_run(cfg, explicit, rt)
-    rows, per_example = [], []
-    for i, (setting, setting_cfg) in enumerate(zip(settings, setting_configs(run.cfg, settings), strict=True)):
+    other = None if other is None else matched(other, val, cfg.compare)
+    configs, rows, frames = setting_configs(run.cfg, settings), [], []
+    for i, (setting, setting_cfg) in enumerate(zip(settings, configs, strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
         start = time.perf_counter()
-        predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt, step=run.step)
+        predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt, decode_step=run.decode_step)
         seconds = time.perf_counter() - start
         if rt.is_main:
-            scores = rouge_per_example(predictions, val.summaries)
-            per_example.append(scores["rougeL"])
-            rows.append({"setting": label, **{t: float(np.mean(scores[t])) for t in ("rouge1", "rouge2", "rougeL")},
-                         "mean_tokens": mean_tokens(predictions), "summaries_per_s": len(predictions) / seconds})
+            frames.append(scored_frame(val, predictions))
+            rows.append({"setting": label, **{t: float(frames[-1][t].mean()) for t in COMPARED},
+                         "mean_tokens": float(frames[-1]["generated_tokens"].mean()),
+                         "summaries_per_s": len(predictions) / seconds})
     if not rt.is_main:
         return None
-    best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
-    low, high = bootstrap_interval(per_example[best])
-    for row in rows:  # differences inside the best one's 95% interval are noise on this many dialogues
-        row["within_best_ci95"] = bool(low <= row["rougeL"] <= high)
-    fastest = max((row for row in rows if row["within_best_ci95"]), key=lambda row: row["summaries_per_s"])
+    best, pick = against_the_best(rows, frames)
     table = format_sweep(rows)
-    out = inference.output_dir(cfg)
-    paths = [os.path.join(out, name) for name in ("sweep.csv", "sweep.md")]
+    paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)
     with atomic_write(paths[1]) as f:
         f.write(table + "\n")
-    flags = " ".join(f"--{k}={v}" for k, v in settings[rows.index(fastest)].items())
     print(table)
+    report = scores_report(frames[pick], run, configs[pick], [*run.overridden, *settings[pick]])
+    report["setting"] = rows[pick]["setting"]
+    comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
+    write_evaluation(cfg, run, frames[pick], report, comparison, sweep_rows=rows)
     print(f"wrote {paths[0]} and {paths[1]}")
-    print(f"best ROUGE-L {rows[best]['rougeL']:.4f}: {rows[best]['setting']} (95% interval [{low:.4f}, {high:.4f}]); "
-          f"the fastest setting within it: {fastest['setting']} ({fastest['summaries_per_s']:.1f} summaries/s); "
-          f"pass to predict.py: {flags}")
+    print(f"best ROUGE-L {rows[best]['rougeL']:.4f}: {rows[best]['setting']}; the fastest setting a paired test "
+          f"cannot tell from it: {rows[pick]['setting']} (ROUGE-L {rows[pick]['rougeL_vs_best']:+.4f} "
+          f"[{rows[pick]['rougeL_vs_best_low']:+.4f}, {rows[pick]['rougeL_vs_best_high']:+.4f}], "
+          f"{rows[pick]['summaries_per_s']:.1f} summaries/s); pass to predict.py: "
+          + " ".join(f"--{k}={v}" for k, v in settings[pick].items()))
     return rows
+
+
+def against_the_best(rows, frames):
+    """Each row gets its ROUGE-L difference from the best setting's, paired over the dialogues, with its 95%
+    interval; within_best_ci95 when the interval holds 0 (the difference is noise on this many dialogues).
+    Returns (the best row's index, the fastest such row's index)."""
+    best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
+    for row, frame in zip(rows, frames, strict=True):
+        difference, (low, high) = paired_bootstrap(frame["rougeL"], frames[best]["rougeL"])
+        row.update(rougeL_vs_best=difference, rougeL_vs_best_low=low, rougeL_vs_best_high=high,
+                   within_best_ci95=bool(low <= 0 <= high))
+    fastest = max((i for i, row in enumerate(rows) if row["within_best_ci95"]),
+                  key=lambda i: rows[i]["summaries_per_s"])
+    return best, fastest
 
 
 def setting_configs(base, settings):
@@ -169,11 +323,13 @@ def setting_configs(base, settings):
 
 def format_sweep(rows):
     lines = [f"ROUGE F1 of {len(rows)} decoding settings on the validation split",
-             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s | within the best's 95% |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s | ROUGE-L - best's "
+             "(paired 95%) | within noise of the best |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['setting']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} | "
-              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} | {'yes' if r['within_best_ci95'] else ''} |"
-              for r in rows]
+              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} | {r['rougeL_vs_best']:+.4f} "
+              f"[{r['rougeL_vs_best_low']:+.4f}, {r['rougeL_vs_best_high']:+.4f}] | "
+              f"{'yes' if r['within_best_ci95'] else ''} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -183,6 +339,9 @@ def format_report(report):
     for t in ROUGE_TYPES:
         low, high = report[t]["ci95"]
         lines.append(f"{t:<10} {report[t]['mean']:>7.4f}   [{low:.4f}, {high:.4f}]")
-    lines.append(f"mean length: generated {report['mean_generated_tokens']:.1f} tokens, "
-                 f"reference {report['mean_reference_tokens']:.1f} tokens")
+    found = report["diagnostics"]
+    lines.append(f"mean length: generated {report['mean_generated_tokens']:.1f} tokens, reference "
+                 f"{report['mean_reference_tokens']:.1f} tokens (ratio {found['length_ratio']:.2f}); "
+                 f"{found['at_max_new_tokens']} at max_new_tokens={found['max_new_tokens']}, {found['empty']} empty, "
+                 f"{found['with_repeated_ngram']} repeating a word {found['repeated_ngram']}-gram")
     return "\n".join(lines)

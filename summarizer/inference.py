@@ -18,18 +18,19 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, Config, Decoding, RowFormat, Split, keys, part
+from config import FIELDS, Config, Decoding, ModelShape, RowFormat, Split, keys, part
 from generate import decode_step, eager_step, generate
-from summarizer import mbr
-from summarizer.checkpoint import build_model
+from summarizer import mbr, run_folder
+from summarizer.checkpoint import check_fixed
 from summarizer.errors import UserError
+from summarizer.model_source import build_model
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
 
 @dataclass
-class Run:
+class Summarizer:
     """A model and the config that decides how it is prompted and decoded: the run's, with this command's
     decoding and data flags. `trained_max_new_tokens` is the run's own, which its prompts were cut for."""
     model: torch.nn.Module
@@ -38,7 +39,8 @@ class Run:
     ckpt: dict | None = None
     overridden: list = ()  # decoding keys this command changed
     trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
-    step: object = None  # the decode step: CompiledDecodeStep when compiling, else None (eager)
+    decode_step: object = None  # the decode step: CompiledDecodeStep when compiling, else None (eager)
+    path: str = ""  # the checkpoint file; '' for a baseline
 
     def prompt_format(self):
         """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
@@ -54,17 +56,16 @@ class Run:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
 
-def resolved_config(cfg, saved, explicit, block_size):
-    """The config inference runs with: the run's saved RowFormat (a contradicting explicit flag is a UserError
-    naming both values), the run's decoding and Split unless given explicitly, this command's for the rest.
-    block_size is the model's."""
-    saved = {**saved, "block_size": block_size}
+def resolved_config(cfg, saved, explicit, model_config, path):
+    """The config inference runs with: the run's saved RowFormat and the model's shape (a contradicting explicit
+    flag is one line naming both values), the run's decoding and Split unless given explicitly, this command's for
+    the rest."""
+    fixed = (*keys(RowFormat), *keys(ModelShape))
+    saved = {**saved, **{key: getattr(model_config, key) for key in (*keys(ModelShape), "block_size")}}
     values = asdict(cfg)
-    for key in keys(RowFormat):
-        if key in explicit and values[key] != saved[key]:
-            raise UserError(f"--{key}={values[key]!r} contradicts the checkpoint, which was trained with "
-                            f"{key}={saved[key]!r}: drop the flag (inference uses the run's {key})")
-        values[key] = saved[key]
+    check_fixed(saved, values, [key for key in fixed if key in explicit], path,
+                lambda key, _: f"drop the flag (inference uses the run's {key})")
+    values.update({key: saved[key] for key in fixed})
     for key in (*RUN_DECODING, *keys(Split)):
         if key not in explicit:
             values[key] = saved[key]
@@ -72,22 +73,22 @@ def resolved_config(cfg, saved, explicit, block_size):
 
 
 def open_run(cfg, explicit=()):
-    """The Run that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
+    """The Summarizer that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
     resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
     shape, with cfg as it is. `explicit`: the keys the command gave as --key=value."""
     if cfg.baseline:
         torch.manual_seed(cfg.seed)
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
-        run = Run(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+        run = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
         model, ckpt = build_model(path)
         saved = {key: value for key, value in ckpt["config"].items() if key in FIELDS}
-        run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size)
+        run_cfg = resolved_config(cfg, saved, explicit, model.config, path)
         overridden = [key for key in RUN_DECODING if key in explicit and saved[key] != getattr(run_cfg, key)]
-        run = Run(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-                  saved["max_new_tokens"])
+        run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+                  saved["max_new_tokens"], path=path)
     run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
     return run
 
@@ -101,9 +102,20 @@ def load_run(cfg, explicit, rt, describe_data):
     if rt.is_main:
         print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
               f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
+        note = training_note(run.path)
+        if note:
+            print(note)
     run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    run.step = CompiledDecodeStep() if rt.compile else None
+    run.decode_step = CompiledDecodeStep() if rt.compile else None
     return run
+
+
+def training_note(path):
+    """The line that says a training run holds the checkpoint's folder (what is scored is its last complete
+    save), or None."""
+    holder = path and run_folder.training_in(os.path.dirname(os.path.abspath(path)))
+    return holder and (f"note: a training run holds {os.path.dirname(path) or '.'} ({holder}): this reads its last "
+                       f"complete save, {path}")
 
 
 def describe_checkpoint(ckpt):
@@ -249,12 +261,12 @@ def generation_batches(prompts, decoding, batch_size, model_config, memory, dtyp
     return batches[rank::world_size]
 
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, step=None):
+def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, decode_step=None):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
     generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
     rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
     same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
-    single-process output. step: generate's decode step (CompiledDecodeStep, or None for eager)."""
+    single-process output. decode_step: generate's decode step (CompiledDecodeStep, or None for eager)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
@@ -272,7 +284,7 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
         for batch in batches:
             with autocast:
                 new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                      seed=cfg.seed, mbr_pick=mbr.pick, step=step)
+                                      seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
             bar.update(min(len(batch) * world_size, bar.total - bar.n))
@@ -283,13 +295,13 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     return summaries
 
 
-def summarize_sharded(model, prompts, cfg, rt, progress=True, step=None):
+def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
     in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     mine = summarize(model, prompts, cfg, contextlib.nullcontext() if held else rt.autocast(),
                      progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory,
-                     step=step)
+                     decode_step=decode_step)
     shards = rt.all_gather_objects(mine)
     return [next(s for s in column if s is not None) for column in zip(*shards, strict=True)]

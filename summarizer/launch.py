@@ -1,5 +1,6 @@
 """Launching: the one-line ending of a command (user errors, out of memory, a crash of one rank of a distributed
-job) and training from a notebook cell in one process per GPU."""
+job), training from a notebook cell in one process per GPU, and the process's age (max_time counts from its
+start)."""
 import contextlib
 import logging
 import os
@@ -110,3 +111,15 @@ def launch_workers(main, argv, num_processes, port):
         if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
             raise
         raise UserError(f"{str(e).splitlines()[0]} (restart the kernel and call notebook_main first)") from None
+
+
+def process_age():
+    """Seconds since this process started (Linux's /proc), or 0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22: start, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))

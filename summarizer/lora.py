@@ -1,6 +1,7 @@
 """LoRA fine-tuning with peft: adapters on the blocks' Linear layers, base weights frozen; and the merged weights,
 a plain GPT state dict (same keys as a full fine-tune), that evaluate.py and predict.py load with no base model."""
-from config import Lora, keys, lora_target_list
+from config import Lora, keys
+from summarizer.command_line import lora_target_list
 
 ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
 

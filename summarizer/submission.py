@@ -5,8 +5,7 @@ import os
 import pandas as pd
 
 import data
-from summarizer import inference
-from summarizer.checkpoint import make_out_dir
+from summarizer import inference, run_folder
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
@@ -36,7 +35,7 @@ def predict(cfg, explicit, rt):
     into inference.output_dir and returns its path."""
     out = inference.output_dir(cfg)
     if rt.is_main:
-        make_out_dir(out)
+        run_folder.make(out)
     run = inference.load_run(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(run.cfg)
     if cfg.sample_submission_csv:
@@ -44,7 +43,7 @@ def predict(cfg, explicit, rt):
     prompts, cut = run.prompts(test.dialogues)
     if rt.is_main and cut:
         print(inference.cut_line(run, cut, len(prompts)))
-    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt, step=run.step)
+    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt, decode_step=run.decode_step)
     if not rt.is_main:
         return None
     path = os.path.join(out, "submission.csv")

@@ -3,6 +3,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -40,6 +41,24 @@ def run(cmd, env=None, timeout=240):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | dict(env or {})
     return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def torchrun(*args):
+    """The argv of `torchrun ARGS`, run by this interpreter (`python -m torch.distributed.run`): a `torchrun` on
+    PATH may belong to another Python, or be missing."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def one_error_line(capsys, main, argv, code=2):
+    """main(argv) exits with `code` and writes one `error: ...` line to stderr (progress bars aside); that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == code and "Traceback" not in err, err
+    lines = [line for line in err.split("\n")[:-1] if "\r" not in line]  # progress bars may come first
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
 
 
 def free_port():

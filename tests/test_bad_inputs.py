@@ -18,8 +18,12 @@ import pytest
 import torch
 
 import data
+import evaluate
+import predict
 import train
-from conftest import REPO, TINY, free_port, save_csv, synthetic_rows, tiny
+from conftest import REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
+from summarizer.checkpoint import load_checkpoint
+from summarizer.errors import UserError
 
 ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
@@ -247,6 +251,7 @@ def test_bad_input(case, script, make_args, expected_exit, pattern, trained, tmp
         assert "Traceback" not in err and re.search(pattern, out, re.MULTILINE), out[-2000:]
 
 
+@pytest.mark.slow
 def test_the_scripts_as_processes(trained, tmp_path):
     """The real command lines, one case per script, run side by side: exit code 2 and exactly one stderr line."""
     chosen = {"train": "header only", "evaluate": "checkpoint of another model shape", "predict": "duplicate test ids"}
@@ -275,21 +280,44 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("script", ["predict", "train"])
+@pytest.mark.parametrize("script", ["predict", "train", pytest.param("evaluate.py", marks=pytest.mark.slow)])
 def test_checkpoint_whose_pickle_runs_code_is_refused(script, trained, tmp_path, capsys):
+    """load_checkpoint refuses it (weights_only), and so do predict.py, train.py resuming from it and evaluate.py as a
+    process, in one line; the code never runs."""
     marker = tmp_path / "pwned"
     out = tmp_path / "out"
     out.mkdir()
     ckpt = torch.load(trained / "out" / "best.pt", weights_only=True)
     torch.save({**ckpt, "payload": RunsCode(marker)}, out / "ckpt.pt", pickle_module=pickle)
-    f = Inputs(tmp_path, trained)
-    args = f.predict(f"--ckpt={out / 'ckpt.pt'}") if script == "predict" else f.train(
-        str(trained / "train.csv"), "--init_from=resume")
-    capsys.readouterr()
-    assert run_main(script, args) == ERROR
-    assert re.search(r"\S+ckpt\.pt .*weights_only",
-                    error_line(capsys.readouterr().err))
+    with pytest.raises(UserError, match="weights_only"):
+        load_checkpoint(str(out / "ckpt.pt"))
     assert not marker.exists()
+    if script == "evaluate.py":
+        result = run([sys.executable, "evaluate.py", f"--ckpt={out / 'ckpt.pt'}", f"--out_dir={tmp_path}",
+                      "--device=cpu"])
+        assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
+        line = error_line(result.stderr)
+    else:
+        f = Inputs(tmp_path, trained)
+        args = f.predict(f"--ckpt={out / 'ckpt.pt'}") if script == "predict" else f.train(
+            str(trained / "train.csv"), "--init_from=resume")
+        capsys.readouterr()
+        assert run_main(script, args) == ERROR
+        line = error_line(capsys.readouterr().err)
+    assert re.search(r"\S+ckpt\.pt .*weights_only", line)
+    assert not marker.exists()
+
+
+def test_a_failed_command_leaves_no_empty_out_dir(tmp_path, capsys):
+    for main in (train.main, evaluate.main, predict.main):
+        one_error_line(capsys, main, [*TINY, *ONE_STEP, "--sample_submission_csv=",
+                                      f"--train_csv={tmp_path / 'missing.csv'}", f"--ckpt={tmp_path / 'missing.pt'}",
+                                      f"--out_dir={tmp_path / 'new'}"])
+        assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    one_error_line(capsys, train.main,
+                   [*TINY, *ONE_STEP, f"--train_csv={tmp_path / 'missing.csv'}", f"--out_dir={tmp_path / 'kept'}"])
+    assert (tmp_path / "kept").is_dir()  # a folder that was there stays
 
 
 def test_tokenizer_file_with_another_hash_is_one_error_line(trained, tmp_path, monkeypatch, capsys):
@@ -307,6 +335,7 @@ def test_tokenizer_file_with_another_hash_is_one_error_line(trained, tmp_path, m
     assert re.search(r"\S+vocab\.bpe .*sha256", error_line(capsys.readouterr().err))
 
 
+@pytest.mark.slow
 def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_path):
     """No internet (the hub's address refuses connections, nothing cached): one line naming both ways out, long
     before transformers' retries would give up."""

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import train
-from config import Decoding, load_config, parse_duration, part
+from config import Decoding, load_config, part
 from conftest import REPO, TINY, metrics
 from model import GPT
 from summarizer import budget, checkpointing, inference, training
 from summarizer.checkpoint import load_checkpoint, save_checkpoint
+from summarizer.command_line import parse_duration
 from summarizer.errors import UserError
 
 
@@ -140,6 +141,7 @@ def test_a_bad_max_time_is_one_line(text):
         load_config([f"--max_time={text}"])
 
 
+@pytest.mark.slow
 def test_a_process_knows_its_age():
     """What max_time counts from on the command line: the process's start, imports included."""
     code = "import time; time.sleep(1.5); from summarizer.budget import process_age; print(process_age())"
@@ -147,6 +149,7 @@ def test_a_process_knows_its_age():
     assert 1.5 <= float(result.stdout) < 20
 
 
+@pytest.mark.slow
 def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_path, capsys):
     """A run that cannot finish in max_time ends by itself (exit 0) with ckpt.pt at its last step and the command
     that continues it; continuing from a copy of that ckpt.pt in another folder (resume_from) logs the same

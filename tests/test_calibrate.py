@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import data
 import train
 from config import load_config
-from conftest import metrics, run, save_csv, synthetic_rows
+from conftest import metrics, run, save_csv, synthetic_rows, torchrun
 from model import GPT
 from summarizer import calibrate
 from summarizer.checkpoint import load_checkpoint
@@ -124,6 +124,7 @@ def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_pat
         assert 1 <= len(row) <= 3 and len({tuple(c) for c in row}) == len(row) and all(0 <= q <= 1 for q in qualities)
 
 
+@pytest.mark.slow
 def test_a_stale_candidates_file_is_refused_in_one_line(stage1, tmp_path):
     made = tmp_path / "candidates.pt"
     train.main(stage2_args(stage1, tmp_path / "first", "--max_iters=1", f"--candidates_file={made}"))
@@ -182,11 +183,13 @@ def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_p
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.slow
 def test_two_ranks_generate_the_same_candidates_and_train_the_same_stage2(stage1, tmp_path, backend):
     args = stage2_args(stage1, tmp_path / "single", "--max_iters=2", "--dropout=0.0")
     train.main(args)
-    result = run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py",
-                  *stage2_args(stage1, tmp_path / backend, "--max_iters=2", "--dropout=0.0"), f"--backend={backend}"])
+    result = run(torchrun("--nproc_per_node=2", "--standalone", "train.py",
+                          *stage2_args(stage1, tmp_path / backend, "--max_iters=2", "--dropout=0.0"),
+                          f"--backend={backend}"))
     assert result.returncode == 0, result.stderr[-3000:]
     single = calibrate.load_candidates(str(tmp_path / "single" / "candidates.pt"))
     assert calibrate.load_candidates(str(tmp_path / backend / "candidates.pt")) == single

@@ -1,6 +1,6 @@
 """GPU paths without waste, counted on the CPU: one graph and at most two compilations for the training step (one
 process and DDP) and the decode step (any batch sizes and EOS pattern), one wait for the device per decode step,
-no weight casts per step, and few KV-cache bytes copied."""
+no weight casts per step, and few KV-cache bytes copied; LoRA with gradient checkpointing compiles, as eager."""
 import contextlib
 import dataclasses
 import random
@@ -12,9 +12,10 @@ import train
 from bench import compile as bench_compile
 from bench.compile import Waits, counted_compiles, decode_counts
 from config import Decoding, load_config
+from conftest import tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, mbr, training
+from summarizer import inference, lora, mbr, training
 
 MAX_NEW = 20
 
@@ -51,6 +52,7 @@ def test_training_step_is_one_graph_over_varied_widths(checkpointing):
     assert compiled is not model and breaks() == 0 and counter.compilations["train"] <= 2
 
 
+@pytest.mark.slow
 def test_ddp_training_compiles_at_most_twice_without_graph_breaks(tmp_path):
     counts, _ = bench_compile.train_counts(str(tmp_path), steps=12)
     for rank, c in counts.items():
@@ -134,3 +136,30 @@ def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
         run = inference.load_run(cfg, set(), rt, inference.describe_validation)
     assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
     assert dataclasses.asdict(run.cfg)["dtype"] == "bfloat16"
+
+
+def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
+    """torch.compile (inductor, on CPU) of a LoRA model with checkpointed blocks: compiled, not the eager
+    fallback, with the eager loss and gradients."""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    model.gradient_checkpointing = True
+    x = torch.randint(0, 64, (2, 32))
+    y = torch.randint(0, 64, (2, 32))
+    runs = []
+    for compiled in (False, True):
+        trained = training.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
+        _, loss = trained(x, y)
+        loss.backward()
+        runs.append((trained, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        model.zero_grad(set_to_none=True)
+    (_, loss, grads), (compiled_model, compiled_loss, compiled_grads) = runs
+    assert isinstance(compiled_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled_loss == pytest.approx(loss, abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(compiled_grads[name], grad, atol=1e-5), name

@@ -1,14 +1,20 @@
-"""config.py: defaults, typed --key=value overrides, .py/.json presets read without running them, sweeps, and
-one-line errors that name the bad key or value."""
+"""config.py and what reads and checks it (summarizer/command_line.py, summarizer/rules.py): defaults, typed
+--key=value overrides, .py/.json presets read without running them, sweeps, and one-line errors that name the bad
+key or value."""
 import dataclasses
 import glob
 import json
+import subprocess
+import sys
 
 import pytest
 
 import config
-from config import Config, grad_accum_steps, load_config, save_config
+from config import Config, Decoding, load_config
+from conftest import REPO
+from summarizer.command_line import changed_settings, markdown_reference, parse_sweep, save_config
 from summarizer.errors import UserError
+from summarizer.rules import grad_accum_steps
 
 
 def error_of(argv):
@@ -135,15 +141,24 @@ def test_values_that_cannot_work_are_rejected(argv, expected):
     assert expected in error_of(argv)
 
 
+def test_decoding_contradictions_are_the_decoding_group_s_own_rule():
+    """Config and generate() refuse the same settings with the same line: Decoding.contradiction."""
+    cases = [(["--num_beams=4", "--temperature=0.7"], Decoding(num_beams=4, temperature=0.7)),
+             (["--mbr_samples=8"], Decoding(mbr_samples=8)), (["--min_new_tokens=129"], Decoding(min_new_tokens=129))]
+    for argv, decoding in cases:
+        assert error_of(argv) == decoding.contradiction()
+    assert Decoding().contradiction() == ""
+
+
 def test_mbr_with_a_beam_candidate_may_sample_and_search_beams():
     cfg = load_config(["--num_beams=4", "--temperature=0.7", "--mbr_samples=8"])
     assert (cfg.num_beams, cfg.mbr_samples, cfg.mbr_include_beam) == (4, 8, True)
 
 
 def test_sweep_is_every_combination_typed_by_field():
-    assert config.parse_sweep("num_beams=1,4 length_penalty=0.8,1 mbr_metric=rouge1") == [
+    assert parse_sweep("num_beams=1,4 length_penalty=0.8,1 mbr_metric=rouge1") == [
         {"num_beams": n, "length_penalty": p, "mbr_metric": "rouge1"} for n in (1, 4) for p in (0.8, 1.0)]
-    assert config.parse_sweep("") == []
+    assert parse_sweep("") == []
 
 
 def test_grad_accum_steps():
@@ -169,14 +184,21 @@ def test_help_and_reference_document_every_key(capsys):
         load_config(["--help"])
     assert info.value.code == 0
     printed = capsys.readouterr().out
-    table = config.markdown_reference()
+    table = markdown_reference()
     for f in dataclasses.fields(Config):
         assert f.metadata["help"] and f"--{f.name}=" in printed and f"| `{f.name}` |" in table
+
+
+@pytest.mark.slow
+def test_help_into_a_closed_pipe_is_not_an_error():
+    result = subprocess.run(f"{sys.executable} train.py --help | head -1", shell=True, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() and result.stderr == ""
 
 
 def test_start_up_names_the_changed_keys_and_where_they_came_from(tmp_path):
     preset = tmp_path / "p.py"
     preset.write_text("batch_size = 64\nmicro_batch_size = 8\nmax_iters = 300\n")  # max_iters: the default
-    line = config.changed_settings([str(preset), "--max_iters=5", "--micro_batch_size=4"])
+    line = changed_settings([str(preset), "--max_iters=5", "--micro_batch_size=4"])
     assert f"batch_size=64 ({preset})" in line and "max_iters=5 (command line)" in line
     assert "micro_batch_size=4 (command line)" in line and line.count("=") == 3

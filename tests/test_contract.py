@@ -1,9 +1,7 @@
 """The checkpoint is the contract: evaluate.py, predict.py and export.py prompt, cut, split and decode as the run
 did, whatever preset they are given; flags that contradict it stop in one line; rows the run trained on are never
-scored; best_metric, the compile fallback, out-of-memory and the resume line say what is true."""
+scored."""
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -12,14 +10,12 @@ from transformers import GenerationConfig
 
 import evaluate
 import export
-import generate
 import predict
 import train
-from config import Decoding, load_config
-from conftest import REPO, card_code, metrics, run, save_csv, synthetic_rows, tiny
+from config import load_config
+from conftest import card_code, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
-from summarizer.runtime import Runtime
 
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
 RUN = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",
@@ -48,17 +44,6 @@ def trained(tmp_path_factory):
     train.main(training)
     best = f"--ckpt={folder / 'out' / 'best.pt'}"  # as the preset's out_dir says: outputs go elsewhere below
     return folder, [*preset, best], [*training, best]
-
-
-def one_error_line(capsys, main, argv, code=2):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit.value.code == code and "Traceback" not in err, err
-    lines = [line for line in err.split("\n")[:-1] if "\r" not in line]  # progress bars may come first
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def test_the_preset_alone_scores_and_predicts_as_the_training_flags_do(trained, tmp_path, capsys):
@@ -151,112 +136,3 @@ def test_a_long_dialogue_is_cut_alike_by_predict_and_by_the_exported_models_card
 def data_tokens(template):
     import data
     return data.template_tokens(template)
-
-
-# ---- best_metric, compile fallback, out of memory, the resume line -----------------------------------------
-
-@pytest.fixture
-def small(write_csv, tmp_path):
-    return [*RUN, "--n_embd=32", "--max_new_tokens=16", f"--train_csv={write_csv('train.csv', 48)}",
-            f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={tmp_path / 'out'}", "--batch_size=8",
-            "--micro_batch_size=8", "--log_interval=1"]
-
-
-def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(small, tmp_path, capsys):
-    out = tmp_path / "out"
-    train.main([*small, "--max_iters=2", "--eval_interval=2", "--rouge_samples=4", "--best_metric=val_loss"])
-    old_best = (out / "best.pt").read_bytes()
-    capsys.readouterr()
-    train.main([*small, "--max_iters=6", "--eval_interval=2", "--rouge_samples=4", "--best_metric=rougeL",
-                "--init_from=resume"])
-    assert f"best.pt follows rougeL from the next evaluation on; the best by val_loss is kept as " \
-           f"{out / 'best-val_loss.pt'}" in capsys.readouterr().out
-    assert (out / "best-val_loss.pt").read_bytes() == old_best
-    best = load_checkpoint(str(out / "best.pt"))
-    rouge_by_iter = {r["iter"]: r["rougeL"] for r in metrics(out) if "rougeL" in r and r["iter"] > 2}
-    assert best["best_metric"] == "rougeL" and best["best_score"] == max(rouge_by_iter.values())
-    assert best["iter_num"] == min(i for i, v in rouge_by_iter.items() if v == best["best_score"])
-
-
-def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(small, tmp_path, capsys):
-    out = tmp_path / "out"
-    train.main([*small, "--max_iters=3", "--eval_interval=3", "--warmup_iters=10", "--rouge_samples=0",
-                "--best_metric=val_loss"])
-    capsys.readouterr()
-    train.main([*small, "--max_iters=20", "--eval_interval=20", "--warmup_iters=10", "--rouge_samples=0",
-                "--best_metric=val_loss", "--init_from=resume"])
-    printed = capsys.readouterr().out
-    rows = {r["iter"]: r["lr"] for r in metrics(out)}
-    assert f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay " \
-           f"to min_lr 2.00e-05 at iter 21" in printed or \
-           f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay to " \
-           f"{rows[20]:.2e} at iter 20" in printed
-    assert rows[4] > rows[3] and max(rows.values()) == pytest.approx(1e-2) and rows[20] < rows[11]
-    err = one_error_line(capsys, train.main, [*small, "--max_iters=20", "--warmup_iters=10", "--rouge_samples=0",
-                                              "--best_metric=val_loss", "--init_from=resume"])
-    assert "iter 20" in err and "max_iters=20" in err
-
-
-def test_an_out_of_memory_in_the_compile_warm_up_propagates(small, tmp_path, monkeypatch, capfd):
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: out_of_memory)
-    cfg = load_config([*small, "--max_iters=1", "--compile=True", "--rouge_samples=0", "--best_metric=val_loss"])
-    with pytest.raises(torch.OutOfMemoryError, match="lower --micro_batch_size \\(now 8"):
-        train.Trainer(cfg, Runtime(cfg))
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as exit:
-        train.main([*small, "--max_iters=1", "--compile=True", "--rouge_samples=0", "--best_metric=val_loss"])
-    err = capfd.readouterr().err
-    assert exit.value.code == 1 and "torch.compile failed" not in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("error: out of memory while training on micro-batches of 8")
-
-
-def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, capfd):
-    from model import GPT
-    model = GPT.from_pretrained(tiny_hf_dir).eval()
-    step = inference.CompiledDecodeStep()
-
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory.")
-    step.compiled = out_of_memory
-    with pytest.raises(torch.OutOfMemoryError):
-        generate.generate(model, [[1, 2, 3]], Decoding(4), step=step)
-    assert not step.failed and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
-
-
-# ---- layout and first contact --------------------------------------------------------------------------------
-
-def test_importing_the_model_loads_no_data_or_metric_library():
-    code = ("import sys, torch; before = set(sys.modules); import model; "
-            "print(sorted(m.split('.')[0] for m in set(sys.modules) - before)); "
-            "print(sorted(m for m in ('rouge_score', 'nltk', 'rapidfuzz', 'pandas', 'tiktoken', 'generate') "
-            "if m in sys.modules))")
-    result = run([sys.executable, "-c", code])
-    new, loaded = result.stdout.splitlines()
-    assert result.returncode == 0 and loaded == "[]"
-    assert set(eval(new)) <= {"model"}  # torch itself loads tqdm (torch.hub); model adds nothing
-
-
-def test_help_into_a_closed_pipe_is_not_an_error():
-    result = subprocess.run(f"{sys.executable} train.py --help | head -1", shell=True, cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.strip() and result.stderr == ""
-
-
-def test_lora_on_an_untrained_model_warns(small, capfd):
-    train.main([*small, "--max_iters=1", "--lora_rank=4", "--rouge_samples=0", "--best_metric=val_loss"])
-    err = capfd.readouterr().err
-    assert any(line.startswith("warning: ") and "lora_rank=4" in line and "init_from=scratch" in line
-               for line in err.splitlines()), err
-
-
-def test_a_failed_command_leaves_no_empty_out_dir(tmp_path, capsys):
-    for main in (train.main, evaluate.main, predict.main):
-        one_error_line(capsys, main, [*RUN, f"--train_csv={tmp_path / 'missing.csv'}",
-                                      f"--ckpt={tmp_path / 'missing.pt'}", f"--out_dir={tmp_path / 'new'}"])
-        assert not (tmp_path / "new").exists()
-    (tmp_path / "kept").mkdir()
-    one_error_line(capsys, train.main,
-                   [*RUN, f"--train_csv={tmp_path / 'missing.csv'}", f"--out_dir={tmp_path / 'kept'}"])
-    assert (tmp_path / "kept").is_dir()  # a folder that was there stays

@@ -1,16 +1,12 @@
 """export.py hands a trained model to transformers unchanged (logits, greedy and beam outputs through the exported
-tokenizer, template and generation_config.json), init_from=<export> trains on from it, and log_to sends
-metrics.jsonl's rows to TensorBoard and W&B."""
-import json
+tokenizer, template and generation_config.json), init_from=<export> trains on from it, and an export that cannot be
+written is refused in one line and replaces nothing."""
 import os
-import sys
 import types
 from contextlib import nullcontext
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from transformers import GenerationConfig, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
@@ -20,8 +16,6 @@ from config import load_config
 from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import build_model, load_checkpoint
-from summarizer.errors import UserError
-from summarizer.tracking import Tracker
 from test_tokenizer import TEXTS
 
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
@@ -30,44 +24,18 @@ MODEL = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batc
          "--learning_rate=1e-2", "--log_interval=1", *DECODING]
 
 
-class FakeWandb(types.ModuleType):
-    """Records what the tracker hands to wandb (init, log, finish)."""
-
-    def __init__(self, logged_in=True):
-        super().__init__("wandb")
-        self.logged_in, self.inits, self.rows, self.exit_codes = logged_in, [], [], []
-
-    def login(self, prompt=True, verify=True):
-        assert not prompt and not verify, "the login check must not prompt or go to the network"
-        return self.logged_in
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        return self
-
-    def log(self, row, step):
-        self.rows.append((step, row))
-
-    def finish(self, exit_code=None):
-        self.exit_codes.append(exit_code)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny model trained 60 steps with TensorBoard and (fake) W&B logging, and its export."""
+    """A tiny model trained 60 steps, and its export."""
     folder = tmp_path_factory.mktemp("export")
     save_csv(folder / "train.csv", synthetic_rows(64, seed=0))
     save_csv(folder / "validation.csv", synthetic_rows(24, seed=3))
     args = [*MODEL, f"--train_csv={folder / 'train.csv'}", f"--validation_csv={folder / 'validation.csv'}",
             f"--data_cache_dir={folder / 'cache'}", f"--out_dir={folder / 'out'}"]
-    wandb = FakeWandb()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, "wandb", wandb)
-        train.main([*args, "--max_iters=60", "--eval_interval=30", "--rouge_samples=4", "--log_to=tensorboard,wandb",
-                    "--wandb_run_name=tiny"])
+    train.main([*args, "--max_iters=60", "--eval_interval=30", "--rouge_samples=4"])
     export.main([f"--ckpt={folder / 'out' / 'best.pt'}", f"--export_dir={folder / 'hf'}"])
     ckpt = load_checkpoint(str(folder / "out" / "best.pt"))
-    return types.SimpleNamespace(folder=folder, args=args, wandb=wandb, ckpt=ckpt, hf_dir=str(folder / "hf"),
+    return types.SimpleNamespace(folder=folder, args=args, ckpt=ckpt, hf_dir=str(folder / "hf"),
                                  model=build_model(str(folder / "out" / "best.pt"))[0].eval(),
                                  cfg=load_config([*args, "--max_iters=40"]))
 
@@ -153,33 +121,6 @@ def test_init_from_export_starts_at_the_checkpoints_loss(run, tmp_path):
     assert metrics(out)[0]["loss"] == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_tensorboard_scalars_equal_metrics_jsonl(run):
-    rows = metrics(run.folder / "out")
-    events = EventAccumulator(str(run.folder / "out" / "tensorboard"))
-    events.Reload()
-    keys = {key for row in rows for key in row} - {"iter"}
-    assert {"loss", "lr", "val_loss", "rougeL"} <= keys
-    assert set(events.Tags()["scalars"]) == keys
-    for key in keys:
-        logged = [(e.step, e.value) for e in events.Scalars(key)]
-        expected = [(row["iter"], row[key]) for row in rows if key in row]
-        assert [s for s, _ in logged] == [s for s, _ in expected], key
-        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), key  # float32
-    start = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    hparams = start.session_start_info.hparams
-    assert hparams["learning_rate"].number_value == pytest.approx(1e-2)
-    assert hparams["init_from"].string_value == "scratch" and hparams["n_embd"].number_value == 64
-
-
-def test_wandb_gets_every_row_and_the_config(run):
-    rows = metrics(run.folder / "out")
-    (init,) = run.wandb.inits
-    assert init["config"] == json.load(open(run.folder / "out" / "config.json"))
-    assert init["name"] == "tiny" and init["project"] == run.cfg.wandb_project
-    assert run.wandb.rows == [(row["iter"], {k: v for k, v in row.items() if k != "iter"}) for row in rows]
-    assert run.wandb.exit_codes == [0]
-
-
 def one_line_error(capsys, main, argv):
     """The `error: ...` line that main(argv) exits with (code 2), after whatever progress it printed before."""
     capsys.readouterr()
@@ -189,19 +130,6 @@ def one_line_error(capsys, main, argv):
     assert exit.value.code == 2 and "Traceback" not in err, err
     assert err.endswith("\n") and err.splitlines()[-1].startswith("error: "), err
     return err.splitlines()[-1]
-
-
-def test_wandb_problems_stop_the_run_first_in_one_line(monkeypatch, capsys, tmp_path):
-    argv = ["--log_to=wandb", f"--out_dir={tmp_path}", "--train_csv=does-not-exist.csv"]
-    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
-    assert "needs the wandb package: pip install wandb" in one_line_error(capsys, train.main, argv)
-    Tracker(load_config(argv), is_main=False)  # other ranks never import it
-    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(logged_in=False))
-    assert "wandb login" in one_line_error(capsys, train.main, argv)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    Tracker(load_config(argv), is_main=True)
-    with pytest.raises(UserError, match="'tensorbord' is not one of"):
-        load_config(["--log_to=tensorboard,tensorbord"])
 
 
 def test_export_refuses_in_one_line(run, capsys, tmp_path):
@@ -237,31 +165,3 @@ def test_overwrite_replaces_an_export_atomically(run, capsys, monkeypatch, tmp_p
     export.main([ckpt, f"--export_dir={target}", "--overwrite=True", "--num_beams=2"])
     assert GenerationConfig.from_pretrained(target).num_beams == 2
     assert os.listdir(tmp_path) == ["hf"]
-
-
-def tensorboard_losses(folder):
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars("loss")]
-
-
-def test_tensorboard_follows_resumes_and_fresh_runs(write_csv, tmp_path):
-    """A run resumed from an earlier checkpoint hides the steps it redoes (TensorBoard shows each step once, as
-    last trained); a fresh run moves the earlier run's events aside with its other files."""
-    out = tmp_path / "out"
-    args = [*MODEL, f"--train_csv={write_csv('train.csv', 32)}", f"--data_cache_dir={tmp_path / 'cache'}",
-            f"--out_dir={out}", "--batch_size=8", "--micro_batch_size=8", "--eval_interval=2", "--rouge_samples=0",
-            "--best_metric=val_loss", "--eval_val_batches=1", "--log_to=tensorboard"]
-    train.main([*args, "--max_iters=2"])
-    at_step_2 = (out / "ckpt.pt").read_bytes()
-    train.main([*args, "--max_iters=4", "--init_from=resume", "--learning_rate=1e-3"])
-    (out / "ckpt.pt").write_bytes(at_step_2)  # as if the run had crashed after step 4 but before its checkpoint
-    train.main([*args, "--max_iters=4", "--init_from=resume"])
-    last = {row["iter"]: row["loss"] for row in metrics(out)}  # later rows of a step win, as in TensorBoard
-    logged = tensorboard_losses(out / "tensorboard")
-    assert [step for step, _ in logged] == [1, 2, 3, 4]
-    assert [value for _, value in logged] == pytest.approx([last[step] for step in (1, 2, 3, 4)], rel=1e-6)
-    train.main([*args, "--max_iters=1"])
-    assert [step for step, _ in tensorboard_losses(out / "tensorboard")] == [1]
-    (previous,) = out.glob("previous-run-*")
-    assert [step for step, _ in tensorboard_losses(previous / "tensorboard")] == [1, 2, 3, 4]

@@ -1,9 +1,8 @@
 """The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
-proven on CPU: precision from faked device properties, fp16 + GradScaler on CPU autocast, torch.compile (inductor)
-against eager, the compile fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check."""
+proven on CPU: precision from faked device properties, torch.compile (inductor) against eager, the compile
+fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check. fp16's GradScaler: tests/test_fp16.py."""
 import copy
 import json
-import math
 import os
 import socket
 import subprocess
@@ -155,45 +154,6 @@ def test_training_flops_match_pytorchs_flop_counter():
     # LayerNorm weights count as 6 FLOPs per token in the formula but are no matmul: 0.6% here.
     assert model.training_flops(tokens=3 * 48, targets=3 * 10, attended=3 * 48**2) == \
         pytest.approx(count.get_total_flops(), rel=0.01)
-
-
-# ---- fp16 + GradScaler on CPU -----------------------------------------------------------------------------
-
-@pytest.fixture
-def fp16_args(write_csv, tmp_path):
-    csv = write_csv("train.csv", 40)
-    return [*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path / 'out'}",
-            "--dtype=float16", "--compile=False", "--max_iters=2"]
-
-
-def test_fp16_gradscaler_skips_an_overflowing_step_and_training_goes_on(fp16_args):
-    cfg = load_config(fp16_args)
-    rt = Runtime(cfg)
-    trainer = train.Trainer(cfg, rt)
-    assert rt.use_scaler and trainer.scaler.is_enabled()
-    with rt.autocast():
-        assert trainer.model.lm_head(torch.zeros(1, 32)).dtype == torch.float16
-    # A scale of 2**40 overflows fp16 gradients; backing off by 2**-30 makes the next step's scale 2**10.
-    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=2.0**-30))
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    loss, _, grad_norm, skipped = trainer.train_step(0)
-    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and skipped and not math.isfinite(grad_norm)
-    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
-    loss, _, grad_norm, skipped = trainer.train_step(1)
-    assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and not skipped and math.isfinite(grad_norm)
-    assert not torch.equal(trainer.model.lm_head.weight, before["lm_head.weight"])
-
-
-def test_checkpoint_carries_the_scaler_state_into_a_resumed_run(fp16_args):
-    cfg = load_config(fp16_args)
-    rt = Runtime(cfg)
-    trainer = train.Trainer(cfg, rt)
-    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**7, growth_interval=11))
-    trainer.fit()
-    saved = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"))["scaler"]
-    assert (saved["scale"], saved["growth_interval"]) == (2.0**7, 11)
-    resumed = train.Trainer(load_config([*fp16_args, "--init_from=resume", "--max_iters=3"]), rt)
-    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
 
 # ---- torch.compile on CPU (inductor) ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, metrics, tiny
+from conftest import REPO, free_port, metrics, tiny, torchrun
 from summarizer.checkpoint import load_checkpoint
 
 STEPS = 60
@@ -54,11 +54,11 @@ def ranks_of(launcher):
 
 
 @pytest.mark.parametrize("how", ["one process, SIGINT", "torchrun, 2 ranks, SIGTERM"])
+@pytest.mark.slow
 def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how, write_csv, tmp_path):
     data = [f"--train_csv={write_csv('train.csv', 96)}", f"--data_cache_dir={tmp_path / 'cache'}"]
     if how.startswith("torchrun"):
-        launcher, sig = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                         f"--master_port={free_port()}"], signal.SIGTERM
+        launcher, sig = torchrun("--nproc_per_node=2", f"--master_port={free_port()}"), signal.SIGTERM
         code, expected_code = "torchrun --nproc_per_node=2 --standalone train.py", 0
     else:
         launcher, sig = [sys.executable], signal.SIGINT

@@ -1,5 +1,6 @@
 """LoRA adapters: only they train, merging gives base + low-rank update with unchanged logits, and train.py /
-evaluate.py / predict.py run LoRA from out_dir alone, refusing a resume without its base."""
+evaluate.py / predict.py run LoRA from out_dir alone, refusing a resume without its base; LoRA on an untrained model
+warns."""
 import copy
 import os
 import shutil
@@ -175,3 +176,12 @@ def test_lora_resume_without_its_base_or_with_another_is_one_line(lora_args, bas
     train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", f"--resume_from={out / 'ckpt.pt'}",
                 f"--init_from={moved}"])
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6
+
+
+def test_lora_on_an_untrained_model_warns(write_csv, tmp_path, capfd):
+    train.main([*tiny(), f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'c'}",
+                f"--out_dir={tmp_path / 'out'}", "--batch_size=8", "--micro_batch_size=8", "--sample_submission_csv=",
+                "--max_iters=1", "--lora_rank=4", "--rouge_samples=0", "--best_metric=val_loss"])
+    err = capfd.readouterr().err
+    assert any(line.startswith("warning: ") and "lora_rank=4" in line and "init_from=scratch" in line
+               for line in err.splitlines()), err

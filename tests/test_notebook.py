@@ -5,6 +5,7 @@ import os
 
 import nbformat
 import pandas as pd
+import pytest
 from nbclient import NotebookClient
 
 from conftest import REPO
@@ -22,6 +23,7 @@ def test_notebook_is_committed_without_outputs():
         "each step needs its line of explanation"
 
 
+@pytest.mark.slow
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     (parameters,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
@@ -55,4 +57,6 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "\r" in trained and sum("training:" in line for line in trained.split("\n")) <= 3
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in outputs[5])
     assert "ROUGE F1 on 100 validation dialogues" in "".join(o.get("text", "") for o in outputs[6])
+    shown = [o["data"]["text/html"] for o in outputs[7] if "text/html" in o.get("data", {})]  # the report, inline
+    assert len(shown) == 1 and shown[0].startswith("<iframe srcdoc=") and "Evaluation report" in shown[0]
     assert "->" in "".join(o.get("text", "") for o in outputs[-1])

@@ -1,7 +1,7 @@
-"""The README and docs/ stay true to the code: docs/config.md's config table is config.markdown_reference(), the
+"""The README and docs/ stay true to the code: docs/config.md's config table is markdown_reference(), the
 --key=value flags their commands pass to train.py/evaluate.py/predict.py/export.py are real config keys, the files
 they name exist, the bench sections they run exist, their links lead somewhere, the README stays short and links
-every docs page, and the one test command is the one CI runs."""
+every docs page, and the test commands are the one CI runs and its fast tier."""
 import glob
 import os
 import re
@@ -9,6 +9,7 @@ import re
 import pytest
 
 import config
+from summarizer.command_line import markdown_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -16,7 +17,8 @@ DOCS = os.path.join(ROOT, "docs")
 CONFIG_DOC = os.path.join(DOCS, "config.md")
 README_MAX_LINES = 250
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-REGENERATE = ("python -c \"import re,config as c;p='docs/config.md';t=open(p).read();open(p,'w').write(re.sub("
+REGENERATE = ("python -c \"import re,summarizer.command_line as c;p='docs/config.md';t=open(p).read();"
+              "open(p,'w').write(re.sub("
               "r'(<!-- config-reference:start -->\\n).*?(<!-- config-reference:end -->)',"
               "lambda m:m[1]+c.markdown_reference()+'\\n'+m[2],t,flags=re.S))\"")
 # a command line that runs one of the config-driven scripts (possibly behind torchrun / accelerate launch)
@@ -29,6 +31,7 @@ SECTION = re.compile(r"--section[= ]([\w|]+)")
 # a relative Markdown link: ](target) or ](target#anchor), not http(s) or mailto
 LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)#\s]+)(?:#[^)\s]*)?\)")
 TEST_COMMAND = "python -m pytest -q"
+FAST_TEST_COMMAND = 'python -m pytest -q -m "not slow"'  # the working loop: the tests not marked slow
 
 
 def read(path):
@@ -106,7 +109,7 @@ def test_config_reference_is_generated(pages, off_kaggle):
     doc = read(CONFIG_DOC)
     assert doc.count(START) == 1 and doc.count(END) == 1, f"docs/config.md needs one {START} and one {END}"
     table = doc.split(START, 1)[1].split(END, 1)[0]
-    assert table.strip("\n") == config.markdown_reference(), (
+    assert table.strip("\n") == markdown_reference(), (
         f"docs/config.md's config reference is out of date with config.py; regenerate it with:\n{REGENERATE}")
 
 
@@ -160,8 +163,12 @@ def test_links_lead_somewhere(pages):
 
 def test_test_command_is_what_ci_runs(pages):
     pytest_lines = [line for text in pages.values() for line in code_lines(text) if "pytest" in line]
-    assert pytest_lines == [TEST_COMMAND], (
-        f"README and docs should hold one test command, exactly {TEST_COMMAND!r}: {pytest_lines}")
-    assert TEST_COMMAND in code_lines(read(README)), f"the test command {TEST_COMMAND!r} belongs in README.md"
+    assert pytest_lines == [TEST_COMMAND, FAST_TEST_COMMAND], (
+        f"README and docs should hold two test commands, exactly {TEST_COMMAND!r} (what CI runs) and then "
+        f"{FAST_TEST_COMMAND!r}: {pytest_lines}")
+    assert code_lines(read(README)).count(TEST_COMMAND) == 1, f"the test command {TEST_COMMAND!r} belongs in README.md"
+    assert FAST_TEST_COMMAND in code_lines(read(README)), f"the fast tier {FAST_TEST_COMMAND!r} belongs in README.md"
+    assert re.search(r'^\s*"slow: ', read(os.path.join(ROOT, "pyproject.toml")), re.M), \
+        "pyproject.toml's [tool.pytest.ini_options] markers should register the slow marker"
     ci = [line.strip() for line in read(os.path.join(ROOT, ".ci", "run")).splitlines()]
     assert TEST_COMMAND in ci, f".ci/run does not run {TEST_COMMAND!r}"

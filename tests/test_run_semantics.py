@@ -1,6 +1,6 @@
-"""The run does what it says: precision under Accelerate, the LR schedule and hyperparameters across a resume,
-fresh runs into a used out_dir, which weights evaluate.py/predict.py score, slim best.pt, gradient and fp16
-step statistics."""
+"""The run does what it says: precision under Accelerate, the LR schedule, hyperparameters and best_metric across a
+resume, fresh runs into a used out_dir, which weights evaluate.py/predict.py score, slim best.pt, the gradient
+norm."""
 import copy
 import json
 import math
@@ -14,7 +14,7 @@ import evaluate
 import predict
 import train
 from config import load_config
-from conftest import metrics, run, tiny
+from conftest import metrics, one_error_line, run, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, use_compile
@@ -74,12 +74,14 @@ def test_accelerates_dynamo_backend_against_compile_is_one_error_line(requested,
 
 
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+@pytest.mark.slow
 def test_an_accelerate_config_for_fsdp_or_deepspeed_is_refused(args, variable):
     result = run([sys.executable, "train.py", *args, "--max_iters=1"], env={variable: "true"})
     assert result.returncode == 2 and result.stderr.startswith("error: the Accelerate config asks for")
     assert result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_accelerate_bf16_with_dtype_float32_stops_with_one_line(args):
     result = run([sys.executable, "train.py", *args, "--max_iters=1", "--dtype=float32"],
                  env={"ACCELERATE_MIXED_PRECISION": "bf16"})
@@ -88,6 +90,7 @@ def test_accelerate_bf16_with_dtype_float32_stops_with_one_line(args):
     assert "--dtype=float32" in result.stderr and "mixed_precision=bf16" in result.stderr
 
 
+@pytest.mark.slow
 def test_accelerate_bf16_with_dtype_auto_trains_exactly_like_our_bfloat16(args, tmp_path):
     """Accelerate's bf16 is adopted as our bf16 autocast, and Accelerate adds no autocast of its own."""
     common = [*args, "--max_iters=3", "--eval_interval=3"]
@@ -104,7 +107,7 @@ def test_accelerate_bf16_with_dtype_auto_trains_exactly_like_our_bfloat16(args, 
     assert fp32.returncode == 0 and metrics(tmp_path / "fp32")[0]["loss"] != got[0]["loss"]  # bf16 did run
 
 
-# ---- resuming: the LR schedule and changed hyperparameters --------------------------------------------------
+# ---- resuming: the LR schedule, changed hyperparameters, another best_metric -------------------------------
 
 def test_a_fresh_schedule_is_warmup_then_cosine_to_min_lr():
     schedule = train.lr_schedule({"warmup_iters": 2, "learning_rate": 1e-3, "min_lr": 1e-4, "lr_decay_iters": 0,
@@ -137,6 +140,38 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
     assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12], strict=False))  # and decays to min_lr at the new horizon
     assert lrs[11] > 2e-5 and f"cosine decay to {lrs[11]:.2e} at iter 12 (it would reach min_lr 2.00e-05 at iter 13)" \
         in capsys.readouterr().out
+
+
+def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(args, tmp_path, capsys):
+    out, args = tmp_path / "out", [*args, "--learning_rate=1e-2"]
+    train.main([*args, "--max_iters=3", "--eval_interval=3", "--warmup_iters=10"])
+    capsys.readouterr()
+    train.main([*args, "--max_iters=20", "--eval_interval=20", "--warmup_iters=10", "--init_from=resume"])
+    printed = capsys.readouterr().out
+    rows = {r["iter"]: r["lr"] for r in metrics(out)}
+    assert f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay " \
+           f"to min_lr 2.00e-05 at iter 21" in printed or \
+           f"learning rate at iter 4: {rows[4]:.2e}; warmup: rises to 1.00e-02 at iter 11, then cosine decay to " \
+           f"{rows[20]:.2e} at iter 20" in printed
+    assert rows[4] > rows[3] and max(rows.values()) == pytest.approx(1e-2) and rows[20] < rows[11]
+    err = one_error_line(capsys, train.main, [*args, "--max_iters=20", "--warmup_iters=10", "--init_from=resume"])
+    assert "iter 20" in err and "max_iters=20" in err
+
+
+def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(args, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main([*args, "--max_iters=2", "--eval_interval=2", "--rouge_samples=4", "--best_metric=val_loss"])
+    old_best = (out / "best.pt").read_bytes()
+    capsys.readouterr()
+    train.main([*args, "--max_iters=6", "--eval_interval=2", "--rouge_samples=4", "--best_metric=rougeL",
+                "--init_from=resume"])
+    assert f"best.pt follows rougeL from the next evaluation on; the best by val_loss is kept as " \
+           f"{out / 'best-val_loss.pt'}" in capsys.readouterr().out
+    assert (out / "best-val_loss.pt").read_bytes() == old_best
+    best = load_checkpoint(str(out / "best.pt"))
+    rouge_by_iter = {r["iter"]: r["rougeL"] for r in metrics(out) if "rougeL" in r and r["iter"] > 2}
+    assert best["best_metric"] == "rougeL" and best["best_score"] == max(rouge_by_iter.values())
+    assert best["iter_num"] == min(i for i, v in rouge_by_iter.items() if v == best["best_score"])
 
 
 def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, capsys):
@@ -233,7 +268,7 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
         train.Trainer(cfg, Runtime(cfg))
 
 
-# ---- gradient norm and fp16 skipped steps ------------------------------------------------------------------
+# ---- the gradient norm -----------------------------------------------------------------------------------
 
 def test_grad_norm_is_the_norm_before_clipping(args):
     cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
@@ -246,19 +281,3 @@ def test_grad_norm_is_the_norm_before_clipping(args):
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
     _, _, grad_norm, skipped = trainer.train_step(0)
     assert grad_norm == pytest.approx(expected, rel=1e-5) and expected > 1e-3 and not skipped
-
-
-def test_fp16_overflow_steps_show_as_skipped_and_warn(args, tmp_path, capsys):
-    cfg = load_config([*args, "--dtype=float16", "--max_iters=8", "--eval_interval=8"])
-    trainer = train.Trainer(cfg, Runtime(cfg))
-    # A scale this large overflows every fp16 gradient; backing off slowly keeps it overflowing.
-    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=0.99))
-    trainer.fit()
-    rows = metrics(tmp_path / "out")
-    assert [r["skipped_steps"] for r in rows] == list(range(1, 9))
-    assert all(math.isfinite(r["loss"]) and r["loss_scale"] < 2.0**40 for r in rows)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: the fp16")]
-    assert len(warnings) == 1 and "skipped 6 of the last 20 steps" in warnings[0]
-    trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=1.0, backoff_factor=0.5))
-    _, _, grad_norm, skipped = trainer.train_step(8)
-    assert not skipped and math.isfinite(grad_norm)

@@ -1,21 +1,18 @@
-"""train.py: every launcher trains the same model, resume is bit-identical, checkpoints are complete, safe to
-load and survive a SIGKILL mid-write, and the pipeline learns its training set."""
+"""train.py: every launcher trains the same model, resume is bit-identical, checkpoints are complete, the pipeline
+learns its training set, and the demo says what runs before it trains. A SIGKILL mid-write: tests/test_crash_safety.py;
+a checkpoint whose pickle runs code: tests/test_bad_inputs.py."""
 import os
-import pickle
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 import conftest
 import train
-from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows
+from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows, torchrun
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 
 RUN = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
 PARITY = [*RUN, "--batch_size=16", "--max_iters=6", "--eval_interval=3", "--rouge_samples=4", "--dropout=0.0"]
@@ -46,13 +43,13 @@ def single_process(parity_data):
 
 LAUNCHES = {
     "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
-    "torchrun_ddp": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
-                                  "--micro_batch_size=4"],
-    "torchrun_fsdp_checkpointing": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
-                                                 "--micro_batch_size=4", "--backend=fsdp",
-                                                 "--gradient_checkpointing=True"],
-    "torchrun_accelerate": lambda args: ["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
-                                         "--micro_batch_size=4", "--backend=accelerate"],
+    "torchrun_ddp": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
+                                          "--micro_batch_size=4"),
+    "torchrun_fsdp_checkpointing": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
+                                                         "--micro_batch_size=4", "--backend=fsdp",
+                                                         "--gradient_checkpointing=True"),
+    "torchrun_accelerate": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
+                                                 "--micro_batch_size=4", "--backend=accelerate"),
     "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
         from accelerate import notebook_launcher
         import train
@@ -63,6 +60,7 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.slow
 def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
     """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
     ranks == notebook_launcher, loss for loss."""
@@ -103,53 +101,7 @@ def test_checkpoint_has_clean_keys_and_everything_to_resume(write_csv, tmp_path)
     assert os.path.exists(tmp_path / "best.pt") and os.path.exists(tmp_path / "metrics.png")
 
 
-def test_sigkill_during_checkpoint_write_leaves_a_loadable_checkpoint(write_csv, tmp_path):
-    csv = write_csv("train.csv", 40)
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}",
-         "--batch_size=8", "--micro_batch_size=8", "--max_iters=100000", "--eval_interval=1", "--rouge_samples=0",
-         "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}"],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while not (out / "ckpt.pt").exists():  # first wait for one complete checkpoint
-            assert time.time() < deadline and proc.poll() is None
-            time.sleep(0.01)
-        while not any(name.startswith("ckpt.pt.tmp") for name in os.listdir(out)):  # then catch the next write
-            assert time.time() < deadline and proc.poll() is None
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        proc.kill()
-    ckpt = load_checkpoint(str(out / "ckpt.pt"))
-    assert ckpt["iter_num"] >= 1
-    train.main([*RUN, f"--train_csv={csv}", f"--data_cache_dir={tmp_path / 'cache'}", "--batch_size=8",
-                "--micro_batch_size=8", f"--max_iters={ckpt['iter_num'] + 1}", "--eval_interval=1",
-                "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}",
-                "--init_from=resume"])
-    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == ckpt["iter_num"] + 1
-
-
-class RunsCode:
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def test_checkpoint_with_code_in_its_pickle_is_refused(tmp_path):
-    marker = tmp_path / "pwned"
-    payload = RunsCode()
-    payload.marker = marker
-    path = tmp_path / "evil.pt"
-    torch.save({"model": {}, "model_args": {}, "payload": payload}, path, pickle_module=pickle)
-    with pytest.raises(UserError, match="weights_only"):
-        load_checkpoint(str(path))
-    assert not marker.exists()
-    result = run([sys.executable, "evaluate.py", f"--ckpt={path}", f"--out_dir={tmp_path}", "--device=cpu"])
-    assert result.returncode != 0 and not marker.exists()
-    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error:")
-
-
+@pytest.mark.slow
 def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
     """A tiny model fine-tuned on 64 dialogues summarizes those same dialogues almost perfectly."""
     csv = write_csv("train.csv", 64)
@@ -163,20 +115,21 @@ def test_the_pipeline_learns_its_training_set(write_csv, tmp_path):
     assert final["rougeL"] >= 0.95, final
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, single_process):
     """torchrun's c10d rendezvous as 2 nodes x 1 process (what several machines run) trains exactly what
     1 node x 2 processes does, and the same as one process; both DDP with gradient checkpointing."""
     args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
             "--micro_batch_size=4", "--gradient_checkpointing=True"]
-    one_node = run(["torchrun", "--nproc_per_node=2", "--standalone", "train.py", *args,
-                    f"--out_dir={parity_data / 'one_node'}"])
+    one_node = run(torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
+                            f"--out_dir={parity_data / 'one_node'}"))
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     endpoint = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    nodes = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
-                               "--rdzv_id=test", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
-                               "--rdzv_conf=join_timeout=60", "--local_addr=127.0.0.1", "--max_restarts=0",
-                               "train.py", *args, f"--out_dir={parity_data / 'two_nodes'}"],
+    nodes = [subprocess.Popen(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+                                       "--rdzv_id=test", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                                       "--rdzv_conf=join_timeout=60", "--local_addr=127.0.0.1", "--max_restarts=0",
+                                       "train.py", *args, f"--out_dir={parity_data / 'two_nodes'}"),
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     try:
@@ -192,6 +145,7 @@ def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, sin
     assert_same_losses(two_nodes, single_process)
 
 
+@pytest.mark.slow
 def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
     """Before the first training line: the keys the preset and the command line changed (named, with where each
     came from), the notes and the line that says what runs, the disk plan; not every key of the config."""

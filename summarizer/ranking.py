@@ -4,8 +4,9 @@ ranking loss that asks the model to give the better candidates the higher length
 
 candidates.pt holds them (make_candidates: generated once, sharded across ranks, saved as it goes, keyed to the
 weights and the training rows); RankedBatches packs each training row with its candidates (prompt once, then
-the reference and every candidate, each attending to the prompt and to itself); micro_batch_losses gives a
-micro-batch's summed token loss and ranking loss from one forward of PackedScorer."""
+the reference and every candidate, each attending to the prompt and to itself); Ranking is the objective that
+calibrate.py gives train.py's loop: a micro-batch's summed token loss and ranking loss from one forward of
+PackedScorer."""
 import hashlib
 import os
 import time
@@ -21,11 +22,11 @@ import data
 from config import Decoding
 from generate import generate
 from summarizer import lora
-from summarizer.checkpoint import weights_digest
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.inference import generation_batches, generation_memory
 from summarizer.metrics import rouge_per_example
+from summarizer.model_source import weights_digest
 
 QUALITY = ("rouge1", "rouge2", "rougeL")  # a candidate's quality: the mean of these F1 against the reference
 SAVE_EVERY = 512  # dialogues between two saves of candidates.pt while generating (what a crash can lose)
@@ -297,9 +298,8 @@ class RankedBatches(data.TrainBatches):
         super().__init__(examples, cfg, rank, world_size)
         self.candidates = candidates
 
-    def micro_batches(self, step):
-        return [pack(self.examples, indices, self.candidates, self.train_on_prompt)
-                for indices in self.sampler.micro_batches(step, self.rank, self.world_size)]
+    def collate(self, indices):
+        return pack(self.examples, indices, self.candidates, self.train_on_prompt)
 
 
 def sequence_scores(logprobs, owner, lengths, exponent):
@@ -321,14 +321,6 @@ def ranking_loss(scores, quality, dialogue, margin):
     return (hinge * better / pairs[dialogue].clamp(min=1)[:, None]).sum()
 
 
-def micro_batch_losses(scorer, batch, cfg):
-    """(summed token loss over the reference targets, ranking loss summed over the rows) of a RankBatch, from
-    one forward of the (wrapped) PackedScorer."""
-    logprobs = scorer(batch.x, batch.packed)
-    scores = sequence_scores(logprobs[batch.references:], batch.owner, batch.lengths, cfg.rank_length_exponent)
-    return -logprobs[:batch.references].sum(), ranking_loss(scores, batch.quality, batch.dialogue, cfg.rank_margin)
-
-
 def describe(candidates):
     """'8,123 candidates for 1,024 dialogues (7.9 each, mean quality 0.312, best 0.401)'."""
     counts = [len(row) for row in candidates.tokens]
@@ -337,3 +329,40 @@ def describe(candidates):
     return (f"{len(flat):,} candidates for {len(counts):,} dialogues ({len(flat) / max(1, len(counts)):.1f} each, "
             f"mean quality {np.mean(flat):.3f}, best-of-each {np.mean(best):.3f})")
 
+
+
+class Ranking:
+    """The calibration stage's objective for train.py's loop (calibrate.py): the token loss of the references plus,
+    weighed by rank_weight, the ranking loss of their candidates, from one forward of PackedScorer. Its candidates
+    are made by the starting weights, or on resuming are those that the checkpoint's stage trained on (the file
+    must be there: the weights that made it are not)."""
+    extra_loss = "rank_loss"
+
+    def __init__(self, cfg, rt, train_set, model, ckpt):
+        if ckpt is None:
+            key = rt.all_gather_objects(candidates_key(model, train_set, cfg) if rt.is_main else None)[0]
+        elif ckpt.get("candidates") is None:
+            raise UserError("the checkpoint being resumed was trained without the ranking loss: start the "
+                            "calibration stage from its weights in a new out_dir (--init_from=<its best.pt> "
+                            "--out_dir=<new>), or resume it with train.py")
+        else:
+            key = ckpt["candidates"]
+        candidates = make_candidates(model, train_set, cfg, rt, key, may_generate=ckpt is None)
+        if rt.is_main:
+            print(f"calibration: {describe(candidates)} in {candidates_path(cfg)}")
+        self.checkpoint_keys = {"candidates": key}
+        self.batches = RankedBatches(train_set, candidates, cfg, rt.rank, rt.world_size)
+        self.cfg, self.weight = cfg, cfg.rank_weight * rt.world_size / cfg.batch_size  # a mean over dialogues
+
+    def module(self, model):
+        return PackedScorer(model)
+
+    def on_device(self, batch, device):
+        return batch.to(device)
+
+    def losses(self, scorer, batch):
+        """(summed token loss over the reference targets, the ranking loss weighed, summed over the rows)."""
+        logprobs = scorer(batch.x, batch.packed)
+        scores = sequence_scores(logprobs[batch.references:], batch.owner, batch.lengths, self.cfg.rank_length_exponent)
+        rank_loss = ranking_loss(scores, batch.quality, batch.dialogue, self.cfg.rank_margin)
+        return -logprobs[:batch.references].sum(), rank_loss * self.weight, rank_loss

@@ -1,0 +1,158 @@
+"""Where a model comes from: the one function that builds it (untrained, pretrained GPT-2 from the Hub or a local
+transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, and a LoRA
+run's frozen base: referenced by where it came from and its hash instead of stored."""
+import hashlib
+import os
+import socket
+import threading
+import urllib.parse
+
+import torch
+
+from data import TOKENIZER_ID
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import lora
+from summarizer.checkpoint import load_checkpoint
+from summarizer.errors import UserError
+
+
+def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None):
+    """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
+    - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
+    - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
+      cfg.block_size when that is shorter;
+    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds the adapters and a
+      reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
+      merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
+    cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
+    Errors name the config key the source came from."""
+    if os.path.isfile(source) or source.endswith(".pt"):
+        ckpt = load_checkpoint(source)
+        model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
+        if cfg:
+            model.set_dropout(cfg.dropout)
+        return model, ckpt
+    if source == "scratch":
+        return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                             dropout=cfg.dropout, bias=cfg.bias)), None
+    offline = source in PRETRAINED and not hub_reachable()
+    if offline and not in_hub_cache(source):
+        raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
+                        f"internet; on Kaggle: Settings > Internet): attach the weights as a folder, e.g. a Kaggle "
+                        f"dataset, and pass --{key}=/kaggle/input/<folder> (config.json and model.safetensors as "
+                        f"save_pretrained writes them), or train from --{key}=scratch")
+    try:
+        model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0, local_files_only=offline)
+    except FileNotFoundError as e:
+        raise UserError(f"{key}={e}") from None
+    if cfg and cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    return model, None
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a connection within `timeout` seconds. Without this,
+    an offline machine spends about a minute in transformers' retries before its error."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urllib.parse.urlparse(hub_endpoint())
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    answered = []
+
+    def connect():  # in a thread: a name lookup has no timeout of its own
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            answered.append(True)
+        except OSError:
+            pass
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def in_hub_cache(name):
+    """Whether GPT-2 `name` was downloaded before (transformers can then load it offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename):
+        return isinstance(try_to_load_from_cache(name, filename), str)
+    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+
+
+def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
+    """The checkpoint's model (see build_model)."""
+    if ckpt.get("tokenizer") != TOKENIZER_ID:
+        raise UserError(f"{path} was trained with tokenizer {ckpt.get('tokenizer')}, this version has {TOKENIZER_ID}: "
+                        f"its token ids would mean other text")
+    try:
+        model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
+    except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
+        raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
+                        f"{str(e) or type(e).__name__}") from None
+    state = ckpt["model"]
+    if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
+        state = {**base_weights(ckpt, path, lora_base, model), **state}
+    if lora.has_adapters(state) and keep_adapters:
+        lora.add_adapters(model, **lora.settings(ckpt["config"]))
+    elif lora.has_adapters(state):
+        state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
+    try:
+        model.load_state_dict(own_copies(state), assign=True)
+    except RuntimeError as e:
+        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
+    model.tie_weights()
+    return model
+
+
+def own_copies(state):
+    """The tensors of `state` (read from a checkpoint's mmap) copied into this process's memory once each: one
+    copy of the weights in host memory, and no tensor that keeps the file mapped, whose disk space would stay
+    in use after a save replaces it."""
+    copies, owned = {}, {}
+    for key, tensor in state.items():
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        if storage not in copies:
+            copies[storage] = tensor.clone()
+        owned[key] = copies[storage]
+    return owned
+
+
+def weights_digest(state_dict):
+    """sha256 of a state dict's tensors (names, dtypes, shapes, bytes), in key order: the identity of a LoRA
+    run's frozen base."""
+    digest = hashlib.sha256()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def lora_base_reference(source, model):
+    """What a LoRA ckpt.pt keeps of its frozen base instead of its weights: where it came from and their hash."""
+    return {"init_from": source, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
+
+
+def base_weights(ckpt, path, source, model):
+    """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
+    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight)."""
+    reference = ckpt["lora_base"]
+    source = source or reference["init_from"]
+    try:
+        base, _ = build_model(source)
+    except UserError as e:
+        raise UserError(f"{path} holds LoRA adapters, not the base model they were trained on, which cannot be "
+                        f"loaded from {source} ({e}): pass the base with --init_from=<GPT-2 name or folder>") from None
+    if base.config.block_size > model.config.block_size:
+        base.crop_block_size(model.config.block_size)
+    if weights_digest(base.state_dict()) != reference["sha256"]:
+        raise UserError(f"{path} holds LoRA adapters trained on another base model than {source} (its weights' "
+                        f"sha256 differs): pass the base they were trained on with --init_from=<GPT-2 name or folder>")
+    adapted = {key.rsplit(".lora_A.", 1)[0] for key in ckpt["model"] if ".lora_A." in key}
+    return {(f"{layer}.base_layer.{kind}" if layer in adapted else key): value
+            for key, value in base.state_dict().items() for layer, _, kind in [key.rpartition(".")]}

@@ -1,0 +1,284 @@
+"""eval_report.html: an evaluation as one self-contained page to read in a browser, offline (Kaggle) and without
+JavaScript: what was scored, ROUGE with its intervals and the length diagnostics, figures (inline images), the
+sweep's table or the comparison with another evaluation when there is one, and the worst and best summaries with
+the words they share with their reference marked."""
+import base64
+import html
+import io
+import os
+import re
+import tempfile
+
+import numpy as np
+import pandas as pd
+from matplotlib import rc_context
+from matplotlib.figure import Figure
+
+from config import ROUGE_TYPES
+from summarizer import tracking
+from summarizer.files import atomic_write
+from summarizer.metrics import StemCachedTokenizer
+
+WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare
+LENGTH_BUCKETS = 5  # dialogue-length buckets of (about) equal size in the ROUGE-L-by-length figure
+WORD = re.compile(r"[A-Za-z0-9]+")  # a word as ROUGE's tokenizer cuts text (before lowercasing and stemming)
+# text stays text (smaller, sharp, the browser's fonts); a fixed salt makes the same evaluation the same file
+SVG_STYLE = {"svg.fonttype": "none", "svg.hashsalt": "eval-report", "font.size": 9}
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1d1d1f; margin: 0 auto;
+       max-width: 1280px; padding: 0.5rem 2rem 3rem; }
+h1 { margin-bottom: 0.2rem; } h2 { margin-top: 2rem; border-bottom: 2px solid #e3e3e8; }
+nav a { margin-right: 1rem; } .muted { color: #6e6e73; }
+table { border-collapse: collapse; margin: 0.5rem 0; }
+th, td { border-bottom: 1px solid #e3e3e8; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }
+th { background: #f5f5f7; } .num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+table.examples { width: 100%; } table.examples td.text { width: 30%; }
+tr.dialogue td { border-bottom: 2px solid #c7c7cc; padding-top: 0; }
+mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; }
+details summary { cursor: pointer; color: #0a58ca; }
+details pre { white-space: pre-wrap; font: inherit; background: #f5f5f7; padding: 0.5rem; margin: 0.3rem 0; }
+.figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1rem; }
+figure { margin: 0; } figure img { width: 100%; height: auto; } figcaption { color: #6e6e73; }
+figure.wide { grid-column: 1 / -1; }
+tr.picked td { background: #eef6ff; } .better { color: #1a7f37; } .worse { color: #c62828; }
+"""
+
+
+def write_report(path, frame, report, curve="", comparison=None, sweep_rows=None):
+    """eval_report.html at `path` for the rows of an evaluation (evaluation.scored_frame), its eval_metrics.json
+    `report`, the run's metrics.jsonl `curve` ('' = none), an evaluation.Comparison and a sweep's rows."""
+    words = StemCachedTokenizer()
+    sections = [scored_section(report), scores_section(report), figures_section(frame, report, curve),
+                sweep_section(sweep_rows, report) if sweep_rows else "",
+                comparison_section(frame, comparison, words) if comparison else "", examples_section(frame, words)]
+    links = [("scored", "what was scored"), ("scores", "ROUGE and diagnostics"), ("figures", "figures"),
+             ("sweep", "sweep"), ("compare", "comparison"), ("worst", "worst summaries"), ("best", "best summaries")]
+    nav = "".join(f'<a href="#{anchor}">{text}</a>' for anchor, text in links if f'id="{anchor}"' in "".join(sections))
+    page = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+            f"<title>Evaluation: {esc(report['weights'])}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            f"<h1>Evaluation report</h1>\n<p class=\"muted\">{esc(report['weights'])}</p>\n<nav>{nav}</nav>\n"
+            + "\n".join(filter(None, sections)) + "\n</body>\n</html>\n")
+    with atomic_write(path) as f:
+        f.write(page)
+
+
+def esc(value):
+    return html.escape(str(value))
+
+
+def table(head, rows, classes=None, attrs=""):
+    """An HTML table of cells that hold HTML already, under a header row unless head is None; classes: {column:
+    class}. A row given as a string is a whole <tr> already."""
+    classes = classes or {}
+
+    def cells(tag, values):
+        return "".join(f'<{tag} class="{classes[i]}">{v}</{tag}>' if i in classes else f"<{tag}>{v}</{tag}>"
+                       for i, v in enumerate(values))
+    body = "".join(row if isinstance(row, str) else f"<tr>{cells('td', row)}</tr>" for row in rows)
+    header = "" if head is None else f"<tr>{cells('th', head)}</tr>"
+    return f"<table{attrs}>{header}{body}</table>"
+
+
+def section(anchor, title, *parts):
+    return f'<section id="{anchor}"><h2>{title}</h2>{"".join(parts)}</section>'
+
+
+def note(text):
+    return f'<p class="muted">{text}</p>'
+
+
+def scored_section(report):
+    rows = [("weights", report["weights"]), ("step", "" if report.get("step") is None else report["step"]),
+            ("decoding", report["decoding"]), ("validation split", report["split"]), ("dialogues", report["n"])]
+    if report.get("setting"):
+        rows.insert(3, ("sweep setting", f"{report['setting']} (the one the sweep below recommends)"))
+    return section("scored", "What was scored", table(None, [[f"<b>{esc(k)}</b>", esc(v)] for k, v in rows]))
+
+
+def scores_section(report):
+    rouge = [[t, f"{report[t]['mean']:.4f}", f"[{report[t]['ci95'][0]:.4f}, {report[t]['ci95'][1]:.4f}]"]
+             for t in ROUGE_TYPES]
+    found, n = report["diagnostics"], report["n"]
+    diagnostics = [
+        ("mean summary length in tokens, generated / reference",
+         f"{report['mean_generated_tokens']:.1f} / {report['mean_reference_tokens']:.1f}"),
+        ("length ratio, generated / reference", f"{found['length_ratio']:.2f}"),
+        (f"summaries that reached max_new_tokens={found['max_new_tokens']} (cut off)",
+         share(found["at_max_new_tokens"], n)),
+        ("empty summaries", share(found["empty"], n)),
+        (f"summaries that repeat a word {found['repeated_ngram']}-gram", share(found["with_repeated_ngram"], n))]
+    return section("scores", "ROUGE F1",
+                   note("rouge-score with the Porter stemmer, as the competition scores; 95% bootstrap intervals of "
+                        "the mean over the dialogues."),
+                   table(["metric", "mean", "95% interval"], rouge, {1: "num", 2: "num"}), "<h3>Diagnostics</h3>",
+                   table(None, [[esc(k), esc(v)] for k, v in diagnostics], {1: "num"}))
+
+
+def share(count, n):
+    return f"{count} of {n} ({100 * count / max(n, 1):.1f}%)"
+
+
+def sweep_section(rows, report):
+    head = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", "mean length (tokens)", "summaries/s",
+            "ROUGE-L - best's (paired 95%)", "within noise of the best"]
+    body = [[esc(row["setting"]), *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
+             f"{row['mean_tokens']:.1f}", f"{row['summaries_per_s']:.1f}",
+             f"{row['rougeL_vs_best']:+.4f} [{row['rougeL_vs_best_low']:+.4f}, {row['rougeL_vs_best_high']:+.4f}]",
+             "yes, recommended" if row["setting"] == report["setting"] else "yes" if row["within_best_ci95"] else ""]
+            for row in rows]
+    return section("sweep", "Sweep",
+                   note("Each setting's ROUGE-L minus the best's, paired over the same dialogues (95% bootstrap "
+                        "interval). The recommended setting, which this report details, is the fastest whose "
+                        "interval holds 0."),
+                   table(head, body, dict.fromkeys(range(1, 7), "num")))
+
+
+def comparison_section(frame, comparison, words):
+    """The paired differences per ROUGE, then the dialogues whose ROUGE-L changed most, both summaries side by
+    side."""
+    label, other = esc(comparison.label), comparison.other
+    summary = [[t, f"{s['mean_diff']:+.4f}", f"[{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]", s["better"], s["worse"],
+                s["same"]] for t, s in comparison.stats.items()]
+    change = frame["rougeL"].to_numpy() - other["rougeL"].to_numpy()
+    order = [i for i in np.argsort(-abs(change), kind="stable")[:CHANGED] if change[i] != 0]
+    rows = []
+    for i in order:
+        reference = words_of(frame["reference"][i], words)
+        ours, theirs = frame["prediction"][i], other["prediction"][i]
+        direction = "better" if change[i] > 0 else "worse"
+        rows += [[esc(frame["id"][i]), f'<span class="{direction}">{change[i]:+.4f}</span>',
+                  marked(frame["reference"][i], words_of(ours, words) | words_of(theirs, words), words),
+                  f'{marked(ours, reference, words)}<br><span class="muted">ROUGE-L {frame["rougeL"][i]:.4f}</span>',
+                  f'{marked(theirs, reference, words)}<br><span class="muted">ROUGE-L {other["rougeL"][i]:.4f}</span>'],
+                 dialogue_row(frame["dialogue"][i], 5)]
+    return section("compare", f"Compared with {label}",
+                   note(f"This evaluation minus {label} on the same {len(frame)} dialogues: the mean difference with "
+                        f"its paired 95% bootstrap interval, and on how many dialogues this one scores better, worse "
+                        f"or the same."),
+                   table(["metric", "difference", "95% interval", "better", "worse", "same"], summary,
+                         dict.fromkeys(range(1, 6), "num")),
+                   f"<h3>The {len(order)} dialogues whose ROUGE-L changed most</h3>",
+                   table(["id", "ROUGE-L change", "reference", "this summary", f"summary of {label}"], rows,
+                         {1: "num", 2: "text", 3: "text", 4: "text"}, ' class="examples"'))
+
+
+def examples_section(frame, words):
+    """The WORST and BEST summaries by ROUGE-L (ties in the evaluation's order)."""
+    scores = frame["rougeL"].to_numpy()
+    worst, best = np.argsort(scores, kind="stable")[:WORST], np.argsort(-scores, kind="stable")[:BEST]
+    return (section("worst", f"The {len(worst)} worst summaries (lowest ROUGE-L)", example_table(frame, worst, words))
+            + section("best", f"The {len(best)} best summaries (highest ROUGE-L)", example_table(frame, best, words)))
+
+
+def example_table(frame, indices, words):
+    rows = []
+    for i in indices:
+        reference, prediction = frame["reference"][i], frame["prediction"][i]
+        rows += [[f'<span class="id">{esc(frame["id"][i])}</span>',
+                  *(f"{frame[t][i]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
+                  marked(reference, words_of(prediction, words), words),
+                  marked(prediction, words_of(reference, words), words) or "<i>(empty)</i>"],
+                 dialogue_row(frame["dialogue"][i], 6)]
+    return table(["id", "ROUGE-1", "ROUGE-2", "ROUGE-L", "reference", "summary (shared words marked)"], rows,
+                 {1: "num", 2: "num", 3: "num", 4: "text", 5: "text"}, ' class="examples"')
+
+
+def dialogue_row(dialogue, columns):
+    """A whole-width table row holding the dialogue, collapsed until clicked."""
+    return (f'<tr class="dialogue"><td colspan="{columns}"><details><summary>dialogue ({len(dialogue.split())} '
+            f"words)</summary><pre>{esc(dialogue)}</pre></details></td></tr>")
+
+
+def words_of(text, words):
+    """The set of ROUGE tokens (lowercased, stemmed) of text."""
+    return set(words.tokenize(text))
+
+
+def marked(text, shared, words):
+    """text as HTML, its words whose ROUGE token is in `shared` inside <mark>."""
+    parts, end = [], 0
+    for match in WORD.finditer(text):
+        word = match.group()
+        parts += [esc(text[end:match.start()]), f"<mark>{word}</mark>" if shared & words_of(word, words) else word]
+        end = match.end()
+    return "".join(parts) + esc(text[end:])
+
+
+# ---- figures --------------------------------------------------------------------------------------------------
+
+def figures_section(frame, report, curve):
+    with rc_context(SVG_STYLE):
+        figures = [figure(rouge_histogram(frame), "Per-dialogue ROUGE-L: where the mean comes from."),
+                   figure(rouge_by_length(frame), "ROUGE-L by dialogue length: long dialogues are cut to fit "
+                                                  "block_size and are harder to summarize."),
+                   figure(lengths_scatter(frame, report["diagnostics"]["max_new_tokens"]),
+                          "Generated against reference length: points above the diagonal run long, points on the "
+                          "dashed line were cut off.")]
+    if curve:
+        figures.append(figure(training_curve(curve), f"The training run ({esc(curve)}).", "wide"))
+    return section("figures", "Figures", f'<div class="figures">{"".join(figures)}</div>')
+
+
+def figure(image, caption, kind=""):
+    """A <figure> of an image given as (MIME type, bytes), inline as a data: URI."""
+    mime, data = image
+    uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    attrs = f' class="{kind}"' if kind else ""
+    return f'<figure{attrs}><img alt="{esc(caption)}" src="{uri}"><figcaption>{caption}</figcaption></figure>'
+
+
+def svg(fig):
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="svg", metadata={"Date": None})
+    return "image/svg+xml", buffer.getvalue()
+
+
+def rouge_histogram(frame):
+    fig = Figure(figsize=(6, 3.6), layout="tight")
+    ax = fig.subplots()
+    values = frame["rougeL"]
+    ax.hist(values, bins=np.linspace(0, 1, 21), color="#4c72b0", edgecolor="white")
+    ax.axvline(values.mean(), color="#c62828", linestyle="--", label=f"mean {values.mean():.4f}")
+    ax.set(xlabel="ROUGE-L F1 of one summary", ylabel="dialogues", title="Per-dialogue ROUGE-L", xlim=(0, 1))
+    ax.legend()
+    return svg(fig)
+
+
+def rouge_by_length(frame):
+    """Mean ROUGE-L of LENGTH_BUCKETS buckets of dialogues of about equal size, by length in tokens."""
+    lengths = frame["dialogue_tokens"]
+    buckets = pd.qcut(lengths.rank(method="first"), min(LENGTH_BUCKETS, len(frame)), labels=False)
+    groups = frame.groupby(buckets).agg(low=("dialogue_tokens", "min"), high=("dialogue_tokens", "max"),
+                                        rouge=("rougeL", "mean"), n=("rougeL", "size"))
+    fig = Figure(figsize=(6, 3.6), layout="tight")
+    ax = fig.subplots()
+    bars = ax.bar([f"{g.low}-{g.high}" for g in groups.itertuples()], groups["rouge"], color="#55a868")
+    ax.bar_label(bars, labels=[f"n={n}" for n in groups["n"]], fontsize=8)
+    ax.axhline(frame["rougeL"].mean(), color="#c62828", linestyle="--", label="all dialogues")
+    ax.set(xlabel="dialogue length (tokens)", ylabel="mean ROUGE-L", title="ROUGE-L by dialogue length")
+    ax.legend(loc="lower left")
+    return svg(fig)
+
+
+def lengths_scatter(frame, max_new_tokens):
+    fig = Figure(figsize=(6, 3.6), layout="tight")
+    ax = fig.subplots()
+    ax.scatter(frame["reference_tokens"], frame["generated_tokens"], s=8, alpha=0.4, color="#4c72b0", linewidths=0)
+    top = max(frame["reference_tokens"].max(), frame["generated_tokens"].max(), max_new_tokens) + 2
+    ax.plot([0, top], [0, top], color="#6e6e73", linewidth=1, label="same length")
+    ax.axhline(max_new_tokens, color="#c62828", linestyle="--", linewidth=1, label=f"max_new_tokens={max_new_tokens}")
+    ax.set(xlabel="reference length (tokens)", ylabel="generated length (tokens)", xlim=(0, top), ylim=(0, top),
+           title="Generated against reference length")
+    ax.legend(loc="upper left")
+    return svg(fig)
+
+
+def training_curve(jsonl_path):
+    """metrics.png as train.py draws it (tracking.plot_metrics), from the run's metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as folder:
+        png = os.path.join(folder, "metrics.png")
+        tracking.plot_metrics(jsonl_path, png, title=os.path.dirname(os.path.abspath(jsonl_path)))
+        with open(png, "rb") as f:
+            return "image/png", f.read()

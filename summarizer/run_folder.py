@@ -1,0 +1,288 @@
+"""The run folder (out_dir): the names of the files a run keeps there, the lock that gives the folder to one
+training run at a time, moving an earlier run's files aside, the disk its checkpoints take, and what the commands
+say about the folder when a file they need is not there."""
+import contextlib
+import datetime
+import fcntl
+import glob
+import json
+import os
+import shutil
+import socket
+import sys
+
+import torch
+
+from summarizer.errors import UserError
+
+CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
+EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
+SUBMISSION, SWEEP_CSV, SWEEP_MD = "submission.csv", "sweep.csv", "sweep.md"
+LOCK = ".lock"  # flock'ed by the training run that writes into the folder; holds who that is
+EVAL_FILES = (EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT)
+# What a training run (and evaluate.py/predict.py after it) writes; a fresh run moves an earlier run's aside.
+RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SWEEP_CSV, SWEEP_MD, "tensorboard", "wandb")
+EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
+
+
+def make(path):
+    """Create the folder and check that a file can be written there, before any work whose results would be lost."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
+
+
+@contextlib.contextmanager
+def claimed(out_dir, is_main, stop_if):
+    """Rank 0 makes out_dir and holds its lock until the body ends: an OS advisory lock (flock), so a run that
+    crashed leaves none behind. A folder another run holds stops every rank at once, in one line naming the
+    holder, before anything is written. A folder this run made is removed again if the run fails before writing
+    into it."""
+    created = not os.path.exists(out_dir)
+    handle, problem = None, None
+    if is_main:
+        make(out_dir)
+        handle = open(os.path.join(out_dir, LOCK), "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            problem = (f"out_dir {out_dir} is in use by another training run ({holder(out_dir)}): wait for it to "
+                       f"end, or train into another folder with --out_dir=...")
+            handle.close()
+            handle = None
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "since": datetime.datetime.now().isoformat(timespec="seconds"),
+                                     "command": " ".join(sys.argv)}))
+            handle.flush()
+    try:
+        stop_if(problem)
+        yield
+    except BaseException:
+        if handle and created and os.listdir(out_dir) == [LOCK]:
+            os.remove(os.path.join(out_dir, LOCK))
+            os.rmdir(out_dir)
+        raise
+    finally:
+        if handle:
+            handle.close()  # releases the lock
+
+
+def holder(out_dir):
+    """Who holds out_dir's lock, as its lock file says: 'pid 123 on host h since 2026-11-25T10:00:00'."""
+    try:
+        with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
+            who = json.load(f)
+        return f"pid {who['pid']} on host {who['host']} since {who['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its lock file names no holder"
+
+
+def training_in(out_dir):
+    """The holder of out_dir's lock when a training run other than this process holds it, else None: evaluate,
+    predict and export then read the last complete save (saves replace files whole, never in place)."""
+    path = os.path.join(out_dir, LOCK)
+    try:
+        with open(path, encoding="utf-8") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return None
+            except BlockingIOError:
+                pass
+            who = json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return None
+    if who.get("pid") == os.getpid():
+        return None  # this process trains: evaluate_after and predict_after
+    return holder(out_dir)
+
+
+def set_aside_earlier_run(out_dir):
+    """Move the files of an earlier run in out_dir (RUN_FILES, and best-<metric>.pt files) into
+    out_dir/previous-run-<its time>/, so a fresh run neither appends to its metrics nor overwrites its checkpoints.
+    Returns a line saying so, or None. Call it once every input of the run has been checked."""
+    best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
+    found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
+    if not found:
+        return None
+    return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
+            f"--init_from=resume instead)")
+
+
+def unused(path, suffix=""):
+    """`path + suffix`, or the first of path-2, path-3, ... (before the suffix) that does not exist."""
+    candidate, n = path + suffix, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}{suffix}"
+    return candidate
+
+
+def move_aside(out_dir, names, prefix):
+    """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
+    moved, the folder), or ([], None)."""
+    found = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
+    if not found:
+        return [], None
+    newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
+    stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
+    folder = unused(os.path.join(out_dir, f"{prefix}-{stamp}"))
+    os.makedirs(folder)
+    for name in found:
+        os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    return found, folder
+
+
+def keep_best_of_metric(out_dir, metric):
+    """Rename out_dir/best.pt, the best by `metric`, to best-<metric>.pt (best-<metric>-2.pt, ... if taken), so a
+    run that now picks its best by another metric loses nothing. Returns the new path, or None without best.pt."""
+    best = os.path.join(out_dir, BEST)
+    if not os.path.exists(best):
+        return None
+    kept = unused(os.path.join(out_dir, f"best-{metric}"), ".pt")
+    os.replace(best, kept)
+    return kept
+
+
+def earlier_copies(path):
+    """Copies of the file `path` that fresh runs moved into previous-run-*/ beside it, newest first."""
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)
+    return sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True)
+
+
+def missing_file_hint(path, use):
+    """The clause that ends a 'does not exist' line: where an earlier run's copy is, and the flag `use` that
+    takes it; '' when there is none."""
+    copies = earlier_copies(path)
+    if not copies:
+        return ""
+    return f"; an earlier run's is {copies[0]} (a fresh run moved it there): use it with {use}={copies[0]}"
+
+
+# ---- the disk a run's checkpoints take -------------------------------------------------------------------
+
+GB = 1e9
+ZIP_BYTES_PER_TENSOR = 1024  # torch.save's zip record, alignment and pickle per tensor, rounded up
+ZIP_BYTES_FIXED = 2**20  # the rest of a checkpoint: config, RNG states, LR schedule
+ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 hashes per row
+
+
+def free_bytes(path):
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def file_bytes(path):
+    """Bytes of a file, or of everything under a folder; 0 for nothing."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def gb(n):
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
+
+
+def tensors_bytes(tensors):
+    """Bytes of distinct tensors (tied weights count once), as a checkpoint stores them."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes + ZIP_BYTES_PER_TENSOR
+    return total
+
+
+def state_bytes(state):
+    """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
+    tensors = []
+
+    def collect(obj):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                collect(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                collect(value)
+    collect(state)
+    return tensors_bytes(tensors) + ZIP_BYTES_FIXED
+
+
+class DiskPlan:
+    """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (the trained
+    weights, of a LoRA run with small_lora only its adapters, and AdamW's two moments of each), best.pt (the
+    merged weights), both with the train_rows' fingerprints, and the second copy of the larger one while an
+    atomic save replaces it; plus the export when export_dir is set."""
+
+    def __init__(self, model, cfg, small_lora=False, train_rows=0):
+        params = dict(model.named_parameters())  # tied weights once
+        trained = [p for p in params.values() if p.requires_grad]
+        base = [p for name, p in params.items() if ".lora_" not in name]
+        fixed = ZIP_BYTES_FIXED + ROW_BYTES * train_rows
+        self.best = tensors_bytes(base) + fixed
+        kept = trained if small_lora else list(params.values())
+        self.ckpt = tensors_bytes(kept) + 2 * tensors_bytes(trained) + fixed
+        self.export = tensors_bytes(base) if cfg.export_dir else 0
+        self.cfg = cfg
+
+    @property
+    def peak(self):
+        return self.ckpt + self.best + max(self.ckpt, self.best) + self.export
+
+    def describe(self):
+        parts = [f"ckpt.pt {gb(self.ckpt)}", f"best.pt {gb(self.best)}",
+                 f"{gb(max(self.ckpt, self.best))} while a save replaces one"]
+        if self.export:
+            parts.append(f"export {gb(self.export)}")
+        return f"{gb(self.peak)} ({' + '.join(parts)})"
+
+    def problem(self, resuming):
+        """None if out_dir's filesystem can take the run's peak, else the one line that says what to change. A
+        resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
+        out_dir = self.cfg.out_dir
+        here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
+        need, free = self.peak - here, free_bytes(out_dir)
+        if need <= free:
+            return None
+        name = os.path.basename(os.path.abspath(out_dir))
+        fixes = [f"train into a larger folder (e.g. --out_dir=/kaggle/temp/{name}, not kept after the session)"]
+        earlier = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{EARLIER_RUN}-*")))
+        if not resuming and any(os.path.exists(os.path.join(out_dir, n)) for n in (CKPT, BEST)):
+            earlier.append(f"{out_dir}/{CKPT} and {BEST}, which this fresh run would keep in a {EARLIER_RUN} folder")
+        if earlier:
+            fixes.append("delete earlier runs kept there: " + ", ".join(
+                f"{p} ({gb(file_bytes(p))})" if os.path.exists(p) else p for p in earlier))
+        if not self.cfg.lora_rank:
+            fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
+        return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and its filesystem has "
+                f"{gb(free)} free: " + "; or ".join(fixes))
+
+
+def save_problem(writes, iter_num):
+    """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces
+    until it is complete; else the line that says which cannot and what is kept. Nothing is written or removed."""
+    free = free_bytes(writes[0][0])
+    for path, state in writes:
+        need = state_bytes(state)
+        if need > free:
+            folder = os.path.dirname(os.path.abspath(path))
+            kept = [name for name in (CKPT, BEST) if os.path.exists(os.path.join(folder, name))]
+            return (f"cannot save {path} at iter {iter_num}: it needs {gb(need)} and {gb(free)} is free there; "
+                    f"{' and '.join(kept) + ' kept as they were' if kept else 'nothing was written'}: free some space "
+                    f"and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the ckpt.pt> "
+                    f"--out_dir=...)")
+        free -= need - file_bytes(path)  # the old file goes when the new one replaces it
+    return None

@@ -1,0 +1,110 @@
+"""The run folder (summarizer/run_folder.py): one training run at a time holds out_dir; a fresh run moves an earlier
+run aside only once its inputs are checked; commands that miss a file name the earlier run's copy; evaluate.py on
+a folder a training run holds says so."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import predict
+import train
+from conftest import REPO, metrics, one_error_line, save_csv, synthetic_rows, tiny, torchrun
+from summarizer import run_folder
+
+
+@pytest.fixture(scope="module")
+def csvs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("csvs")
+    return (save_csv(folder / "train.csv", synthetic_rows(48, 0)), save_csv(folder / "test.csv", synthetic_rows(4, 1),
+                                                                            test=True))
+
+
+def args(csvs, out, *more):
+    return [*tiny(), f"--train_csv={csvs[0]}", f"--test_csv={csvs[1]}", "--val_fraction=0.2", "--batch_size=4",
+            "--micro_batch_size=4", "--rouge_samples=2", "--eval_interval=4", "--log_interval=1", f"--out_dir={out}",
+            "--evaluate_after=False", "--predict_after=False", *more]
+
+
+def start(launcher, argv):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    return subprocess.Popen([*launcher, "train.py", *argv], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_second_run_into_a_folder_in_use_stops_at_once_and_the_first_is_untouched(csvs, tmp_path, launcher):
+    out = tmp_path / "out"
+    command = [sys.executable] if launcher == "python" else torchrun("--nproc_per_node=2", "--standalone")
+    first = start(command, args(csvs, out, "--max_iters=100000", "--micro_batch_size=2"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():  # the first run is training
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        begun = time.monotonic()
+        second = start(command, args(csvs, out, "--max_iters=3", "--micro_batch_size=2"))
+        _, err = second.communicate(timeout=120)
+        took = time.monotonic() - begun
+        assert second.returncode != 0
+        errors = [line for line in err.splitlines() if line.startswith(("error: ", "error (rank 0): "))]
+        assert len(errors) == 1 and f"out_dir {out} is in use by another training run (pid " in errors[0], err
+        if launcher == "python":  # under torchrun rank 0, a child of the launcher, holds the lock; the launcher
+            # itself reports a failed job with a traceback of its own
+            assert f"(pid {first.pid} on host " in errors[0] and "Traceback" not in err
+        assert took < 60
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    finally:
+        first.kill()
+    rows = metrics(out)
+    assert [r["iter"] for r in rows] == list(range(1, len(rows) + 1))  # one run's rows, in order, once each
+    assert json.load(open(out / "config.json"))["max_iters"] == 100000
+
+
+def test_a_rerun_that_fails_on_its_input_leaves_the_earlier_run_where_it_was(csvs, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main(args(csvs, out, "--max_iters=4"))
+    (out / "submission.csv").write_text("id,summary\n")
+    before = {name: (out / name).read_bytes() for name in ("best.pt", "ckpt.pt", "submission.csv", "metrics.jsonl")}
+    for bad in ("--train_csv=" + str(tmp_path / "missing.csv"), "--n_embd=33"):
+        err = one_error_line(capsys, train.main, args(csvs, out, "--max_iters=4", bad))
+        assert "missing.csv" in err or "n_embd" in err
+        assert {name: (out / name).read_bytes() for name in before} == before
+        assert not list(out.glob("previous-run-*"))
+    assert not os.path.exists(out / run_folder.LOCK) or run_folder.training_in(str(out)) is None
+
+
+def test_commands_that_miss_a_checkpoint_name_the_earlier_runs_copy(csvs, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main(args(csvs, out, "--max_iters=4"))
+    assert run_folder.set_aside_earlier_run(str(out))  # as a fresh run does before its first save
+    (earlier,) = out.glob("previous-run-*")
+    err = one_error_line(capsys, predict.main, args(csvs, out))
+    assert str(earlier / "best.pt") in err and "--ckpt=" in err
+    err = one_error_line(capsys, train.main, args(csvs, out, "--max_iters=8", "--init_from=resume"))
+    assert str(earlier / "ckpt.pt") in err and "--resume_from=" in err
+
+
+def test_evaluate_on_a_folder_a_training_run_holds_says_so(csvs, tmp_path, capsys):
+    import evaluate
+
+    out = tmp_path / "out"
+    train.main(args(csvs, out, "--max_iters=4"))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from summarizer import run_folder\n"
+                               f"with run_folder.claimed({str(out)!r}, True, lambda p: None):\n"
+                               "    print('held', flush=True); time.sleep(60)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        evaluate.main(args(csvs, out))
+        printed = capsys.readouterr().out
+        assert f"a training run holds {out} (pid {holder.pid} on host" in printed
+        assert (out / "eval_metrics.json").exists()
+    finally:
+        holder.kill()

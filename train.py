@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -307,6 +308,18 @@ class RunControl:
 
 # ---- the trainer -------------------------------------------------------------------------------------------
 
+class StepDone(NamedTuple):
+    """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
+    skipped (an fp16 overflow or a non-finite loss), the objective's second loss term per dialogue, every rank's
+    stop requests summed, and the GlobalBatch it trained on."""
+    loss: float
+    grad_norm: float
+    skipped: bool
+    extra: float
+    requests: list
+    batch: data.GlobalBatch
+
+
 class Trainer:
     """A training run: set up in __init__ (out_dir, data, model, objective, state, compile), then fit() runs the
     loop. Its TrainingState is what ckpt.pt holds."""
@@ -395,16 +408,16 @@ class Trainer:
                 for group in state.optimizer.param_groups:
                     group["lr"] = lr
                 start = time.perf_counter()
-                batch = self.objective.batches(state.step)
-                loss, extra, grad_norm, skipped, requests = self.step(batch)
+                done = self.train_step(state.step)
                 seconds = time.perf_counter() - start
                 state.step += 1
-                state.skipped_steps += skipped
-                stop = control.after_step(state.step, requests, loss, skipped, seconds)
-                stats = {"iter": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                state.skipped_steps += done.skipped
+                stop = control.after_step(state.step, done.requests, done.loss, done.skipped, seconds)
+                batch = done.batch
+                stats = {"iter": state.step, "loss": done.loss, "lr": lr, "grad_norm": done.grad_norm,
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
                 if self.objective.extra_loss:
-                    stats[self.objective.extra_loss] = extra
+                    stats[self.objective.extra_loss] = done.extra
                 if state.scaler.is_enabled():
                     stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
                 if self.peak:
@@ -425,16 +438,9 @@ class Trainer:
                     return
 
     def train_step(self, step):
-        """One optimizer step over global batch `step`: (mean loss per target token over all ranks, real tokens,
-        gradient norm before clipping, skipped: an fp16 overflow or a non-finite loss)."""
-        batch = self.objective.batches(step)
-        loss, _, grad_norm, skipped, _ = self.step(batch)
-        return loss, batch.tokens, grad_norm, skipped
-
-    def step(self, batch):
-        """One optimizer step over a GlobalBatch: (mean loss per target token over all ranks, the second loss term
-        per dialogue, gradient norm before clipping, skipped, every rank's stop requests summed)."""
+        """One optimizer step over global batch `step` (0-based); see StepDone."""
         cfg, rt, state = self.cfg, self.rt, self.state
+        batch = self.objective.batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
@@ -463,7 +469,7 @@ class Trainer:
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=True)
-        return loss, extra, grad_norm, skipped, requests
+        return StepDone(loss, grad_norm, skipped, extra, requests, batch)
 
     @torch.no_grad()
     def validate(self):

@@ -261,7 +261,7 @@ class DiskPlan:
         fixes = [f"train into a larger folder (e.g. --out_dir=/kaggle/temp/{name}, not kept after the session)"]
         earlier = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{EARLIER_RUN}-*")))
         if not resuming and any(os.path.exists(os.path.join(out_dir, n)) for n in (CKPT, BEST)):
-            earlier.append(f"{out_dir}/{CKPT} and {BEST}, which this fresh run would keep in a {EARLIER_RUN} folder")
+            earlier.append(f"{out_dir}/{CKPT} and {BEST} (this fresh run would keep them in {EARLIER_RUN}-<time>/)")
         if earlier:
             fixes.append("delete earlier runs kept there: " + ", ".join(
                 f"{p} ({gb(file_bytes(p))})" if os.path.exists(p) else p for p in earlier))

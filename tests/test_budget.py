@@ -18,8 +18,8 @@ import train
 from config import Decoding, load_config, part
 from conftest import REPO, TINY, metrics
 from model import GPT
-from summarizer import budget, checkpointing, inference, training
-from summarizer.checkpoint import load_checkpoint, save_checkpoint
+from summarizer import inference, run_folder
+from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from summarizer.command_line import parse_duration
 from summarizer.errors import UserError
 
@@ -27,12 +27,13 @@ from summarizer.errors import UserError
 @contextlib.contextmanager
 def small_filesystem(folder, megabytes, monkeypatch):
     """`folder` on a filesystem with `megabytes` of room: a size-limited tmpfs when this runs as root, else
-    budget.free_bytes reporting that room less what the folder holds."""
+    run_folder.free_bytes reporting that room less what the folder holds."""
     folder.mkdir()
     mounted = os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)], capture_output=True).returncode == 0
     if not mounted:
-        monkeypatch.setattr(budget, "free_bytes", lambda path: megabytes * 2**20 - budget.file_bytes(str(folder)))
+        monkeypatch.setattr(run_folder, "free_bytes",
+                            lambda path: megabytes * 2**20 - run_folder.file_bytes(str(folder)))
     try:
         yield folder
     finally:
@@ -43,7 +44,7 @@ def small_filesystem(folder, megabytes, monkeypatch):
 def fill(folder, leave_bytes):
     """Write a file into `folder` that leaves about `leave_bytes` free on its filesystem."""
     with open(folder / "filler.bin", "wb") as f:
-        f.write(b"\0" * max(0, budget.free_bytes(str(folder)) - leave_bytes))
+        f.write(b"\0" * max(0, run_folder.free_bytes(str(folder)) - leave_bytes))
 
 
 @pytest.fixture
@@ -74,9 +75,9 @@ def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args
     with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
         out = small / "out"
         train.main([*args, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
-        plan = budget.DiskPlan(training.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
+        plan = run_folder.DiskPlan(train.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
         on_disk = os.path.getsize(out / "ckpt.pt") + os.path.getsize(out / "best.pt")
-        assert on_disk <= plan.ckpt + plan.best <= on_disk + 2 * 2**20 + 2 * budget.ZIP_BYTES_FIXED
+        assert on_disk <= plan.ckpt + plan.best <= on_disk + 2 * 2**20 + 2 * run_folder.ZIP_BYTES_FIXED
         # resuming replaces ckpt.pt and best.pt: their bytes count as room
         fill(small, plan.peak - on_disk + 2**20)
         train.main([*args, f"--out_dir={out}", "--max_iters=4", "--eval_interval=2", "--init_from=resume"])
@@ -91,13 +92,13 @@ def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args
 def test_a_save_that_meets_a_full_disk_keeps_the_previous_checkpoints(args, tmp_path, monkeypatch, capsys):
     with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
         out = small / "out"
-        save = checkpointing.save
+        save = TrainingState.save
 
-        def save_then_fill(trainer, stats, best):
-            save(trainer, stats, best)
-            if trainer.iter_num == 2:
+        def save_then_fill(state, cfg, rt, metrics, best):
+            save(state, cfg, rt, metrics, best)
+            if state.step == 2:
                 fill(small, 2**20)
-        monkeypatch.setattr(checkpointing, "save", save_then_fill)
+        monkeypatch.setattr(TrainingState, "save", save_then_fill)
         with pytest.raises(SystemExit) as stopped:
             train.main([*args, f"--out_dir={out}", "--max_iters=6", "--eval_interval=2"])
         assert stopped.value.code == 2
@@ -144,7 +145,7 @@ def test_a_bad_max_time_is_one_line(text):
 @pytest.mark.slow
 def test_a_process_knows_its_age():
     """What max_time counts from on the command line: the process's start, imports included."""
-    code = "import time; time.sleep(1.5); from summarizer.budget import process_age; print(process_age())"
+    code = "import time; time.sleep(1.5); from summarizer.launch import process_age; print(process_age())"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert 1.5 <= float(result.stdout) < 20
 

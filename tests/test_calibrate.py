@@ -1,6 +1,7 @@
-"""The calibration stage (calibrate.py): the ranking loss against a hand computation, packed rows against
-transformers scoring each candidate alone, candidates.pt (stale files refused, interrupted generation resumed,
-sharded generation equal to one process), and stage 2 training: resumed bit-exactly, the same under DDP/FSDP."""
+"""The calibration stage (calibrate.py, summarizer/ranking.py): the ranking loss against a hand computation, packed
+rows against transformers scoring each candidate alone, candidates.pt (stale files refused, interrupted generation
+resumed, sharded generation equal to one process), and stage 2 training: resumed bit-exactly, the same under
+DDP/FSDP."""
 import math
 import sys
 
@@ -9,12 +10,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import calibrate
 import data
 import train
 from config import load_config
 from conftest import metrics, run, save_csv, synthetic_rows, torchrun
 from model import GPT
-from summarizer import calibrate
+from summarizer import ranking
 from summarizer.checkpoint import load_checkpoint
 from summarizer.runtime import Runtime
 from test_train import RUN, assert_same_losses
@@ -34,7 +36,7 @@ def test_ranking_loss_equals_hand_computation():
     dialogue = torch.tensor([0, 0, 0, 1, 1, 1])
     owner = torch.arange(6).repeat_interleave(2)
     per_token = (logprob_sums / 2).repeat_interleave(2)  # two tokens each, summing to logprob_sums
-    scores = calibrate.sequence_scores(per_token, owner, lengths, exponent=2.0)
+    scores = ranking.sequence_scores(per_token, owner, lengths, exponent=2.0)
     expected_scores = [-4 / 16, -1.5 / 9, -6 / 4, -2 / 4, -3 / 4, -1 / 1]
     assert scores.tolist() == pytest.approx(expected_scores)
     margin = 0.1
@@ -43,11 +45,11 @@ def test_ranking_loss_equals_hand_computation():
     d0 = (max(0, s[1] - s[0] + margin) + max(0, s[2] - s[0] + 2 * margin) + max(0, s[2] - s[1] + margin)) / 3
     # dialogue 1: candidates 3 and 4 share rank 0, candidate 5 has rank 2: pairs (3,5), (4,5), both gap 2
     d1 = (max(0, s[5] - s[3] + 2 * margin) + max(0, s[5] - s[4] + 2 * margin)) / 2
-    loss = calibrate.ranking_loss(scores, quality, dialogue, margin)
+    loss = ranking.ranking_loss(scores, quality, dialogue, margin)
     assert loss.item() == pytest.approx(d0 + d1)
     assert d0 > 0 and d1 == 0  # the example exercises an active and an inactive hinge
     # no pair at all (one candidate, or all equal): zero
-    assert calibrate.ranking_loss(scores[:2], torch.tensor([0.3, 0.3]), dialogue[:2], margin).item() == 0
+    assert ranking.ranking_loss(scores[:2], torch.tensor([0.3, 0.3]), dialogue[:2], margin).item() == 0
 
 
 def examples_of(pairs):
@@ -64,12 +66,12 @@ def test_packed_rows_score_every_candidate_as_transformers_scores_it_alone(tiny_
              for _ in range(3)]
     examples = examples_of(pairs)
     counts = (3, 1, 4)
-    candidates = calibrate.Candidates({}, [[rng.integers(0, 50256, rng.integers(0, 7)).tolist() for _ in range(k)]
+    candidates = ranking.Candidates({}, [[rng.integers(0, 50256, rng.integers(0, 7)).tolist() for _ in range(k)]
                                            for k in counts], [rng.random(k).tolist() for k in counts], 3)
     ours = GPT.from_pretrained(tiny_hf_dir).eval()
-    batch = calibrate.pack(examples, [0, 1, 2], candidates, train_on_prompt)
+    batch = ranking.pack(examples, [0, 1, 2], candidates, train_on_prompt)
     with torch.no_grad():
-        logprobs = calibrate.PackedScorer(ours)(batch.x, batch.packed)
+        logprobs = ranking.PackedScorer(ours)(batch.x, batch.packed)
         expected = []  # transformers, one sequence at a time: the references' targets, then every candidate's
         for (prompt, summary), first in zip(pairs, [0 if train_on_prompt else None] * 3, strict=True):
             sequence = prompt + summary + [data.EOT_ID]
@@ -107,9 +109,9 @@ def stage2_args(stage1, out, *extra):
 
 @pytest.mark.parametrize("mode", [[], ["--lora_rank=4", "--gradient_checkpointing=True"]], ids=["full", "lora"])
 def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_path, mode):
-    train.main(stage2_args(stage1, tmp_path / "straight", "--max_iters=4", *mode))
-    train.main(stage2_args(stage1, tmp_path / "resumed", "--max_iters=2", *mode))
-    train.main(stage2_args(stage1, tmp_path / "resumed", "--max_iters=4", "--init_from=resume", *mode))
+    calibrate.main(stage2_args(stage1, tmp_path / "straight", "--max_iters=4", *mode))
+    calibrate.main(stage2_args(stage1, tmp_path / "resumed", "--max_iters=2", *mode))
+    calibrate.main(stage2_args(stage1, tmp_path / "resumed", "--max_iters=4", "--init_from=resume", *mode))
     straight = load_checkpoint(str(tmp_path / "straight" / "ckpt.pt"))
     resumed = load_checkpoint(str(tmp_path / "resumed" / "ckpt.pt"))
     assert straight["iter_num"] == resumed["iter_num"] == 4
@@ -118,7 +120,7 @@ def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_pat
     rows, again = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [(r["loss"], r["rank_loss"]) for r in again] == [(r["loss"], r["rank_loss"]) for r in rows]
     assert any(r["rank_loss"] > 0 for r in rows)  # the ranking loss is there, and it is trained on
-    candidates = calibrate.load_candidates(str(tmp_path / "straight" / "candidates.pt"))
+    candidates = ranking.load_candidates(str(tmp_path / "straight" / "candidates.pt"))
     assert candidates.done == len(candidates.tokens) == 38 and straight["candidates"] == candidates.key
     for row, qualities in zip(candidates.tokens, candidates.quality, strict=True):
         assert 1 <= len(row) <= 3 and len({tuple(c) for c in row}) == len(row) and all(0 <= q <= 1 for q in qualities)
@@ -127,12 +129,12 @@ def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_pat
 @pytest.mark.slow
 def test_a_stale_candidates_file_is_refused_in_one_line(stage1, tmp_path):
     made = tmp_path / "candidates.pt"
-    train.main(stage2_args(stage1, tmp_path / "first", "--max_iters=1", f"--candidates_file={made}"))
+    calibrate.main(stage2_args(stage1, tmp_path / "first", "--max_iters=1", f"--candidates_file={made}"))
     before = made.read_bytes()
-    other_weights = run([sys.executable, "train.py", *stage2_args(stage1, tmp_path / "second", "--max_iters=1",
+    other_weights = run([sys.executable, "calibrate.py", *stage2_args(stage1, tmp_path / "second", "--max_iters=1",
                                                             f"--candidates_file={made}"),
                          f"--init_from={stage1 / 'other-run' / 'best.pt'}"])
-    other_rows = run([sys.executable, "train.py", *stage2_args(stage1, tmp_path / "third", "--max_iters=1",
+    other_rows = run([sys.executable, "calibrate.py", *stage2_args(stage1, tmp_path / "third", "--max_iters=1",
                                                          f"--candidates_file={made}"),
                       f"--train_csv={stage1 / 'other.csv'}"])
     for result, reason in ((other_weights, "another checkpoint's weights"), (other_rows, "other training rows")):
@@ -144,11 +146,11 @@ def test_a_stale_candidates_file_is_refused_in_one_line(stage1, tmp_path):
 
 
 def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_path, capsys):
-    train.main(stage2_args(stage1, tmp_path, "--max_iters=2"))
+    calibrate.main(stage2_args(stage1, tmp_path, "--max_iters=2"))
     (tmp_path / "candidates.pt").unlink()
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit:
-        train.main(stage2_args(stage1, tmp_path, "--max_iters=4", "--init_from=resume"))
+        calibrate.main(stage2_args(stage1, tmp_path, "--max_iters=4", "--init_from=resume"))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and len(lines) == 1 and "candidates.pt is missing" in lines[0], lines
 
@@ -156,14 +158,14 @@ def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_pat
 def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_path, monkeypatch):
     cfg = load_config(stage2_args(stage1, tmp_path))
     examples = data.load_datasets(cfg).train
-    from summarizer.checkpoint import build_model
+    from summarizer.model_source import build_model
     model, _ = build_model(cfg.init_from)
-    key = calibrate.candidates_key(model, examples, cfg)
+    key = ranking.candidates_key(model, examples, cfg)
     monkeypatch.setattr(calibrate, "SAVE_EVERY", 8)
     with Runtime(cfg) as rt:
-        whole = calibrate.make_candidates(model, examples, cfg, rt, key, progress=False)
+        whole = ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
         (tmp_path / "candidates.pt").rename(tmp_path / "whole.pt")
-        calls, generate = [], calibrate.generate
+        calls, generate = [], ranking.generate
 
         def crash_on_third_batch(*args, **kwargs):
             calls.append(1)
@@ -172,13 +174,13 @@ def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_p
             return generate(*args, **kwargs)
         monkeypatch.setattr(calibrate, "generate", crash_on_third_batch)
         with pytest.raises(KeyboardInterrupt):
-            calibrate.make_candidates(model, examples, cfg, rt, key, progress=False)
-        saved = calibrate.load_candidates(str(tmp_path / "candidates.pt"))
+            ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
+        saved = ranking.load_candidates(str(tmp_path / "candidates.pt"))
         assert 0 < saved.done < len(examples) and saved.done % 8 == 0
         monkeypatch.setattr(calibrate, "generate", generate)
         calls.clear()
-        finished = calibrate.make_candidates(model, examples, cfg, rt, key, progress=False)
-    assert finished == whole == calibrate.load_candidates(str(tmp_path / "candidates.pt"))
+        finished = ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
+    assert finished == whole == ranking.load_candidates(str(tmp_path / "candidates.pt"))
     assert finished.done == len(examples)
 
 
@@ -186,13 +188,13 @@ def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_p
 @pytest.mark.slow
 def test_two_ranks_generate_the_same_candidates_and_train_the_same_stage2(stage1, tmp_path, backend):
     args = stage2_args(stage1, tmp_path / "single", "--max_iters=2", "--dropout=0.0")
-    train.main(args)
-    result = run(torchrun("--nproc_per_node=2", "--standalone", "train.py",
+    calibrate.main(args)
+    result = run(torchrun("--nproc_per_node=2", "--standalone", "calibrate.py",
                           *stage2_args(stage1, tmp_path / backend, "--max_iters=2", "--dropout=0.0"),
                           f"--backend={backend}"))
     assert result.returncode == 0, result.stderr[-3000:]
-    single = calibrate.load_candidates(str(tmp_path / "single" / "candidates.pt"))
-    assert calibrate.load_candidates(str(tmp_path / backend / "candidates.pt")) == single
+    single = ranking.load_candidates(str(tmp_path / "single" / "candidates.pt"))
+    assert ranking.load_candidates(str(tmp_path / backend / "candidates.pt")) == single
     assert_same_losses(metrics(tmp_path / backend), metrics(tmp_path / "single"))
     for got, expected in zip(metrics(tmp_path / backend), metrics(tmp_path / "single"), strict=True):
         assert math.isclose(got["rank_loss"], expected["rank_loss"], rel_tol=1e-4, abs_tol=1e-7)

@@ -15,7 +15,8 @@ from config import Decoding, load_config
 from conftest import tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora, mbr, training
+from summarizer import inference, lora, mbr
+from summarizer.runtime import compile_model
 
 MAX_NEW = 20
 
@@ -43,7 +44,8 @@ def test_training_step_is_one_graph_over_varied_widths(checkpointing):
         y[torch.rand(4, width, generator=g) < 0.6] = -1  # prompts and padding: a varying number of targets
         return x, y
     with counted_compiles() as (counter, breaks):
-        compiled = training.compile_model(model, *batch(64), contextlib.nullcontext())
+        x, y = batch(64)
+        compiled = compile_model(model, lambda m: m(x, Targets.of(y))[1], contextlib.nullcontext())
         for width in (72, 24, 200, 8, 136, 256, 40, 96):
             x, y = batch(width)
             _, loss = compiled(x, Targets.of(y))
@@ -97,7 +99,7 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     with counted_compiles() as (counter, breaks):
         step = inference.CompiledDecodeStep()
         for batch, decoding, options, expected in cases:
-            assert generate(model, batch, decoding, eos, step=step, **options) == expected
+            assert generate(model, batch, decoding, eos, decode_step=step, **options) == expected
     assert not step.failed and breaks() == 0 and counter.compilations["decode"] <= 2
 
 
@@ -153,7 +155,8 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     y = torch.randint(0, 64, (2, 32))
     runs = []
     for compiled in (False, True):
-        trained = training.compile_model(model, x, y, contextlib.nullcontext()) if compiled else model
+        trained = (compile_model(model, lambda m: m(x, Targets.of(y))[1], contextlib.nullcontext()) if compiled
+                   else model)
         _, loss = trained(x, y)
         loss.backward()
         runs.append((trained, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))

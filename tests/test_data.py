@@ -315,10 +315,14 @@ def test_global_target_count_matches_the_ranks_batches(tmp_path):
         cfg_t = make_cfg(tmp_path, val_fraction=0.0, batch_size=16, micro_batch_size=2, train_on_prompt=train_on_prompt)
         ranks = [TrainBatches(train, cfg_t, rank, 2) for rank in range(2)]
         for step in (0, 1, 5):
-            batches = [xy for r in ranks for xy in r.micro_batches(step)]
+            both = [r(step) for r in ranks]
+            batches = [xy for batch in both for xy in batch.micro_batches]
             assert len(batches) == 8 and all(x.shape[0] == 2 and x.shape[1] <= cfg.block_size for x, _ in batches)
-            assert ranks[0].target_tokens(step) == ranks[1].target_tokens(step) == sum(
-                int((y != -1).sum()) for _, y in batches)
+            assert both[0].targets == both[1].targets == sum(int((y != -1).sum()) for _, y in batches)
+            if train_on_prompt:  # every input token but padding is a target: the counts of the inputs
+                rows = [int(n) for _, y in batches for n in (y != -1).sum(1)]
+                assert both[0].tokens == both[1].tokens == sum(rows)
+                assert both[0].attended == both[1].attended == sum(n * n for n in rows)
 
 
 def test_eval_batches_cover_the_split_once(tmp_path):

@@ -15,7 +15,8 @@ import train
 from config import load_config
 from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
 from summarizer import inference
-from summarizer.checkpoint import build_model, load_checkpoint
+from summarizer.checkpoint import load_checkpoint
+from summarizer.model_source import build_model
 from test_tokenizer import TEXTS
 
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
@@ -65,7 +66,7 @@ def test_transformers_generate_with_the_exported_settings_equals_ours(run, overr
         export.main([f"--ckpt={run.folder / 'out' / 'best.pt'}", f"--export_dir={path}", *overrides])
     dialogues = [row["dialogue"] for row in synthetic_rows(16, seed=7)]
     cfg = load_config([*run.args, *overrides])
-    prompts, _ = inference.Run(run.model, cfg).prompts(dialogues)
+    prompts, _ = inference.Summarizer(run.model, cfg).prompts(dialogues)
     ours = inference.summarize(run.model, prompts, cfg, nullcontext())
     assert len(set(ours)) > 4, ours  # a model that learned something, not one repeated string
     assert hf_summaries(path, dialogues) == ours
@@ -115,7 +116,7 @@ def test_init_from_export_starts_at_the_checkpoints_loss(run, tmp_path):
                 "--best_metric=val_loss"])
     cfg = load_config([*run.args, f"--init_from={run.hf_dir}"])
     train_set = data.load_datasets(cfg).train
-    (x, y), = data.TrainBatches(train_set, cfg, 0, 1).micro_batches(0)
+    (x, y), = data.TrainBatches(train_set, cfg, 0, 1)(0).micro_batches
     with torch.no_grad():
         _, expected = run.model(x, y)
     assert metrics(out)[0]["loss"] == pytest.approx(expected.item(), rel=1e-6)

@@ -34,10 +34,12 @@ def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(a
     # One step: a scale of 2**40 overflows fp16 gradients; backing off by 2**-30 makes the next step's scale 2**10.
     trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**40, backoff_factor=2.0**-30))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    loss, _, grad_norm, skipped = trainer.train_step(0)
+    done = trainer.train_step(0)
+    loss, grad_norm, skipped = done.loss, done.grad_norm, done.skipped
     assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and skipped and not math.isfinite(grad_norm)
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
-    loss, _, grad_norm, skipped = trainer.train_step(1)
+    done = trainer.train_step(1)
+    loss, grad_norm, skipped = done.loss, done.grad_norm, done.skipped
     assert math.isfinite(loss) and trainer.scaler.get_scale() == 2.0**10 and not skipped and math.isfinite(grad_norm)
     assert not torch.equal(trainer.model.lm_head.weight, before["lm_head.weight"])
     # A run: a scale this large overflows every fp16 gradient; backing off slowly keeps it overflowing.
@@ -49,7 +51,8 @@ def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(a
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: the fp16")]
     assert len(warnings) == 1 and "skipped 6 of the last 20 steps" in warnings[0]
     trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=1.0, backoff_factor=0.5))
-    _, _, grad_norm, skipped = trainer.train_step(8)
+    done = trainer.train_step(8)
+    grad_norm, skipped = done.grad_norm, done.skipped
     assert not skipped and math.isfinite(grad_norm)
 
 

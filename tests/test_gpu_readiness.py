@@ -17,9 +17,10 @@ import train
 from config import Decoding, load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from model import GPT
-from summarizer import inference, training
-from summarizer.checkpoint import build_model, load_checkpoint
+from summarizer import inference
+from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
+from summarizer.model_source import build_model
 from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
@@ -185,14 +186,14 @@ def compiled_then_eager_then_compiled(long_dialogues):
     the eager run's checkpoint. Returns the metrics and what compile_model returned each time."""
     out = long_dialogues / "mixed"
     returned = []
-    real_compile_model = training.compile_model
-    training.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
+    real_compile_model = train.compile_model
+    train.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
     try:
         for compile, iters, init in [(True, 2, "scratch"), (False, 4, "resume"), (True, 6, "resume")]:
             train.main([*compile_args(long_dialogues), f"--compile={compile}", f"--max_iters={iters}",
                         f"--init_from={init}", f"--out_dir={out}"])
     finally:
-        training.compile_model = real_compile_model
+        train.compile_model = real_compile_model
     return metrics(out), returned, out
 
 
@@ -248,7 +249,7 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
     step = inference.CompiledDecodeStep()
-    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
@@ -258,16 +259,16 @@ def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_h
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
     model, prompts, eos = greedy_case(tiny_hf_dir)
     step = inference.CompiledDecodeStep()
-    original = generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step)
+    original = generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.transformer.h[1].mlp.c_proj.weight.mul_(-1.0)
     calls, real_step = [], step.compiled
     step.compiled = lambda m, *args: calls.append(m) or real_step(m, *args)
-    twin_summaries = generate.generate(twin, prompts, Decoding(16), eos_token_id=eos, step=step)
+    twin_summaries = generate.generate(twin, prompts, Decoding(16), eos_token_id=eos, decode_step=step)
     assert twin_summaries == generate.generate(twin, prompts, Decoding(16), eos_token_id=eos)  # eager
     assert twin_summaries != original
-    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == original
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == original
     assert any(m is twin for m in calls) and any(m is model for m in calls)
     assert "torch.compile failed" not in capfd.readouterr().err
 
@@ -300,8 +301,8 @@ def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broke
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
     step = inference.CompiledDecodeStep()
-    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
-    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, step=step) == eager
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
+    assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert warnings_in(capfd.readouterr().err) == [
         "warning: torch.compile failed (RuntimeError: simulated compiler crash); decoding eagerly"]
 

@@ -44,5 +44,5 @@ def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, ca
         raise torch.OutOfMemoryError("CUDA out of memory.")
     step.compiled = out_of_memory
     with pytest.raises(torch.OutOfMemoryError):
-        generate.generate(model, [[1, 2, 3]], Decoding(4), step=step)
+        generate.generate(model, [[1, 2, 3]], Decoding(4), decode_step=step)
     assert not step.failed and "torch.compile failed" not in capfd.readouterr().err  # no eager retry

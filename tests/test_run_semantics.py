@@ -274,10 +274,12 @@ def test_grad_norm_is_the_norm_before_clipping(args):
     cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
     trainer = train.Trainer(cfg, Runtime(cfg))
     reference = copy.deepcopy(trainer.model)
-    scale = 1 / trainer.batches.target_tokens(0)
-    for x, y in trainer.batches.micro_batches(0):
+    batch = trainer.objective.batches(0)
+    scale = 1 / batch.targets
+    for x, y in batch.micro_batches:
         _, loss = reference(x, y)
         (loss * (y != -1).sum() * scale).backward()
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
-    _, _, grad_norm, skipped = trainer.train_step(0)
+    done = trainer.train_step(0)
+    grad_norm, skipped = done.grad_norm, done.skipped
     assert grad_norm == pytest.approx(expected, rel=1e-5) and expected > 1e-3 and not skipped

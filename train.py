@@ -33,8 +33,8 @@ from summarizer.command_line import changed_settings, parse_duration, save_confi
 from summarizer.errors import UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
+from summarizer.loading import build_model, lora_base_reference
 from summarizer.metrics import rouge
-from summarizer.model_source import build_model, lora_base_reference
 from summarizer.rules import grad_accum_steps
 from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
 from summarizer.schedule import learning_rate
@@ -144,7 +144,7 @@ def model_to_train(cfg):
     fixed = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
              **dict.fromkeys(keys(RowFormat), "what the model was trained on")}
     check_fixed(ckpt["config"], asdict(cfg), fixed, path,
-                lambda key, value: f"{fixed[key]} cannot change when resuming; resume with --{key}={value!r}")
+                lambda key, value: f"resume with --{key}={value!r} ({fixed[key]} cannot change when resuming)")
     return model, ckpt
 
 

@@ -208,4 +208,4 @@ def check_fixed(trained, values, keys, path, advice):
     for key in keys:
         if values[key] != trained[key]:
             raise UserError(f"--{key}={values[key]!r} contradicts {path}: it was trained with {key}={trained[key]!r}, "
-                            f"not {values[key]!r}; {advice(key, trained[key])}")
+                            f"not {values[key]!r}: {advice(key, trained[key])}")

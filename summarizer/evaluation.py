@@ -74,8 +74,8 @@ def evaluate(cfg, explicit, rt):
     frame = scored_frame(val, predictions)
     report = scores_report(frame, run, run.cfg, run.overridden)
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
-    write_evaluation(cfg, run, frame, report, comparison)
     print(format_report(report))
+    write_evaluation(cfg, run, frame, report, comparison)
     return report
 
 
@@ -125,7 +125,7 @@ def repeats_ngram(text, n=REPEAT_N):
 
 def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
     """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (an evaluation of
-    other weights there moved aside first), and with a comparison its lines on stdout."""
+    other weights there moved aside first); with a comparison, its lines on stdout."""
     out = inference.output_dir(cfg)
     moved = set_aside_other_weights(out, run.weights)
     if moved:
@@ -140,10 +140,10 @@ def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
     curve = os.path.join(os.path.dirname(run.path), run_folder.METRICS) if run.path else ""
     write_report(paths[2], frame, report, curve=curve if os.path.isfile(curve) else "", comparison=comparison,
                  sweep_rows=sweep_rows)
-    print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
     if comparison is not None:
         for t in COMPARED:
             print(comparison_line(t, comparison.stats[t], comparison.label, len(frame)))
+    print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
 
 
 def set_aside_other_weights(out, weights):
@@ -205,7 +205,10 @@ def read_evaluation(where):
     if missing:
         raise UserError(f"--compare={where}: {path} has no {', '.join(missing)} column(s); it is not an "
                         f"{run_folder.EVAL_PREDICTIONS} that evaluate.py wrote")
-    return frame.astype(dict.fromkeys(COMPARED, float))
+    try:
+        return frame.astype(dict.fromkeys(COMPARED, float))
+    except ValueError as e:
+        raise UserError(f"--compare={where}: {path} has a score that is not a number ({e})") from None
 
 
 def matched(other, val, where):

@@ -23,7 +23,7 @@ from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
 from summarizer.checkpoint import check_fixed
 from summarizer.errors import UserError
-from summarizer.model_source import build_model
+from summarizer.loading import build_model
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise

@@ -25,8 +25,8 @@ from summarizer import lora
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.inference import generation_batches, generation_memory
+from summarizer.loading import weights_digest
 from summarizer.metrics import rouge_per_example
-from summarizer.model_source import weights_digest
 
 QUALITY = ("rouge1", "rouge2", "rougeL")  # a candidate's quality: the mean of these F1 against the reference
 SAVE_EVERY = 512  # dialogues between two saves of candidates.pt while generating (what a crash can lose)

@@ -32,8 +32,10 @@ h1 { margin-bottom: 0.2rem; } h2 { margin-top: 2rem; border-bottom: 2px solid #e
 nav a { margin-right: 1rem; } .muted { color: #6e6e73; }
 table { border-collapse: collapse; margin: 0.5rem 0; }
 th, td { border-bottom: 1px solid #e3e3e8; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }
-th { background: #f5f5f7; } .num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-table.examples { width: 100%; } table.examples td.text { width: 30%; }
+th { background: #f5f5f7; } td.num { white-space: nowrap; }
+.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.examples { width: 100%; table-layout: fixed; } table.examples .num { width: 5.5rem; }
+table.examples .key { width: 9rem; } table.examples .text { overflow-wrap: anywhere; }
 tr.dialogue td { border-bottom: 2px solid #c7c7cc; padding-top: 0; }
 mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; }
 details summary { cursor: pointer; color: #0a58ca; }
@@ -148,7 +150,7 @@ def comparison_section(frame, comparison, words):
         reference = words_of(frame["reference"][i], words)
         ours, theirs = frame["prediction"][i], other["prediction"][i]
         direction = "better" if change[i] > 0 else "worse"
-        rows += [[esc(frame["id"][i]), f'<span class="{direction}">{change[i]:+.4f}</span>',
+        rows += [[id_cell(frame["id"][i]), f'<span class="{direction}">{change[i]:+.4f}</span>',
                   marked(frame["reference"][i], words_of(ours, words) | words_of(theirs, words), words),
                   f'{marked(ours, reference, words)}<br><span class="muted">ROUGE-L {frame["rougeL"][i]:.4f}</span>',
                   f'{marked(theirs, reference, words)}<br><span class="muted">ROUGE-L {other["rougeL"][i]:.4f}</span>'],
@@ -161,7 +163,7 @@ def comparison_section(frame, comparison, words):
                          dict.fromkeys(range(1, 6), "num")),
                    f"<h3>The {len(order)} dialogues whose ROUGE-L changed most</h3>",
                    table(["id", "ROUGE-L change", "reference", "this summary", f"summary of {label}"], rows,
-                         {1: "num", 2: "text", 3: "text", 4: "text"}, ' class="examples"'))
+                         {0: "key", 1: "num", 2: "text", 3: "text", 4: "text"}, ' class="examples"'))
 
 
 def examples_section(frame, words):
@@ -176,13 +178,16 @@ def example_table(frame, indices, words):
     rows = []
     for i in indices:
         reference, prediction = frame["reference"][i], frame["prediction"][i]
-        rows += [[f'<span class="id">{esc(frame["id"][i])}</span>',
-                  *(f"{frame[t][i]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
+        rows += [[id_cell(frame["id"][i]), *(f"{frame[t][i]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
                   marked(reference, words_of(prediction, words), words),
                   marked(prediction, words_of(reference, words), words) or "<i>(empty)</i>"],
                  dialogue_row(frame["dialogue"][i], 6)]
     return table(["id", "ROUGE-1", "ROUGE-2", "ROUGE-L", "reference", "summary (shared words marked)"], rows,
-                 {1: "num", 2: "num", 3: "num", 4: "text", 5: "text"}, ' class="examples"')
+                 {0: "key", 1: "num", 2: "num", 3: "num", 4: "text", 5: "text"}, ' class="examples"')
+
+
+def id_cell(value):
+    return f'<span class="id">{esc(value)}</span>'
 
 
 def dialogue_row(dialogue, columns):
@@ -257,15 +262,16 @@ def rouge_by_length(frame):
     bars = ax.bar([f"{g.low}-{g.high}" for g in groups.itertuples()], groups["rouge"], color="#55a868")
     ax.bar_label(bars, labels=[f"n={n}" for n in groups["n"]], fontsize=8)
     ax.axhline(frame["rougeL"].mean(), color="#c62828", linestyle="--", label="all dialogues")
-    ax.set(xlabel="dialogue length (tokens)", ylabel="mean ROUGE-L", title="ROUGE-L by dialogue length")
-    ax.legend(loc="lower left")
+    ax.set(xlabel="dialogue length (tokens)", ylabel="mean ROUGE-L", title="ROUGE-L by dialogue length",
+           ylim=(0, 1.3 * max(groups["rouge"].max(), 0.01)))  # room above the bars for their labels and the legend
+    ax.legend(loc="upper left")
     return svg(fig)
 
 
 def lengths_scatter(frame, max_new_tokens):
     fig = Figure(figsize=(6, 3.6), layout="tight")
     ax = fig.subplots()
-    ax.scatter(frame["reference_tokens"], frame["generated_tokens"], s=8, alpha=0.4, color="#4c72b0", linewidths=0)
+    ax.scatter(frame["reference_tokens"], frame["generated_tokens"], s=14, alpha=0.5, color="#4c72b0", linewidths=0)
     top = max(frame["reference_tokens"].max(), frame["generated_tokens"].max(), max_new_tokens) + 2
     ax.plot([0, top], [0, top], color="#6e6e73", linewidth=1, label="same length")
     ax.axhline(max_new_tokens, color="#c62828", linestyle="--", linewidth=1, label=f"max_new_tokens={max_new_tokens}")
@@ -279,6 +285,6 @@ def training_curve(jsonl_path):
     """metrics.png as train.py draws it (tracking.plot_metrics), from the run's metrics.jsonl."""
     with tempfile.TemporaryDirectory() as folder:
         png = os.path.join(folder, "metrics.png")
-        tracking.plot_metrics(jsonl_path, png, title=os.path.dirname(os.path.abspath(jsonl_path)))
+        tracking.plot_metrics(jsonl_path, png, title=os.path.dirname(jsonl_path) or ".")
         with open(png, "rb") as f:
             return "image/png", f.read()

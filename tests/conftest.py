@@ -122,7 +122,7 @@ def write_csv(tmp_path):
 def assert_export_matches(best_pt, export_dir):
     """export.py turns best_pt into a transformers folder whose logits are ours (1e-5)."""
     import export
-    from summarizer.model_source import build_model
+    from summarizer.loading import build_model
     export.main([f"--ckpt={best_pt}", f"--export_dir={export_dir}"])
     ours = build_model(str(best_pt))[0].eval()
     hf = GPT2LMHeadModel.from_pretrained(export_dir).eval()

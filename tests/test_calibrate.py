@@ -158,7 +158,7 @@ def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_pat
 def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_path, monkeypatch):
     cfg = load_config(stage2_args(stage1, tmp_path))
     examples = data.load_datasets(cfg).train
-    from summarizer.model_source import build_model
+    from summarizer.loading import build_model
     model, _ = build_model(cfg.init_from)
     key = ranking.candidates_key(model, examples, cfg)
     monkeypatch.setattr(calibrate, "SAVE_EVERY", 8)

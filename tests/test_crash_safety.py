@@ -16,7 +16,7 @@ import train
 from conftest import REPO, TINY, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint
-from summarizer.model_source import model_from_checkpoint
+from summarizer.loading import model_from_checkpoint
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
        "--eval_val_batches=1"]

@@ -16,7 +16,7 @@ from config import load_config
 from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
-from summarizer.model_source import build_model
+from summarizer.loading import build_model
 from test_tokenizer import TEXTS
 
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them

@@ -20,7 +20,7 @@ from model import GPT
 from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from summarizer.model_source import build_model
+from summarizer.loading import build_model
 from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)

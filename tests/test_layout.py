@@ -1,6 +1,7 @@
 """The layout shows the architecture: at most 10 Python files at the root, the machinery in summarizer/, the
-benchmarks in bench/; units that fit a screen; imports that run one way (model needs torch alone, generate the
-model alone). `python tests/test_layout.py` prints the largest units."""
+benchmarks in bench/; each concept one owner (no module named like another plus a suffix, the trainer taken by no
+function outside train.py, the calibration stage outside train.py); one training step runs code in at most six
+project files; imports run one way (model needs torch alone, generate the model alone)."""
 import ast
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = {"class": 200, "function": 60}  # lines, decorators and docstrings included
+STEP_FILES = 6  # project files one training step may run code in (nanochat's: about 5)
 
 
 def project_files():
@@ -21,18 +22,11 @@ def project_files():
                 yield os.path.relpath(os.path.join(folder, name), REPO)
 
 
-def units():
-    """(lines, kind, 'path:line name') of every class and function of the project, largest first."""
-    found = []
+def parsed():
+    """(path, ast) of every project file."""
     for path in project_files():
         with open(os.path.join(REPO, path), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                kind = "class" if isinstance(node, ast.ClassDef) else "function"
-                found.append((node.end_lineno - first + 1, kind, f"{path}:{node.lineno} {node.name}"))
-    return sorted(found, reverse=True)
+            yield path, ast.parse(f.read())
 
 
 def added_by(statement, first="import torch"):
@@ -55,9 +49,57 @@ def test_the_root_holds_what_a_user_runs_or_reads_first():
     assert not any(name.startswith("bench") for name in root)
 
 
-def test_no_unit_is_longer_than_a_screen():
-    too_long = [(n, kind, where) for n, kind, where in units() if n > LIMITS[kind]]
-    assert not too_long, f"over {LIMITS}: {too_long}"
+def test_no_module_is_named_like_another_plus_a_suffix():
+    stems = {os.path.splitext(os.path.basename(p))[0] for p in project_files() if not p.startswith("config" + os.sep)}
+    stems -= {"__init__", "__main__"}
+    clashes = [(a, b) for a in stems for b in stems if a != b and b.startswith(a) and len(a) >= 4]
+    assert not clashes, clashes
+
+
+def test_no_function_outside_train_py_takes_the_trainer():
+    takers = [f"{path}:{node.lineno} {node.name}" for path, tree in parsed() if path != "train.py"
+              for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for arg in node.args.args + node.args.kwonlyargs if arg.arg == "trainer"]
+    assert not takers, takers
+
+
+def test_train_py_does_not_mention_the_calibration_stage():
+    with open(os.path.join(REPO, "train.py"), encoding="utf-8") as f:
+        text = f.read().lower()
+    for word in ("calibrat", "rank_weight", "rankbatch", "candidates", "ranking"):
+        assert word not in text, word
+
+
+def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, write_csv):
+    """Profiled between the second and the third forward of a one-process run (eager, fp32): the files whose
+    functions ran, logging a metrics.jsonl row and the progress bar included."""
+    import train
+    from config import load_config
+    from conftest import tiny
+    from model import GPT
+    from summarizer.runtime import Runtime
+
+    argv = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=2",
+            "--micro_batch_size=2", "--max_iters=4", "--eval_interval=100", "--log_interval=1",
+            "--rouge_samples=0", "--best_metric=val_loss", f"--out_dir={tmp_path / 'out'}"]
+    cfg = load_config(argv)
+    trainer = train.Trainer(cfg, Runtime(cfg))
+    forwards, files = [], set()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        if frame.f_code is GPT.forward.__code__:
+            forwards.append(1)
+        path = os.path.relpath(frame.f_code.co_filename, REPO)
+        if len(forwards) == 2 and os.path.isfile(os.path.join(REPO, path)) and not path.startswith(("..", "tests")):  # from step 2's forward to step 3's
+            files.add(path)
+    sys.setprofile(profile)
+    try:
+        trainer.fit()
+    finally:
+        sys.setprofile(None)
+    assert len(forwards) >= 4 and 3 <= len(files) <= STEP_FILES, sorted(files)
 
 
 @pytest.mark.slow
@@ -69,7 +111,3 @@ def test_model_needs_torch_alone_and_generate_the_model_alone():
     assert generate - set(sys.stdlib_module_names) == {"model", "generate"}
     assert not {"rouge_score", "nltk", "rapidfuzz", "pandas", "tiktoken"} & (model | generate)
 
-
-if __name__ == "__main__":
-    for n, kind, where in units()[:10]:
-        print(f"{n:4d} lines  {kind:<8}  {where}")

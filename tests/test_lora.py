@@ -18,7 +18,7 @@ from conftest import assert_export_matches, metrics, tiny, tiny_gpt
 from model import GPT
 from summarizer import lora
 from summarizer.checkpoint import load_checkpoint
-from summarizer.model_source import model_from_checkpoint
+from summarizer.loading import model_from_checkpoint
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -234,6 +234,7 @@ class Export:
 # in the order of --help and the reference
 GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
           Summarizing, Calibration, Export)
+READ_ONLY_BY = {Calibration: "calibrate.py"}  # groups one command alone reads: another refuses them
 
 
 @dataclass

@@ -29,7 +29,7 @@ from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import TrainingState, check_fixed
-from summarizer.command_line import changed_settings, parse_duration, save_config
+from summarizer.command_line import changed_settings, check_command, parse_duration, save_config
 from summarizer.errors import UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
@@ -54,6 +54,7 @@ def main(argv=None, objective=None, script="train.py"):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv)
+        check_command(argv, script)
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
                 print(f"settings: {changed_settings(argv) or 'the defaults'}; every key: "

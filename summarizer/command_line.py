@@ -16,7 +16,7 @@ import re
 import sys
 import typing
 
-from config import FIELDS, GROUPS, Config, Decoding, keys
+from config import FIELDS, GROUPS, READ_ONLY_BY, Config, Decoding, keys
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
@@ -130,6 +130,16 @@ def save_config(cfg, path):
 def explicit_keys(argv):
     """The keys given as --key=value (not those a preset sets): what a command asks for in so many words."""
     return {parse_override(arg)[0] for arg in argv if arg.startswith("--") and arg not in ("-h", "--help")}
+
+
+def check_command(argv, command):
+    """One line when the command line gives `command` a key that only another command reads (config.READ_ONLY_BY),
+    instead of ignoring it."""
+    for group, reader in READ_ONLY_BY.items():
+        given = sorted(explicit_keys(argv) & set(keys(group)))
+        if given and reader != command:
+            raise UserError(f"--{given[0]} is read by {reader}, not {command}: run python {reader} with it "
+                            f"(docs/config.md)")
 
 
 def changed_settings(argv):

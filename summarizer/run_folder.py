@@ -38,40 +38,57 @@ def make(path):
 
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if):
-    """Rank 0 makes out_dir and holds its lock until the body ends: an OS advisory lock (flock), so a run that
-    crashed leaves none behind. A folder another run holds stops every rank at once, in one line naming the
-    holder, before anything is written. A folder this run made is removed again if the run fails before writing
-    into it."""
+    """Rank 0 makes out_dir and holds its lock until the body ends: an OS advisory lock (flock) on out_dir/.lock,
+    so a run that crashed leaves no lock behind, only the file. A folder another run holds stops every rank at
+    once, in one line naming the holder, before anything is written. The lock file goes when the run ends, and a
+    folder this run made goes too if the run failed before writing into it."""
     created = not os.path.exists(out_dir)
     handle, problem = None, None
     if is_main:
         make(out_dir)
-        handle = open(os.path.join(out_dir, LOCK), "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        handle = lock(out_dir)
+        if handle is None:
             problem = (f"out_dir {out_dir} is in use by another training run ({holder(out_dir)}): wait for it to "
                        f"end, or train into another folder with --out_dir=...")
-            handle.close()
-            handle = None
-        else:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                     "since": datetime.datetime.now().isoformat(timespec="seconds"),
-                                     "command": " ".join(sys.argv)}))
-            handle.flush()
+    failed = True
     try:
         stop_if(problem)
         yield
-    except BaseException:
-        if handle and created and os.listdir(out_dir) == [LOCK]:
-            os.remove(os.path.join(out_dir, LOCK))
-            os.rmdir(out_dir)
-        raise
+        failed = False
     finally:
         if handle:
-            handle.close()  # releases the lock
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, LOCK))  # while still holding it: see lock()
+            handle.close()
+            if created and failed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(out_dir)  # only if empty
+
+
+def lock(out_dir):
+    """The open lock file of out_dir, flock'ed by this process and naming it, or None when another holds it. A
+    file another run removed between our open and our flock is not the lock any more: open it again."""
+    path = os.path.join(out_dir, LOCK)
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": datetime.datetime.now().isoformat(timespec="seconds"),
+                             "command": " ".join(sys.argv)}))
+    handle.flush()
+    return handle
 
 
 def holder(out_dir):

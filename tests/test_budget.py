@@ -174,6 +174,7 @@ def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_p
     assert continued == [row["loss"] for row in metrics(tmp_path / "whole")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--num_beams=3"],
                                      ["--temperature=0.9", "--top_k=20", "--seed=3", "--mbr_samples=6"],
                                      ["--temperature=0.9", "--seed=4", "--mbr_samples=4", "--mbr_include_beam=False"]])

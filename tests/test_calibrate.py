@@ -107,6 +107,7 @@ def stage2_args(stage1, out, *extra):
             f"--init_from={stage1 / 'run' / 'best.pt'}", f"--out_dir={out}", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--lora_rank=4", "--gradient_checkpointing=True"]], ids=["full", "lora"])
 def test_stage2_trains_on_its_candidates_and_resumes_bit_exactly(stage1, tmp_path, mode):
     calibrate.main(stage2_args(stage1, tmp_path / "straight", "--max_iters=4", *mode))
@@ -145,6 +146,7 @@ def test_a_stale_candidates_file_is_refused_in_one_line(stage1, tmp_path):
     assert made.read_bytes() == before  # refused, not replaced
 
 
+@pytest.mark.slow
 def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_path, capsys):
     calibrate.main(stage2_args(stage1, tmp_path, "--max_iters=2"))
     (tmp_path / "candidates.pt").unlink()
@@ -155,13 +157,14 @@ def test_resuming_stage2_without_its_candidates_file_is_one_line(stage1, tmp_pat
     assert exit.value.code == 2 and len(lines) == 1 and "candidates.pt is missing" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_path, monkeypatch):
     cfg = load_config(stage2_args(stage1, tmp_path))
     examples = data.load_datasets(cfg).train
     from summarizer.loading import build_model
     model, _ = build_model(cfg.init_from)
     key = ranking.candidates_key(model, examples, cfg)
-    monkeypatch.setattr(calibrate, "SAVE_EVERY", 8)
+    monkeypatch.setattr(ranking, "SAVE_EVERY", 8)
     with Runtime(cfg) as rt:
         whole = ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
         (tmp_path / "candidates.pt").rename(tmp_path / "whole.pt")
@@ -172,12 +175,12 @@ def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_p
             if len(calls) == 3:
                 raise KeyboardInterrupt
             return generate(*args, **kwargs)
-        monkeypatch.setattr(calibrate, "generate", crash_on_third_batch)
+        monkeypatch.setattr(ranking, "generate", crash_on_third_batch)
         with pytest.raises(KeyboardInterrupt):
             ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
         saved = ranking.load_candidates(str(tmp_path / "candidates.pt"))
         assert 0 < saved.done < len(examples) and saved.done % 8 == 0
-        monkeypatch.setattr(calibrate, "generate", generate)
+        monkeypatch.setattr(ranking, "generate", generate)
         calls.clear()
         finished = ranking.make_candidates(model, examples, cfg, rt, key, progress=False)
     assert finished == whole == ranking.load_candidates(str(tmp_path / "candidates.pt"))

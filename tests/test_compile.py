@@ -31,6 +31,7 @@ def test_waits_counts_reads_of_device_values():
     assert waits.syncs == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_training_step_is_one_graph_over_varied_widths(checkpointing):
     torch.manual_seed(0)
@@ -84,6 +85,7 @@ def eos(model, prompts):
     return token
 
 
+@pytest.mark.slow
 def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, prompts, eos):
     """Greedy (ended rows dropped at each EOS, or at half), beam and MBR over one batch of 64 and over batches of
     1, 2, 17, 3 and 41 prompts, compiled (a counting backend) as evaluate.py compiles them: the eager summaries,
@@ -103,6 +105,7 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     assert not step.failed and breaks() == 0 and counter.compilations["decode"] <= 2
 
 
+@pytest.mark.slow
 def test_decode_waits_once_per_step_and_copies_few_cache_bytes(model, prompts, eos):
     cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20"])
     syncs, casts, copied_vs_read = decode_counts(model, prompts, cfg)
@@ -140,6 +143,7 @@ def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
     assert dataclasses.asdict(run.cfg)["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     """torch.compile (inductor, on CPU) of a LoRA model with checkpointed blocks: compiled, not the eager
     fallback, with the eager loss and gradients."""

@@ -11,7 +11,7 @@ import pytest
 
 import config
 from config import Config, Decoding, load_config
-from conftest import REPO
+from conftest import REPO, one_error_line, tiny
 from summarizer.command_line import changed_settings, markdown_reference, parse_sweep, save_config
 from summarizer.errors import UserError
 from summarizer.rules import grad_accum_steps
@@ -202,3 +202,9 @@ def test_start_up_names_the_changed_keys_and_where_they_came_from(tmp_path):
     line = changed_settings([str(preset), "--max_iters=5", "--micro_batch_size=4"])
     assert f"batch_size=64 ({preset})" in line and "max_iters=5 (command line)" in line
     assert "micro_batch_size=4 (command line)" in line and line.count("=") == 3
+
+
+def test_a_key_only_another_command_reads_is_one_line(capsys):
+    import train
+    err = one_error_line(capsys, train.main, [*tiny(), "--rank_weight=1.0"])
+    assert "--rank_weight" in err and "calibrate.py" in err

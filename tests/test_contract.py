@@ -17,6 +17,8 @@ from conftest import card_code, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.slow  # every test uses a model trained 40 steps
+
 TEMPLATE = "Chat log:\n{dialogue}\nIn one sentence:"
 RUN = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batch_size=16", "--learning_rate=1e-2",
        "--warmup_iters=5", "--log_interval=1000", "--gen_batch_size=8", "--sample_submission_csv="]

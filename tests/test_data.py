@@ -373,6 +373,7 @@ def test_a_data_cache_folder_that_cannot_be_written_gives_way_to_one_under_out_d
             data.load_datasets(Config(**{**cfg.__dict__, "train_csv": str(tmp_path / "other.csv")}))
 
 
+@pytest.mark.slow
 def test_a_read_only_checkout_trains_with_a_writable_out_dir(tmp_path):
     """The repository attached as a Kaggle dataset (read-only): the demo trains, its tokens cached under out_dir."""
     checkout = tmp_path / "repo"

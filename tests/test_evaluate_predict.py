@@ -48,6 +48,7 @@ def args(folder, out_dir, *extra):
             f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={out_dir}", "--sample_submission_csv=", *extra]
 
 
+@pytest.mark.slow
 def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_path, capsys):
     evaluate.main(args(trained, tmp_path))
     printed = capsys.readouterr().out
@@ -71,6 +72,7 @@ def test_reported_rouge_is_rouge_score_of_the_written_predictions(trained, tmp_p
     assert report["n"] == len(validation) and str(tmp_path / "eval_predictions.csv") in printed
 
 
+@pytest.mark.slow
 def test_scoring_other_weights_into_a_folder_moves_its_evaluation_aside_and_says_so(trained, tmp_path, capsys):
     evaluate.main(args(trained, tmp_path))
     first = json.loads((tmp_path / "eval_metrics.json").read_text())
@@ -86,6 +88,7 @@ def test_scoring_other_weights_into_a_folder_moves_its_evaluation_aside_and_says
         str(trained / "out" / "ckpt.pt"))
 
 
+@pytest.mark.slow
 def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys):
     # temperature 5 samples nonsense: the best setting is not in the first rows
     evaluate.main(args(trained, tmp_path / "sweep", "--sweep=temperature=5.0,0.0 repetition_penalty=1.0,1.3"))
@@ -118,6 +121,7 @@ def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, t
     assert greedy["mean_tokens"] == pytest.approx(report["mean_generated_tokens"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_a_sweep_setting_that_cannot_work_is_one_error_line_before_any_work(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         evaluate.main(args(trained, tmp_path / "out", "--sweep=num_beams=1,2 temperature=0,0.7"))
@@ -127,6 +131,7 @@ def test_a_sweep_setting_that_cannot_work_is_one_error_line_before_any_work(trai
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_submission_has_the_test_ids_in_order_and_no_missing_summary(trained, tmp_path, capsys):
     predict.main(args(trained, tmp_path))
     printed = capsys.readouterr().out
@@ -163,6 +168,7 @@ def test_summaries_are_written_as_single_lines_and_read_back_unchanged(tmp_path)
     assert os.listdir(tmp_path) == ["submission.csv"]
 
 
+@pytest.mark.slow
 def test_a_sample_submission_with_other_ids_is_one_error_line(trained, tmp_path, capsys):
     sample = tmp_path / "sample_submission.csv"
     pd.DataFrame({"id": TRICKY_IDS[:-1] + ["extra"], "summary": ""}).to_csv(sample, index=False)

@@ -19,6 +19,8 @@ from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import build_model
 from test_tokenizer import TEXTS
 
+pytestmark = pytest.mark.slow  # every test uses a model trained 60 steps
+
 # decoding settings that transformers' defaults do not have, so generate() only matches if the export carries them
 DECODING = ["--max_new_tokens=20", "--repetition_penalty=1.3", "--no_repeat_ngram_size=3"]
 MODEL = [*tiny(n_embd=64, max_new_tokens=None), "--batch_size=16", "--micro_batch_size=16", "--warmup_iters=5",

@@ -197,6 +197,7 @@ def compiled_then_eager_then_compiled(long_dialogues):
     return metrics(out), returned, out
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager_across_checkpoints(eager_run, compiled_then_eager_then_compiled):
     mixed, returned, _ = compiled_then_eager_then_compiled
     assert len(returned) == 2 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in returned)
@@ -211,6 +212,7 @@ def test_cpu_logs_tokens_per_second_and_no_mfu(eager_run):
     assert all(r["tokens_per_s"] > 0 and "mfu" not in r for r in eager_run)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(compiled_then_eager_then_compiled):
     _, _, out = compiled_then_eager_then_compiled
     ckpt = load_checkpoint(str(out / "ckpt.pt"))  # written by the last, compiled, run
@@ -220,6 +222,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_an_eager_one(compiled_then_ea
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile, compiles", [(True, True), ("auto", False), (False, False)])
 def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compiled_then_eager_then_compiled,
                                                                           monkeypatch, compile, compiles):
@@ -244,6 +247,7 @@ def greedy_case(tiny_hf_dir):
     return model, prompts, eos
 
 
+@pytest.mark.slow
 def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
@@ -253,6 +257,7 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_hf_dir, monkeypatch, capfd):
     # dynamo with its eager backend: what matters is which weights the compiled step reads, not inductor's code
     real_compile = torch.compile
@@ -297,6 +302,7 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
         assert got["loss"] == expected["loss"]
 
 
+@pytest.mark.slow
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
@@ -390,6 +396,7 @@ def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, 
 
 # ---- bench/gpu_check ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
     assert subprocess.run(["bash", "-n", os.path.join(REPO, "bench", "gpu_check.sh")]).returncode == 0
     from bench import gpu_check

@@ -89,6 +89,7 @@ def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how
     assert losses == pytest.approx({r["iter"]: r["loss"] for r in metrics(whole)}, rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_drops_the_rows_logged_after_its_checkpoint(write_csv, tmp_path):
     import train
     out = tmp_path / "out"

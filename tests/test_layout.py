@@ -92,7 +92,8 @@ def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, writ
         if frame.f_code is GPT.forward.__code__:
             forwards.append(1)
         path = os.path.relpath(frame.f_code.co_filename, REPO)
-        if len(forwards) == 2 and os.path.isfile(os.path.join(REPO, path)) and not path.startswith(("..", "tests")):  # from step 2's forward to step 3's
+        project = os.path.isfile(os.path.join(REPO, path)) and not path.startswith(("..", "tests"))
+        if len(forwards) == 2 and project:  # from step 2's forward to step 3's
             files.add(path)
     sys.setprofile(profile)
     try:

@@ -106,6 +106,7 @@ def lora_args(write_csv, tmp_path, base_dir):
             f"--test_csv={write_csv('test.csv', 5, seed=7, test=True)}", f"--data_cache_dir={tmp_path / 'cache'}"]
 
 
+@pytest.mark.slow
 def test_lora_training_changes_only_the_adapters_and_best_pt_is_merged(lora_args, base_dir, tmp_path):
     out = tmp_path / "out"
     train.main([*lora_args, "--max_iters=6", f"--out_dir={out}"])
@@ -125,6 +126,7 @@ def test_lora_training_changes_only_the_adapters_and_best_pt_is_merged(lora_args
             assert torch.equal(best[name], tensor), name
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_run_from_out_dir_with_the_base_model_deleted(lora_args, base_dir, tmp_path):
     out = tmp_path / "out"
     train.main([*lora_args, "--max_iters=3", f"--out_dir={out}"])
@@ -137,6 +139,7 @@ def test_evaluate_and_predict_run_from_out_dir_with_the_base_model_deleted(lora_
     assert_export_matches(out / "best.pt", tmp_path / "exported")  # merged weights: a plain transformers GPT-2
 
 
+@pytest.mark.slow
 def test_lora_ckpt_keeps_the_adapters_and_a_reference_to_its_base(lora_args, base_dir, tmp_path):
     """ckpt.pt holds the adapters and their AdamW state, not the frozen base: under a quarter of the base's
     weight bytes even for a tiny model; resuming from it is bit-identical to one uninterrupted run."""
@@ -155,6 +158,7 @@ def error_lines(capsys):
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "warning"))]
 
 
+@pytest.mark.slow
 def test_lora_resume_without_its_base_or_with_another_is_one_line(lora_args, base_dir, tmp_path, capsys):
     out = tmp_path / "out"
     train.main([*lora_args, "--max_iters=3", f"--out_dir={out}"])

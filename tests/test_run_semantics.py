@@ -142,6 +142,7 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
         in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(args, tmp_path, capsys):
     out, args = tmp_path / "out", [*args, "--learning_rate=1e-2"]
     train.main([*args, "--max_iters=3", "--eval_interval=3", "--warmup_iters=10"])
@@ -158,6 +159,7 @@ def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(args, tmp_pa
     assert "iter 20" in err and "max_iters=20" in err
 
 
+@pytest.mark.slow
 def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(args, tmp_path, capsys):
     out = tmp_path / "out"
     train.main([*args, "--max_iters=2", "--eval_interval=2", "--rouge_samples=4", "--best_metric=val_loss"])
@@ -229,6 +231,7 @@ def test_a_second_fresh_run_moves_the_first_aside(args, tmp_path, capsys):
 
 # ---- which weights evaluate.py and predict.py score ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_evaluate_with_the_training_flags_scores_and_names_the_checkpoint(args, write_csv, tmp_path, capsys):
     val = write_csv("val.csv", 6, seed=5)
     flags = [*args, f"--validation_csv={val}", "--max_iters=30", "--eval_interval=30", "--rouge_samples=6",

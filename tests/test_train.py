@@ -72,6 +72,7 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     assert_same_losses(metrics(out), single_process)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True"]],
                          ids=["full", "lora"])
 def test_exact_resume_is_bit_identical(write_csv, tmp_path, mode):

@@ -209,10 +209,10 @@ class Summarizing:
 @dataclass
 class Calibration:
     """The calibration stage: a ranking loss on candidate summaries (docs/calibration.md)."""
-    rank_weight: float = option(0.0, "> 0: calibration stage (start it from a trained run, --init_from=out/best.pt): "
+    rank_weight: float = option(0.0, "calibrate.py (start it from a trained run, --init_from=out/best.pt), > 0: "
                                      "candidate summaries of every training dialogue are generated first, and this "
                                      "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
-                                     "loss; 0 = token loss only")
+                                     "loss")
     rank_margin: float = option(0.01, "calibration: the ranking loss's margin per rank of difference between two "
                                       "candidates' length-normalised log-probabilities")
     rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "

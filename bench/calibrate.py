@@ -15,6 +15,7 @@ from bench import ROOT
 from config import load_config
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
+from summarizer.ranking import Ranking
 from summarizer.runtime import Runtime
 
 # A tiny model trained from scratch on the SAMSum rows that are not held out (val_fraction of them are)
@@ -37,11 +38,12 @@ def demo_arguments(tmp, device):
                    for split in ("train", "validation", "test")]
 
 
-def train_quietly(argv):
-    """Train as train.py would (its log on stderr, so stdout stays the benchmark's); returns the config."""
+def train_quietly(argv, objective=None):
+    """Train as train.py (or with the Ranking objective, calibrate.py) would, its log on stderr so stdout stays
+    the benchmark's; returns the config."""
     cfg = load_config(argv)
     with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(cfg, rt).fit()
+        train.Trainer(cfg, rt, objective=objective).fit()
     return cfg
 
 
@@ -65,7 +67,8 @@ def compare(name, argv, steps, tmp, extra=()):
         out = f"{tmp}/{name}-{stage}"
         begin = time.perf_counter()
         cfg = train_quietly([*argv, *CONTINUE, f"--init_from={start_from}", f"--max_iters={steps}",
-                             f"--eval_interval={steps}", f"--out_dir={out}", *ranking])
+                             f"--eval_interval={steps}", f"--out_dir={out}", *ranking],
+                            Ranking if ranking else None)
         seconds[stage] = time.perf_counter() - begin
         results[stage], dialogues = scores(cfg, os.path.join(out, "ckpt.pt"))
     for decoding in DECODINGS:

@@ -33,7 +33,8 @@ from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
 from config import Decoding, load_config
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import mbr, training
+from summarizer import mbr
+from summarizer.checkpoint import configure_optimizer
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.inference import CompiledDecodeStep
@@ -194,10 +195,10 @@ def peak_training_gib(cfg, x, y, device, capability, steps=2):
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
-    model, _ = training.model_to_train(cfg)
+    model, _ = train.model_to_train(cfg)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model.to(device)
-    optimizer = training.configure_optimizer(model, cfg, device.type)
+    optimizer = configure_optimizer(model, cfg, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     x, y = x.to(device), y.to(device)
     for _ in range(steps):

@@ -11,6 +11,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One thread per process, as in the processes run() starts: on a small shared CPU, torch's default of a thread per
+# core makes a tiny model wait on its threads (tests/test_generate.py took 98 s instead of 12 s on 2 busy cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",
         "--device=cpu", "--dtype=float32", "--compile=False"]

@@ -187,8 +187,8 @@ def test_interrupted_candidate_generation_resumes_where_it_stopped(stage1, tmp_p
     assert finished.done == len(examples)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_two_ranks_generate_the_same_candidates_and_train_the_same_stage2(stage1, tmp_path, backend):
     args = stage2_args(stage1, tmp_path / "single", "--max_iters=2", "--dropout=0.0")
     calibrate.main(args)

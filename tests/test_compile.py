@@ -105,7 +105,6 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     assert not step.failed and breaks() == 0 and counter.compilations["decode"] <= 2
 
 
-@pytest.mark.slow
 def test_decode_waits_once_per_step_and_copies_few_cache_bytes(model, prompts, eos):
     cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20"])
     syncs, casts, copied_vs_read = decode_counts(model, prompts, cfg)

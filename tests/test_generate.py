@@ -105,7 +105,6 @@ def test_beam_search_matches_transformers(ours, tiny_hf, prompts, eos):
             assert row == hf_generate(tiny_hf, prompt, eos, num_beams=4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2),
                                     dict(num_beams=3, length_penalty=0.6, no_repeat_ngram_size=3)])
 def test_processors_match_transformers(ours, tiny_hf, prompts, eos, kwargs):
@@ -143,7 +142,6 @@ def test_bad_arguments_are_clear_errors(ours):
 
 # ---- n-best, min_new_tokens, sampling with shared samples, MBR ------------------------------------------------
 
-@pytest.mark.slow
 def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, prompts, eos):
     k, beams, penalty = 3, 4, 0.8
     decoding = Decoding(max_new_tokens=MAX_NEW, num_beams=beams, length_penalty=penalty)
@@ -164,7 +162,6 @@ def test_beam_n_best_matches_transformers_num_return_sequences(ours, tiny_hf, pr
     assert ended_early > 0  # some hypotheses finished at EOS, so lengths and scores are not all alike
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
 def test_min_new_tokens_matches_transformers(ours, tiny_hf, prompts, eos, kwargs):
     free = generate(ours, prompts[8:16], Decoding(max_new_tokens=MAX_NEW, **kwargs), eos_token_id=eos)
@@ -207,7 +204,6 @@ def test_shared_samples_follow_the_model_distribution(ours):
         assert abs(counts.get(sequence, 0) / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5, sequence
 
 
-@pytest.mark.slow
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
     greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary

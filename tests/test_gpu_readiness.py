@@ -257,7 +257,6 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     assert "torch.compile failed" not in capfd.readouterr().err
 
 
-@pytest.mark.slow
 def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_hf_dir, monkeypatch, capfd):
     # dynamo with its eager backend: what matters is which weights the compiled step reads, not inductor's code
     real_compile = torch.compile
@@ -302,7 +301,6 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
         assert got["loss"] == expected["loss"]
 
 
-@pytest.mark.slow
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)

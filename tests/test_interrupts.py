@@ -53,8 +53,8 @@ def ranks_of(launcher):
     return [int(pid) for pid in found]
 
 
-@pytest.mark.parametrize("how", ["one process, SIGINT", "torchrun, 2 ranks, SIGTERM"])
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["one process, SIGINT", "torchrun, 2 ranks, SIGTERM"])
 def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how, write_csv, tmp_path):
     data = [f"--train_csv={write_csv('train.csv', 96)}", f"--data_cache_dir={tmp_path / 'cache'}"]
     if how.startswith("torchrun"):

@@ -90,6 +90,7 @@ def test_commands_that_miss_a_checkpoint_name_the_earlier_runs_copy(csvs, tmp_pa
     assert str(earlier / "ckpt.pt") in err and "--resume_from=" in err
 
 
+@pytest.mark.slow
 def test_evaluate_on_a_folder_a_training_run_holds_says_so(csvs, tmp_path, capsys):
     import evaluate
 

@@ -18,6 +18,7 @@ from conftest import metrics, one_error_line, run, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, use_compile
+from summarizer.schedule import learning_rate, lr_schedule
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)
 RUN = [*tiny(dtype=None), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",
@@ -73,8 +74,8 @@ def test_accelerates_dynamo_backend_against_compile_is_one_error_line(requested,
         use_compile(requested, "cpu", dynamo)
 
 
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 @pytest.mark.slow
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 def test_an_accelerate_config_for_fsdp_or_deepspeed_is_refused(args, variable):
     result = run([sys.executable, "train.py", *args, "--max_iters=1"], env={variable: "true"})
     assert result.returncode == 2 and result.stderr.startswith("error: the Accelerate config asks for")
@@ -110,9 +111,9 @@ def test_accelerate_bf16_with_dtype_auto_trains_exactly_like_our_bfloat16(args, 
 # ---- resuming: the LR schedule, changed hyperparameters, another best_metric -------------------------------
 
 def test_a_fresh_schedule_is_warmup_then_cosine_to_min_lr():
-    schedule = train.lr_schedule({"warmup_iters": 2, "learning_rate": 1e-3, "min_lr": 1e-4, "lr_decay_iters": 0,
+    schedule = lr_schedule({"warmup_iters": 2, "learning_rate": 1e-3, "min_lr": 1e-4, "lr_decay_iters": 0,
                                   "max_iters": 10})
-    lrs = [train.learning_rate(it, schedule) for it in range(12)]
+    lrs = [learning_rate(it, schedule) for it in range(12)]
     assert lrs[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])
     assert lrs[2] == pytest.approx(1e-3) and lrs[10:] == [1e-4, 1e-4]
     assert lrs[6] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 4 / 8)) * 9e-4)
@@ -134,9 +135,9 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
     train.main([*args, "--max_iters=6", "--eval_interval=6", "--lr_decay_iters=10"])
     train.main([*args, "--max_iters=12", "--eval_interval=6", "--lr_decay_iters=12", "--init_from=resume"])
     lrs = [r["lr"] for r in metrics(tmp_path / "out")]
-    old = train.lr_schedule({"warmup_iters": 2, "learning_rate": 3e-3, "min_lr": 2e-5, "lr_decay_iters": 10,
+    old = lr_schedule({"warmup_iters": 2, "learning_rate": 3e-3, "min_lr": 2e-5, "lr_decay_iters": 10,
                              "max_iters": 6})
-    assert lrs[6] == pytest.approx(train.learning_rate(6, old))  # continues from where the run was
+    assert lrs[6] == pytest.approx(learning_rate(6, old))  # continues from where the run was
     assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12], strict=False))  # and decays to min_lr at the new horizon
     assert lrs[11] > 2e-5 and f"cosine decay to {lrs[11]:.2e} at iter 12 (it would reach min_lr 2.00e-05 at iter 13)" \
         in capsys.readouterr().out

@@ -59,8 +59,8 @@ LAUNCHES = {
 }
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", LAUNCHES)
 def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
     """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
     ranks == notebook_launcher, loss for loss."""

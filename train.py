@@ -363,6 +363,10 @@ class Trainer:
         self.module, self.decode_step = self.module_to_train()
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
+            if cfg.lora_rank and cfg.init_from == "scratch":
+                print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
+                      f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
+                      f"weight (lora_rank=0)", file=sys.stderr)
             print("\n".join([*notes, *self.start_lines(disk)]))
             save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
 

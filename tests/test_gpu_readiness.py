@@ -229,7 +229,7 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
     _, _, out = compiled_then_eager_then_compiled
     cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--device=cpu"])
     run = inference.load_run(cfg, set(), Runtime(cfg), inference.describe_validation)
-    assert isinstance(run.step, inference.CompiledDecodeStep) is compiles
+    assert isinstance(run.decode_step, inference.CompiledDecodeStep) is compiles
 
 
 def greedy_case(tiny_hf_dir):

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, Config, Decoding, ModelShape, RowFormat, Split, keys, part
+from config import FIELDS, Config, Decoding, RowFormat, Split, keys, part
 from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
 from summarizer.checkpoint import check_fixed
@@ -56,16 +56,15 @@ class Summarizer:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
 
-def resolved_config(cfg, saved, explicit, model_config, path):
-    """The config inference runs with: the run's saved RowFormat and the model's shape (a contradicting explicit
-    flag is one line naming both values), the run's decoding and Split unless given explicitly, this command's for
-    the rest."""
-    fixed = (*keys(RowFormat), *keys(ModelShape))
-    saved = {**saved, **{key: getattr(model_config, key) for key in (*keys(ModelShape), "block_size")}}
+def resolved_config(cfg, saved, explicit, block_size, path):
+    """The config inference runs with: the run's saved RowFormat (a contradicting explicit flag is one line naming
+    both values), the run's decoding and Split unless given explicitly, this command's for the rest. block_size is
+    the model's."""
+    saved = {**saved, "block_size": block_size}
     values = asdict(cfg)
-    check_fixed(saved, values, [key for key in fixed if key in explicit], path,
+    check_fixed(saved, values, [key for key in keys(RowFormat) if key in explicit], path,
                 lambda key, _: f"drop the flag (inference uses the run's {key})")
-    values.update({key: saved[key] for key in fixed})
+    values.update({key: saved[key] for key in keys(RowFormat)})
     for key in (*RUN_DECODING, *keys(Split)):
         if key not in explicit:
             values[key] = saved[key]
@@ -85,7 +84,7 @@ def open_run(cfg, explicit=()):
         path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
         model, ckpt = build_model(path)
         saved = {key: value for key, value in ckpt["config"].items() if key in FIELDS}
-        run_cfg = resolved_config(cfg, saved, explicit, model.config, path)
+        run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size, path)
         overridden = [key for key in RUN_DECODING if key in explicit and saved[key] != getattr(run_cfg, key)]
         run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                   saved["max_new_tokens"], path=path)

@@ -92,12 +92,19 @@ def lock(out_dir):
 
 
 def holder(out_dir):
-    """Who holds out_dir's lock, as its lock file says: 'pid 123 on host h since 2026-11-25T10:00:00'."""
+    """Who holds out_dir's lock, as its lock file says."""
     try:
         with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
-            who = json.load(f)
+            return describe_holder(json.load(f))
+    except (OSError, ValueError):
+        return describe_holder(None)
+
+
+def describe_holder(who):
+    """'pid 123 on host h since 2026-11-25T10:00:00' from a lock file's contents."""
+    try:
         return f"pid {who['pid']} on host {who['host']} since {who['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return "its lock file names no holder"
 
 
@@ -115,9 +122,9 @@ def training_in(out_dir):
             who = json.loads(f.read() or "{}")
     except (OSError, ValueError):
         return None
-    if who.get("pid") == os.getpid():
+    if isinstance(who, dict) and who.get("pid") == os.getpid():
         return None  # this process trains: evaluate_after and predict_after
-    return holder(out_dir)
+    return describe_holder(who)
 
 
 def set_aside_earlier_run(out_dir):
@@ -276,12 +283,12 @@ class DiskPlan:
             return None
         name = os.path.basename(os.path.abspath(out_dir))
         fixes = [f"train into a larger folder (e.g. --out_dir=/kaggle/temp/{name}, not kept after the session)"]
-        earlier = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{EARLIER_RUN}-*")))
+        earlier = [f"{p} ({gb(file_bytes(p))})"
+                   for p in sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{EARLIER_RUN}-*")))]
         if not resuming and any(os.path.exists(os.path.join(out_dir, n)) for n in (CKPT, BEST)):
             earlier.append(f"{out_dir}/{CKPT} and {BEST} (this fresh run would keep them in {EARLIER_RUN}-<time>/)")
         if earlier:
-            fixes.append("delete earlier runs kept there: " + ", ".join(
-                f"{p} ({gb(file_bytes(p))})" if os.path.exists(p) else p for p in earlier))
+            fixes.append("delete earlier runs kept there: " + ", ".join(earlier))
         if not self.cfg.lora_rank:
             fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
         return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and its filesystem has "

@@ -19,10 +19,13 @@ ARGS = [*tiny(n_embd=64), "--batch_size=16", "--micro_batch_size=8", "--rouge_sa
         "--sample_submission_csv="]
 
 
-def start(launcher, args):
+def start(launcher, args, log):
+    """train.py ARGS in the background, its output into the file `log`: a pipe that nobody reads while the test
+    waits fills up and stops the run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    return subprocess.Popen([*launcher, "train.py", *args], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as output:
+        return subprocess.Popen([*launcher, "train.py", *args], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
+                                stdout=output, stderr=subprocess.STDOUT)
 
 
 def logged_iters(out):
@@ -32,18 +35,18 @@ def logged_iters(out):
     return [json.loads(line)["iter"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def stop_during_training(process, out, pids, sig, after_iter):
+def stop_during_training(process, log, out, pids, sig, after_iter):
     """Send `sig` to `pids()` once the run has logged step `after_iter` (between two evaluations), so during the
     next step; its output."""
     deadline = time.monotonic() + 120
     while max(logged_iters(out), default=0) < after_iter:
-        assert process.poll() is None, process.stdout.read()
+        assert process.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "the run did not reach the iteration to stop at"
         time.sleep(0.01)
     for pid in pids():
         os.kill(pid, sig)
-    output, _ = process.communicate(timeout=120)
-    return output
+    process.wait(timeout=120)
+    return log.read_text()
 
 
 def ranks_of(launcher):
@@ -66,9 +69,10 @@ def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     args = [*ARGS, *data, f"--out_dir={stopped}"]
 
-    process = start(launcher, args)
+    log = tmp_path / "stopped.log"
+    process = start(launcher, args, log)
     pids = (lambda: ranks_of(process)) if how.startswith("torchrun") else (lambda: [process.pid])
-    output = stop_during_training(process, stopped, pids, sig, after_iter=10)
+    output = stop_during_training(process, log, stopped, pids, sig, after_iter=10)
     assert process.returncode == expected_code and "Traceback" not in output, output
     reached = max(logged_iters(stopped))
     assert reached == 11  # the signal came during step 11 (step 10 was logged): that step ends, no other runs
@@ -81,9 +85,9 @@ def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how
     continued = subprocess.run([*launcher, "train.py", *args, "--init_from=resume"], cwd=REPO,
                                env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert continued.returncode == 0, continued.stderr
-    finished = start(launcher, [*ARGS, *data, f"--out_dir={whole}"])
-    assert finished.wait(timeout=300) == 0, finished.stdout.read()
-    finished.stdout.close()
+    finished = subprocess.run([*launcher, "train.py", *ARGS, *data, f"--out_dir={whole}"], cwd=REPO,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
     assert logged_iters(stopped) == sorted(set(logged_iters(stopped))) == list(range(1, STEPS + 1))
     losses = {r["iter"]: r["loss"] for r in metrics(stopped)}
     assert losses == pytest.approx({r["iter"]: r["loss"] for r in metrics(whole)}, rel=1e-6, abs=0)

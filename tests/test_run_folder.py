@@ -29,10 +29,13 @@ def args(csvs, out, *more):
             "--evaluate_after=False", "--predict_after=False", *more]
 
 
-def start(launcher, argv):
+def start(launcher, argv, log):
+    """train.py ARGV in the background, its output into the file `log`: a pipe that nobody reads while the test
+    waits fills up and stops the run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    return subprocess.Popen([*launcher, "train.py", *argv], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as output:
+        return subprocess.Popen([*launcher, "train.py", *argv], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"),
+                                stdout=output, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
@@ -40,15 +43,16 @@ def start(launcher, argv):
 def test_a_second_run_into_a_folder_in_use_stops_at_once_and_the_first_is_untouched(csvs, tmp_path, launcher):
     out = tmp_path / "out"
     command = [sys.executable] if launcher == "python" else torchrun("--nproc_per_node=2", "--standalone")
-    first = start(command, args(csvs, out, "--max_iters=100000", "--micro_batch_size=2"))
+    first = start(command, args(csvs, out, "--max_iters=100000", "--micro_batch_size=2"), tmp_path / "first.log")
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists():  # the first run is training
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
             time.sleep(0.2)
         begun = time.monotonic()
-        second = start(command, args(csvs, out, "--max_iters=3", "--micro_batch_size=2"))
-        _, err = second.communicate(timeout=120)
+        second = start(command, args(csvs, out, "--max_iters=3", "--micro_batch_size=2"), tmp_path / "second.log")
+        second.wait(timeout=120)
+        err = (tmp_path / "second.log").read_text()
         took = time.monotonic() - begun
         assert second.returncode != 0
         errors = [line for line in err.splitlines() if line.startswith(("error: ", "error (rank 0): "))]
@@ -58,7 +62,7 @@ def test_a_second_run_into_a_folder_in_use_stops_at_once_and_the_first_is_untouc
             assert f"(pid {first.pid} on host " in errors[0] and "Traceback" not in err
         assert took < 60
         first.send_signal(signal.SIGINT)
-        first.communicate(timeout=120)
+        first.wait(timeout=120)
     finally:
         first.kill()
     rows = metrics(out)

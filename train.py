@@ -29,11 +29,11 @@ from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import TrainingState, check_fixed
-from summarizer.command_line import changed_settings, check_command, parse_duration, save_config
+from summarizer.command_line import changed_settings, check_command, explicit_keys, parse_duration, save_config
 from summarizer.errors import UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
-from summarizer.loading import build_model, lora_base_reference
+from summarizer.loading import build_model, check_shape, lora_base_reference
 from summarizer.metrics import rouge
 from summarizer.rules import grad_accum_steps
 from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
@@ -55,10 +55,10 @@ def main(argv=None, objective=None, script="train.py"):
     with one_line_errors():
         cfg = load_config(argv)
         check_command(argv, script)
+        check_shape(cfg, explicit_keys(argv), cfg.init_from)  # from its config alone, before any work
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
-                print(f"settings: {changed_settings(argv) or 'the defaults'}; every key: "
-                      f"{os.path.join(cfg.out_dir, run_folder.CONFIG)}")
+                print(changed_settings(argv, os.path.join(cfg.out_dir, run_folder.CONFIG)))
             control = RunControl(cfg, rt, started)
             with control.handlers():
                 trainer = Trainer(cfg, rt, control, objective)
@@ -116,6 +116,8 @@ def datasets(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
     splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
+        splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
     after_summaries = len(splits.val) if cfg.evaluate_after else 0
     if cfg.predict_after:
         test = data.read_test(cfg)

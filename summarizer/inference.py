@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, Config, Decoding, RowFormat, Split, keys, part
+from config import FIELDS, Config, Decoding, ModelShape, RowFormat, Split, keys, part
 from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
 from summarizer.checkpoint import check_fixed
 from summarizer.errors import UserError
-from summarizer.loading import build_model
+from summarizer.loading import build_model, check_shape
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
@@ -56,14 +56,17 @@ class Summarizer:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
 
-def resolved_config(cfg, saved, explicit, block_size, path):
-    """The config inference runs with: the run's saved RowFormat (a contradicting explicit flag is one line naming
-    both values), the run's decoding and Split unless given explicitly, this command's for the rest. block_size is
-    the model's."""
-    saved = {**saved, "block_size": block_size}
+def resolved_config(cfg, saved, explicit, shape, path):
+    """The config inference runs with: the run's saved RowFormat and the model's shape (`shape`, its GPTConfig;
+    a contradicting explicit flag is one line naming both values), the run's decoding and Split unless given
+    explicitly, this command's for the rest."""
+    saved = {**saved, "block_size": shape.block_size}
     values = asdict(cfg)
     check_fixed(saved, values, [key for key in keys(RowFormat) if key in explicit], path,
                 lambda key, _: f"drop the flag (inference uses the run's {key})")
+    check_fixed({key: getattr(shape, key) for key in keys(ModelShape)}, values,
+                [key for key in keys(ModelShape) if key in explicit], path,
+                lambda key, _: "drop the flag (the checkpoint brings the model's shape)")
     values.update({key: saved[key] for key in keys(RowFormat)})
     for key in (*RUN_DECODING, *keys(Split)):
         if key not in explicit:
@@ -77,6 +80,7 @@ def open_run(cfg, explicit=()):
     shape, with cfg as it is. `explicit`: the keys the command gave as --key=value."""
     if cfg.baseline:
         torch.manual_seed(cfg.seed)
+        check_shape(cfg, explicit, cfg.baseline, key="baseline")
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         run = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
@@ -84,7 +88,7 @@ def open_run(cfg, explicit=()):
         path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
         model, ckpt = build_model(path)
         saved = {key: value for key, value in ckpt["config"].items() if key in FIELDS}
-        run_cfg = resolved_config(cfg, saved, explicit, model.config.block_size, path)
+        run_cfg = resolved_config(cfg, saved, explicit, model.config, path)
         overridden = [key for key in RUN_DECODING if key in explicit and saved[key] != getattr(run_cfg, key)]
         run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                   saved["max_new_tokens"], path=path)
@@ -154,9 +158,7 @@ def validation_set(run, cfg, explicit, rt):
     if run.ckpt is None:  # a baseline trained on nothing here
         return val, []
     trained = run.ckpt["train_rows"]
-    seen = np.isin(data.text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
-    if val.has_ids and trained["ids"] is not None:
-        seen |= np.isin(data.text_hashes(val.ids).numpy(), trained["ids"].numpy())
+    seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
     saved = run.ckpt["config"]

@@ -2,6 +2,7 @@
 transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, and a LoRA
 run's frozen base: referenced by where it came from and its hash instead of stored."""
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -9,11 +10,14 @@ import urllib.parse
 
 import torch
 
+from config import ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
+
+GPT2_POSITIONS = 1024
 
 
 def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None):
@@ -35,6 +39,7 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None
+    check_shape(cfg, (), source, key)
     offline = source in PRETRAINED and not hub_reachable()
     if offline and not in_hub_cache(source):
         raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
@@ -48,6 +53,42 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     if cfg and cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     return model, None
+
+
+def source_shape(source):
+    """What `source` fixes of the shape, read without its weights: the ModelShape keys and block_size of a GPT-2
+    name, a local transformers folder (its config.json) or a checkpoint; None for 'scratch' or a source that is
+    not there (build_model says why)."""
+    if source in PRETRAINED:
+        return {**PRETRAINED[source], "bias": True, "block_size": GPT2_POSITIONS}
+    if os.path.isfile(source):
+        try:
+            return dict(load_checkpoint(source)["model_args"])
+        except (UserError, KeyError, TypeError):
+            return None
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            hf = json.load(f)
+        return {"n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"], "bias": True,
+                "block_size": hf["n_positions"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_shape(cfg, explicit, source, key="init_from"):
+    """One line, before any work, when cfg asks `source` for what it cannot be: a block_size longer than its
+    positions (a shorter one cuts them), or a shape flag given in `explicit` (--key=value) that is not its own."""
+    shape = source_shape(source) if cfg else None
+    if shape is None:
+        return
+    if cfg.block_size > shape["block_size"]:
+        raise UserError(f"block_size={cfg.block_size} is longer than the {shape['block_size']} positions of "
+                        f"{key}={source}: pass --block_size={shape['block_size']} or less (prompt and summary must "
+                        f"fit the positions the model has)")
+    for name in keys(ModelShape):
+        if name in explicit and getattr(cfg, name) != shape[name]:
+            raise UserError(f"--{name}={getattr(cfg, name)!r} contradicts {key}={source}: that model has "
+                            f"{name}={shape[name]!r}: drop the flag (shape flags are for init_from=scratch)")
 
 
 def hub_endpoint():

@@ -16,6 +16,7 @@ import time
 import pandas as pd
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import data
 import evaluate
@@ -82,6 +83,13 @@ class Inputs:
         if os.access(path, os.W_OK):
             (self.tmp / "a-file").write_text("")
             return str(self.tmp / "a-file" / "out")
+        return str(path)
+
+    def gpt2_folder(self, positions):
+        """A transformers GPT-2 folder (save_pretrained) of TINY's shape with `positions` positions."""
+        path = self.tmp / "gpt2-folder"
+        config = GPT2Config(vocab_size=50257, n_positions=positions, n_layer=1, n_head=2, n_embd=32)
+        GPT2LMHeadModel(config).save_pretrained(path)
         return str(path)
 
     def train(self, csv, *extra):
@@ -160,6 +168,16 @@ CASES = [
     ("init_from path does not exist", "train",
      lambda f: f.train(str(f.trained / "train.csv"), f"--init_from={f.tmp / 'no-model'}"), ERROR,
      r"init_from='\S*no-model' is neither one of gpt2"),
+    ("a GPT-2 folder with fewer positions than block_size", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), f"--init_from={f.gpt2_folder(64)}"), ERROR,
+     r"block_size=128 is longer than the 64 positions of init_from=\S+gpt2-folder: pass --block_size=64 or less"),
+    ("a shape flag that contradicts a GPT-2 folder", "train",
+     lambda f: f.train(str(f.trained / "train.csv"), f"--init_from={f.gpt2_folder(128)}", "--n_layer=6"), ERROR,
+     r"--n_layer=6 contradicts init_from=\S+gpt2-folder: that model has n_layer=1: drop the flag"),
+    ("a block_size longer than GPT-2's", "train", lambda f: f.train(str(f.trained / "train.csv"), "--init_from=gpt2",
+                                                                   "--block_size=2048", "--n_layer=12",
+                                                                   "--n_head=12", "--n_embd=768"), ERROR,
+     r"block_size=2048 is longer than the 1024 positions of init_from=gpt2: pass --block_size=1024 or less"),
     ("resume without ckpt.pt", "train", lambda f: f.train(str(f.trained / "train.csv"), "--init_from=resume"), ERROR,
      r"ckpt\.pt does not exist: nothing to resume; .*--resume_from="),
     ("resume with another block_size", "train", lambda f: f.resume("--block_size=256"), ERROR,
@@ -176,6 +194,8 @@ CASES = [
     ("checkpoint of another model shape", "evaluate",
      lambda f: f.evaluate(f"--ckpt={f.checkpoint(lambda c: c['model_args'].update(n_embd=64))}"), ERROR,
      r"changed\.pt does not fit model"),
+    ("a shape flag that contradicts the checkpoint", "evaluate", lambda f: f.evaluate("--n_embd=64"), ERROR,
+     r"--n_embd=64 contradicts \S+best\.pt: it was trained with n_embd=32, not 64: drop the flag"),
     ("out_dir not writable", "evaluate", lambda f: f.evaluate(f"--out_dir={f.unwritable_dir()}"), ERROR,
      r"out_dir \S+ is not writable"),
     ("truncated checkpoint", "predict",
@@ -211,6 +231,8 @@ CASES = [
      lambda f: f.predict(
          content=b"\xef\xbb\xbf" + csv_bytes(rows_to_summarize(), newline="\r\n").replace(b"Hi", b"H\xe9")),
      OK, r"^wrote 3 summaries"),
+    ("a shape flag that contradicts the checkpoint", "predict", lambda f: f.predict("--n_layer=4"), ERROR,
+     r"--n_layer=4 contradicts \S+best\.pt: it was trained with n_layer=1, not 4: drop the flag"),
     ("out_dir not writable", "predict", lambda f: f.predict(f"--out_dir={f.unwritable_dir()}"), ERROR,
      r"out_dir \S+ is not writable"),
     ("unknown key in a preset", "predict",

@@ -87,8 +87,8 @@ def test_lora_targets_choose_the_layers():
 
 # ---- training with LoRA: train.py, then evaluate.py/predict.py from out_dir alone --------------------------
 
-# init_from, n_head and n_embd come from the base model (lora_args)
-LORA = [*tiny(init_from=None, n_head=None, n_embd=None), "--log_interval=1", "--warmup_iters=2",
+# init_from and the shape come from the base model (lora_args)
+LORA = [*tiny(init_from=None, n_layer=None, n_head=None, n_embd=None), "--log_interval=1", "--warmup_iters=2",
         "--learning_rate=1e-2", "--batch_size=8", "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6",
         "--rouge_samples=2", "--dropout=0.1",
         "--lora_rank=4", "--lora_dropout=0.1", "--gradient_checkpointing=True", "--sample_submission_csv="]

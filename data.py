@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from summarizer.errors import UserError
-from summarizer.files import atomic_write
+from summarizer.files import atomic_write, csv_content
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -124,12 +124,17 @@ class Table:
 
 def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
-    (BOM, Windows-1252 bytes), or UserError naming the file, the config key and what to do."""
+    (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
+    naming the file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, an archive
+    of several files...) is named as what it is (files.csv_content)."""
     if not os.path.isfile(path):
         raise UserError(f"{key} {path} does not exist: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:
-        raw = f.read()
-    text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
+        raw = csv_content(f.read(), path, key)
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Excel's "Unicode text"
+        text = raw.decode("utf-16", errors="replace")
+    else:
+        text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
     if not text.strip():
         raise UserError(f"{key} {path} is empty: it needs a header row (e.g. id,dialogue,summary) and data rows")
     try:
@@ -366,6 +371,49 @@ class Examples:
         return self.lengths - 1 if train_on_prompt else self.lengths - self.prompt_lens
 
 
+def repeated_rows(val, trained):
+    """The one rule of which validation rows a model trained on: a bool array over the Examples `val`, True where a
+    row's dialogue (whitespace-normalised), or its id where both CSVs have ids, is one of `trained`'s
+    (Examples.fingerprints() of the training rows, as a checkpoint keeps them)."""
+    seen = np.isin(text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
+    if val.has_ids and trained["ids"] is not None:
+        seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy())
+    return seen
+
+
+def repeats_note(cfg, train, val):
+    """The note that says how many validation rows repeat training rows (repeated_rows), why and what it does;
+    None when none does."""
+    seen = repeated_rows(val, train.fingerprints()) if len(val) else np.zeros(0, bool)
+    if not seen.any():
+        return None
+    first = val.ids[int(np.argmax(seen))]
+    if not cfg.validation_csv:
+        why = (f"train_csv {cfg.train_csv} has repeated rows (same dialogue or id) that the hold-out split put on "
+               f"both sides: drop the repeats from it")
+    elif val.digest == train.digest or os.path.realpath(cfg.validation_csv) == os.path.realpath(cfg.train_csv):
+        why = (f"validation_csv is train_csv ({cfg.train_csv}): pass a CSV the run does not train on, or "
+               f"--validation_csv= to hold out val_fraction={cfg.val_fraction:g} of train_csv")
+    else:
+        why = f"validation_csv {cfg.validation_csv} shares rows with train_csv {cfg.train_csv}: drop them from one"
+    return (f"note: {int(seen.sum())} of {len(val)} validation rows repeat training rows (same dialogue or id, e.g. "
+            f"{'id' if val.has_ids else 'row'} {first}): validation loss and ROUGE will be inflated; {why}")
+
+
+def duplicate_ids_note(table, key):
+    """The note that says `table` has ids on more than one row (what it means: nothing is dropped); None if not."""
+    if not table.has_ids:
+        return None
+    ids = pd.Series(table.ids)
+    repeated = ids[ids.duplicated(keep=False)]
+    if repeated.empty:
+        return None
+    first = repeated.iloc[0]
+    return (f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
+            f"{int((repeated == first).sum())} rows): every row is kept, since ids only identify rows (a validation "
+            f"row that shares its id with a training row counts as a repeat of it)")
+
+
 @dataclass
 class Splits:
     train: Examples
@@ -380,11 +428,14 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     if table.empty:
         notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
+    notes += filter(None, [duplicate_ids_note(table, "train_csv")])
     if cfg.validation_csv:
         val_table = read_table(cfg.validation_csv, "validation_csv", cfg)
         val_arrays, val_notes = cached_tokens(val_table, cfg, fmt, is_main, barrier)
         val = Examples.from_rows(val_table, val_arrays, np.arange(len(val_table.ids)))
         notes += val_notes
+        if val_table.digest != table.digest:  # the same CSV: one note says so
+            notes += filter(None, [duplicate_ids_note(val_table, "validation_csv")])
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
         if val_table.empty:
             notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")

@@ -28,9 +28,9 @@ import data
 from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
-from summarizer.checkpoint import TrainingState, check_fixed
+from summarizer.checkpoint import TrainingState, check_fixed, full_disk_keeps_checkpoints
 from summarizer.command_line import changed_settings, check_command, explicit_keys, parse_duration, save_config
-from summarizer.errors import UserError
+from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
 from summarizer.loading import build_model, check_shape, lora_base_reference
@@ -60,7 +60,7 @@ def main(argv=None, objective=None, script="train.py"):
             if rt.is_main:
                 print(changed_settings(argv, os.path.join(cfg.out_dir, run_folder.CONFIG)))
             control = RunControl(cfg, rt, started)
-            with control.handlers():
+            with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir):
                 trainer = Trainer(cfg, rt, control, objective)
                 trainer.fit()
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
@@ -518,8 +518,12 @@ class Trainer:
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {step}: {scores}")
-            plot_metrics(os.path.join(cfg.out_dir, run_folder.METRICS), os.path.join(cfg.out_dir, run_folder.PLOT),
-                         f"{cfg.out_dir} ({cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
+            try:  # the plot is a view of metrics.jsonl: a full disk skips it, the run goes on
+                plot_metrics(os.path.join(cfg.out_dir, run_folder.METRICS),
+                             os.path.join(cfg.out_dir, run_folder.PLOT),
+                             f"{cfg.out_dir} ({cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
+            except DiskFull as e:
+                bar.write(f"warning: {e}: {run_folder.PLOT} is not updated; training goes on", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A checkpoint: its file format (torch.save written atomically, read back with weights_only so a file cannot run
 code, a damaged file named with the intact ones beside it) and the training state it holds (TrainingState: what
 ckpt.pt saves and a resumed run restores; best.pt keeps the weights with the same record of the run)."""
+import contextlib
 import glob
 import math
 import os
@@ -12,7 +13,7 @@ import torch
 import data
 from config import AdamW, keys
 from summarizer import lora, run_folder
-from summarizer.errors import UserError
+from summarizer.errors import DiskFull, UserError
 from summarizer.files import atomic_write
 from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
@@ -22,13 +23,13 @@ def save_checkpoint(state, path):
     try:
         with atomic_write(path, "wb") as f:
             torch.save(state, f)
-    except (OSError, RuntimeError) as e:  # e.g. a full disk: the user's to fix, and nothing was lost
-        if isinstance(e, RuntimeError) and not any(s in str(e) for s in ("PytorchStreamWriter", "inline_container")):
-            raise  # not torch's zip writer failing to write
-        reason = e.strerror if isinstance(e, OSError) else "torch's writer stopped part-way: is the disk full?"
+    except (DiskFull, RuntimeError) as e:  # torch's zip writer reports a failed write as its own RuntimeError
+        if not isinstance(e, DiskFull) and not any(s in str(e) for s in ("PytorchStreamWriter", "inline_container")):
+            raise
+        failed = e if isinstance(e, DiskFull) else (f"cannot write {path}: torch's writer stopped part-way (is the "
+                                                    f"disk full? {run_folder.gb(run_folder.free_bytes(path))} free)")
         kept = f"{path} still holds the previous checkpoint" if os.path.exists(path) else "nothing was written"
-        raise UserError(f"cannot write {path} ({reason}): {kept}; free some space or choose another "
-                        f"--out_dir") from None
+        raise DiskFull(f"{failed}; {kept}") from None
 
 
 def load_checkpoint(path):
@@ -65,19 +66,39 @@ def complete_archive(path):
 def intact_neighbours(path):
     """Which of the other checkpoints in `path`'s folder load, as the clause that ends a corrupted-file error."""
     folder = os.path.dirname(os.path.abspath(path))
-    others = [p for p in sorted(glob.glob(os.path.join(glob.escape(folder), "*.pt"))) if not os.path.samefile(p, path)]
-    intact = []
-    for other in others:
-        try:
-            ckpt = torch.load(other, map_location="cpu", weights_only=True, mmap=True)
-            intact.append(f"{other} (iter {ckpt['iter_num']})")
-        except Exception:
-            continue
+    intact = intact_in(folder, besides=path)
     if not intact:
         return f"no other checkpoint in {folder} is intact"
     use = ("start from its weights with --init_from=<that file>" if os.path.basename(path) == "ckpt.pt"
            else "score one with --ckpt=<that file>")
     return f"intact: {', '.join(intact)}; {use}"
+
+
+def intact_in(folder, besides=None):
+    """['folder/ckpt.pt (iter 5)', ...]: the checkpoints in `folder` (but `besides`) that load."""
+    intact = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.pt"))):
+        if besides and os.path.samefile(path, besides):
+            continue
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            intact.append(f"{path} (iter {ckpt['iter_num']})")
+        except Exception:
+            continue
+    return intact
+
+
+@contextlib.contextmanager
+def full_disk_keeps_checkpoints(folder):
+    """A DiskFull in the body ends in its line plus the checkpoints of the run's `folder` that are intact and how
+    to go on from them."""
+    try:
+        yield
+    except DiskFull as e:
+        intact = intact_in(folder)
+        kept = (f"intact: {', '.join(intact)}; free some space and continue with --init_from=resume" if intact
+                else "no checkpoint was written yet")
+        raise DiskFull(f"{e}; {kept}") from None
 
 
 

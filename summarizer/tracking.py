@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from summarizer.errors import UserError
-from summarizer.files import atomic_write
+from summarizer.files import atomic_write, writing
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 
@@ -102,7 +102,8 @@ def drop_rows_after(jsonl_path, iter_num):
 
 def log_row(out_dir, row, tracker):
     """Append one row to out_dir/metrics.jsonl and send it to the tracker's destinations."""
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    with writing(path), open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     tracker.log(row)
 

@@ -3,6 +3,7 @@ torch's writer failing on a full disk, max_time with resume_from continuing a ru
 generation batches sized by a KV-cache budget."""
 import contextlib
 import dataclasses
+import errno
 import os
 import random
 import resource
@@ -22,6 +23,7 @@ from summarizer import inference, run_folder
 from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from summarizer.command_line import parse_duration
 from summarizer.errors import UserError
+from summarizer.files import writing
 
 
 @contextlib.contextmanager
@@ -109,6 +111,43 @@ def test_a_save_that_meets_a_full_disk_keeps_the_previous_checkpoints(args, tmp_
         assert sorted(os.listdir(out)) == sorted(["ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"])
 
 
+def test_a_disk_that_fills_mid_run_ends_in_one_line_and_leaves_ckpt_pt_loadable(args, tmp_path, monkeypatch, capsys):
+    """Another process fills the disk after the first checkpoint: the plot that follows is skipped with a warning,
+    the next write of metrics.jsonl ends the run."""
+    with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
+        if not os.path.ismount(small):
+            pytest.skip("needs a size-limited tmpfs, which only root can mount")
+        out, save = small / "out", TrainingState.save
+
+        def save_then_fill(state, cfg, rt, metrics, best):
+            save(state, cfg, rt, metrics, best)
+            fill(small, 0)
+        monkeypatch.setattr(TrainingState, "save", save_then_fill)
+        with pytest.raises(SystemExit) as stopped:
+            train.main([*args, f"--out_dir={out}", "--max_iters=60", "--eval_interval=30"])
+        assert stopped.value.code == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 2 and "Traceback" not in "".join(lines), lines
+        assert lines[0].startswith(f"warning: cannot write {out / 'metrics.png'}: No space left on device (")
+        assert lines[1].startswith(f"error: cannot write {out / 'metrics.jsonl'}: No space left on device ("), lines
+        assert lines[1].endswith(f"intact: {out / 'best.pt'} (iter 30), {out / 'ckpt.pt'} (iter 30); free some space "
+                                 f"and continue with --init_from=resume"), lines
+        assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 30
+
+
+def test_a_full_disk_skips_the_plot_with_a_warning_and_the_run_goes_on(args, tmp_path, monkeypatch, capsys):
+    def full_disk(jsonl_path, png_path, title=""):
+        with writing(png_path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(train, "plot_metrics", full_disk)
+    train.main([*args, f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2"])
+    warnings = [line for line in error_lines(capsys) if line.startswith("warning: ")]
+    assert warnings == [f"warning: cannot write {tmp_path / 'out' / 'metrics.png'}: No space left on device "
+                        f"({run_folder.free_bytes(str(tmp_path)) / 1e6:.0f} MB free in {tmp_path / 'out'}): "
+                        f"metrics.png is not updated; training goes on"]
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2
+
+
 def test_torch_writer_failing_mid_file_is_one_line_and_keeps_the_old_file(tmp_path):
     """A file size limit makes torch's zip writer fail part-way, as a full disk does ('unexpected pos',
     'file write failed'): the old checkpoint stays, and the error is one line."""
@@ -123,7 +162,8 @@ def test_torch_writer_failing_mid_file_is_one_line_and_keeps_the_old_file(tmp_pa
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, handler)
     message = str(error.value)
-    assert message.startswith(f"cannot write {path}") and "still holds the previous checkpoint" in message
+    assert message.startswith(f"cannot write {path}: torch's writer stopped part-way (is the disk full? ")
+    assert message.endswith(f"; {path} still holds the previous checkpoint")
     assert "\n" not in message
     assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(10))
     assert os.listdir(tmp_path) == ["ckpt.pt"]

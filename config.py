@@ -261,7 +261,7 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 
 def load_config(argv):
-    """The checked Config that a command line asks for: presets and --key=value overrides, later ones winning;
-    --help prints every key and exits."""
+    """The checked Config that a command line asks for: presets in their order, then --key=value flags, which beat
+    any preset whatever the order; --help prints every key and exits."""
     from summarizer.command_line import read_arguments  # it imports this module
     return Config(**read_arguments(argv))

@@ -29,7 +29,7 @@ from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import TrainingState, check_fixed, full_disk_keeps_checkpoints
-from summarizer.command_line import changed_settings, check_command, explicit_keys, parse_duration, save_config
+from summarizer.command_line import check_command, explicit_keys, parse_duration, save_config, settings_report
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
@@ -58,7 +58,7 @@ def main(argv=None, objective=None, script="train.py"):
         check_shape(cfg, explicit_keys(argv), cfg.init_from)  # from its config alone, before any work
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
-                print(changed_settings(argv, os.path.join(cfg.out_dir, run_folder.CONFIG)))
+                print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG)))
             control = RunControl(cfg, rt, started)
             with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir):
                 trainer = Trainer(cfg, rt, control, objective)
@@ -145,7 +145,8 @@ def model_to_train(cfg):
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
     fixed = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
-             **dict.fromkeys(keys(RowFormat), "what the model was trained on")}
+             **dict.fromkeys(keys(RowFormat), "what the model was trained on"),
+             "batch_size": "the rows of each step"}
     check_fixed(ckpt["config"], asdict(cfg), fixed, path,
                 lambda key, value: f"resume with --{key}={value!r} ({fixed[key]} cannot change when resuming)")
     return model, ckpt

@@ -145,6 +145,7 @@ class TrainingState:
     extra: dict = field(default_factory=dict)
     step: int = 0
     best_score: float | None = None
+    best_val_loss: float | None = None  # the best evaluation's: it breaks a tie of best_metric
     skipped_steps: int = 0
 
     @classmethod
@@ -154,12 +155,19 @@ class TrainingState:
                    torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
-        """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best); a
-        non-finite score never does."""
-        score, best = stats[metric], self.best_score
-        better = math.isfinite(score) and (best is None or (score < best if metric == "val_loss" else score > best))
+        """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best): a higher
+        ROUGE, or the same ROUGE (0 at the first evaluations of a run) with a lower validation loss; a lower
+        val_loss. A non-finite score never does."""
+        score, best, val_loss = stats[metric], self.best_score, stats["val_loss"]
+        if not math.isfinite(score):
+            return False
+        if best is None or metric == "val_loss":
+            better = best is None or score < best
+        else:
+            best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
+            better = score > best or (score == best and val_loss < best_val_loss)
         if better:
-            self.best_score = score
+            self.best_score, self.best_val_loss = score, val_loss
         return better
 
     def save(self, cfg, rt, metrics, best):
@@ -171,7 +179,7 @@ class TrainingState:
         writes = []
         if rt.is_main:
             record = {"model_args": asdict(self.model.config), "iter_num": self.step, "best_metric": cfg.best_metric,
-                      "best_score": self.best_score, "config": asdict(cfg),
+                      "best_score": self.best_score, "best_val_loss": self.best_val_loss, "config": asdict(cfg),
                       "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)},
                       "tokenizer": data.TOKENIZER_ID, "train_rows": self.train_rows,
                       "validation_digest": self.validation_digest}
@@ -196,6 +204,10 @@ class TrainingState:
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
                             f"continue with --max_iters above {ckpt['iter_num']}")
+        if ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
+            raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
+                            f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
+                            f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
         rt.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
         # the optimizer's state dict brings back the saved run's AdamW settings: this run's config decides
         decay, no_decay = self.optimizer.param_groups
@@ -210,12 +222,16 @@ class TrainingState:
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
         notes = [f"resuming {path} at iter {self.step}; " + describe_schedule(self.schedule, self.step, cfg.max_iters)]
         if ckpt["best_metric"] == cfg.best_metric:
-            self.best_score = ckpt["best_score"]
+            # best_val_loss: None in a checkpoint of version 4, whose ties then go to the next evaluation
+            self.best_score, self.best_val_loss = ckpt["best_score"], ckpt.get("best_val_loss")
         else:
             kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
             notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
                          f"{cfg.best_metric} from the next evaluation on"
                          + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))
+        if ckpt["validation_digest"] != self.validation_digest:
+            notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
+                         f"measured on the others, so a later best.pt is chosen by another yardstick")
         changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
                    if saved[k] != getattr(cfg, k)]
         if changed:

@@ -1,11 +1,15 @@
 """The command line of train.py, evaluate.py, predict.py and export.py: presets and --key=value overrides.
 
-    python train.py [preset.py|preset.json ...] [--key=value ...]      later arguments win; --help lists the keys
+    python train.py [preset.py|preset.json ...] [--key=value ...]      --help lists the keys
 
-Values are Python literals (`--learning_rate=3e-4`, `--compile=False`, `--prompt_template='"..."'`); for a text
-field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). Preset .py files are parsed
-with `ast`, never executed: only top-level `name = <literal>` lines. `python -m summarizer.command_line` prints
-the reference table of all keys in Markdown (docs/config.md's).
+Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
+in its order: a flag beats any preset, whether it comes before or after it (`--device=cpu config/kaggle_t4x2.py`
+runs on the CPU). Values are Python literals (`--learning_rate=3e-4`, `--prompt_template='"..."'`); for a text
+field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). A yes/no key takes
+true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`, `--compile=False`). max_time takes
+seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its unit (`1.5h`, `45m`, `11h30m`,
+`1h30m15s`). Preset .py files are parsed with `ast`, never executed: only top-level `name = <literal>` lines.
+`python -m summarizer.command_line` prints the reference table of all keys in Markdown (docs/config.md's).
 """
 import ast
 import dataclasses
@@ -24,19 +28,21 @@ from summarizer.files import atomic_write
 
 
 def read_arguments(argv):
-    """{key: value} that presets and --key=value overrides set, in order (later ones win); --help prints the
-    usage and every key, and exits."""
+    """{key: value} that presets and --key=value overrides set: the presets in their order, then the flags in
+    theirs, so a flag beats a preset wherever it stands; --help prints the usage and every key, and exits."""
     if "-h" in argv or "--help" in argv:
         print_help()
         raise SystemExit(0)
-    values = {}
-    for arg in argv:
-        if arg.startswith("--"):
-            key, value = parse_override(arg)
-            values[key] = value
-        else:
-            values.update(read_preset(arg))
-    return values
+    return {key: value for key, value, _ in settings_given(argv)}
+
+
+def settings_given(argv):
+    """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
+    flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
+    presets = [arg for arg in argv if not arg.startswith("--")]
+    flags = [arg for arg in argv if arg.startswith("--")]
+    given = [(key, value, path) for path in presets for key, value in read_preset(path).items()]
+    return given + [(*parse_override(arg), "command line") for arg in flags]
 
 
 def check_key(key, source):
@@ -55,12 +61,34 @@ def type_name(f):
     return " or ".join(kind.__name__ for kind in types_of(f))
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
+
+
+def as_bool(value):
+    """True or False for a yes/no word (any case) or 1/0; None for anything else (a bool stays itself)."""
+    if type(value) is bool:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+    return None
+
+
 def typed(key, value, source):
-    """`value` as the field's type (an int is accepted for a float), or UserError naming the key."""
+    """`value` as the field's type (an int is accepted for a float, a yes/no word or 1/0 for a bool), or
+    UserError naming the key."""
     check_key(key, source)
     kinds = types_of(FIELDS[key])
     if kinds == (float,) and type(value) is int:
         return float(value)
+    if bool in kinds and as_bool(value) is not None:
+        return as_bool(value)
+    if kinds == (bool,):
+        raise UserError(f"{key}={value!r} is not a yes/no value: write {BOOL_FORMS} (in {source})")
     if type(value) not in kinds:
         raise UserError(f"{key} expects {type_name(FIELDS[key])}, got {value!r} ({type(value).__name__}) in {source}")
     return value
@@ -85,7 +113,10 @@ def parse_override(arg):
 def read_preset(path):
     """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
     if not os.path.isfile(path):
-        raise UserError(f"preset {path} does not exist: pass an existing .py or .json file")
+        near = near_preset(path)
+        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path}" if "=" in path
+                else "pass an existing .py or .json file (the presets are in config/)")
+        raise UserError(f"preset {path}: no such preset; {hint}")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if path.endswith(".json"):
@@ -119,6 +150,24 @@ def read_preset(path):
     return values
 
 
+def near_preset(path):
+    """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
+    name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
+    for ext in (".py", ".json"):
+        if os.path.isfile(path + ext):
+            return path + ext
+    shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config"))
+    files = {}  # name: its path, the path's own folder first
+    for folder in dict.fromkeys([os.path.dirname(path), shipped]):
+        if folder and os.path.isdir(folder):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith((".py", ".json")):
+                    files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
+    wanted = os.path.basename(path if path.endswith((".py", ".json")) else path + ".py")
+    close = difflib.get_close_matches(wanted, files, n=1)
+    return files[close[0]] if close else None
+
+
 def save_config(cfg, path):
     """Write the resolved config as a JSON preset, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -142,32 +191,115 @@ def check_command(argv, command):
                             f"(docs/config.md)")
 
 
+def changed_values(argv):
+    """[(key, value, source)] for the keys whose value differs from the default, in config.py's order, with the
+    preset or the command line whose value holds (a flag beats a preset, whatever the order)."""
+    defaults, cfg = Config(), Config(**read_arguments(argv))
+    source = {key: where for key, _, where in settings_given(argv)}
+    return [(key, getattr(cfg, key), source[key]) for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
+
+
 def changed_settings(argv):
     """'batch_size=32 (config/demo.py), max_iters=5 (command line)': the keys whose value differs from the
-    default, and the preset or command line that set them last."""
-    defaults, cfg, source = Config(), Config(**read_arguments(argv)), {}
-    for arg in argv:
-        keys_set = [parse_override(arg)[0]] if arg.startswith("--") else read_preset(arg)
-        source.update(dict.fromkeys(keys_set, "command line" if arg.startswith("--") else arg))
-    changed = [key for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
-    return ", ".join(f"{key}={getattr(cfg, key)!r} ({source[key]})" for key in changed)
+    default, and the preset or command line whose value holds, in one line."""
+    return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in changed_values(argv))
+
+
+SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
+
+
+def settings_report(argv, config_json):
+    """What start-up prints of the settings: a line naming config_json (every key), then for each source whose
+    values hold (the presets, then the command line) the keys it changed from the defaults, by group of config.py:
+        settings (changed from the defaults; every key: /kaggle/working/out/config.json):
+          config/kaggle_t4x2.py: System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64
+          command line: Run: out_dir='/kaggle/working/out'
+            Training: max_iters=600 max_time='11h30m' [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
+    in lines of at most SETTINGS_WIDTH characters; max_time with its budget in hours, minutes and seconds."""
+    changed = changed_values(argv)
+    if not changed:
+        return f"settings: the defaults; every key: {config_json}"
+    given = list(dict.fromkeys(source for *_, source in settings_given(argv)))  # presets, then the command line
+    lines = [f"settings (changed from the defaults; every key: {config_json}):"]
+    for source in [source for source in given if any(where == source for *_, where in changed)]:
+        segments = []
+        for group in GROUPS:
+            words = [setting_text(key, value) for key, value, where in changed
+                     if where == source and key in keys(group)]
+            if words:
+                segments.append([f"{group.__name__}: {words[0]}", *words[1:]])
+        lines += pack(segments, f"  {source}: ", "    ")
+    return "\n".join(lines)
+
+
+def pack(segments, first, indent, width=SETTINGS_WIDTH):
+    """Segments (lists of words) in lines of at most `width` characters, apart by ' | ', a segment's words apart
+    by spaces: a segment that does not fit the line's rest starts the next line, and one that fits no line is
+    broken between its words (a word longer than a line stands alone on its own). The first line starts with
+    `first`, the others with `indent`."""
+    lines, line = [], first
+    for segment in segments:
+        whole = " ".join(segment)
+        if line not in (first, indent) and len(line) + 3 + len(whole) > width and len(indent) + len(whole) <= width:
+            lines.append(line)
+            line = indent
+        for j, word in enumerate(segment):
+            sep = "" if line in (first, indent) else " | " if j == 0 else " "
+            if sep and len(line) + len(sep) + len(word) > width:
+                lines.append(line)
+                line, sep = indent, ""
+            line += sep + word
+    return [*lines, line]
+
+
+def setting_text(key, value):
+    """'key=value' as a preset or flag would give it; max_time with its budget: max_time='1.5h' [1h 30m = 5400 s]."""
+    text = f"{key}={value!r}"
+    if key == "max_time" and value:
+        seconds = parse_duration(value)
+        text += f" [{describe_duration(seconds)} = {round(seconds, 3):.10g} s]"
+    return text
 
 
 # ---- texts inside settings --------------------------------------------------------------------------------
 
 
+NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+UNITS = {"h": 3600, "m": 60, "s": 1}
+
+
 def parse_duration(text):
-    """max_time's seconds: '' -> None, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' -> 5400.0."""
+    """max_time's seconds: '' -> None, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' -> 5400.0,
+    '1h30m15s' -> 5415.0. The units go h, m, s, each at most once; a number after a unit needs its own: '1h30' is
+    refused (1h30m or 1h30s?)."""
     if not text.strip():
         return None
-    parts = re.fullmatch(r"\s*(?:([\d.]+)h)?\s*(?:([\d.]+)m)?\s*(?:([\d.]+)s?)?\s*", text)
-    try:
-        hours, minutes, seconds = (float(p or 0) for p in parts.groups())
-    except (AttributeError, ValueError):
+    compact = re.sub(r"\s", "", text)
+    parts = re.findall(rf"({NUMBER})([hms]?)", compact)
+    units = "".join(unit for _, unit in parts)
+    if "".join(number + unit for number, unit in parts) != compact or not parts:
         parts = None
-    if parts is None or not any(parts.groups()) or hours * 3600 + minutes * 60 + seconds <= 0:
-        raise UserError(f"max_time={text!r} is not a positive duration: write seconds (41400) or e.g. 11h30m, 45m")
-    return hours * 3600 + minutes * 60 + seconds
+    elif len(parts) > 1 and not parts[-1][1] and re.fullmatch(r"h?m?", units) and len(units) == len(parts) - 1:
+        meant = [compact + unit for unit in "hms"["hms".index(units[-1]) + 1:]]
+        raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
+                        + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
+    elif len(parts) == 1 and not units:
+        parts = [(parts[0][0], "s")]  # plain seconds
+    elif not (re.fullmatch(r"h?m?s?", units) and len(units) == len(parts)):
+        parts = None
+    seconds = sum(float(number) * UNITS[unit] for number, unit in parts or ())
+    if seconds <= 0:
+        raise UserError(f"max_time={text!r} is not a positive duration: write seconds (5400, 5400s) or hours, "
+                        f"minutes and seconds, each number with its unit (1.5h, 45m, 11h30m, 1h30m15s)")
+    return seconds
+
+
+def describe_duration(seconds):
+    """5400 -> '1h 30m', 5415 -> '1h 30m 15s', 90 -> '1m 30s', 41400 -> '11h 30m', 0.5 -> '0.5s'."""
+    hours, rest = divmod(round(seconds, 3), 3600)
+    minutes, rest = divmod(rest, 60)
+    parts = [f"{int(hours)}h" if hours else "", f"{int(minutes)}m" if minutes else "", f"{rest:g}s" if rest else ""]
+    return " ".join(p for p in parts if p) or "0s"
 
 
 def lora_target_list(lora_targets):

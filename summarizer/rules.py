@@ -3,8 +3,8 @@ other. Config() checks them as it is made, so a mistake stops as one `error: ...
 import re
 from dataclasses import fields
 
-from config import GPT2_NAMES, LOG_DESTINATIONS, LORA_TARGETS, Decoding, part
-from summarizer.command_line import lora_target_list, parse_duration, parse_sweep
+from config import LOG_DESTINATIONS, LORA_TARGETS, Decoding, part
+from summarizer.command_line import BOOL_FORMS, lora_target_list, parse_duration, parse_sweep
 from summarizer.errors import UserError
 
 
@@ -19,7 +19,8 @@ def check_ranges(cfg):
     for f in fields(cfg):
         choices = f.metadata["choices"]
         if choices and getattr(cfg, f.name) not in choices:
-            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(map(str, choices))}")
+            yes_no = f" (True and False also as {BOOL_FORMS})" if True in choices else ""
+            raise UserError(f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(map(str, choices))}{yes_no}")
     positive = ("batch_size", "micro_batch_size", "n_layer", "n_head", "n_embd", "block_size", "eval_interval",
                 "log_interval", "max_new_tokens", "num_beams", "gen_batch_size", "dist_timeout", "max_iters",
                 "learning_rate", "lora_alpha")
@@ -62,9 +63,6 @@ def check_combinations(cfg):
         raise UserError(f"n_embd={cfg.n_embd} is not a multiple of n_head={cfg.n_head}")
     if cfg.block_size % 8:
         raise UserError(f"block_size={cfg.block_size} must be a multiple of 8 (batches are padded to multiples of 8)")
-    if cfg.init_from in GPT2_NAMES and cfg.block_size > 1024:
-        raise UserError(f"block_size={cfg.block_size} exceeds GPT-2's 1024 positions: use block_size <= 1024 "
-                        f"or init_from='scratch'")
     grad_accum_steps(cfg, world_size=1)
     if contradiction := part(cfg, Decoding).contradiction():
         raise UserError(contradiction)

@@ -12,7 +12,16 @@ import pytest
 import config
 from config import Config, Decoding, load_config
 from conftest import REPO, one_error_line, tiny
-from summarizer.command_line import changed_settings, markdown_reference, parse_sweep, save_config
+from summarizer.command_line import (
+    SETTINGS_WIDTH,
+    changed_settings,
+    describe_duration,
+    markdown_reference,
+    parse_duration,
+    parse_sweep,
+    save_config,
+    settings_report,
+)
 from summarizer.errors import UserError
 from summarizer.rules import grad_accum_steps
 
@@ -50,8 +59,8 @@ def test_overrides_are_literals_typed_by_field():
 @pytest.mark.parametrize("arg, expected", [
     ("--batch_size=8.5", "batch_size expects int"),
     ("--batch_size=True", "batch_size expects int"),
-    ("--compile=yes", "compile='yes' is not one of auto, True, False"),
-    ("--compile=1", "compile expects bool or str"),
+    ("--compile=maybe", "compile='maybe' is not one of auto, True, False (True and False also as true/false"),
+    ("--compile=2", "compile expects bool or str"),
     ("--learning_rate=fast", "learning_rate expects float"),
     ("--lerning_rate=1e-3", "did you mean 'learning_rate'?"),
     ("--micro_batchsize=4", "did you mean 'micro_batch_size'?"),
@@ -63,13 +72,13 @@ def test_bad_overrides_are_one_line_naming_the_key(arg, expected):
     assert expected in error_of([arg])
 
 
-def test_py_preset_is_read_not_executed_and_later_arguments_win(tmp_path):
+def test_py_preset_is_read_not_executed_and_flags_win(tmp_path):
     preset = tmp_path / "p.py"
     preset.write_text('"""A preset."""\n# comment\nbatch_size = 64\nmicro_batch_size = 4\ndropout = 0\n'
                       'init_from = "scratch"\n')
     cfg = load_config([str(preset), "--micro_batch_size=8"])
     assert (cfg.batch_size, cfg.micro_batch_size, cfg.dropout, cfg.init_from) == (64, 8, 0.0, "scratch")
-    assert load_config(["--batch_size=32", str(preset)]).batch_size == 64
+    assert load_config(["--batch_size=32", str(preset)]).batch_size == 32  # a flag before the preset too
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -77,7 +86,7 @@ def test_py_preset_is_read_not_executed_and_later_arguments_win(tmp_path):
     ("batch_size = 8 * 32\n", "line 1: '8 * 32' is not a literal"),
     ("open('x', 'w')\n", "line 1"),
     ("batch_size = 64\nlerning_rate = 1e-3\n", "line 2: did you mean 'learning_rate'?"),
-    ("compile = 1\n", "compile expects bool or str"),
+    ("compile = 2\n", "compile expects bool or str"),
     ("batch_size = (\n", "syntax error"),
 ])
 def test_bad_py_preset(tmp_path, body, expected):
@@ -108,7 +117,7 @@ def test_bad_json_preset(tmp_path, text, expected):
 
 
 def test_missing_preset_and_other_extensions(tmp_path):
-    assert "does not exist" in error_of([str(tmp_path / "nope.py")])
+    assert "nope.py: no such preset; pass an existing .py or .json file" in error_of([str(tmp_path / "nope.py")])
     (tmp_path / "p.yaml").write_text("a: 1\n")
     assert ".py or .json" in error_of([str(tmp_path / "p.yaml")])
 
@@ -120,7 +129,6 @@ def test_missing_preset_and_other_extensions(tmp_path):
     (["--backend=horovod"], "backend='horovod'"),
     (["--device=gpu"], "device='gpu'"),
     (["--block_size=100", "--init_from=scratch"], "multiple of 8"),
-    (["--block_size=2048"], "init_from='scratch'"),
     (["--batch_size=100"], "batch_size=100 is not a multiple of micro_batch_size=8"),
     (["--num_beams=4", "--temperature=0.7"], "temperature=0.0"),
     (["--num_beams=4", "--temperature=0.7", "--mbr_samples=8", "--mbr_include_beam=False"], "mbr_include_beam=True"),
@@ -208,3 +216,152 @@ def test_a_key_only_another_command_reads_is_one_line(capsys):
     import train
     err = one_error_line(capsys, train.main, [*tiny(), "--rank_weight=1.0"])
     assert "--rank_weight" in err and "calibrate.py" in err
+
+
+# ---- issue 37: durations, yes/no values, flags before presets, missing presets, the settings block --------------
+
+
+@pytest.mark.parametrize("text, seconds", [("5400", 5400), ("5400s", 5400), ("11h30m", 41400), ("45m", 2700),
+                                           ("1.5h", 5400), ("1h30m15s", 5415), (" 1h 30m ", 5400), ("90.5", 90.5)])
+def test_max_time_takes_the_documented_forms(text, seconds):
+    assert parse_duration(text) == seconds
+    assert load_config([f"--max_time={text}"]).max_time == text
+
+
+@pytest.mark.parametrize("text, meant", [("1h30", "write 1h30m (or 1h30s)"), ("45m30", "write 45m30s"),
+                                         ("1h30m15", "write 1h30m15s")])
+def test_a_number_without_its_unit_after_another_is_ambiguous(capsys, text, meant):
+    import train
+    err = one_error_line(capsys, train.main, [*tiny(), f"--max_time={text}"])
+    assert f"max_time={text!r} is ambiguous: {meant}" in err
+
+
+@pytest.mark.parametrize("text", ["30m1h", "1h1h", "1s30", "1.5.5h", "1d"])
+def test_units_out_of_order_or_unknown_are_not_durations(text):
+    assert f"max_time={text!r} is not a positive duration" in error_of([f"--max_time={text}"])
+
+
+def test_the_budget_is_shown_in_hours_minutes_and_seconds():
+    assert [describe_duration(s) for s in (5400, 5415, 90, 41400, 0.5, 1.1 * 3600)] == \
+        ["1h 30m", "1h 30m 15s", "1m 30s", "11h 30m", "0.5s", "1h 6m"]
+    assert "max_time='1.5h' [1h 30m = 5400 s] (command line)" in changed_settings(["--max_time=1.5h"])
+    assert "max_time='1.5h' [1h 30m = 5400 s]" in settings_report(["--max_time=1.5h"], "out/config.json")
+
+
+YES_NO = [("true", True), ("True", True), ("TRUE", True), ("yes", True), ("Yes", True), ("on", True), ("ON", True),
+          ("1", True), ("false", False), ("False", False), ("FALSE", False), ("no", False), ("NO", False),
+          ("off", False), ("Off", False), ("0", False)]
+
+
+@pytest.mark.parametrize("word, value", YES_NO)
+def test_yes_no_keys_take_the_usual_words_on_the_command_line(word, value):
+    cfg = load_config([f"--evaluate_after={word}", f"--train_on_prompt={word}", f"--compile={word}",
+                       f"--fsdp_reduce_once={word}", f"--mbr_include_beam={word}"])
+    assert (cfg.evaluate_after, cfg.train_on_prompt, cfg.compile, cfg.fsdp_reduce_once, cfg.mbr_include_beam) == \
+        (value,) * 5
+    assert all(type(v) is bool for v in (cfg.evaluate_after, cfg.compile))
+
+
+def test_yes_no_words_in_presets_and_sweeps(tmp_path):
+    py, js = tmp_path / "p.py", tmp_path / "p.json"
+    py.write_text('evaluate_after = "yes"\npredict_after = "On"\nbias = 0\ncompile = "off"\n')
+    js.write_text(json.dumps({"evaluate_after": "TRUE", "predict_after": 1, "bias": "no", "compile": "auto"}))
+    for preset, compile in ((py, False), (js, "auto")):
+        cfg = load_config([str(preset)])
+        assert (cfg.evaluate_after, cfg.predict_after, cfg.bias, cfg.compile) == (True, True, False, compile)
+    assert parse_sweep("mbr_include_beam=true,No") == [{"mbr_include_beam": True}, {"mbr_include_beam": False}]
+
+
+@pytest.mark.parametrize("word", ["maybe", "2", "1.0", "y", "'maybe'"])
+def test_a_bad_yes_no_value_is_one_line_naming_key_value_and_forms(capsys, word):
+    import train
+    err = one_error_line(capsys, train.main, [*tiny(), f"--evaluate_after={word}"])
+    assert "evaluate_after=" in err and word.strip("'") in err
+    assert "true/false, yes/no, on/off or 1/0, in any case" in err
+
+
+def test_a_flag_beats_a_preset_whatever_the_order(tmp_path):
+    preset = "config/kaggle_t4x2.py"
+    for argv in (["--device=cpu", preset], [preset, "--device=cpu"]):
+        cfg = load_config(argv)
+        assert (cfg.device, cfg.nccl_p2p_disable) == ("cpu", True)
+        assert changed_settings(argv) == \
+            f"device='cpu' (command line), nccl_p2p_disable=True ({preset}), gen_batch_size=64 ({preset})"
+    second = tmp_path / "second.py"
+    second.write_text("gen_batch_size = 16\n")
+    argv = ["--gen_batch_size=8", str(second), preset, "--device=cpu"]  # presets in their order, then the flags
+    assert load_config(argv).gen_batch_size == 8 and "gen_batch_size=8 (command line)" in changed_settings(argv)
+    assert load_config([preset, str(second)]).gen_batch_size == 16
+    assert f"gen_batch_size=16 ({second})" in changed_settings([preset, str(second)])
+    assert f"gen_batch_size=64 ({preset})" in changed_settings([str(second), preset])
+
+
+def test_help_says_flags_beat_presets_in_any_order(capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "a flag beats any preset, whether it comes before or after it" in printed
+    assert "true/false, yes/no, on/off or 1/0 in any case" in printed and "1h30m15s" in printed
+
+
+@pytest.mark.parametrize("given, near", [("config/kaggle_t4x2", "config/kaggle_t4x2.py"),
+                                         ("config/kagle_t4x2.py", "config/kaggle_t4x2.py"),
+                                         ("kaggle_t4x2.py", "config/kaggle_t4x2.py"),
+                                         ("config/dmo.py", "config/demo.py"),
+                                         ("config/kaggle_t4x2_gpt2-larg.py", "config/kaggle_t4x2_gpt2-large.py")])
+def test_a_missing_preset_suggests_the_near_one(capsys, given, near):
+    import train
+    err = one_error_line(capsys, train.main, [given, "--device=cpu"])
+    assert err.endswith(f"{given}: no such preset; did you mean {near}?")
+
+
+def test_a_preset_beside_the_path_is_suggested(tmp_path):
+    (tmp_path / "mine.json").write_text("{}")
+    assert error_of([str(tmp_path / "mine")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
+    assert error_of([str(tmp_path / "mien.json")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
+    assert "to set a key, write --batch_size=4" in error_of(["batch_size=4"])
+
+
+def report_sections(report):
+    """{source: its text} of a settings block, continuation lines joined."""
+    sections = {}
+    for line in report.splitlines()[1:]:
+        if line.startswith("    "):
+            sections[list(sections)[-1]] += " " + line.strip()
+        else:
+            source, _, text = line.strip().partition(": ")
+            sections[source] = text
+    return sections
+
+
+def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_from(tmp_path):
+    out = tmp_path / "a-long-folder-name-for-the-outputs-of-this-run" / "out"
+    argv = ["--max_time=11h30m", "--log_to=tensorboard", "config/kaggle_t4x2.py", f"--out_dir={out}",
+            "--evaluate_after=true", "--prompt_template='" + "p" * 120 + "{dialogue}'"]
+    report = settings_report(argv, f"{out}/config.json")
+    lines = report.splitlines()
+    assert lines[0] == f"settings (changed from the defaults; every key: {out}/config.json):"
+    assert all(len(line) <= SETTINGS_WIDTH or line.count("=") == 1 for line in lines[1:]), report  # or one key
+    assert len(lines) <= 7, report
+    sections = report_sections(report)
+    assert list(sections) == ["config/kaggle_t4x2.py", "command line"]
+    assert sections["config/kaggle_t4x2.py"] == \
+        "System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64"
+    command_line = sections["command line"]
+    for text in ("RowFormat: prompt_template=", f"Run: out_dir='{out}'",
+                 "Training: max_time='11h30m' [11h 30m = 41400 s]",
+                 "Evaluation: evaluate_after=True log_to='tensorboard'"):
+        assert text in command_line
+    assert command_line.index("RowFormat:") < command_line.index("Run:") < command_line.index("Training:")
+    assert settings_report([], "out/config.json") == "settings: the defaults; every key: out/config.json"
+
+
+def test_the_settings_block_of_the_demo_is_short():
+    argv = ["config/demo.py", "--max_iters=1", f"--out_dir={'/tmp/' + 'x' * 60}/out"]
+    report = settings_report(argv, "out-demo/config.json")
+    assert len(report.splitlines()) <= 10 and max(map(len, report.splitlines())) <= SETTINGS_WIDTH, report
+    changed = changed_settings(argv).split(", ")
+    sections = report_sections(report)
+    for item in changed:
+        setting, source = item.rsplit(" (", 1)
+        assert setting in sections[source.rstrip(")")]

@@ -15,7 +15,7 @@ import predict
 import train
 from config import load_config
 from conftest import metrics, one_error_line, run, tiny
-from summarizer.checkpoint import load_checkpoint
+from summarizer.checkpoint import TrainingState, load_checkpoint
 from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, use_compile
 from summarizer.schedule import learning_rate, lr_schedule
@@ -161,6 +161,14 @@ def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(args, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_rouge_tie_goes_to_the_evaluation_with_the_lower_validation_loss():
+    state = TrainingState(None, None, None, {}, {}, "")
+    evaluations = [(0.0, 3.0), (0.0, 2.5), (0.0, 2.7), (0.1, 2.9), (0.1, 2.95), (0.1, 2.8), (0.05, 1.0)]
+    best = [state.improved({"rougeL": rouge, "val_loss": loss}, "rougeL") for rouge, loss in evaluations]
+    assert best == [True, True, False, True, False, True, False]
+    assert (state.best_score, state.best_val_loss) == (0.1, 2.8)
+
+
 def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(args, tmp_path, capsys):
     out = tmp_path / "out"
     train.main([*args, "--max_iters=2", "--eval_interval=2", "--rouge_samples=4", "--best_metric=val_loss"])
@@ -172,9 +180,9 @@ def test_resume_with_another_best_metric_tracks_it_and_keeps_the_old_best(args, 
            f"{out / 'best-val_loss.pt'}" in capsys.readouterr().out
     assert (out / "best-val_loss.pt").read_bytes() == old_best
     best = load_checkpoint(str(out / "best.pt"))
-    rouge_by_iter = {r["iter"]: r["rougeL"] for r in metrics(out) if "rougeL" in r and r["iter"] > 2}
-    assert best["best_metric"] == "rougeL" and best["best_score"] == max(rouge_by_iter.values())
-    assert best["iter_num"] == min(i for i, v in rouge_by_iter.items() if v == best["best_score"])
+    evals = [r for r in metrics(out) if "rougeL" in r and r["iter"] > 2]
+    first_best = max(evals, key=lambda r: (r["rougeL"], -r["val_loss"]))  # a tie goes to the lower val_loss
+    assert best["best_metric"] == "rougeL" and best["iter_num"] == first_best["iter"]
 
 
 def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, capsys):

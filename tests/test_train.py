@@ -160,7 +160,18 @@ def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
     lines = result.stdout.replace("\r", "\n").splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("training:"))
     assert first <= 20, lines[:first]
-    settings = next(line for line in lines[:first] if line.startswith("settings: "))
-    assert "init_from='scratch' (config/demo.py)" in settings and "max_iters=1 (command line)" in settings
-    assert f"{out / 'config.json'}" in settings and (out / "config.json").is_file()
+    start = next(i for i, line in enumerate(lines[:first]) if line.startswith("settings ("))
+    assert f"every key: {out / 'config.json'}" in lines[start] and (out / "config.json").is_file()
+    sources = {}  # each source's lines ("  config/demo.py: Group: key=value ..." and "    ..." after it), joined
+    for line in lines[start + 1:first]:
+        if not line.startswith("  "):
+            break
+        if line.startswith("    "):
+            sources[list(sources)[-1]] += " " + line.strip()
+        else:
+            source, _, text = line.strip().partition(": ")
+            sources[source] = text
+    assert list(sources) == ["config/demo.py", "command line"]
+    assert "Run: init_from='scratch'" in sources["config/demo.py"] and "max_iters" not in sources["config/demo.py"]
+    assert "Training: max_iters=1" in sources["command line"]
     assert not any(line.startswith("learning_rate ") for line in lines[:first])  # no key-per-line listing

@@ -51,10 +51,8 @@ LAUNCHES = {
     "torchrun_accelerate": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
                                                  "--micro_batch_size=4", "--backend=accelerate"),
     "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
-        from accelerate import notebook_launcher
         import train
-        notebook_launcher(train.main, ({[*args, "--micro_batch_size=2", "--backend=accelerate"]!r},),
-                          num_processes=2, use_port={str(free_port())!r})
+        train.notebook_main({[*args, "--micro_batch_size=2"]!r}, num_processes=2, port={free_port()})
         """)],
 }
 
@@ -70,6 +68,9 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     result = run(LAUNCHES[launch](args))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_losses(metrics(out), single_process)
+    if launch == "notebook_launcher":  # on the CPU, Accelerate's "Launching training on 2 CUDAs." is said right
+        assert "Launching training on 2 processes on the CPU (no CUDA GPU is visible)." in result.stdout
+        assert "CUDA" not in result.stdout.replace("no CUDA GPU", "")
 
 
 @pytest.mark.slow

@@ -185,7 +185,8 @@ CASES = [
     ("resume with another batch_size", "train", lambda f: f.resume("--batch_size=8"), ERROR,
      r"trained with batch_size=4, not 8: resume with --batch_size=4 \(the rows of each step cannot change"),
     ("resume with another train_csv", "train",
-     lambda f: f.resume(f"--train_csv={f.file('other.csv', csv_bytes(GOOD))}"), ERROR, r"train_csv=\S+other\.csv holds other rows than \S+ckpt\.pt was trained on \(from \S+train\.csv\): "
+     lambda f: f.resume(f"--train_csv={f.file('other.csv', csv_bytes(GOOD))}"), ERROR,
+     r"train_csv=\S+other\.csv holds other rows than \S+ckpt\.pt was trained on \(from \S+train\.csv\): "
             r"resume with that CSV, or .* --init_from=\S+ckpt\.pt --out_dir=<a new folder>"),
     ("out_dir not writable", "train",
      lambda f: f.train(str(f.trained / "train.csv"), f"--out_dir={f.unwritable_dir()}"),

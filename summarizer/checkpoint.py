@@ -96,8 +96,7 @@ def full_disk_keeps_checkpoints(folder):
         yield
     except DiskFull as e:
         intact = intact_in(folder)
-        kept = (f"intact: {', '.join(intact)}; free some space and continue with --init_from=resume" if intact
-                else "no checkpoint was written yet")
+        kept = f"intact: {', '.join(intact)}: {run_folder.GO_ON}" if intact else "no checkpoint was written yet"
         raise DiskFull(f"{e}; {kept}") from None
 
 

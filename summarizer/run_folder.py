@@ -295,6 +295,10 @@ class DiskPlan:
                 f"{gb(free)} free: " + "; or ".join(fixes))
 
 
+GO_ON = ("free some space and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the "
+         "ckpt.pt> --out_dir=...)")  # what a run that met a full disk does next
+
+
 def save_problem(writes, iter_num):
     """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces
     until it is complete; else the line that says which cannot and what is kept. Nothing is written or removed."""
@@ -305,8 +309,6 @@ def save_problem(writes, iter_num):
             folder = os.path.dirname(os.path.abspath(path))
             kept = [name for name in (CKPT, BEST) if os.path.exists(os.path.join(folder, name))]
             return (f"cannot save {path} at iter {iter_num}: it needs {gb(need)} and {gb(free)} is free there; "
-                    f"{' and '.join(kept) + ' kept as they were' if kept else 'nothing was written'}: free some space "
-                    f"and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the ckpt.pt> "
-                    f"--out_dir=...)")
+                    f"{' and '.join(kept) + ' kept as they were' if kept else 'nothing was written'}: {GO_ON}")
         free -= need - file_bytes(path)  # the old file goes when the new one replaces it
     return None

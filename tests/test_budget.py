@@ -130,8 +130,9 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_leaves_ckpt_pt_loadable(
         assert len(lines) == 2 and "Traceback" not in "".join(lines), lines
         assert lines[0].startswith(f"warning: cannot write {out / 'metrics.png'}: No space left on device (")
         assert lines[1].startswith(f"error: cannot write {out / 'metrics.jsonl'}: No space left on device ("), lines
-        assert lines[1].endswith(f"intact: {out / 'best.pt'} (iter 30), {out / 'ckpt.pt'} (iter 30); free some space "
-                                 f"and continue with --init_from=resume"), lines
+        assert lines[1].endswith(f"intact: {out / 'best.pt'} (iter 30), {out / 'ckpt.pt'} (iter 30): free some space "
+                                 f"and continue (--init_from=resume), or continue in a larger folder (--resume_from="
+                                 f"<the ckpt.pt> --out_dir=...)"), lines
         assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 30
 
 

@@ -115,7 +115,10 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint(write_csv, tmp_pat
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
     last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=3", "--eval_interval=1")
-    assert last_line.startswith("error: ") and re.search(r"\S+ckpt\.pt .*No space left on device.*--out_dir", last_line)
+    assert last_line.startswith(f"error: cannot write {out / 'ckpt.pt'}: No space left on device ("), last_line
+    assert f"; {out / 'ckpt.pt'} still holds the previous checkpoint; intact: " in last_line
+    assert last_line.endswith(f"{out / 'ckpt.pt'} (iter 1): free some space and continue (--init_from=resume), or "
+                              f"continue in a larger folder (--resume_from=<the ckpt.pt> --out_dir=...)"), last_line
     assert (out / "ckpt.pt").read_bytes() == previous["bytes"]
     assert not [name for name in os.listdir(out) if ".tmp" in name]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 1

@@ -17,18 +17,14 @@ import zlib
 from summarizer.errors import DiskFull, UserError
 
 
-@contextlib.contextmanager
-def writing(path):
-    """Run a write to `path`: a full disk (a quota, a file size limit) ends it as DiskFull, one line that names the
-    file and the space left, instead of a traceback."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        folder = os.path.dirname(os.path.abspath(path))
-        free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
-        raise DiskFull(f"cannot write {path}: {e.strerror} ({free / 1e6:.0f} MB free in {folder})") from None
+def disk_full(path, error):
+    """The DiskFull that an OSError from writing `path` is when the disk is full (a quota, a file size limit): one
+    line that names the file and the space left, instead of a traceback; None for another error."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    return DiskFull(f"cannot write {path}: {error.strerror} ({free / 1e6:.0f} MB free in {folder})")
 
 
 @contextlib.contextmanager
@@ -38,14 +34,17 @@ def atomic_write(path, mode="w"):
     tmp = f"{path}.tmp{os.getpid()}"
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
-        with writing(path), open(tmp, mode, **text) as f:
+        with open(tmp, mode, **text) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        full = isinstance(e, OSError) and disk_full(path, e)
+        if full:
+            raise full from None
         raise
 
 

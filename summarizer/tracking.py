@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from summarizer.errors import UserError
-from summarizer.files import atomic_write, writing
+from summarizer.files import atomic_write, disk_full
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 
@@ -103,8 +103,14 @@ def drop_rows_after(jsonl_path, iter_num):
 def log_row(out_dir, row, tracker):
     """Append one row to out_dir/metrics.jsonl and send it to the tracker's destinations."""
     path = os.path.join(out_dir, "metrics.jsonl")
-    with writing(path), open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:
+        full = disk_full(path, e)
+        if full:
+            raise full from None
+        raise
     tracker.log(row)
 
 

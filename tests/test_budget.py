@@ -23,7 +23,7 @@ from summarizer import inference, run_folder
 from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from summarizer.command_line import parse_duration
 from summarizer.errors import UserError
-from summarizer.files import writing
+from summarizer.files import disk_full
 
 
 @contextlib.contextmanager
@@ -138,8 +138,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_leaves_ckpt_pt_loadable(
 
 def test_a_full_disk_skips_the_plot_with_a_warning_and_the_run_goes_on(args, tmp_path, monkeypatch, capsys):
     def full_disk(jsonl_path, png_path, title=""):
-        with writing(png_path):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise disk_full(png_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     monkeypatch.setattr(train, "plot_metrics", full_disk)
     train.main([*args, f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2"])
     warnings = [line for line in error_lines(capsys) if line.startswith("warning: ")]

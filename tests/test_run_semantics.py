@@ -267,7 +267,7 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     out = tmp_path / "out"
     best, ckpt = load_checkpoint(str(out / "best.pt")), load_checkpoint(str(out / "ckpt.pt"))
     assert set(best) == {"model", "model_args", "config", "metrics", "iter_num", "best_metric", "best_score",
-                         "tokenizer", "train_rows", "validation_digest"}
+                         "best_val_loss", "tokenizer", "train_rows", "validation_digest"}
     assert {"optimizer", "scaler", "rng", "schedule"} <= set(ckpt)
     assert os.path.getsize(out / "best.pt") < os.path.getsize(out / "ckpt.pt") / 2
     capsys.readouterr()

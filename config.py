@@ -58,7 +58,8 @@ class RowFormat:
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
                                                    "summary and <|endoftext|>; must contain {dialogue} once")
     train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)")
-    block_size: int = option(1024, "longest sequence in tokens, a multiple of 8; longer dialogues are cut")
+    block_size: int = option(1024, "longest sequence in tokens, a multiple of 8, at most the model's positions "
+                                   "(GPT-2: 1024); longer dialogues are cut")
 
 
 @dataclass

@@ -370,7 +370,8 @@ def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "train.py", *tiny(init_from="gpt2"), *ONE_STEP,
+    gpt2 = tiny(init_from="gpt2", n_layer=None, n_head=None, n_embd=None)  # GPT-2 brings its shape
+    result = subprocess.run([sys.executable, "train.py", *gpt2, *ONE_STEP,
                              f"--train_csv={trained / 'train.csv'}", f"--data_cache_dir={trained / 'cache'}",
                              f"--out_dir={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=120)

@@ -20,7 +20,7 @@ from summarizer.loading import model_from_checkpoint
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
        "--eval_val_batches=1"]
-KILLS = 20
+KILLS = 12
 
 
 def train_logged(args, log):
@@ -50,7 +50,7 @@ def file_version(path):
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_the_checkpoint(write_csv, tmp_path):
-    """20 times: start (or resume) training with a checkpoint every step, wait until it has written a newer
+    """KILLS times: start (or resume) training with a checkpoint every step, wait until it has written a newer
     ckpt.pt, then SIGKILL it after a random delay or, every other time, while it writes a checkpoint (half of those
     times ckpt.pt itself); ckpt.pt and best.pt must load, and the next resume must carry on past ckpt.pt's
     iteration."""

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, free_port, metrics, tiny, torchrun
 from summarizer.checkpoint import load_checkpoint
 
-STEPS = 60
+STEPS = 30
 ARGS = [*tiny(n_embd=64), "--batch_size=16", "--micro_batch_size=8", "--rouge_samples=0", "--best_metric=val_loss",
         "--eval_val_batches=1", "--log_interval=1", f"--max_iters={STEPS}", "--eval_interval=25",
         "--sample_submission_csv="]

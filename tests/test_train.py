@@ -158,9 +158,11 @@ def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             timeout=300)
     assert result.returncode == 0, result.stdout
-    lines = result.stdout.replace("\r", "\n").splitlines()
+    # progress bars aside: a slower machine draws more of their updates
+    lines = [line for line in result.stdout.replace("\r", "\n").splitlines()
+             if line.startswith("training:") or "%|" not in line and line.strip()]
     first = next(i for i, line in enumerate(lines) if line.startswith("training:"))
-    assert first <= 20, lines[:first]
+    assert first <= 16, lines[:first]
     start = next(i for i, line in enumerate(lines[:first]) if line.startswith("settings ("))
     assert f"every key: {out / 'config.json'}" in lines[start] and (out / "config.json").is_file()
     sources = {}  # each source's lines ("  config/demo.py: Group: key=value ..." and "    ..." after it), joined

@@ -191,18 +191,20 @@ def check_command(argv, command):
                             f"(docs/config.md)")
 
 
-def changed_values(argv):
+def changed_values(given):
     """[(key, value, source)] for the keys whose value differs from the default, in config.py's order, with the
-    preset or the command line whose value holds (a flag beats a preset, whatever the order)."""
-    defaults, cfg = Config(), Config(**read_arguments(argv))
-    source = {key: where for key, _, where in settings_given(argv)}
+    preset or the command line whose value holds (a flag beats a preset, whatever the order); `given`:
+    settings_given(argv)."""
+    defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
+    source = {key: where for key, _, where in given}
     return [(key, getattr(cfg, key), source[key]) for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
 
 
 def changed_settings(argv):
     """'batch_size=32 (config/demo.py), max_iters=5 (command line)': the keys whose value differs from the
     default, and the preset or command line whose value holds, in one line."""
-    return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in changed_values(argv))
+    changed = changed_values(settings_given(argv))
+    return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in changed)
 
 
 SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
@@ -216,12 +218,13 @@ def settings_report(argv, config_json):
           command line: Run: out_dir='/kaggle/working/out'
             Training: max_iters=600 max_time='11h30m' [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
     in lines of at most SETTINGS_WIDTH characters; max_time with its budget in hours, minutes and seconds."""
-    changed = changed_values(argv)
+    given = settings_given(argv)
+    changed = changed_values(given)
     if not changed:
         return f"settings: the defaults; every key: {config_json}"
-    given = list(dict.fromkeys(source for *_, source in settings_given(argv)))  # presets, then the command line
     lines = [f"settings (changed from the defaults; every key: {config_json}):"]
-    for source in [source for source in given if any(where == source for *_, where in changed)]:
+    sources = dict.fromkeys(source for *_, source in given)  # the presets, then the command line
+    for source in [source for source in sources if any(where == source for *_, where in changed)]:
         segments = []
         for group in GROUPS:
             words = [setting_text(key, value) for key, value, where in changed
@@ -265,7 +268,6 @@ def setting_text(key, value):
 
 
 NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
-UNITS = {"h": 3600, "m": 60, "s": 1}
 
 
 def parse_duration(text):
@@ -275,19 +277,16 @@ def parse_duration(text):
     if not text.strip():
         return None
     compact = re.sub(r"\s", "", text)
-    parts = re.findall(rf"({NUMBER})([hms]?)", compact)
-    units = "".join(unit for _, unit in parts)
-    if "".join(number + unit for number, unit in parts) != compact or not parts:
-        parts = None
-    elif len(parts) > 1 and not parts[-1][1] and re.fullmatch(r"h?m?", units) and len(units) == len(parts) - 1:
-        meant = [compact + unit for unit in "hms"["hms".index(units[-1]) + 1:]]
+    if re.fullmatch(NUMBER, compact):
+        compact += "s"  # plain seconds
+    match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
+    if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
+        last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
+        meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
         raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
                         + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
-    elif len(parts) == 1 and not units:
-        parts = [(parts[0][0], "s")]  # plain seconds
-    elif not (re.fullmatch(r"h?m?s?", units) and len(units) == len(parts)):
-        parts = None
-    seconds = sum(float(number) * UNITS[unit] for number, unit in parts or ())
+    hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
+    seconds += hours * 3600 + minutes * 60
     if seconds <= 0:
         raise UserError(f"max_time={text!r} is not a positive duration: write seconds (5400, 5400s) or hours, "
                         f"minutes and seconds, each number with its unit (1.5h, 45m, 11h30m, 1h30m15s)")

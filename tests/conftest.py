@@ -18,6 +18,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",
         "--device=cpu", "--dtype=float32", "--compile=False"]
+# One optimizer step of 4 sequences, then one evaluation by validation loss: the shortest run that writes checkpoints.
+ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
+            "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
 
 def tiny(**overrides):

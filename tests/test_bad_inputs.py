@@ -22,12 +22,9 @@ import data
 import evaluate
 import predict
 import train
-from conftest import REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
+from conftest import ONE_STEP, REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-
-ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
-            "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
 
 def csv_bytes(rows, sep=",", newline="\n", encoding="utf-8"):

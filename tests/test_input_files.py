@@ -17,10 +17,8 @@ import pytest
 import data
 import train
 from config import load_config
-from conftest import TINY, one_error_line, save_csv, synthetic_rows
+from conftest import ONE_STEP, TINY, one_error_line, save_csv, synthetic_rows
 
-ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
-            "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 ROWS = synthetic_rows(7, seed=2)  # 6 training rows and 1 held out
 CSV = pd.DataFrame(ROWS).to_csv(index=False).encode()
 

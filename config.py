@@ -1,10 +1,30 @@
-"""Every setting of train.py, evaluate.py, predict.py and export.py: the groups of settings, each with its
-default and one-line help, flat in Config; and load_config(argv), a command line read into a checked Config.
+"""Every setting of train.py, calibrate.py, evaluate.py, predict.py and export.py, and how a command line becomes them.
 
-The command line and presets are read in summarizer/command_line.py, and the rules a Config must follow are in
-summarizer/rules.py; both import this module, which imports neither at its top.
+    python train.py [preset.py|preset.json ...] [--key=value ...]      --help lists the keys
+
+Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
+in its order: a flag beats any preset, whether it comes before or after it (`--device=cpu config/kaggle_t4x2.py`
+runs on the CPU). Values are Python literals (`--learning_rate=3e-4`, `--prompt_template='"..."'`); for a text
+field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). A yes/no key takes
+true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`, `--compile=False`). max_time takes
+seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its unit (`1.5h`, `45m`, `11h30m`,
+`1h30m15s`). Preset .py files are parsed with `ast`, never executed: only top-level `name = <literal>` lines.
+
+Each setting says what it means for the commands after training (its Scope): fixed by training, the run's and
+changeable on resume, the run's default for every later command, or this command's alone. A run's checkpoint
+keeps every setting; summarizer/checkpoint.py's resolve() applies the scopes. Values are typed here, once, as a
+command line or a preset gives them (max_time in seconds, lora_targets a tuple, sweep a mapping); each group's
+rules check its own values and Config reports every problem of a command in one line. This module imports
+nothing from summarizer/: the rest of the program imports it.
 """
+import ast
+import difflib
+import enum
+import json
 import os
+import re
+import sys
+import typing
 from dataclasses import dataclass, field, fields
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
@@ -13,6 +33,40 @@ LOG_DESTINATIONS = ("tensorboard", "wandb")
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line. It is
+    defined here, below everything that raises it: a setting is the first thing a user can get wrong."""
+
+
+class Scope(enum.Enum):
+    """What a setting means for the commands after training: its value travels in the run's checkpoints."""
+    FIXED = "fixed"  # fixed by training: every later command takes the run's value; a flag that contradicts it stops
+    RESUME = "resume"  # the run's when it resumes, where a flag may change it; another command's own otherwise
+    RUN = "run"  # the run's default for every later command (resume, evaluate, predict, export); a flag changes it
+    COMMAND = "command"  # this command's alone: where and how it runs
+
+
+SCOPE_MEANING = {
+    Scope.FIXED: "fixed by training: later commands take the run's value, a flag that contradicts it is refused",
+    Scope.RESUME: "the run's when it resumes (a flag may change it); another command's own",
+    Scope.RUN: "the run's default for later commands (resume, evaluate, predict, export); a flag changes it",
+    Scope.COMMAND: "this command's alone; never taken from a checkpoint",
+}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A range rule of one value: `ok(value)`, else the problem is '<key>=<value> <text>'."""
+    ok: typing.Callable
+    text: str
+
+
+POSITIVE = Bound(lambda v: v > 0, "must be > 0")
+NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
+FRACTION = Bound(lambda v: 0 <= v < 1, "must be in [0, 1)")
 
 
 def competition_file(name, fallback):
@@ -21,12 +75,114 @@ def competition_file(name, fallback):
     return path if os.path.exists(path) else fallback
 
 
-def option(default, help, choices=None):
-    """A config field with its one-line doc (and allowed values); a callable default is evaluated per Config."""
-    metadata = {"help": help, "choices": choices}
+def option(default, help, scope, choices=None, bound=None, parse=None):
+    """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, allowed values, range rule
+    (a Bound) and, for a value given as text, its parser (text or value -> value, UserError naming the key)."""
+    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+# ---- values given as text ------------------------------------------------------------------------------------
+
+NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+
+
+def parse_duration(text):
+    """max_time's seconds: '' or None -> None, 5400, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' ->
+    5400.0, '1h30m15s' -> 5415.0. The units go h, m, s, each at most once; a number after a unit needs its own:
+    '1h30' is refused (1h30m or 1h30s?)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if type(text) in (int, float):
+        seconds = float(text)
+    elif isinstance(text, str):
+        compact = re.sub(r"\s", "", text)
+        if re.fullmatch(NUMBER, compact):
+            compact += "s"  # plain seconds
+        match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
+        if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
+            last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
+            meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
+            raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
+                            + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
+        hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
+        seconds += hours * 3600 + minutes * 60
+    else:
+        seconds = 0
+    if seconds <= 0:
+        raise UserError(f"max_time={text!r} is not a positive duration: write seconds (5400, 5400s) or hours, "
+                        f"minutes and seconds, each number with its unit (1.5h, 45m, 11h30m, 1h30m15s)")
+    return seconds
+
+
+def describe_duration(seconds):
+    """5400 -> '1h 30m', 5415 -> '1h 30m 15s', 90 -> '1m 30s', 41400 -> '11h 30m', 0.5 -> '0.5s'."""
+    hours, rest = divmod(round(seconds, 3), 3600)
+    minutes, rest = divmod(rest, 60)
+    parts = [f"{int(hours)}h" if hours else "", f"{int(minutes)}m" if minutes else "", f"{rest:g}s" if rest else ""]
+    return " ".join(p for p in parts if p) or "0s"
+
+
+def parse_targets(value):
+    """lora_targets as a tuple of layer names: 'attn.c_attn,mlp.c_fc' (a flag, or an older checkpoint's text) or
+    a list/tuple (a .json preset, config.json)."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"lora_targets={value!r}: give layer names, comma-separated, among {', '.join(LORA_TARGETS)}")
+    return tuple(n.strip() for n in names if n.strip())
+
+
+def sweep_keys():
+    """What evaluate.py --sweep may vary: the decoding settings but the summary budget (max_new_tokens: the run's
+    prompts were cut to leave room for it, so it is the run's, changed with --max_new_tokens), the sampling seed
+    and the generation batch."""
+    return (*(key for key in keys(Decoding) if key != "max_new_tokens"), "seed", "gen_batch_size")
+
+
+def parse_sweep(value):
+    """The sweep as {key: (value, ...)}, each value typed as --key=value would be: from 'num_beams=1,4
+    length_penalty=0.8,1.0' (keys apart by spaces, values by commas) or from a mapping (config.json); {} for ''."""
+    if isinstance(value, dict):
+        return {key: tuple(typed(key, v, f"sweep {key}") for v in values) for key, values in value.items()
+                if check_sweep_key(key, value)}
+    if not isinstance(value, str):
+        raise UserError(f"sweep={value!r}: write 'key=value1,value2 key2=...'")
+    settings = {}
+    for group in value.split():
+        key, eq, values = group.partition("=")
+        if not eq or not values:
+            raise UserError(f"sweep={value!r}: cannot read {group!r}, write key=value1,value2,...")
+        check_sweep_key(key, value)
+        try:
+            settings[key] = tuple(parse_override(f"--{key}={v}")[1] for v in values.split(","))
+        except UserError as e:
+            raise UserError(f"sweep={value!r}: {e}") from None
+    return settings
+
+
+def check_sweep_key(key, sweep):
+    if key == "max_new_tokens":
+        raise UserError(f"sweep={sweep!r}: max_new_tokens cannot be swept: the run's prompts are cut to leave room "
+                        f"for its summaries, so one evaluation has one max_new_tokens; evaluate once per value "
+                        f"with --max_new_tokens=N")
+    if key not in sweep_keys():
+        raise UserError(f"sweep={sweep!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
+    return True
+
+
+def sweep_settings(sweep):
+    """Every combination of a sweep's values, as [{key: value}, ...] (the last key varies fastest); [] for {}."""
+    settings = [{}] if sweep else []
+    for key, values in sweep.items():
+        settings = [dict(s, **{key: v}) for s in settings for v in values]
+    return settings
+
+
+# ---- the settings, by group ------------------------------------------------------------------------------------
+
+F, R, D, C = Scope.FIXED, Scope.RESUME, Scope.RUN, Scope.COMMAND
 
 
 @dataclass
@@ -34,155 +190,223 @@ class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
-                            "else data/train.csv")
-    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv")
-    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)")
-    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)")
-    id_column: str = option("", "id column; '' = auto (id)")
-    val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''")
-    split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)")
+                            "else data/train.csv", D)
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", D)
+    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", D)
+    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", D)
+    id_column: str = option("", "id column; '' = auto (id)", D)
+    val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''", D,
+                                 bound=FRACTION)
+    split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)", D,
+                             bound=NON_NEGATIVE)
 
 
 @dataclass
 class Submission:
     """What predict.py summarizes, and the sample submission its ids must match."""
     test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
-                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv")
+                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv", R)
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
-                                        "sample submission whose ids submission.csv must match; '' = no check")
+                                        "sample submission whose ids submission.csv must match; '' = no check", R)
 
 
 @dataclass
 class RowFormat:
     """How a training row is made: fixed by training, so inference takes it from the checkpoint."""
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
-                                                   "summary and <|endoftext|>; must contain {dialogue} once")
-    train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)")
+                                                   "summary and <|endoftext|>; must contain {dialogue} once", F)
+    train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)", F)
     block_size: int = option(1024, "longest sequence in tokens, a multiple of 8, at most the model's positions "
-                                   "(GPT-2: 1024); longer dialogues are cut")
+                                   "(GPT-2: 1024); longer dialogues are cut", F, bound=POSITIVE)
+
+    def problems(self):
+        problems = []
+        if self.block_size % 8:
+            problems.append(f"block_size={self.block_size} must be a multiple of 8 (batches are padded to multiples "
+                            f"of 8)")
+        try:
+            ok = (self.prompt_template.count("{dialogue}") == 1
+                  and self.prompt_template.format(dialogue="") is not None)
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            problems.append(f"prompt_template={self.prompt_template!r} must contain {{dialogue}} exactly once and no "
+                            f"other braces (write {{{{ and }}}} for literal ones)")
+        return problems
 
 
 @dataclass
 class Run:
     """Where a run starts from and writes to."""
-    data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and settings)")
-    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here")
+    data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
+                                                "settings)", C)
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", C)
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
-                                    "or a local transformers model directory")
+                                    "or a local transformers model directory", C)
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
-                                  "attached as input; '' = out_dir/ckpt.pt")
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt")
+                                  "attached as input; '' = out_dir/ckpt.pt", C)
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", C)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
-                               "out_dir/baseline-<name>/")
+                               "out_dir/baseline-<name>/", C)
 
 
 @dataclass
 class ModelShape:
     """A model's shape from scratch (a pretrained or resumed model brings its own)."""
-    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)")
-    n_head: int = option(12, "attention heads (init_from='scratch' only)")
-    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)")
-    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)")
+    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)", F, bound=POSITIVE)
+    n_head: int = option(12, "attention heads (init_from='scratch' only)", F, bound=POSITIVE)
+    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)", F, bound=POSITIVE)
+    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)", F)
+
+    def problems(self):
+        if self.n_head > 0 and self.n_embd % self.n_head:
+            return [f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"]
+        return []
 
 
 @dataclass
 class Training:
     """The optimization: batch, steps, learning rate and its schedule, time budget."""
-    dropout: float = option(0.0, "dropout probability while training")
-    batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and accumulation")
-    micro_batch_size: int = option(8, "sequences per forward pass on one rank")
-    max_iters: int = option(300, "optimizer steps")
-    learning_rate: float = option(2e-4, "peak learning rate")
-    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay")
-    warmup_iters: int = option(20, "steps of linear warmup")
-    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters")
-    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off")
-    seed: int = option(1337, "seed of the data order, dropout and sampling")
-    max_time: str = option("", "time budget of the run, in seconds or as a duration (11h30m): training stops in "
-                               "time to evaluate, write ckpt.pt and run evaluate_after/predict_after; '' = none")
+    dropout: float = option(0.0, "dropout probability while training", R, bound=FRACTION)
+    batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and "
+                                  "accumulation", F, bound=POSITIVE)
+    micro_batch_size: int = option(8, "sequences per forward pass on one rank", D, bound=POSITIVE)
+    max_iters: int = option(300, "optimizer steps", R, bound=POSITIVE)
+    learning_rate: float = option(2e-4, "peak learning rate", R, bound=POSITIVE)
+    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", R, bound=NON_NEGATIVE)
+    warmup_iters: int = option(20, "steps of linear warmup", F, bound=NON_NEGATIVE)
+    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", R,
+                                 bound=NON_NEGATIVE)
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", R, bound=NON_NEGATIVE)
+    seed: int = option(1337, "seed of the data order, dropout and sampling", D, bound=NON_NEGATIVE)
+    max_time: float | None = option(None, "time budget of the run in seconds, given as seconds or a duration "
+                                          "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
+                                          "evaluate_after/predict_after; None or '' = none", R, parse=parse_duration)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
-                                                 "keeping them: far less activation memory for ~1/3 more compute")
+                                                 "keeping them: far less activation memory for ~1/3 more compute", R)
+
+    def problems(self):
+        if self.micro_batch_size > 0 and self.batch_size % self.micro_batch_size:
+            return [f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"]
+        return []
 
 
 @dataclass
 class AdamW:
     """AdamW's settings, which a resumed run applies to the optimizer it restores."""
-    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", R, bound=NON_NEGATIVE)
+    beta1: float = option(0.9, "AdamW beta1", R, bound=FRACTION)
+    beta2: float = option(0.95, "AdamW beta2", R, bound=FRACTION)
 
 
 @dataclass
 class Lora:
     """LoRA adapters (lora_rank 0 = full fine-tuning)."""
     lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
-                               "lora_targets; best.pt holds the merged weights")
-    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank")
-    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training")
-    lora_targets: str = option(",".join(LORA_TARGETS), f"comma-separated Linear layers of each block that get "
-                                                        f"adapters, among {', '.join(LORA_TARGETS)}")
+                               "lora_targets; best.pt holds the merged weights", F, bound=NON_NEGATIVE)
+    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank", F,
+                               bound=POSITIVE)
+    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training", F, bound=FRACTION)
+    lora_targets: tuple = option(LORA_TARGETS, f"Linear layers of each block that get adapters (comma-separated on "
+                                               f"the command line), among {', '.join(LORA_TARGETS)}", F,
+                                 parse=parse_targets)
+
+    def problems(self):
+        for target in self.lora_targets or ("",):
+            if target not in LORA_TARGETS:
+                return [f"lora_targets={','.join(self.lora_targets)!r}: {target!r} is not one of "
+                        f"{', '.join(LORA_TARGETS)} (give one or more, comma-separated)"]
+        return []
 
 
 @dataclass
 class Evaluation:
     """Evaluation during training, checkpoints kept, and logging."""
-    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps")
-    eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split")
-    rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE")
-    best_metric: str = option("rougeL", "which score picks the checkpoint kept as best", ("rougeL", "val_loss"))
-    log_interval: int = option(10, "print training loss every this many steps")
-    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt")
-    predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)")
-    log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard (out_dir/tensorboard), "
-                             "wandb; '' = nowhere else")
-    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project")
-    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up")
-    compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its out_dir "
-                              "or eval_predictions.csv): paired ROUGE differences on stdout and in eval_report.html")
+    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", R,
+                                bound=POSITIVE)
+    eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split", R,
+                                   bound=NON_NEGATIVE)
+    rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE", R,
+                                bound=NON_NEGATIVE)
+    best_metric: str = option("rougeL", "which score picks the checkpoint kept as best.pt; last = every save (a run "
+                                        "without validation rows)", R, ("rougeL", "val_loss", "last"))
+    log_interval: int = option(10, "print training loss every this many steps", R, bound=POSITIVE)
+    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", R)
+    predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)",
+                                 R)
+    log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard "
+                             "(out_dir/tensorboard), wandb; '' = nowhere else", R)
+    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", R)
+    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", R)
+    compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its "
+                              "out_dir or eval_predictions.csv): paired ROUGE differences on stdout and in "
+                              "eval_report.html", C)
+
+    def problems(self):
+        problems = []
+        if self.best_metric == "rougeL" and self.rouge_samples == 0:
+            problems.append("best_metric='rougeL' needs rouge_samples > 0 (or use best_metric='val_loss')")
+        unknown = [d for d in self.log_to.split(",") if d and d not in LOG_DESTINATIONS]
+        if unknown:
+            problems.append(f"log_to={self.log_to!r}: {unknown[0]!r} is not one of {', '.join(LOG_DESTINATIONS)} "
+                            f"(comma-separated, no spaces)")
+        return problems
 
 
 @dataclass
 class System:
     """Device, precision, compile and the distributed backend."""
-    device: str = option("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", C)
+    dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU", C,
                         ("auto", "float32", "bfloat16", "float16"))
     compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
-                                         "compiling costs more than a short run saves), True/False = on/off anywhere",
-                                 ("auto", True, False))
+                                         "compiling costs more than a short run saves), True/False = on/off "
+                                         "anywhere", C, ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
-                          ("auto", "ddp", "fsdp", "accelerate", "none"))
+                          C, ("auto", "ddp", "fsdp", "accelerate", "none"))
     fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
-                                          "once per optimizer step, the weights gathered and fp32 gradients unsharded "
-                                          "through its micro-steps (far less traffic, more memory); auto = when these, "
-                                          "the shards and AdamW state fit the GPU (activations not counted), False = "
-                                          "after every micro-step", ("auto", True, False))
+                                          "once per optimizer step, the weights gathered and fp32 gradients "
+                                          "unsharded through its micro-steps (far less traffic, more memory); auto "
+                                          "= when these, the shards and AdamW state fit the GPU (activations not "
+                                          "counted), False = after every micro-step", C, ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1: GPUs talk through host memory (hosts without "
-                                           "working peer-to-peer, e.g. Kaggle's 2xT4)")
+                                           "working peer-to-peer, e.g. Kaggle's 2xT4)", C)
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
-                                          "(only for a broken InfiniBand setup)")
-    dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing")
+                                          "(only for a broken InfiniBand setup)", C)
+    dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing", C,
+                               bound=POSITIVE)
+
+    def problems(self):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            return [f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N"]
+        return []
 
 
 @dataclass
 class Decoding:
     """How summaries are decoded: generate()'s settings."""
-    max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size")
-    min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it")
-    num_beams: int = option(1, "beam search width; 1 = greedy or sampling")
-    temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam candidate)")
-    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off")
-    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off")
-    epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off")
-    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter")
-    repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary")
-    no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off")
+    max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size", D, bound=POSITIVE)
+    min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it", D)
+    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", D, bound=POSITIVE)
+    temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam "
+                                     "candidate)", D, bound=NON_NEGATIVE)
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", D, bound=NON_NEGATIVE)
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", D, bound=Bound(lambda v: 0 < v <= 1,
+                                                                                  "must be in (0, 1]"))
+    epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off", D,
+                            bound=FRACTION)
+    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", D)
+    repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary", D,
+                                       bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
+    no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off", D, bound=NON_NEGATIVE)
     mbr_samples: int = option(0, "minimum Bayes risk decoding: sample this many summaries per dialogue (needs "
-                                 "temperature > 0) and keep the one that agrees most with the others; 0 = off")
-    mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", ROUGE_TYPES)
-    mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too")
+                                 "temperature > 0) and keep the one that agrees most with the others; 0 = off", D,
+                              bound=NON_NEGATIVE)
+    mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", D, ROUGE_TYPES)
+    mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too",
+                                    D)
 
     def contradiction(self):
         """The first of these settings that contradicts the others, in one line naming them; '' when none does.
@@ -196,15 +420,21 @@ class Decoding:
                     f"num_beams=1 (or, for MBR's beam candidate, mbr_samples > 0 and mbr_include_beam=True)")
         return ""
 
+    def problems(self):
+        return [self.contradiction()] if self.contradiction() else []
+
 
 @dataclass
 class Summarizing:
     """How many dialogues one generate() call takes, and evaluate.py's sweep."""
-    gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)")
+    gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)", C,
+                                 bound=POSITIVE)
     gen_memory_gb: float = option(0.0, "GiB the KV cache of one generate() call may take (rows x num_beams or "
-                                       "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU")
-    sweep: str = option("", "evaluate.py: score every combination of these decoding settings instead, e.g. "
-                            "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)")
+                                       "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU", C,
+                                  bound=Bound(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
+    sweep: dict = option(dict, "evaluate.py: score every combination of these decoding settings instead, e.g. "
+                               "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)", C,
+                         parse=parse_sweep)
 
 
 @dataclass
@@ -213,24 +443,27 @@ class Calibration:
     rank_weight: float = option(0.0, "calibrate.py (start it from a trained run, --init_from=out/best.pt), > 0: "
                                      "candidate summaries of every training dialogue are generated first, and this "
                                      "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
-                                     "loss")
+                                     "loss", R, bound=NON_NEGATIVE)
     rank_margin: float = option(0.01, "calibration: the ranking loss's margin per rank of difference between two "
-                                      "candidates' length-normalised log-probabilities")
+                                      "candidates' length-normalised log-probabilities", R, bound=NON_NEGATIVE)
     rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "
-                                              "/ its length ** this")
+                                              "/ its length ** this", R, bound=NON_NEGATIVE)
     rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue "
-                                     "(distinct ones kept)")
+                                     "(distinct ones kept)", R,
+                                  bound=Bound(lambda v: v >= 2, "must be >= 2: the ranking loss compares candidates"))
     rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
-                                        "sample (temperature 0.7, top-k 50)", ("beam", "sample"))
-    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt")
+                                        "sample (temperature 0.7, top-k 50)", R, ("beam", "sample"))
+    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt", R)
 
 
 @dataclass
 class Export:
     """export.py's output."""
-    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)")
-    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir")
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", C)
+    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", C)
 
+
+del F, R, D, C
 
 # in the order of --help and the reference
 GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
@@ -244,13 +477,29 @@ class Config(*reversed(GROUPS)):
     checkpoint's saved config); the groups above name the settings that belong together."""
 
     def __post_init__(self):
-        from summarizer.rules import check  # it imports this module
-        check(self)
+        problems = self.problems()
+        if problems:
+            raise UserError("; ".join(problems))
+
+    def problems(self):
+        """Every rule this config breaks, one message each: each value's choices and range, then each group's rules
+        (groups check only values whose range holds), then what needs several groups."""
+        problems = []
+        for f in fields(self):
+            value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
+            if choices and value not in choices:
+                yes_no = f" (True and False also as {BOOL_FORMS})" if True in choices else ""
+                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}")
+            elif bound and not bound.ok(value):
+                problems.append(f"{f.name}={value} {bound.text}")
+        if not problems:
+            problems += [p for group in GROUPS if hasattr(group, "problems") for p in group.problems(self)]
+        return problems
 
 
-def keys(group):
-    """The names of a group's settings."""
-    return tuple(f.name for f in fields(group))
+def keys(group, scope=None):
+    """The names of a group's settings (of one Scope, if given)."""
+    return tuple(f.name for f in fields(group) if scope is None or f.metadata["scope"] is scope)
 
 
 def part(cfg, group):
@@ -258,11 +507,187 @@ def part(cfg, group):
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
+def scope(key):
+    return FIELDS[key].metadata["scope"]
+
+
+def grad_accum_steps(cfg, world_size):
+    """Micro-batches each rank runs per optimizer step so that all ranks together process batch_size sequences;
+    UserError when batch_size does not split so (Training's rule, with world_size=1, as every Config is made)."""
+    per_pass = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_pass == 0:
+        return cfg.batch_size // per_pass
+    if world_size == 1:
+        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
+    raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size = "
+                    f"{cfg.micro_batch_size} * {world_size} = {per_pass}: set --batch_size to a multiple of "
+                    f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides "
+                    f"{cfg.batch_size}")
+
+
 FIELDS = {f.name: f for f in fields(Config)}
 
 
+# ---- a command line, read --------------------------------------------------------------------------------------
+
 def load_config(argv):
     """The checked Config that a command line asks for: presets in their order, then --key=value flags, which beat
-    any preset whatever the order; --help prints every key and exits."""
-    from summarizer.command_line import read_arguments  # it imports this module
-    return Config(**read_arguments(argv))
+    any preset whatever the order; --help prints the usage and every key, and exits."""
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        raise SystemExit(0)
+    return Config(**{key: value for key, value, _ in settings_given(argv)})
+
+
+def settings_given(argv):
+    """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
+    flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
+    presets = [arg for arg in argv if not arg.startswith("--")]
+    flags = [arg for arg in argv if arg.startswith("--")]
+    given = [(key, value, path) for path in presets for key, value in read_preset(path).items()]
+    return given + [(*parse_override(arg), "command line") for arg in flags]
+
+
+def flags_given(argv):
+    """{key: value} of the --key=value flags (not what a preset sets): what a command asks for in so many words."""
+    return dict(parse_override(arg) for arg in argv if arg.startswith("--") and arg not in ("-h", "--help"))
+
+
+def check_key(key, source):
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "run with --help to list the keys"
+        raise UserError(f"unknown config key {key!r} in {source}: {hint}")
+
+
+def types_of(f):
+    """The types a field accepts: (int,), or (bool, str) for `bool | str`."""
+    return typing.get_args(f.type) or (f.type,)
+
+
+def type_name(f):
+    return " or ".join("None" if kind is type(None) else kind.__name__ for kind in types_of(f))
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def as_bool(value):
+    """True or False for a yes/no word (any case) or 1/0; None for anything else (a bool stays itself)."""
+    if type(value) is bool:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+    return None
+
+
+def typed(key, value, source):
+    """`value` as the field's type (an int is accepted for a float, a yes/no word or 1/0 for a bool, a text its
+    parser reads), or UserError naming the key."""
+    check_key(key, source)
+    f = FIELDS[key]
+    if f.metadata["parse"]:
+        return f.metadata["parse"](value)
+    kinds = types_of(f)
+    if kinds == (float,) and type(value) is int:
+        return float(value)
+    if bool in kinds and as_bool(value) is not None:
+        return as_bool(value)
+    if kinds == (bool,):
+        raise UserError(f"{key}={value!r} is not a yes/no value: write {BOOL_FORMS} (in {source})")
+    if type(value) not in kinds:
+        raise UserError(f"{key} expects {type_name(f)}, got {value!r} ({type(value).__name__}) in {source}")
+    return value
+
+
+def parse_override(arg):
+    """'--key=value' -> (key, value) with the value as a Python literal, or as text for a text field."""
+    key, eq, text = arg[2:].partition("=")
+    if not arg.startswith("--") or not eq:
+        raise UserError(f"cannot read argument {arg!r}: use --key=value, or a preset .py/.json file")
+    source = f"--{key}={text}"
+    check_key(key, source)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if FIELDS[key].type is str and not isinstance(value, str):
+        value = text
+    return key, typed(key, value, source)
+
+
+def read_preset(path):
+    """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
+    if not os.path.isfile(path):
+        near = near_preset(path)
+        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path}" if "=" in path
+                else "pass an existing .py or .json file (the presets are in config/)")
+        raise UserError(f"preset {path}: no such preset; {hint}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"preset {path} is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"preset {path} must hold a JSON object of key: value")
+        return {key: typed(key, value, path) for key, value in values.items()}
+    if not path.endswith(".py"):
+        raise UserError(f"preset {path} must end in .py or .json")
+    try:
+        tree = ast.parse(text, filename=path)
+    except SyntaxError as e:
+        raise UserError(f"preset {path} line {e.lineno}: syntax error: {e.msg}") from None
+    values = {}
+    for node in tree.body:
+        source = f"{path} line {node.lineno}"
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise UserError(f"{source}: only `name = <literal>` lines are allowed in a preset, got "
+                            f"{ast.get_source_segment(text, node)!r}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise UserError(f"{source}: {ast.get_source_segment(text, node.value)!r} is not a literal "
+                            f"(write the value itself, e.g. 256, not 8 * 32)") from None
+        values[node.targets[0].id] = typed(node.targets[0].id, value, source)
+    return values
+
+
+def near_preset(path):
+    """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
+    name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
+    for ext in (".py", ".json"):
+        if os.path.isfile(path + ext):
+            return path + ext
+    shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
+    files = {}  # name: its path, the path's own folder first
+    for folder in dict.fromkeys([os.path.dirname(path), shipped]):
+        if folder and os.path.isdir(folder):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith((".py", ".json")):
+                    files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
+    wanted = os.path.basename(path if path.endswith((".py", ".json")) else path + ".py")
+    close = difflib.get_close_matches(wanted, files, n=1)
+    return files[close[0]] if close else None
+
+
+def print_help():
+    """The usage and every key; a reader that stops early (`--help | head`) is not an error."""
+    try:
+        print(__doc__.strip() + "\n\n" + help_text(), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+
+
+def help_text():
+    defaults = Config()
+    return "\n".join(f"--{name}={getattr(defaults, name)!r}    [{f.metadata['scope'].value}]\n"
+                     f"    {f.metadata['help']}" for name, f in FIELDS.items())
+

@@ -14,8 +14,7 @@ another evaluation of the same dialogues, on stdout and in the report.
 """
 import sys
 
-from config import load_config
-from summarizer.command_line import explicit_keys
+from config import flags_given, load_config
 from summarizer.evaluation import evaluate, sweep
 from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir
@@ -28,7 +27,7 @@ def main(argv=None):
     with one_line_errors():
         cfg = load_config(argv)
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
-            (sweep if cfg.sweep else evaluate)(cfg, explicit_keys(argv), rt)
+            (sweep if cfg.sweep else evaluate)(cfg, flags_given(argv), rt)
 
 
 if __name__ == "__main__":

@@ -5,26 +5,24 @@ for from_pretrained, pipeline, the Hugging Face Hub or a Kaggle dataset.
 
 The prompt template, the truncation rule and the decoding settings (generation_config.json) are the run's,
 read from the checkpoint as inference.py reads them: an explicit --key=value replaces a decoding setting, a preset
-does not. `--init_from=DIR` fine-tunes the exported folder further.
+does not; any other flag may only repeat the run's value, which the model card describes. `--init_from=DIR`
+fine-tunes the exported folder further.
 """
 import os
 import shutil
 import sys
-from dataclasses import asdict
 
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import FIELDS, GPT2_NAMES, Config, Decoding, Split, keys, load_config, part
+from config import GPT2_NAMES, Config, Decoding, flags_given, load_config, part
 from model import CONV1D_WEIGHTS
-from summarizer.checkpoint import check_fixed
-from summarizer.command_line import explicit_keys
+from summarizer.checkpoint import Use
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run, training_note
 from summarizer.launch import one_line_errors
 
-CARD_FACTS = ("init_from", "batch_size", "rouge_samples", *keys(Split))  # read from the checkpoint
 
 def to_transformers(model):
     """A GPT2LMHeadModel that computes what our GPT computes: the same tensors with the Conv1D weights transposed
@@ -199,11 +197,8 @@ def export(cfg, explicit=()):
         raise UserError("export.py exports a checkpoint (--ckpt), not a --baseline")
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
-    run = open_run(cfg, explicit)
-    trained = Config(**{key: value for key, value in run.ckpt["config"].items() if key in FIELDS})
-    # what the card says of training is the run's: a flag may only repeat it
-    check_fixed(asdict(trained), asdict(cfg), [key for key in CARD_FACTS if key in explicit], "the checkpoint",
-                lambda key, _: "drop the flag (the model card describes the run)")
+    run = open_run(cfg, explicit, Use.EXPORT)  # what the card says of training is the run's: flags only repeat it
+    trained = Config(**run.ckpt["config"])
     hf = to_transformers(run.model)
     hf.generation_config = generation_config(part(run.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
@@ -230,7 +225,7 @@ def export(cfg, explicit=()):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        export(load_config(argv), explicit_keys(argv))
+        export(load_config(argv), flags_given(argv))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ An explicit --key=value changes a decoding setting (e.g. --num_beams=4); see inf
 """
 import sys
 
-from config import load_config
-from summarizer.command_line import explicit_keys
+from config import flags_given, load_config
 from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir
 from summarizer.launch import one_line_errors
@@ -21,7 +20,7 @@ def main(argv=None):
     with one_line_errors():
         cfg = load_config(argv)
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
-            predict(cfg, explicit_keys(argv), rt)
+            predict(cfg, flags_given(argv), rt)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,23 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, Lora, ModelShape, RowFormat, keys, load_config
+from config import FIELDS, flags_given, grad_accum_steps, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
-from summarizer.checkpoint import TrainingState, check_fixed, full_disk_keeps_checkpoints
-from summarizer.command_line import check_command, explicit_keys, parse_duration, save_config, settings_report
+from summarizer.checkpoint import (
+    TrainingState,
+    Use,
+    command_keys,
+    full_disk_keeps_checkpoints,
+    load_checkpoint,
+    resolve,
+)
+from summarizer.command_line import check_command, save_config, settings_report
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
-from summarizer.loading import build_model, check_shape, lora_base_reference
+from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference
 from summarizer.metrics import rouge
-from summarizer.rules import grad_accum_steps
 from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
 from summarizer.schedule import learning_rate
 from summarizer.submission import check_against_sample, predict
@@ -53,15 +59,24 @@ def main(argv=None, objective=None, script="train.py"):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg = load_config(argv)
+        cfg, flags = load_config(argv), flags_given(argv)
         check_command(argv, script)
-        check_shape(cfg, explicit_keys(argv), cfg.init_from)  # from its config alone, before any work
+        path, start = start_checkpoint(cfg)
+        run = None  # (its path, the keys this command decides, what the flags changed) of a run taken from start
+        if start is not None:  # the run's settings, but for what the flags change
+            use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
+            cfg, changed = resolve(cfg, flags, start, path, use)
+            run = (path, command_keys(use), changed)
+        check_shape(cfg, flags, cfg.init_from)  # from its config alone, before any work
+        check_validation(cfg)
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
-                print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG)))
+                config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
+                print(settings_report(argv, config_json, run))
             control = RunControl(cfg, rt, started)
             with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir):
-                trainer = Trainer(cfg, rt, control, objective)
+                trainer = Trainer(cfg, rt, control, objective, start)
+                del start  # its tensors map the file, whose disk space a save must be able to free
                 trainer.fit()
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
             if control.stop_signal:
@@ -71,7 +86,7 @@ def main(argv=None, objective=None, script="train.py"):
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + control.stop_signal)
             if control.out_of_time and rt.is_main:
-                print(f"max_time={cfg.max_time}: stopped after iter {trainer.state.step} of {cfg.max_iters} with "
+                print(f"max_time={cfg.max_time:g}: stopped after iter {trainer.state.step} of {cfg.max_iters} with "
                       f"time left for what follows; {ckpt} holds it; continue with:\n"
                       f"  {continue_command(script, argv, rt.world_size)}\n"
                       f"or in a new session, with this output attached as input, add "
@@ -107,6 +122,31 @@ def resume_path(cfg):
     return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
 
 
+def start_checkpoint(cfg):
+    """(path, its Checkpoint) of the checkpoint the run continues (resuming) or starts from (init_from=<a
+    checkpoint file>), else (None, None)."""
+    if resuming(cfg):
+        path = resume_path(cfg)
+        if not os.path.isfile(path):
+            raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
+                            f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
+                            + run_folder.missing_file_hint(path, "--resume_from"))
+    elif is_checkpoint(cfg.init_from):
+        path = cfg.init_from
+    else:
+        return None, None
+    return path, load_checkpoint(path)
+
+
+def check_validation(cfg):
+    """One line, before any work, when the settings leave no validation rows for best_metric (the rows a split of
+    train_csv leaves are counted by datasets())."""
+    if not cfg.validation_csv and cfg.val_fraction == 0 and cfg.best_metric != "last":
+        raise UserError(f"val_fraction=0 and no validation_csv leave no validation rows to choose best.pt by "
+                        f"best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or --val_fraction=0.05, or "
+                        f"--best_metric=last to keep the last save as best.pt")
+
+
 def lora_base_source(cfg):
     """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
     return cfg.init_from if cfg.init_from != "resume" else None
@@ -116,6 +156,11 @@ def datasets(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
     splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    if not len(splits.val) and cfg.best_metric != "last":
+        raise UserError(f"val_fraction={cfg.val_fraction:g} of the {len(splits.train)} rows of {cfg.train_csv} "
+                        f"leaves no validation rows to choose best.pt by best_metric={cfg.best_metric!r}: raise "
+                        f"--val_fraction, pass --validation_csv=<a CSV>, or --best_metric=last to keep the last save "
+                        f"as best.pt")
     if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
         splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
     after_summaries = len(splits.val) if cfg.evaluate_after else 0
@@ -127,28 +172,20 @@ def datasets(cfg, rt):
     return splits, after_summaries
 
 
-def model_to_train(cfg):
-    """(model, ckpt.pt's contents when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
-    transformers directory, or 'resume' (resume_path), which must not change what the run fixed; with LoRA
-    adapters (base frozen) when lora_rank > 0."""
+def model_to_train(cfg, start=None):
+    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
+    transformers directory, a checkpoint file, or 'resume' (resume_path), which must not change what the run
+    fixed; with LoRA adapters (base frozen) when lora_rank > 0. `start`: that checkpoint, if loaded already."""
     if not resuming(cfg):
-        model, _ = build_model(cfg.init_from, cfg)
+        model, _ = build_model(cfg.init_from, cfg, ckpt=start)
         if cfg.lora_rank:
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
-    path = resume_path(cfg)
-    if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
-                        f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
-                        + run_folder.missing_file_hint(path, "--resume_from"))
-    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg))
+    path, start = start_checkpoint(cfg) if start is None else (resume_path(cfg), start)
+    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg), ckpt=start)
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
-    fixed = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
-             **dict.fromkeys(keys(RowFormat), "what the model was trained on"),
-             "batch_size": "the rows of each step"}
-    check_fixed(ckpt["config"], asdict(cfg), fixed, path,
-                lambda key, value: f"resume with --{key}={value!r} ({fixed[key]} cannot change when resuming)")
+    resolve(cfg, FIELDS, ckpt, path, Use.RESUME)  # train.main resolved cfg: this stops any other contradiction
     return model, ckpt
 
 
@@ -223,7 +260,7 @@ class RunControl:
 
     def __init__(self, cfg, rt, started=None):
         self.cfg, self.rt = cfg, rt
-        self.budget = parse_duration(cfg.max_time)  # seconds, or None
+        self.budget = cfg.max_time  # seconds, or None
         self.started = time.monotonic() if started is None else started
         self.after_summaries = 0  # dialogues evaluate_after/predict_after will summarize
         self.step_seconds = collections.deque(maxlen=20)
@@ -326,9 +363,10 @@ class StepDone(NamedTuple):
 
 class Trainer:
     """A training run: set up in __init__ (out_dir, data, model, objective, state, compile), then fit() runs the
-    loop. Its TrainingState is what ckpt.pt holds."""
+    loop. Its TrainingState is what ckpt.pt holds. `start`: the checkpoint train.main loaded to resume or start
+    from (else it is loaded here)."""
 
-    def __init__(self, cfg, rt, control=None, objective=None):
+    def __init__(self, cfg, rt, control=None, objective=None, start=None):
         self.cfg, self.rt = cfg, rt
         self.control = control or RunControl(cfg, rt)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
@@ -336,7 +374,7 @@ class Trainer:
         splits, self.control.after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model, ckpt = model_to_train(cfg)
+        model, ckpt = model_to_train(cfg, start)
         base = lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
@@ -399,7 +437,7 @@ class Trainer:
         trained = ""
         if cfg.lora_rank:
             count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {cfg.lora_targets})"
+            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
         return [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                 f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                 f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "

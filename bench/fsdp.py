@@ -217,8 +217,7 @@ def t4_dtype(preset):
 
 def tiny_args(preset, data_dir):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
-    from config import Config
-    from summarizer.rules import grad_accum_steps
+    from config import Config, grad_accum_steps
     cfg = Config(**preset)
     steps = grad_accum_steps(cfg, RANKS)
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
@@ -233,7 +232,7 @@ def bench_fsdp(args=None):
     holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
     from bench.memory import T4_USABLE_GIB
-    from summarizer.command_line import read_preset
+    from config import read_preset
     from summarizer.runtime import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,22 +1,134 @@
-"""A checkpoint: its file format (torch.save written atomically, read back with weights_only so a file cannot run
-code, a damaged file named with the intact ones beside it) and the training state it holds (TrainingState: what
-ckpt.pt saves and a resumed run restores; best.pt keeps the weights with the same record of the run)."""
+"""A checkpoint: its record (what best.pt and ckpt.pt hold, a typed dict with a format version: written by
+TrainingState.save, read by load_checkpoint, which upgrades the files of every earlier version step by step), its
+file format (torch.save written atomically, read back with weights_only so a file cannot run code, a damaged file
+named with the intact ones beside it), resolve (the settings a later command takes from the run's record, by each
+setting's config.Scope) and the training state a resumed run restores (TrainingState)."""
 import contextlib
+import enum
 import glob
 import math
 import os
 import zipfile
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 import torch
 
 import data
-from config import AdamW, keys
+from config import FIELDS, AdamW, Config, Decoding, Lora, ModelShape, RowFormat, Scope, keys, typed
 from summarizer import lora, run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.files import atomic_write
 from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
+# ---- the record --------------------------------------------------------------------------------------------
+
+FORMAT = 4  # what TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS)
+FORMATS = {1: "the version of 2026-11-23", 2: "the version of 2026-11-24", 3: "the version of 2026-11-25",
+           4: "this version"}
+
+
+class Record(TypedDict):
+    """What every checkpoint says of its run, and its weights (best.pt holds no more)."""
+    format: int
+    model_args: dict  # the model's GPTConfig
+    config: dict  # every setting of the run, config.Config's keys and types (the shape keys: the model's)
+    tokenizer: str  # data.TOKENIZER_ID of the BPE its token ids mean
+    iter_num: int  # optimizer steps done
+    best_metric: str
+    best_score: float | None  # the best evaluation's best_metric (a loss as it is: lower is better)
+    best_val_loss: float | None  # the best evaluation's val_loss, which breaks a ROUGE tie
+    metrics: dict  # the last evaluation's
+    train_rows: dict | None  # data.Examples.fingerprints() of the training rows; None: format 1 kept none
+    validation_digest: str | None  # None: format 1 kept none
+    model: dict  # the state dict (a LoRA ckpt.pt: its adapters alone)
+
+
+class Checkpoint(Record, total=False):
+    """ckpt.pt: the record, what a resume needs, and a stage's own keys (calibration's `candidates`)."""
+    lora_base: dict | None  # a LoRA run: where its frozen base comes from and its hash, instead of its weights
+    optimizer: dict
+    scaler: dict  # {} without fp16
+    rng: list  # each rank's
+    schedule: dict  # summarizer.schedule's
+    skipped_steps: int
+
+
+def shape_settings(model_args):
+    """The settings a model's GPTConfig (model_args) fixes: ModelShape's keys and block_size."""
+    return {key: model_args[key] for key in (*keys(ModelShape), "block_size")}
+
+
+def format_of(ckpt):
+    """The format of a checkpoint dict: its `format`, else told by the keys each version added."""
+    if "format" in ckpt:
+        return ckpt["format"]
+    return 3 if "best_val_loss" in ckpt else 2 if "tokenizer" in ckpt else 1
+
+
+# Settings added in each format, with the value a run of the format before had in effect: a checkpoint's config
+# gets them as it is upgraded (format 1 lacked every key of ADDED[2], ...). The first version of a setting whose
+# absence meant "off" or "none" is its default.
+ADDED = {
+    2: {"resume_from": "", "max_time": "", "fsdp_reduce_once": False, "gen_memory_gb": 0.0, "rank_weight": 0.0,
+        "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8, "rank_decoding": "beam",
+        "candidates_file": ""},  # nccl_ib_disable: see upgrade_1
+    3: {"compare": ""},
+    4: {},
+}
+
+
+def upgrade_1(ckpt):
+    """Format 1 (2026-11-23) -> 2: GPT-2's BPE was the only tokenizer, so its ids are today's; best_score was kept
+    negated for val_loss (higher was better), best_metric only in the config; no fingerprints of the training and
+    validation rows; one flag, nccl_p2p_disable, also set NCCL_IB_DISABLE."""
+    config = {**ADDED[2], "nccl_ib_disable": ckpt["config"]["nccl_p2p_disable"], **ckpt["config"]}
+    metric, score = config["best_metric"], ckpt["best_score"]
+    return {**ckpt, "format": 2, "config": config, "tokenizer": data.TOKENIZER_ID, "best_metric": metric,
+            "best_score": -score if metric == "val_loss" and score is not None else score,
+            "train_rows": None, "validation_digest": None}
+
+
+def upgrade_2(ckpt):
+    """Format 2 (2026-11-24) -> 3: no best_val_loss (a ROUGE tie went to the later evaluation); every ckpt.pt had a
+    `candidates` key, None outside the calibration stage."""
+    upgraded = {**ckpt, "format": 3, "config": {**ADDED[3], **ckpt["config"]}, "best_val_loss": None}
+    if upgraded.get("candidates", 0) is None:
+        del upgraded["candidates"]
+    return upgraded
+
+
+def upgrade_3(ckpt):
+    """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple,
+    sweep a mapping), and the shape keys of the config are the model's (a pretrained model's config kept the
+    defaults of init_from=scratch)."""
+    config = {**ADDED[4], **ckpt["config"], **shape_settings(ckpt["model_args"])}
+    return {**ckpt, "format": 4, "config": {key: typed(key, value, "the checkpoint's config")
+                                             for key, value in config.items() if key in FIELDS}}
+
+
+UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3}
+
+
+def upgraded(ckpt, path):
+    """A checkpoint dict of any format, as format FORMAT; one line for a file this code cannot read."""
+    version = format_of(ckpt)
+    if not isinstance(version, int) or version > FORMAT:
+        raise UserError(f"{path} is a checkpoint of format {version}, written by a newer version of this program "
+                        f"than this one (formats 1 to {FORMAT}): update the code (git pull) to read it")
+    written = version
+    try:
+        while version < FORMAT:
+            ckpt = UPGRADES[version](ckpt)
+            version += 1
+    except (KeyError, TypeError, UserError) as e:
+        raise UserError(f"{path} is a checkpoint of format {written} ({FORMATS[written]}) that cannot be upgraded "
+                        f"to format {FORMAT}: {type(e).__name__} {e}; read it with that version, or train "
+                        f"again") from None
+    return ckpt
+
+
+# ---- the file ------------------------------------------------------------------------------------------------
 
 def save_checkpoint(state, path):
     """torch.save(state) atomically, so a crash or a full disk leaves the previous checkpoint intact."""
@@ -33,8 +145,9 @@ def save_checkpoint(state, path):
 
 
 def load_checkpoint(path):
-    """A checkpoint written by save_checkpoint; refuses anything that is not plain tensors and containers. A
-    truncated or damaged file is one line that says so and which other checkpoints beside it are intact."""
+    """The Checkpoint in the file at `path`, upgraded to format FORMAT; refuses anything that is not plain tensors
+    and containers. A truncated or damaged file is one line that says so and which other checkpoints beside it are
+    intact."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>"
                         + run_folder.missing_file_hint(path, "--ckpt"))
@@ -50,7 +163,7 @@ def load_checkpoint(path):
         raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint written by train.py")
-    return ckpt
+    return upgraded(ckpt, path)
 
 
 def complete_archive(path):
@@ -177,11 +290,12 @@ class TrainingState:
         model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
         writes = []
         if rt.is_main:
-            record = {"model_args": asdict(self.model.config), "iter_num": self.step, "best_metric": cfg.best_metric,
-                      "best_score": self.best_score, "best_val_loss": self.best_val_loss, "config": asdict(cfg),
-                      "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)},
-                      "tokenizer": data.TOKENIZER_ID, "train_rows": self.train_rows,
-                      "validation_digest": self.validation_digest}
+            model_args = asdict(self.model.config)
+            record = Record(format=FORMAT, model_args=model_args, config={**asdict(cfg), **shape_settings(model_args)},
+                            tokenizer=data.TOKENIZER_ID, iter_num=self.step, best_metric=cfg.best_metric,
+                            best_score=self.best_score, best_val_loss=self.best_val_loss,
+                            metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
+                            train_rows=self.train_rows, validation_digest=self.validation_digest, model={})
             trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
                        if self.lora_base else {"model": model_state})
             writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
@@ -203,7 +317,11 @@ class TrainingState:
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
                             f"continue with --max_iters above {ckpt['iter_num']}")
-        if ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
+        notes = []
+        if ckpt["train_rows"] is None:
+            notes.append(f"note: {path} (format 1) kept no fingerprints of its training rows: that train_csv="
+                         f"{cfg.train_csv} holds the same rows is not checked")
+        elif ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
             raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
                             f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
                             f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
@@ -219,16 +337,17 @@ class TrainingState:
         if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
             set_rng_state(ckpt["rng"][rt.rank])
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
-        notes = [f"resuming {path} at iter {self.step}; " + describe_schedule(self.schedule, self.step, cfg.max_iters)]
+        notes.insert(0, f"resuming {path} at iter {self.step}; "
+                     + describe_schedule(self.schedule, self.step, cfg.max_iters))
         if ckpt["best_metric"] == cfg.best_metric:
-            # best_val_loss: None in a checkpoint of version 4, whose ties then go to the next evaluation
-            self.best_score, self.best_val_loss = ckpt["best_score"], ckpt.get("best_val_loss")
+            # best_val_loss: None before format 3, whose ties then go to the next evaluation
+            self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
         else:
             kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
             notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
                          f"{cfg.best_metric} from the next evaluation on"
                          + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))
-        if ckpt["validation_digest"] != self.validation_digest:
+        if ckpt["validation_digest"] not in (None, self.validation_digest):
             notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
                          f"measured on the others, so a later best.pt is chosen by another yardstick")
         changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
@@ -238,10 +357,61 @@ class TrainingState:
         return notes
 
 
-def check_fixed(trained, values, keys, path, advice):
-    """One line for the first of `keys` whose value in `values` (this command's config, as a dict) contradicts
-    the config the checkpoint at `path` was trained with (`trained`); advice(key, trained value) ends it."""
-    for key in keys:
-        if values[key] != trained[key]:
-            raise UserError(f"--{key}={values[key]!r} contradicts {path}: it was trained with {key}={trained[key]!r}, "
-                            f"not {values[key]!r}: {advice(key, trained[key])}")
+class Use(enum.Enum):
+    """What a command does with a run's checkpoint, which decides what it takes from the record (resolve)."""
+    RESUME = "resume"  # train.py/calibrate.py --init_from=resume: continue the run
+    WEIGHTS = "weights"  # train.py/calibrate.py --init_from=<a checkpoint>: a new run from its weights
+    INFERENCE = "inference"  # evaluate.py, predict.py: decode with the run's model
+    EXPORT = "export"  # export.py: the run's model, its decoding and a card that describes the run
+
+
+ADVICE = {Use.WEIGHTS: "drop the flag (the checkpoint brings the model's shape)",
+          Use.INFERENCE: "drop the flag (the run's value holds for every later command)",
+          Use.EXPORT: "drop the flag (the model card describes the run)"}
+FIXED_BECAUSE = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
+                 **dict.fromkeys(keys(RowFormat), "what the model was trained on"),
+                 "batch_size": "the rows of each step", "warmup_iters": "the warmup of the schedule"}
+
+
+def advice(use, key, theirs):
+    """How a command goes on when its flag contradicts the run's fixed `key` (the run's value: theirs)."""
+    if use is Use.RESUME:
+        return f"resume with --{key}={theirs!r} ({FIXED_BECAUSE[key]} cannot change when resuming)"
+    return ADVICE[use]
+
+
+def command_keys(use):
+    """The settings a command that uses a checkpoint so (a Use) decides itself, whatever the run's: COMMAND's, and
+    RESUME's but when resuming."""
+    scopes = (Scope.COMMAND,) if use is Use.RESUME else (Scope.COMMAND, Scope.RESUME)
+    return {key for key, f in FIELDS.items() if f.metadata["scope"] in scopes}
+
+
+def resolve(cfg, flags, ckpt, path, use):
+    """(the Config a command runs with, [(key, the run's value, this command's)] that its flags changed), from this
+    command's `cfg` (defaults, presets, flags), the --key=value `flags` it gave ({key: value} or the keys), the
+    checkpoint `ckpt` at `path` and what it does with it (a Use), by each setting's Scope:
+    - FIXED: the run's; a flag that contradicts it stops in one line (a new run from the weights may change all
+      but the shape);
+    - RESUME: the run's when resuming, where a flag changes it; this command's otherwise;
+    - RUN: the run's, where a flag changes it (export: decoding only, since its card describes the run);
+    - COMMAND: this command's.
+    Presets never replace a run's value: they say where and how to run. Only a flag the command gave is named."""
+    saved, values, changed, own = ckpt["config"], {}, [], command_keys(use)
+    for key, f in FIELDS.items():
+        scope, mine, theirs = f.metadata["scope"], getattr(cfg, key), saved[key]
+        given, fixed = key in flags and mine != theirs, scope is Scope.FIXED
+        if use is Use.WEIGHTS and key not in keys(ModelShape):
+            fixed = False
+        if use is Use.EXPORT and scope in (Scope.RESUME, Scope.RUN) and key not in keys(Decoding):
+            fixed = True
+        if key in own:
+            values[key] = mine
+        elif fixed and given:
+            raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
+                            f"{mine!r}: {advice(use, key, theirs)}")
+        else:
+            values[key] = mine if given else theirs
+            if given:
+                changed.append((key, theirs, mine))
+    return Config(**values), changed

@@ -1,8 +1,8 @@
-"""The one exception type for mistakes a user can fix."""
+"""The exceptions for mistakes a user can fix: UserError (config.py's, where the first of them, a setting, is
+caught; every module takes it from here) and DiskFull."""
+from config import UserError
 
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
+__all__ = ["UserError", "DiskFull"]
 
 
 class DiskFull(UserError):

@@ -12,10 +12,9 @@ import torch
 from rouge_score import tokenize
 
 import data
-from config import ROUGE_TYPES
+from config import ROUGE_TYPES, sweep_settings
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.command_line import parse_sweep
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge_per_example
@@ -43,7 +42,7 @@ def validation_loss(model, val_set, cfg, rt):
         loss_sum += loss.float() * len(found.index)
         targets += len(found.index)
     totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    return (totals[0] / totals[1]).item()  # callers have validation rows: no mean of none
 
 
 def validation_run(cfg, explicit, rt):
@@ -258,7 +257,7 @@ def sweep(cfg, explicit, rt):
     setting's evaluation files (write_evaluation, the table in its report), and that setting as flags for
     predict.py: the fastest whose ROUGE-L a paired test cannot tell from the best's. Every setting is checked
     before any work. Returns the table's rows on rank 0, None on the other ranks."""
-    settings = parse_sweep(cfg.sweep)
+    settings = sweep_settings(cfg.sweep)
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
     other = read_evaluation(cfg.compare) if cfg.compare else None
     run, val, prompts = validation_run(cfg, explicit, rt)

@@ -1,27 +1,28 @@
 """The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
 evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
 
-A checkpoint keeps the config it was trained with. What training fixed (config.RowFormat: the prompt template,
-train_on_prompt, block_size) comes from it, and a --key=value that contradicts it stops in one line. Decoding and
-data settings (config.Decoding and the sampling seed, config.Split) default to the run's, and an explicit
---key=value replaces them. Presets never replace the run's settings: they say where and how to run
-(out_dir, ckpt, test_csv, device, gen_batch_size). A --baseline has no run: the command line is its config.
+A checkpoint keeps the config it was trained with, and summarizer.checkpoint.resolve decides from each setting's
+scope what this command takes from it: what training fixed (the prompt template, block_size, the shape) comes from
+it, and a --key=value that contradicts it stops in one line; decoding and data settings (config.Decoding and the
+sampling seed, config.Split) default to the run's, and an explicit --key=value replaces them. Presets never replace
+the run's settings: they say where and how to run (out_dir, ckpt, test_csv, device, gen_batch_size). A
+--baseline has no run: the command line is its config.
 """
 import contextlib
 import dataclasses
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, Config, Decoding, ModelShape, RowFormat, Split, keys, part
+from config import Config, Decoding, Split, keys, part
 from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
-from summarizer.checkpoint import check_fixed
+from summarizer.checkpoint import Use, resolve
 from summarizer.errors import UserError
 from summarizer.loading import build_model, check_shape
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
@@ -56,28 +57,11 @@ class Summarizer:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
 
-def resolved_config(cfg, saved, explicit, shape, path):
-    """The config inference runs with: the run's saved RowFormat and the model's shape (`shape`, its GPTConfig;
-    a contradicting explicit flag is one line naming both values), the run's decoding and Split unless given
-    explicitly, this command's for the rest."""
-    saved = {**saved, "block_size": shape.block_size}
-    values = asdict(cfg)
-    check_fixed(saved, values, [key for key in keys(RowFormat) if key in explicit], path,
-                lambda key, _: f"drop the flag (inference uses the run's {key})")
-    check_fixed({key: getattr(shape, key) for key in keys(ModelShape)}, values,
-                [key for key in keys(ModelShape) if key in explicit], path,
-                lambda key, _: "drop the flag (the checkpoint brings the model's shape)")
-    values.update({key: saved[key] for key in keys(RowFormat)})
-    for key in (*RUN_DECODING, *keys(Split)):
-        if key not in explicit:
-            values[key] = saved[key]
-    return Config(**values)
-
-
-def open_run(cfg, explicit=()):
+def open_run(cfg, explicit=(), use=Use.INFERENCE):
     """The Summarizer that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
     resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
-    shape, with cfg as it is. `explicit`: the keys the command gave as --key=value."""
+    shape, with cfg as it is. `explicit`: the keys the command gave as --key=value; `use`: what the command does
+    with the checkpoint (export's card describes the run, so its flags may change less)."""
     if cfg.baseline:
         torch.manual_seed(cfg.seed)
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
@@ -87,11 +71,10 @@ def open_run(cfg, explicit=()):
     else:
         path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
         model, ckpt = build_model(path)
-        saved = {key: value for key, value in ckpt["config"].items() if key in FIELDS}
-        run_cfg = resolved_config(cfg, saved, explicit, model.config, path)
-        overridden = [key for key in RUN_DECODING if key in explicit and saved[key] != getattr(run_cfg, key)]
+        run_cfg, changed = resolve(cfg, explicit, ckpt, path, use)
+        overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-                  saved["max_new_tokens"], path=path)
+                         ckpt["config"]["max_new_tokens"], path=path)
     run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
     return run
 
@@ -155,9 +138,15 @@ def validation_set(run, cfg, explicit, rt):
     Returns (examples, notes)."""
     splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
     val = splits.val
+    if not len(val):
+        raise UserError(f"no validation rows to score: {describe_validation(run.cfg)} leaves none; pass "
+                        f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if run.ckpt else ""))
     if run.ckpt is None:  # a baseline trained on nothing here
         return val, []
     trained = run.ckpt["train_rows"]
+    if trained is None:
+        return val, [f"note: {run.path} (format 1) kept no fingerprints of its training rows: whether the "
+                     f"validation rows were trained on is not checked"]
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []

@@ -20,7 +20,13 @@ from summarizer.errors import UserError
 GPT2_POSITIONS = 1024
 
 
-def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None):
+def is_checkpoint(source):
+    """Whether `source` names a checkpoint file (what train.py writes) rather than 'scratch', a GPT-2 name or a
+    transformers folder."""
+    return os.path.isfile(source) or source.endswith(".pt")
+
+
+def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None, ckpt=None):
     """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
     - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
     - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
@@ -29,9 +35,9 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
       reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
       merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
     cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
-    Errors name the config key the source came from."""
-    if os.path.isfile(source) or source.endswith(".pt"):
-        ckpt = load_checkpoint(source)
+    Errors name the config key the source came from. `ckpt`: the checkpoint at `source`, if loaded already."""
+    if is_checkpoint(source):
+        ckpt = load_checkpoint(source) if ckpt is None else ckpt
         model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
         if cfg:
             model.set_dropout(cfg.dropout)
@@ -127,8 +133,8 @@ def in_hub_cache(name):
 
 def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     """The checkpoint's model (see build_model)."""
-    if ckpt.get("tokenizer") != TOKENIZER_ID:
-        raise UserError(f"{path} was trained with tokenizer {ckpt.get('tokenizer')}, this version has {TOKENIZER_ID}: "
+    if ckpt["tokenizer"] != TOKENIZER_ID:
+        raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
     try:
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned

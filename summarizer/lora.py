@@ -1,7 +1,6 @@
 """LoRA fine-tuning with peft: adapters on the blocks' Linear layers, base weights frozen; and the merged weights,
 a plain GPT state dict (same keys as a full fine-tune), that evaluate.py and predict.py load with no base model."""
 from config import Lora, keys
-from summarizer.command_line import lora_target_list
 
 ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
 
@@ -18,7 +17,7 @@ def add_adapters(model, lora_rank, lora_alpha, lora_dropout, lora_targets):
     from peft import LoraConfig, inject_adapter_in_model  # seconds to import: only for LoRA runs
 
     peft_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                             target_modules=lora_target_list(lora_targets), bias="none")
+                             target_modules=list(lora_targets), bias="none")
     return inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
 
 

@@ -2,8 +2,6 @@
 reshaped by a changed config) when a run resumes."""
 import math
 
-from summarizer.errors import UserError
-
 
 def lr_schedule(run_config):
     """The LR schedule a run starts with (a dict, saved in ckpt.pt): linear warmup to learning_rate over
@@ -28,11 +26,7 @@ def resumed_schedule(schedule, saved, cfg, it):
     max_iters does not stretch its decay: the LR stays at min_lr after it), except that a run stopped inside a
     warmup that outlasted its decay (max_iters < warmup_iters) finishes the warmup and decays to the new horizon.
     A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
-    learning_rate from that LR instead."""
-    if cfg.warmup_iters != saved["warmup_iters"]:
-        raise UserError(f"warmup_iters cannot change when resuming (the run started with {saved['warmup_iters']}): "
-                        f"resume with --warmup_iters={saved['warmup_iters']}, or use --lr_decay_iters to reshape "
-                        f"the rest of the schedule")
+    learning_rate from that LR instead. (warmup_iters is fixed by training: config.Scope.)"""
     changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
     warming_up = it < schedule["warmup_iters"]
     if not changed and not (warming_up and schedule["decay_iters"] <= schedule["warmup_iters"]):

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict
 
+from summarizer.command_line import as_json
 from summarizer.errors import UserError
 from summarizer.files import atomic_write, disk_full
 
@@ -54,7 +55,7 @@ class Tracker:
         if "wandb" in self.destinations:
             if self.wandb is None:
                 self.wandb = self.wandb_module.init(project=self.cfg.wandb_project, dir=self.cfg.out_dir,
-                                                   name=self.cfg.wandb_run_name or None, config=asdict(self.cfg))
+                                                   name=self.cfg.wandb_run_name or None, config=as_json(self.cfg))
             self.wandb.log(scalars, step=step)
 
     def open_tensorboard(self, first_step):
@@ -63,7 +64,9 @@ class Tracker:
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.summary_writer(os.path.join(self.cfg.out_dir, "tensorboard"), purge_step=first_step)
-        experiment, start, self.hparams_end = hparams(asdict(self.cfg), dict.fromkeys(HPARAM_METRICS))
+        # TensorBoard's hparams take numbers, text and yes/no: a duration's None, a tuple or a sweep as text
+        settings = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(self.cfg).items()}
+        experiment, start, self.hparams_end = hparams(settings, dict.fromkeys(HPARAM_METRICS))
         writer.file_writer.add_summary(experiment)
         writer.file_writer.add_summary(start)
         return writer

@@ -1,6 +1,6 @@
-"""config.py and what reads and checks it (summarizer/command_line.py, summarizer/rules.py): defaults, typed
---key=value overrides, .py/.json presets read without running them, sweeps, and one-line errors that name the bad
-key or value."""
+"""config.py (the settings, their scopes and rules, a command line read into them) and what a command prints of
+them (summarizer/command_line.py): defaults, typed --key=value overrides, .py/.json presets read without running
+them, sweeps, and one-line errors that name the bad key or value."""
 import dataclasses
 import glob
 import json
@@ -10,20 +10,19 @@ import sys
 import pytest
 
 import config
-from config import Config, Decoding, load_config
-from conftest import REPO, one_error_line, tiny
-from summarizer.command_line import (
-    SETTINGS_WIDTH,
-    changed_settings,
+from config import (
+    Config,
+    Decoding,
     describe_duration,
-    markdown_reference,
+    grad_accum_steps,
+    load_config,
     parse_duration,
     parse_sweep,
-    save_config,
-    settings_report,
+    sweep_settings,
 )
+from conftest import REPO, one_error_line, tiny
+from summarizer.command_line import SETTINGS_WIDTH, changed_settings, markdown_reference, save_config, settings_report
 from summarizer.errors import UserError
-from summarizer.rules import grad_accum_steps
 
 
 def error_of(argv):
@@ -164,9 +163,12 @@ def test_mbr_with_a_beam_candidate_may_sample_and_search_beams():
 
 
 def test_sweep_is_every_combination_typed_by_field():
-    assert parse_sweep("num_beams=1,4 length_penalty=0.8,1 mbr_metric=rouge1") == [
+    sweep = parse_sweep("num_beams=1,4 length_penalty=0.8,1 mbr_metric=rouge1")
+    assert sweep == {"num_beams": (1, 4), "length_penalty": (0.8, 1.0), "mbr_metric": ("rouge1",)}
+    assert sweep_settings(sweep) == [
         {"num_beams": n, "length_penalty": p, "mbr_metric": "rouge1"} for n in (1, 4) for p in (0.8, 1.0)]
-    assert parse_sweep("") == []
+    assert parse_sweep("") == {} and sweep_settings({}) == []
+    assert load_config(["--sweep=num_beams=1,4"]).sweep == {"num_beams": (1, 4)}
 
 
 def test_grad_accum_steps():
@@ -225,7 +227,7 @@ def test_a_key_only_another_command_reads_is_one_line(capsys):
                                            ("1.5h", 5400), ("1h30m15s", 5415), (" 1h 30m ", 5400), ("90.5", 90.5)])
 def test_max_time_takes_the_documented_forms(text, seconds):
     assert parse_duration(text) == seconds
-    assert load_config([f"--max_time={text}"]).max_time == text
+    assert load_config([f"--max_time={text}"]).max_time == seconds
 
 
 @pytest.mark.parametrize("text, meant", [("1h30", "write 1h30m (or 1h30s)"), ("45m30", "write 45m30s"),
@@ -244,8 +246,8 @@ def test_units_out_of_order_or_unknown_are_not_durations(text):
 def test_the_budget_is_shown_in_hours_minutes_and_seconds():
     assert [describe_duration(s) for s in (5400, 5415, 90, 41400, 0.5, 1.1 * 3600)] == \
         ["1h 30m", "1h 30m 15s", "1m 30s", "11h 30m", "0.5s", "1h 6m"]
-    assert "max_time='1.5h' [1h 30m = 5400 s] (command line)" in changed_settings(["--max_time=1.5h"])
-    assert "max_time='1.5h' [1h 30m = 5400 s]" in settings_report(["--max_time=1.5h"], "out/config.json")
+    assert "max_time=5400.0 [1h 30m = 5400 s] (command line)" in changed_settings(["--max_time=1.5h"])
+    assert "max_time=5400.0 [1h 30m = 5400 s]" in settings_report(["--max_time=1.5h"], "out/config.json")
 
 
 YES_NO = [("true", True), ("True", True), ("TRUE", True), ("yes", True), ("Yes", True), ("on", True), ("ON", True),
@@ -269,7 +271,7 @@ def test_yes_no_words_in_presets_and_sweeps(tmp_path):
     for preset, compile in ((py, False), (js, "auto")):
         cfg = load_config([str(preset)])
         assert (cfg.evaluate_after, cfg.predict_after, cfg.bias, cfg.compile) == (True, True, False, compile)
-    assert parse_sweep("mbr_include_beam=true,No") == [{"mbr_include_beam": True}, {"mbr_include_beam": False}]
+    assert parse_sweep("mbr_include_beam=true,No") == {"mbr_include_beam": (True, False)}
 
 
 @pytest.mark.parametrize("word", ["maybe", "2", "1.0", "y", "'maybe'"])
@@ -349,7 +351,7 @@ def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_fr
         "System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64"
     command_line = sections["command line"]
     for text in ("RowFormat: prompt_template=", f"Run: out_dir='{out}'",
-                 "Training: max_time='11h30m' [11h 30m = 41400 s]",
+                 "Training: max_time=41400.0 [11h 30m = 41400 s]",
                  "Evaluation: evaluate_after=True log_to='tensorboard'"):
         assert text in command_line
     assert command_line.index("RowFormat:") < command_line.index("Run:") < command_line.index("Training:")

@@ -266,7 +266,7 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     train.main([*args, "--max_iters=2", "--eval_interval=2"])
     out = tmp_path / "out"
     best, ckpt = load_checkpoint(str(out / "best.pt")), load_checkpoint(str(out / "ckpt.pt"))
-    assert set(best) == {"model", "model_args", "config", "metrics", "iter_num", "best_metric", "best_score",
+    assert set(best) == {"format", "model", "model_args", "config", "metrics", "iter_num", "best_metric", "best_score",
                          "best_val_loss", "tokenizer", "train_rows", "validation_digest"}
     assert {"optimizer", "scaler", "rng", "schedule"} <= set(ckpt)
     assert os.path.getsize(out / "best.pt") < os.path.getsize(out / "ckpt.pt") / 2

@@ -483,7 +483,7 @@ class Config(*reversed(GROUPS)):
 
     def problems(self):
         """Every rule this config breaks, one message each: each value's choices and range, then each group's rules
-        (groups check only values whose range holds), then what needs several groups."""
+        (written to hold for any value of the right type)."""
         problems = []
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
@@ -492,9 +492,7 @@ class Config(*reversed(GROUPS)):
                 problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}")
             elif bound and not bound.ok(value):
                 problems.append(f"{f.name}={value} {bound.text}")
-        if not problems:
-            problems += [p for group in GROUPS if hasattr(group, "problems") for p in group.problems(self)]
-        return problems
+        return problems + [p for group in GROUPS if hasattr(group, "problems") for p in group.problems(self)]
 
 
 def keys(group, scope=None):

@@ -60,7 +60,7 @@ def main(argv=None, objective=None, script="train.py"):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg, flags = load_config(argv), flags_given(argv)
-        check_command(argv, script)
+        check_command(flags, script)
         path, start = start_checkpoint(cfg)
         run = None  # (its path, the keys this command decides, what the flags changed) of a run taken from start
         if start is not None:  # the run's settings, but for what the flags change
@@ -69,6 +69,9 @@ def main(argv=None, objective=None, script="train.py"):
             run = (path, command_keys(use), changed)
         check_shape(cfg, flags, cfg.init_from)  # from its config alone, before any work
         check_validation(cfg)
+        problem = (objective or TokenLoss).problem(cfg)
+        if problem:
+            raise UserError(problem)
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
@@ -138,13 +141,28 @@ def start_checkpoint(cfg):
     return path, load_checkpoint(path)
 
 
+def validation_problem(cfg, rows):
+    """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
+    if rows:
+        return None
+    source = (f"validation_csv={cfg.validation_csv} leaves no validation rows" if cfg.validation_csv else
+              f"val_fraction={cfg.val_fraction:g} of train_csv leaves no validation rows")
+    if cfg.evaluate_after:
+        return (f"{source} for evaluate_after=True to score: pass --validation_csv=<a CSV> or --val_fraction=0.05, "
+                f"or --evaluate_after=False")
+    if cfg.best_metric != "last":
+        return (f"{source} to choose best.pt by best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or "
+                f"--val_fraction=0.05, or --best_metric=last to keep the last save as best.pt")
+    return None
+
+
 def check_validation(cfg):
-    """One line, before any work, when the settings leave no validation rows for best_metric (the rows a split of
-    train_csv leaves are counted by datasets())."""
-    if not cfg.validation_csv and cfg.val_fraction == 0 and cfg.best_metric != "last":
-        raise UserError(f"val_fraction=0 and no validation_csv leave no validation rows to choose best.pt by "
-                        f"best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or --val_fraction=0.05, or "
-                        f"--best_metric=last to keep the last save as best.pt")
+    """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
+    split or a CSV leaves are counted by datasets())."""
+    if not cfg.validation_csv and cfg.val_fraction == 0:
+        problem = validation_problem(cfg, 0)
+        if problem:
+            raise UserError(problem)
 
 
 def lora_base_source(cfg):
@@ -156,11 +174,9 @@ def datasets(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
     splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
-    if not len(splits.val) and cfg.best_metric != "last":
-        raise UserError(f"val_fraction={cfg.val_fraction:g} of the {len(splits.train)} rows of {cfg.train_csv} "
-                        f"leaves no validation rows to choose best.pt by best_metric={cfg.best_metric!r}: raise "
-                        f"--val_fraction, pass --validation_csv=<a CSV>, or --best_metric=last to keep the last save "
-                        f"as best.pt")
+    problem = validation_problem(cfg, len(splits.val))
+    if problem:
+        raise UserError(problem)
     if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
         splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
     after_summaries = len(splits.val) if cfg.evaluate_after else 0
@@ -228,9 +244,14 @@ def memory_hint(cfg, rt):
 class TokenLoss:
     """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
     it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
-    offers the same five things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
+    offers the same six things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
     checkpoint_keys = {}  # what this objective adds to ckpt.pt
     extra_loss = None  # the metrics.jsonl name of a second loss term, if any
+
+    @staticmethod
+    def problem(cfg):
+        """Why the run's settings cannot train this objective (asked before any work), else None."""
+        return None
 
     def __init__(self, cfg, rt, train_set, model, ckpt):
         self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
@@ -521,6 +542,8 @@ class Trainer:
     def validate(self):
         """Validation loss and ROUGE on a fixed validation subset, summarized in the same batches as one process
         would; every rank returns the same numbers."""
+        if not len(self.val_set):  # best_metric=last without validation rows: nothing to measure
+            return {}
         self.model.eval()
         metrics = {"val_loss": validation_loss(self.model, self.val_set, self.cfg, self.rt)}
         if self.rouge_prompts:
@@ -536,7 +559,7 @@ class Trainer:
     def checkpoint(self, stats):
         """After an evaluation: ckpt.pt, and best.pt when the configured metric improved; diverged weights are not
         worth resuming from, so a non-finite val_loss keeps the previous checkpoints."""
-        if not math.isfinite(stats["val_loss"]):
+        if not math.isfinite(stats.get("val_loss", 0.0)):
             if self.rt.is_main:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {self.state.step}; keeping the previous "
                       f"checkpoints", file=sys.stderr)

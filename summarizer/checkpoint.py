@@ -269,7 +269,9 @@ class TrainingState:
     def improved(self, stats, metric):
         """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best): a higher
         ROUGE, or the same ROUGE (0 at the first evaluations of a run) with a lower validation loss; a lower
-        val_loss. A non-finite score never does."""
+        val_loss. A non-finite score never does; with best_metric=last, every save is the best."""
+        if metric == "last":
+            return True
         score, best, val_loss = stats[metric], self.best_score, stats["val_loss"]
         if not math.isfinite(score):
             return False
@@ -382,8 +384,8 @@ def advice(use, key, theirs):
 
 def command_keys(use):
     """The settings a command that uses a checkpoint so (a Use) decides itself, whatever the run's: COMMAND's, and
-    RESUME's but when resuming."""
-    scopes = (Scope.COMMAND,) if use is Use.RESUME else (Scope.COMMAND, Scope.RESUME)
+    RESUME's for a new run and for evaluate/predict (export's card describes the run: they are the run's)."""
+    scopes = (Scope.COMMAND, Scope.RESUME) if use in (Use.WEIGHTS, Use.INFERENCE) else (Scope.COMMAND,)
     return {key for key, f in FIELDS.items() if f.metadata["scope"] in scopes}
 
 

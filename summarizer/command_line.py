@@ -14,7 +14,6 @@ from config import (
     SCOPE_MEANING,
     Config,
     describe_duration,
-    flags_given,
     keys,
     settings_given,
     type_name,
@@ -36,11 +35,11 @@ def save_config(cfg, path):
         f.write("\n")
 
 
-def check_command(argv, command):
-    """One line when the command line gives `command` a key that only another command reads (config.READ_ONLY_BY),
-    instead of ignoring it."""
+def check_command(flags, command):
+    """One line when the command's --key=value `flags` give `command` a key that only another command reads
+    (config.READ_ONLY_BY), instead of ignoring it."""
     for group, reader in READ_ONLY_BY.items():
-        given = sorted(set(flags_given(argv)) & set(keys(group)))
+        given = sorted(set(flags) & set(keys(group)))
         if given and reader != command:
             raise UserError(f"--{given[0]} is read by {reader}, not {command}: run python {reader} with it "
                             f"(docs/config.md)")

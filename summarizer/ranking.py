@@ -338,6 +338,13 @@ class Ranking:
     must be there: the weights that made it are not)."""
     extra_loss = "rank_loss"
 
+    @staticmethod
+    def problem(cfg):
+        if cfg.rank_weight <= 0:
+            return ("calibrate.py needs --rank_weight > 0: the weight of the ranking loss beside the token loss (1.0 "
+                    "is a start; docs/calibration.md)")
+        return None
+
     def __init__(self, cfg, rt, train_set, model, ckpt):
         if ckpt is None:
             key = rt.all_gather_objects(candidates_key(model, train_set, cfg) if rt.is_main else None)[0]

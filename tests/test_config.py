@@ -367,3 +367,36 @@ def test_the_settings_block_of_the_demo_is_short():
     for item in changed:
         setting, source = item.rsplit(" (", 1)
         assert setting in sections[source.rstrip(")")]
+
+
+# ---- issue 41: settings typed once, every problem at once, no import of summarizer/ ------------------------------
+
+
+def test_config_imports_nothing_from_the_summarizer_package():
+    import ast
+    tree = ast.parse(open(config.__file__, encoding="utf-8").read())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert imported and not [name for name in imported if name.split(".")[0] == "summarizer"], imported
+
+
+def test_every_problem_of_a_command_is_in_its_one_line():
+    message = error_of(["--n_layer=0", "--dtype=fp16", "--top_p=2", "--rouge_samples=0"])
+    for problem in ("n_layer=0 must be > 0", "dtype='fp16' is not one of", "top_p=2.0 must be in (0, 1]",
+                    "best_metric='rougeL' needs rouge_samples > 0"):
+        assert problem in message
+    message = error_of(["--n_embd=100", "--n_head=12", "--block_size=100", "--rouge_samples=0", "--batch_size=7"])
+    for problem in ("n_embd=100 is not a multiple of n_head=12", "block_size=100 must be a multiple of 8",
+                    "best_metric='rougeL' needs rouge_samples > 0", "batch_size=7 is not a multiple of"):
+        assert problem in message
+
+
+def test_values_are_typed_once_as_given():
+    cfg = load_config(["--max_time=1h30m", "--lora_targets=attn.c_attn,mlp.c_fc", "--sweep=num_beams=1,4"])
+    assert (cfg.max_time, cfg.lora_targets, cfg.sweep) == (5400.0, ("attn.c_attn", "mlp.c_fc"), {"num_beams": (1, 4)})
+    assert load_config(["--max_time="]).max_time is None and load_config(["--max_time=90"]).max_time == 90.0
+
+
+def test_sweeping_max_new_tokens_says_why_it_cannot_be_swept():
+    message = error_of(["--sweep=max_new_tokens=32,64"])
+    assert "max_new_tokens cannot be swept" in message and "--max_new_tokens=N" in message

@@ -1,0 +1,114 @@
+"""Every checkpoint this project ever wrote still works. tests/fixtures/checkpoints/<date>/ holds a ckpt.pt and a
+best.pt written by the last commit of that day with its own train.py (make.sh remakes them; command.txt says how):
+each is upgraded step by step to today's format, and predict, evaluate, export and resume take it. A file of a
+newer format, or one that cannot be upgraded, is one line that says which version wrote it and what to do."""
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+import data
+import evaluate
+import predict
+import train
+from config import FIELDS, LORA_TARGETS, Config
+from conftest import REPO, assert_export_matches, one_error_line
+from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_checkpoint, upgrade_1
+from summarizer.errors import UserError
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
+FORMATS = {"2026-11-23": 1, "2026-11-24": 2, "2026-11-25": 3}  # the format each day's files have
+DEMO = "data/demo"  # the fixtures' runs name their CSVs relative to the repository, as they were trained
+
+
+@pytest.fixture(params=sorted(FORMATS))
+def written(request, monkeypatch):
+    """(the date, the folder of its ckpt.pt and best.pt); the working directory is the repository's."""
+    monkeypatch.chdir(REPO)
+    return request.param, os.path.join(FIXTURES, request.param)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return f"--data_cache_dir={tmp_path_factory.mktemp('cache')}"
+
+
+def test_each_file_is_told_by_its_keys_and_read_in_todays_format(written):
+    date, folder = written
+    for name in ("ckpt.pt", "best.pt"):
+        path = os.path.join(folder, name)
+        assert format_of(torch.load(path, weights_only=True, map_location="cpu")) == FORMATS[date]
+        ckpt = load_checkpoint(path)
+        assert ckpt["format"] == FORMAT and set(ckpt["config"]) == set(FIELDS)
+        saved = Config(**ckpt["config"])  # every setting there, typed and within its rules
+        assert (saved.n_layer, saved.n_embd, saved.block_size, saved.num_beams) == (1, 4, 64, 2)
+        assert saved.max_time is None and saved.lora_targets == LORA_TARGETS and saved.sweep == {}
+        assert ckpt["tokenizer"] == data.TOKENIZER_ID  # format 1 wrote no tokenizer: it was GPT-2's BPE
+        # format 1 kept -val_loss as the best score (higher was better); today a loss is kept as it is
+        assert ckpt["best_metric"] == "val_loss" and ckpt["best_score"] == pytest.approx(ckpt["metrics"]["val_loss"])
+
+
+def test_format_1_gets_the_settings_that_version_ran_with():
+    raw = torch.load(os.path.join(FIXTURES, "2026-11-23", "ckpt.pt"), weights_only=True, map_location="cpu")
+    assert "epsilon" in raw["config"] and "fsdp_reduce_once" not in raw["config"]
+    raw["config"]["nccl_p2p_disable"] = True
+    upgraded = upgrade_1(raw)
+    assert upgraded["format"] == 2 and upgraded["train_rows"] is None and upgraded["validation_digest"] is None
+    config = upgraded["config"]
+    assert config["fsdp_reduce_once"] is False  # FSDP then reduce-scattered after every micro-step
+    assert config["nccl_ib_disable"] is True  # one flag then set both NCCL variables
+    assert config["rank_weight"] == 0.0 and config["max_time"] == ""
+
+
+def test_predict_writes_the_submission_with_the_runs_decoding(written, cache, tmp_path, capsys):
+    date, folder = written
+    predict.main([f"--ckpt={folder}/best.pt", f"--out_dir={tmp_path}", f"--test_csv={DEMO}/test.csv",
+                  f"--sample_submission_csv={DEMO}/sample_submission.csv", cache])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "decoding: beam search: max_new_tokens=16 num_beams=2 (the run's)" in first
+    submission, test = pd.read_csv(tmp_path / "submission.csv"), pd.read_csv(f"{DEMO}/test.csv")
+    assert list(submission["id"]) == list(test["id"])
+
+
+def test_evaluate_scores_the_runs_validation_split(written, cache, tmp_path, capsys):
+    date, folder = written
+    evaluate.main([f"--ckpt={folder}/ckpt.pt", f"--out_dir={tmp_path}", cache])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "eval_metrics.json").read_text())
+    assert report["n"] == len(pd.read_csv(f"{DEMO}/validation.csv")) and report["step"] == 2
+    assert f"validation {DEMO}/validation.csv" in out.splitlines()[0]
+    # format 1 kept no fingerprints of the training rows: what cannot be checked is said
+    assert ("kept no fingerprints of its training rows" in out) == (FORMATS[date] == 1)
+
+
+def test_export_writes_a_transformers_folder_that_computes_our_logits(written, tmp_path):
+    _, folder = written
+    assert_export_matches(os.path.join(folder, "best.pt"), str(tmp_path / "export"))
+
+
+def test_resume_into_another_folder_continues_with_the_runs_settings(written, cache, tmp_path, capsys):
+    _, folder = written
+    train.main([f"--resume_from={folder}/ckpt.pt", f"--out_dir={tmp_path}", "--max_iters=3", cache])
+    out = capsys.readouterr()
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["iter_num"] == 3 and ckpt["format"] == FORMAT
+    assert ckpt["config"]["train_csv"] == f"{DEMO}/train.csv" and ckpt["model_args"]["n_embd"] == 4
+    assert "changed from the run's by the command line: max_iters=2 -> 3" in out.out
+    assert "--n_layer" not in out.out + out.err  # no shape flag was given, and none is named
+
+
+def test_a_file_from_a_newer_version_is_one_line(tmp_path, capsys):
+    ckpt = load_checkpoint(os.path.join(FIXTURES, "2026-11-25", "best.pt"))
+    save_checkpoint({**ckpt, "format": FORMAT + 1}, str(tmp_path / "best.pt"))
+    err = one_error_line(capsys, predict.main, [f"--ckpt={tmp_path / 'best.pt'}", f"--out_dir={tmp_path}"])
+    assert f"checkpoint of format {FORMAT + 1}, written by a newer version" in err and "update the code" in err
+
+
+def test_a_file_that_cannot_be_upgraded_says_which_version_wrote_it(tmp_path):
+    raw = torch.load(os.path.join(FIXTURES, "2026-11-23", "best.pt"), weights_only=True, map_location="cpu")
+    del raw["config"]["best_metric"]
+    save_checkpoint(raw, str(tmp_path / "best.pt"))
+    with pytest.raises(UserError, match=r"format 1 \(the version of 2026-11-23\) that cannot be upgraded"):
+        load_checkpoint(str(tmp_path / "best.pt"))

@@ -282,7 +282,8 @@ class Training:
     seed: int = option(1337, "seed of the data order, dropout and sampling", D, bound=NON_NEGATIVE)
     max_time: float | None = option(None, "time budget of the run in seconds, given as seconds or a duration "
                                           "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
-                                          "evaluate_after/predict_after; None or '' = none", R, parse=parse_duration)
+                                          "evaluate_after/predict_after; None or '' = none; this process's own, never "
+                                          "a checkpoint's", C, parse=parse_duration)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute", R)
 

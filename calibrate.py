@@ -4,6 +4,13 @@ Ranking objective of summarizer/ranking.py; every train.py setting and launcher 
 
     python calibrate.py [preset] --init_from=out/best.pt --out_dir=out-calibrated --rank_weight=1.0 [--key=value ...]
     torchrun --nproc_per_node=N --standalone calibrate.py [...]
+    python calibrate.py --init_from=resume --out_dir=out-calibrated [--max_iters=N]     continue a calibration run
+
+--init_from names the trained run's checkpoint (its best.pt): the new run takes that run's data, template and
+decoding (a flag changes one) and writes into --out_dir. Its own settings (the Calibration keys below):
+--rank_weight (> 0, needed: the ranking loss's weight beside the token loss), --rank_candidates and
+--rank_decoding (how many candidates per dialogue and how they are drawn), --rank_margin and
+--rank_length_exponent (the loss's shape), --candidates_file (where the candidates are kept).
 """
 import train
 from summarizer.ranking import Ranking
@@ -11,7 +18,7 @@ from summarizer.ranking import Ranking
 
 def main(argv=None):
     """As train.main (argv None: the command line's, and max_time counts from the process's start)."""
-    train.main(argv, objective=Ranking, script="calibrate.py")
+    train.main(argv, objective=Ranking, script="calibrate.py", usage=__doc__)
 
 
 if __name__ == "__main__":

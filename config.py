@@ -3,12 +3,13 @@
     python train.py [preset.py|preset.json ...] [--key=value ...]      --help lists the keys
 
 Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
-in its order: a flag beats any preset, whether it comes before or after it (`--device=cpu config/kaggle_t4x2.py`
-runs on the CPU). Values are Python literals (`--learning_rate=3e-4`, `--prompt_template='"..."'`); for a text
-field a bare word is taken as it is (`--init_from=gpt2-medium`, `--device=cuda:1`). A yes/no key takes
-true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`, `--compile=False`). max_time takes
-seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its unit (`1.5h`, `45m`, `11h30m`,
-`1h30m15s`). Preset .py files are parsed with `ast`, never executed: only top-level `name = <literal>` lines.
+(also written --key value) in its order: a flag beats any preset, whether it comes before or after it
+(`--device=cpu config/kaggle_t4x2.py` runs on the CPU). Values are Python literals (`--learning_rate=3e-4`,
+`--prompt_template='"..."'`); for a text field a bare word is taken as it is (`--init_from=gpt2-medium`,
+`--device=cuda:1`). A yes/no key takes true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`,
+`--compile=False`). max_time takes seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its
+unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are parsed with `ast`, never executed: only
+top-level `name = <literal>` lines.
 
 Each setting says what it means for the commands after training (its Scope): fixed by training, the run's and
 changeable on resume, the run's default for every later command, or this command's alone. A run's checkpoint
@@ -247,8 +248,9 @@ class Run:
                                   "attached as input; '' = out_dir/ckpt.pt", C)
     ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", C)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
-                               "the preset's shape), a GPT-2 name or a transformers directory; its outputs go to "
-                               "out_dir/baseline-<name>/", C)
+                               "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
+                               "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "
+                               "outputs go to out_dir/baseline-<name>/", C)
 
 
 @dataclass
@@ -529,27 +531,42 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 # ---- a command line, read --------------------------------------------------------------------------------------
 
-def load_config(argv):
+def load_config(argv, usage=None):
     """The checked Config that a command line asks for: presets in their order, then --key=value flags, which beat
-    any preset whatever the order; --help prints the usage and every key, and exits."""
+    any preset whatever the order; --help prints the usage (the command's own, then this module's) and every key,
+    and exits."""
     if "-h" in argv or "--help" in argv:
-        print_help()
+        print_help(usage)
         raise SystemExit(0)
     return Config(**{key: value for key, value, _ in settings_given(argv)})
+
+
+def arguments(argv):
+    """(the presets, the flags as '--key=value') of a command line, which may also give a flag as two words:
+    `--max_iters 5` is `--max_iters=5`, whatever the word after the key looks like (a preset's path too)."""
+    presets, flags, words = [], [], list(argv)
+    while words:
+        word = words.pop(0)
+        if not word.startswith("--"):
+            presets.append(word)
+        elif "=" not in word and word not in ("-h", "--help") and words and not words[0].startswith("--"):
+            flags.append(f"{word}={words.pop(0)}")
+        else:
+            flags.append(word)
+    return presets, flags
 
 
 def settings_given(argv):
     """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
     flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
-    presets = [arg for arg in argv if not arg.startswith("--")]
-    flags = [arg for arg in argv if arg.startswith("--")]
+    presets, flags = arguments(argv)
     given = [(key, value, path) for path in presets for key, value in read_preset(path).items()]
     return given + [(*parse_override(arg), "command line") for arg in flags]
 
 
 def flags_given(argv):
     """{key: value} of the --key=value flags (not what a preset sets): what a command asks for in so many words."""
-    return dict(parse_override(arg) for arg in argv if arg.startswith("--") and arg not in ("-h", "--help"))
+    return dict(parse_override(arg) for arg in arguments(argv)[1] if arg not in ("-h", "--help"))
 
 
 def check_key(key, source):
@@ -607,7 +624,7 @@ def parse_override(arg):
     """'--key=value' -> (key, value) with the value as a Python literal, or as text for a text field."""
     key, eq, text = arg[2:].partition("=")
     if not arg.startswith("--") or not eq:
-        raise UserError(f"cannot read argument {arg!r}: use --key=value, or a preset .py/.json file")
+        raise UserError(f"cannot read argument {arg!r}: use --key=value (or --key value), or a preset .py/.json file")
     source = f"--{key}={text}"
     check_key(key, source)
     try:
@@ -677,10 +694,11 @@ def near_preset(path):
     return files[close[0]] if close else None
 
 
-def print_help():
-    """The usage and every key; a reader that stops early (`--help | head`) is not an error."""
+def print_help(usage=None):
+    """The command's usage, how a command line is read, and every key; a reader that stops early (`--help | head`)
+    is not an error."""
     try:
-        print(__doc__.strip() + "\n\n" + help_text(), flush=True)
+        print("\n\n".join(text.strip() for text in (usage, __doc__, help_text()) if text), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 

@@ -127,8 +127,14 @@ def read_frame(path, key, missing_hint=None):
     (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
     naming the file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, an archive
     of several files...) is named as what it is (files.csv_content)."""
+    if os.path.isdir(path):
+        csvs = sorted(name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip")))
+        inside = f" (it holds {', '.join(csvs[:5])})" if csvs else " (it holds no CSV)"
+        raise UserError(f"{key} {path} is a folder{inside}: name the CSV inside it, e.g. "
+                        f"--{key}={os.path.join(path, csvs[0] if csvs else 'name.csv')}")
     if not os.path.isfile(path):
-        raise UserError(f"{key} {path} does not exist: {missing_hint or f'pass --{key}=PATH to the CSV'}")
+        where = "" if os.path.isabs(path) else f" (relative to the current folder {os.getcwd()})"
+        raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:
         raw = csv_content(f.read(), path, key)
     if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Excel's "Unicode text"

@@ -25,7 +25,7 @@ from summarizer.runtime import Runtime
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg = load_config(argv)
+        cfg = load_config(argv, __doc__)
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             (sweep if cfg.sweep else evaluate)(cfg, flags_given(argv), rt)
 

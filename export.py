@@ -225,7 +225,7 @@ def export(cfg, explicit=()):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        export(load_config(argv), flags_given(argv))
+        export(load_config(argv, __doc__), flags_given(argv))
 
 
 if __name__ == "__main__":

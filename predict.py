@@ -18,7 +18,7 @@ from summarizer.submission import predict
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg = load_config(argv)
+        cfg = load_config(argv, __doc__)
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             predict(cfg, flags_given(argv), rt)
 

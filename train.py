@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, flags_given, grad_accum_steps, load_config
+from config import FIELDS, arguments, flags_given, grad_accum_steps, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import (
@@ -34,6 +35,7 @@ from summarizer.checkpoint import (
     command_keys,
     full_disk_keeps_checkpoints,
     load_checkpoint,
+    lost_rank_keeps_checkpoints,
     resolve,
 )
 from summarizer.command_line import check_command, save_config, settings_report
@@ -43,23 +45,26 @@ from summarizer.launch import notebook_launch, one_line_errors, process_age, ran
 from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference
 from summarizer.metrics import rouge
 from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
-from summarizer.schedule import learning_rate
+from summarizer.schedule import fitted_to_budget, learning_rate
 from summarizer.submission import check_against_sample, predict
 from summarizer.tracking import Tracker, drop_rows_after, log_row, plot_metrics, progress_postfix
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
+# max_time: the LR decay is planned to end this far into the steps projected to fit, so that steps a little slower
+# than measured still reach min_lr (the last 7% of a cosine decay is within 1% of its range from min_lr)
+PLAN_MARGIN = 0.9
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop
 
 
-def main(argv=None, objective=None, script="train.py"):
+def main(argv=None, objective=None, script="train.py", usage=__doc__):
     """Entry point for the command line and for the notebook launcher; errors end in one line. From the command
     line, max_time counts from the process's start (imports and set-up included). `objective`: what a step
-    minimizes, TokenLoss unless a stage built on this loop (`script`) brings its own."""
+    minimizes, TokenLoss unless a stage built on this loop (`script`, whose --help prints `usage`) brings its own."""
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, flags = load_config(argv), flags_given(argv)
+        cfg, flags = load_config(argv, usage), flags_given(argv)
         check_command(flags, script)
         path, start = start_checkpoint(cfg)
         run = None  # (its path, the keys this command decides, what the flags changed) of a run taken from start
@@ -77,7 +82,9 @@ def main(argv=None, objective=None, script="train.py"):
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
                 print(settings_report(argv, config_json, run))
             control = RunControl(cfg, rt, started)
-            with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir):
+            go_on = continue_command(script, argv, rt.world_size)
+            with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir), \
+                    lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 trainer = Trainer(cfg, rt, control, objective, start)
                 del start  # its tensors map the file, whose disk space a save must be able to free
                 trainer.fit()
@@ -85,13 +92,17 @@ def main(argv=None, objective=None, script="train.py"):
             if control.stop_signal:
                 if rt.is_main:
                     print(f"stopped by {signal.Signals(control.stop_signal).name} after iter {trainer.state.step}: "
-                          f"{ckpt} holds it; continue with:\n  {continue_command(script, argv, rt.world_size)}")
+                          f"{ckpt} holds it; continue with:\n  {go_on}")
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + control.stop_signal)
             if control.out_of_time and rt.is_main:
-                print(f"max_time={cfg.max_time:g}: stopped after iter {trainer.state.step} of {cfg.max_iters} with "
-                      f"time left for what follows; {ckpt} holds it; continue with:\n"
-                      f"  {continue_command(script, argv, rt.world_size)}\n"
+                left = control.seconds_left()
+                timing = (f"with {left:.0f} s left for what follows" if left > 0 else
+                          f"{-left:.0f} s past the budget (the last step, evaluation and save took longer than "
+                          f"measured)")
+                print(f"max_time={cfg.max_time:g}: stopped after iter {trainer.state.step} of {cfg.max_iters} "
+                      f"{timing}; {ckpt} holds it; continue with:\n"
+                      f"  {go_on}\n"
                       f"or in a new session, with this output attached as input, add "
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
             # this run's config is the contract: every key counts as given
@@ -109,7 +120,8 @@ def notebook_main(argv=(), num_processes=2, port=29500):
 def continue_command(script, argv, world_size):
     """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
     torchrun when the run had several processes."""
-    args = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))] + ["--init_from=resume"]
+    presets, flags = arguments(argv)
+    args = [*presets, *(f for f in flags if not f.startswith(("--init_from=", "--resume_from="))), "--init_from=resume"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
     return shlex.join([*launcher, script, *args])
@@ -138,7 +150,7 @@ def start_checkpoint(cfg):
         path = cfg.init_from
     else:
         return None, None
-    return path, load_checkpoint(path)
+    return path, load_checkpoint(path, "resume_from" if resuming(cfg) else "init_from")
 
 
 def validation_problem(cfg, rows):
@@ -322,16 +334,39 @@ class RunControl:
 
     # max_time
     def no_room_after_this_step(self):
-        """Whether the run must stop after the step about to start: before an evaluation is measured, 5% of the
-        budget stands for it; evaluate_after and predict_after take an evaluation's time each beside their
-        summaries (loading the checkpoint, scoring, writing)."""
+        """Whether the run must stop after the step about to start (its reserve is more than the budget leaves)."""
         if self.budget is None or not self.step_seconds:
             return False
+        return self.reserve() > self.seconds_left()
+
+    def reserve(self):
+        """The seconds the budget must keep after a step for the run to end in time: two of the slowest recent
+        steps, the last evaluation and save (before one is measured, 5% of the budget stands for it), and
+        evaluate_after and predict_after, an evaluation's time each beside their summaries (loading the checkpoint,
+        scoring, writing)."""
         finish = 1.5 * self.evaluation_seconds if self.evaluation_seconds is not None else 0.05 * self.budget
         after = (self.per_summary * self.after_summaries
                  + finish * (int(self.cfg.evaluate_after) + int(self.cfg.predict_after)))
-        left = self.budget - (time.monotonic() - self.started)
-        return 2 * max(self.step_seconds) + finish + after > left
+        return 2 * max(self.step_seconds) + finish + after
+
+    def seconds_left(self):
+        return self.budget - (time.monotonic() - self.started)
+
+    def check_start_up(self):
+        """One line when max_time is spent before the first step (imports, data, model, a compile trial)."""
+        if self.budget is not None and self.seconds_left() <= 0:
+            spent = time.monotonic() - self.started
+            raise UserError(f"max_time={self.budget:g} is used up before the first step: start-up took {spent:.0f} s "
+                            f"(imports, reading the data, building the model): give a budget well above that, e.g. "
+                            f"--max_time={max(60, round(10 * spent, -1)):g}")
+
+    def last_step_that_fits(self, step):
+        """max_time: the last step the budget leaves room for, projected from the mean step and the last
+        evaluation (every eval_interval steps) measured, the reserve kept as no_room_after_this_step keeps it, and
+        PLAN_MARGIN; every rank gets rank 0's."""
+        per_step = statistics.mean(self.step_seconds) + self.evaluation_seconds / self.cfg.eval_interval
+        steps = PLAN_MARGIN * max(self.seconds_left() - self.reserve(), 0) / per_step
+        return self.rt.all_gather_objects(step + int(steps))[0]
 
     def requests(self, device, out_of_time):
         """This rank's stop requests as a tensor to sum over ranks (one slot per signal, then out of time): it
@@ -467,6 +502,7 @@ class Trainer:
 
     def fit(self):
         cfg, rt, state, control = self.cfg, self.rt, self.state, self.control
+        control.check_start_up()
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         with self.tracker, memory_hint(cfg, rt), tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main,
                                                       dynamic_ncols=True, desc="training", unit="it") as bar:
@@ -497,12 +533,33 @@ class Trainer:
                     stats.update(self.validate())
                     self.checkpoint(stats)
                     control.evaluation_seconds = time.perf_counter() - start
+                    self.fit_schedule_to_budget(bar)
                 elif control.stop_signal:
                     state.save(cfg, rt, stats, best=False)
                 if rt.is_main:
                     self.log(stats, bar)
                 if stop:
                     return
+
+    def fit_schedule_to_budget(self, bar):
+        """Once, at the first evaluation of a run with max_time (its steps and an evaluation measured): when the
+        budget will end the run before the LR decay does, the decay is planned to end within it. The schedule keeps
+        the plan (ckpt.pt): a resume continues it."""
+        state, control, cfg = self.state, self.control, self.cfg
+        if control.budget is None or control.out_of_time or state.schedule.get("fitted_to_budget") is not None:
+            return
+        last = control.last_step_that_fits(state.step)
+        end = min(state.schedule["decay_iters"], cfg.max_iters)
+        state.schedule = dict(state.schedule, fitted_to_budget=False)
+        if last >= end:
+            return
+        state.schedule = fitted_to_budget(state.schedule, state.step, last)
+        if self.rt.is_main:
+            bar.write(f"max_time={cfg.max_time:g}: about {last - state.step} more steps fit the budget "
+                      f"({1000 * statistics.mean(control.step_seconds):.0f} ms a step, "
+                      f"{control.evaluation_seconds:.1f} s an evaluation every {cfg.eval_interval}), not the "
+                      f"{cfg.max_iters - state.step} to max_iters={cfg.max_iters}: the learning rate now decays to "
+                      f"min_lr {state.schedule['min_lr']:.2e} by iter {last} (it would at iter {end})")
 
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""

@@ -144,13 +144,21 @@ def save_checkpoint(state, path):
         raise DiskFull(f"{failed}; {kept}") from None
 
 
-def load_checkpoint(path):
+ZIP_MAGIC = b"PK\x03\x04"  # how a torch.save archive (a zip file) begins
+
+
+def load_checkpoint(path, key="ckpt"):
     """The Checkpoint in the file at `path`, upgraded to format FORMAT; refuses anything that is not plain tensors
-    and containers. A truncated or damaged file is one line that says so and which other checkpoints beside it are
-    intact."""
+    and containers. A missing file, one that is no checkpoint, or a truncated or damaged one is one line that says
+    so (naming the flag `key` that took the path) and which other checkpoints beside it are intact."""
     if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist: train first, or pass --ckpt=<path>"
-                        + run_folder.missing_file_hint(path, "--ckpt"))
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise UserError(f"checkpoint {path} {what}: train first, or pass --{key}=<a best.pt or ckpt.pt>"
+                        + run_folder.missing_file_hint(path, f"--{key}"))
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
+                            f"archives): pass --{key}=<a best.pt or ckpt.pt>")
     if not complete_archive(path):
         raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
                         f"torch.save archive: truncated by a full disk or an interrupted copy?); "
@@ -212,6 +220,26 @@ def full_disk_keeps_checkpoints(folder):
         kept = f"intact: {', '.join(intact)}: {run_folder.GO_ON}" if intact else "no checkpoint was written yet"
         raise DiskFull(f"{e}; {kept}") from None
 
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "[gloo]", "NCCL")
+
+
+@contextlib.contextmanager
+def lost_rank_keeps_checkpoints(folder, go_on):
+    """A collective that fails because another rank is gone (killed, crashed, out of memory) ends in one line: what
+    failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the command that continues it."""
+    try:
+        yield
+    except Exception as e:
+        lost = isinstance(e, torch.distributed.DistError) or (
+            isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST))
+        if not lost or isinstance(e, UserError):
+            raise
+        intact = intact_in(folder)
+        kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
+        first_line = str(e).strip().partition("\n")[0]
+        raise UserError(f"another rank of this run is gone ({type(e).__name__}: {first_line}); {kept}; continue "
+                        f"with: {go_on}") from None
 
 
 

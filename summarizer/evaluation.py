@@ -18,7 +18,7 @@ from summarizer import inference, run_folder
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.metrics import rouge_per_example
-from summarizer.report import write_report
+from summarizer.report import interval_text, write_report
 
 COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
 REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing
@@ -47,9 +47,8 @@ def validation_loss(model, val_set, cfg, rt):
 
 def validation_run(cfg, explicit, rt):
     """(run, validation examples) for scoring, after the first line and the notes on what was checked and cut."""
-    out = inference.output_dir(cfg)
     if rt.is_main:
-        run_folder.make(out)
+        inference.make_output_dir(cfg)
     run = inference.load_run(cfg, explicit, rt, inference.describe_validation)
     val, notes = inference.validation_set(run, cfg, explicit, rt)
     prompts, cut = run.prompts(val.dialogues)
@@ -67,11 +66,13 @@ def evaluate(cfg, explicit, rt):
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     run, val, prompts = validation_run(cfg, explicit, rt)
     other = None if other is None else matched(other, val, cfg.compare)
-    predictions = inference.summarize_sharded(run.model, prompts, run.cfg, rt, decode_step=run.decode_step)
+    predictions = inference.summaries(run, prompts, rt)
     if not rt.is_main:
         return None
     frame = scored_frame(val, predictions)
     report = scores_report(frame, run, run.cfg, run.overridden)
+    if run.extractive:
+        report["decoding"] = "none: lines of the dialogue"
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
     write_evaluation(cfg, run, frame, report, comparison)
@@ -163,8 +164,10 @@ def set_aside_other_weights(out, weights):
 
 
 def bootstrap_interval(values, samples=1000, seed=0):
-    """95% percentile bootstrap interval of the mean."""
+    """95% percentile bootstrap interval of the mean; None for fewer than two values, which give no interval."""
     values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return None
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
@@ -246,9 +249,8 @@ def compare(frame, other):
 
 def comparison_line(t, stats, label, n):
     """'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'."""
-    low, high = stats["ci95"]
-    return (f"{t} {stats['mean_diff']:+.4f} [{low:+.4f}, {high:+.4f}] vs {label}: better on {stats['better']}, "
-            f"worse on {stats['worse']} of {n}")
+    return (f"{t} {stats['mean_diff']:+.4f} {interval_text(stats['ci95'], signed=True)} vs {label}: better on "
+            f"{stats['better']}, worse on {stats['worse']} of {n}")
 
 
 def sweep(cfg, explicit, rt):
@@ -258,6 +260,8 @@ def sweep(cfg, explicit, rt):
     predict.py: the fastest whose ROUGE-L a paired test cannot tell from the best's. Every setting is checked
     before any work. Returns the table's rows on rank 0, None on the other ranks."""
     settings = sweep_settings(cfg.sweep)
+    if cfg.baseline in inference.EXTRACTIVE:
+        raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
     other = read_evaluation(cfg.compare) if cfg.compare else None
     run, val, prompts = validation_run(cfg, explicit, rt)
@@ -268,7 +272,7 @@ def sweep(cfg, explicit, rt):
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
         start = time.perf_counter()
-        predictions = inference.summarize_sharded(run.model, prompts, setting_cfg, rt, decode_step=run.decode_step)
+        predictions = inference.summaries(run, prompts, rt, setting_cfg)
         seconds = time.perf_counter() - start
         if rt.is_main:
             frames.append(scored_frame(val, predictions))
@@ -292,7 +296,7 @@ def sweep(cfg, explicit, rt):
     print(f"wrote {paths[0]} and {paths[1]}")
     print(f"best ROUGE-L {rows[best]['rougeL']:.4f}: {rows[best]['setting']}; the fastest setting a paired test "
           f"cannot tell from it: {rows[pick]['setting']} (ROUGE-L {rows[pick]['rougeL_vs_best']:+.4f} "
-          f"[{rows[pick]['rougeL_vs_best_low']:+.4f}, {rows[pick]['rougeL_vs_best_high']:+.4f}], "
+          f"{interval_text((rows[pick]['rougeL_vs_best_low'], rows[pick]['rougeL_vs_best_high']), signed=True)}, "
           f"{rows[pick]['summaries_per_s']:.1f} summaries/s); pass to predict.py: "
           + " ".join(f"--{k}={v}" for k, v in settings[pick].items()))
     return rows
@@ -304,9 +308,10 @@ def against_the_best(rows, frames):
     Returns (the best row's index, the fastest such row's index)."""
     best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
     for row, frame in zip(rows, frames, strict=True):
-        difference, (low, high) = paired_bootstrap(frame["rougeL"], frames[best]["rougeL"])
+        difference, ci95 = paired_bootstrap(frame["rougeL"], frames[best]["rougeL"])
+        low, high = ci95 or (None, None)  # one dialogue gives no interval: no setting is told from the best's
         row.update(rougeL_vs_best=difference, rougeL_vs_best_low=low, rougeL_vs_best_high=high,
-                   within_best_ci95=bool(low <= 0 <= high))
+                   within_best_ci95=ci95 is None or bool(low <= 0 <= high))
     fastest = max((i for i, row in enumerate(rows) if row["within_best_ci95"]),
                   key=lambda i: rows[i]["summaries_per_s"])
     return best, fastest
@@ -330,7 +335,7 @@ def format_sweep(rows):
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['setting']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} | "
               f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} | {r['rougeL_vs_best']:+.4f} "
-              f"[{r['rougeL_vs_best_low']:+.4f}, {r['rougeL_vs_best_high']:+.4f}] | "
+              f"{interval_text((r['rougeL_vs_best_low'], r['rougeL_vs_best_high']), signed=True)} | "
               f"{'yes' if r['within_best_ci95'] else ''} |" for r in rows]
     return "\n".join(lines)
 
@@ -339,8 +344,7 @@ def format_report(report):
     lines = [f"ROUGE F1 on {report['n']} validation dialogues (rouge-score, stemmer on)",
              f"{'metric':<10} {'mean':>7}   95% bootstrap interval"]
     for t in ROUGE_TYPES:
-        low, high = report[t]["ci95"]
-        lines.append(f"{t:<10} {report[t]['mean']:>7.4f}   [{low:.4f}, {high:.4f}]")
+        lines.append(f"{t:<10} {report[t]['mean']:>7.4f}   {interval_text(report[t]['ci95'])}")
     found = report["diagnostics"]
     lines.append(f"mean length: generated {report['mean_generated_tokens']:.1f} tokens, reference "
                  f"{report['mean_reference_tokens']:.1f} tokens (ratio {found['length_ratio']:.2f}); "

@@ -30,6 +30,23 @@ from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
 
+def utterances(dialogue):
+    """A dialogue's non-empty lines (its utterances, speaker included), in order."""
+    return [line.strip() for line in dialogue.replace("\r\n", "\n").replace("\r", "\n").split("\n") if line.strip()]
+
+
+def longest(lines, n):
+    keep = set(sorted(range(len(lines)), key=lambda i: (-len(lines[i]), i))[:n])
+    return [line for i, line in enumerate(lines) if i in keep]
+
+
+# The extractive baselines of the SAMSum paper (Gliwa et al., 2019: LEAD-3, LONGEST-3) and the first line alone:
+# what a model must beat. Each takes a dialogue's utterances and keeps some, in their order.
+EXTRACTIVE = {"first_line": (lambda lines: lines[:1], "the first line of each dialogue"),
+              "lead3": (lambda lines: lines[:3], "the first 3 lines of each dialogue"),
+              "longest3": (lambda lines: longest(lines, 3), "the 3 longest lines of each dialogue, in order")}
+
+
 @dataclass
 class Summarizer:
     """A model and the config that decides how it is prompted and decoded: the run's, with this command's
@@ -42,6 +59,7 @@ class Summarizer:
     trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
     decode_step: object = None  # the decode step: CompiledDecodeStep when compiling, else None (eager)
     path: str = ""  # the checkpoint file; '' for a baseline
+    extractive: str = ""  # an EXTRACTIVE baseline's name: no model, its summaries are lines of the dialogue
 
     def prompt_format(self):
         """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
@@ -51,7 +69,10 @@ class Summarizer:
 
     def prompts(self, dialogues):
         """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat. A template with
-        no text around {dialogue} gives an empty dialogue no tokens: it starts from <|endoftext|>."""
+        no text around {dialogue} gives an empty dialogue no tokens: it starts from <|endoftext|>. An extractive
+        baseline reads the dialogues themselves."""
+        if self.extractive:
+            return list(dialogues), 0
         fmt = self.prompt_format()
         encoded = [fmt.encode(d) for d in dialogues]
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
@@ -62,6 +83,9 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
     resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
     shape, with cfg as it is. `explicit`: the keys the command gave as --key=value; `use`: what the command does
     with the checkpoint (export's card describes the run, so its flags may change less)."""
+    if cfg.baseline in EXTRACTIVE:
+        return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
+                                     f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
     if cfg.baseline:
         torch.manual_seed(cfg.seed)
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
@@ -69,8 +93,8 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         run = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
-        path = cfg.ckpt or os.path.join(cfg.out_dir, "best.pt")
-        model, ckpt = build_model(path)
+        path = checkpoint_path(cfg)
+        model, ckpt = build_model(path, key="ckpt")
         run_cfg, changed = resolve(cfg, explicit, ckpt, path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
@@ -85,6 +109,10 @@ def load_run(cfg, explicit, rt, describe_data):
     weights are cast once to rt's dtype (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype),
     so no decode step casts them again."""
     run = open_run(cfg, explicit)
+    if run.extractive:
+        if rt.is_main:
+            print(f"weights: {run.weights}; {describe_data(run.cfg)}")
+        return run
     if rt.is_main:
         print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
               f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
@@ -162,6 +190,17 @@ def validation_set(run, cfg, explicit, rt):
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
+
+
+def checkpoint_path(cfg):
+    """The checkpoint evaluate.py, predict.py and export.py read: --ckpt, else out_dir/best.pt."""
+    return cfg.ckpt or os.path.join(cfg.out_dir, run_folder.BEST)
+
+
+def make_output_dir(cfg):
+    """output_dir(cfg), created and checked writable before any work; where it is not, the line says to name the
+    checkpoint too when it was read from out_dir."""
+    run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else checkpoint_path(cfg))
 
 
 def output_dir(cfg):
@@ -283,6 +322,14 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     bar.close()
     model.train(was_training)
     return summaries
+
+
+def summaries(run, prompts, rt, cfg=None):
+    """A summary per prompt (run.prompts), in order, on every rank: the run's model decoding them as `cfg` (else
+    the run's config) says, sharded across the ranks; or an extractive baseline's lines of each dialogue."""
+    if run.extractive:
+        return [" ".join(EXTRACTIVE[run.extractive][0](utterances(dialogue))) for dialogue in prompts]
+    return summarize_sharded(run.model, prompts, cfg or run.cfg, rt, decode_step=run.decode_step)
 
 
 def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):

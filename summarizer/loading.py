@@ -37,7 +37,7 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
     Errors name the config key the source came from. `ckpt`: the checkpoint at `source`, if loaded already."""
     if is_checkpoint(source):
-        ckpt = load_checkpoint(source) if ckpt is None else ckpt
+        ckpt = load_checkpoint(source, key) if ckpt is None else ckpt
         model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
         if cfg:
             model.set_dropout(cfg.dropout)
@@ -45,6 +45,7 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None
+    check_folder(source, key)
     check_shape(cfg, (), source, key)
     offline = source in PRETRAINED and not hub_reachable()
     if offline and not in_hub_cache(source):
@@ -81,9 +82,29 @@ def source_shape(source):
         return None
 
 
+def check_folder(source, key):
+    """One line for a folder that holds no transformers model: a run's out_dir (its config.json is ours) names its
+    checkpoint instead."""
+    if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, weights))
+                                        for weights in ("model.safetensors", "pytorch_model.bin")):
+        return
+    checkpoints = [name for name in ("best.pt", "ckpt.pt") if os.path.isfile(os.path.join(source, name))]
+    if checkpoints:
+        raise UserError(f"{key}={source} is a run's folder, not a model: name its checkpoint, "
+                        f"--{key}={os.path.join(source, checkpoints[0])} (its weights; continuing the run is "
+                        f"--init_from=resume --resume_from={os.path.join(source, 'ckpt.pt')})")
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise UserError(f"{key}={source} is a folder without config.json: pass a transformers model folder "
+                        f"(config.json and model.safetensors, as save_pretrained writes them), a checkpoint file, "
+                        f"a GPT-2 name or scratch")
+
+
 def check_shape(cfg, explicit, source, key="init_from"):
-    """One line, before any work, when cfg asks `source` for what it cannot be: a block_size longer than its
-    positions (a shorter one cuts them), or a shape flag given in `explicit` (--key=value) that is not its own."""
+    """One line, before any work, when cfg asks `source` for what it cannot be: a folder that is no model
+    (check_folder), a block_size longer than its positions (a shorter one cuts them), or a shape flag given in
+    `explicit` (--key=value) that is not its own."""
+    if cfg and source != "scratch":
+        check_folder(source, key)
     shape = source_shape(source) if cfg else None
     if shape is None:
         return
@@ -143,7 +164,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
                         f"{str(e) or type(e).__name__}") from None
     state = ckpt["model"]
     if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
-        state = {**base_weights(ckpt, path, lora_base, model), **state}
+        state = {**base_weights(ckpt, path, lora_base, model, keep_adapters), **state}
     if lora.has_adapters(state) and keep_adapters:
         lora.add_adapters(model, **lora.settings(ckpt["config"]))
     elif lora.has_adapters(state):
@@ -185,21 +206,27 @@ def lora_base_reference(source, model):
     return {"init_from": source, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
 
 
-def base_weights(ckpt, path, source, model):
+def base_weights(ckpt, path, source, model, resuming):
     """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
-    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight)."""
+    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight). Where it
+    cannot be, the line says how to go on: a resume names the base's new place beside --resume_from; another
+    command scores best.pt, which holds the merged weights."""
     reference = ckpt["lora_base"]
     source = source or reference["init_from"]
+    go_on = (f"continue with --resume_from={path} --init_from=<where the base is now: a GPT-2 "
+             f"name or folder>" if resuming else
+             f"score the run's best.pt instead (the merged weights, no base needed): --ckpt="
+             f"{os.path.join(os.path.dirname(path), 'best.pt')}")
     try:
         base, _ = build_model(source)
     except UserError as e:
         raise UserError(f"{path} holds LoRA adapters, not the base model they were trained on, which cannot be "
-                        f"loaded from {source} ({e}): pass the base with --init_from=<GPT-2 name or folder>") from None
+                        f"loaded from {source} ({e}): {go_on}") from None
     if base.config.block_size > model.config.block_size:
         base.crop_block_size(model.config.block_size)
     if weights_digest(base.state_dict()) != reference["sha256"]:
         raise UserError(f"{path} holds LoRA adapters trained on another base model than {source} (its weights' "
-                        f"sha256 differs): pass the base they were trained on with --init_from=<GPT-2 name or folder>")
+                        f"sha256 differs): {go_on.replace('where the base is now', 'the base they were trained on')}")
     adapted = {key.rsplit(".lora_A.", 1)[0] for key in ckpt["model"] if ".lora_A." in key}
     return {(f"{layer}.base_layer.{kind}" if layer in adapted else key): value
             for key, value in base.state_dict().items() for layer, _, kind in [key.rpartition(".")]}

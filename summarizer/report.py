@@ -100,8 +100,7 @@ def scored_section(report):
 
 
 def scores_section(report):
-    rouge = [[t, f"{report[t]['mean']:.4f}", f"[{report[t]['ci95'][0]:.4f}, {report[t]['ci95'][1]:.4f}]"]
-             for t in ROUGE_TYPES]
+    rouge = [[t, f"{report[t]['mean']:.4f}", interval_text(report[t]["ci95"])] for t in ROUGE_TYPES]
     found, n = report["diagnostics"], report["n"]
     diagnostics = [
         ("mean summary length in tokens, generated / reference",
@@ -118,6 +117,14 @@ def scores_section(report):
                    table(None, [[esc(k), esc(v)] for k, v in diagnostics], {1: "num"}))
 
 
+def interval_text(ci95, signed=False):
+    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or what stands for an interval that fewer than two
+    dialogues cannot give."""
+    if ci95 is None or ci95[0] is None:
+        return "(no interval: fewer than 2 dialogues)"
+    return f"[{ci95[0]:{'+' if signed else ''}.4f}, {ci95[1]:{'+' if signed else ''}.4f}]"
+
+
 def share(count, n):
     return f"{count} of {n} ({100 * count / max(n, 1):.1f}%)"
 
@@ -127,7 +134,8 @@ def sweep_section(rows, report):
             "ROUGE-L - best's (paired 95%)", "within noise of the best"]
     body = [[esc(row["setting"]), *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
              f"{row['mean_tokens']:.1f}", f"{row['summaries_per_s']:.1f}",
-             f"{row['rougeL_vs_best']:+.4f} [{row['rougeL_vs_best_low']:+.4f}, {row['rougeL_vs_best_high']:+.4f}]",
+             f"{row['rougeL_vs_best']:+.4f} "
+             f"{interval_text((row['rougeL_vs_best_low'], row['rougeL_vs_best_high']), signed=True)}",
              "yes, recommended" if row["setting"] == report["setting"] else "yes" if row["within_best_ci95"] else ""]
             for row in rows]
     return section("sweep", "Sweep",
@@ -141,7 +149,7 @@ def comparison_section(frame, comparison, words):
     """The paired differences per ROUGE, then the dialogues whose ROUGE-L changed most, both summaries side by
     side."""
     label, other = esc(comparison.label), comparison.other
-    summary = [[t, f"{s['mean_diff']:+.4f}", f"[{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]", s["better"], s["worse"],
+    summary = [[t, f"{s['mean_diff']:+.4f}", interval_text(s["ci95"], signed=True), s["better"], s["worse"],
                 s["same"]] for t, s in comparison.stats.items()]
     change = frame["rougeL"].to_numpy() - other["rougeL"].to_numpy()
     order = [i for i in np.argsort(-abs(change), kind="stable")[:CHANGED] if change[i] != 0]
@@ -161,9 +169,11 @@ def comparison_section(frame, comparison, words):
                         f"or the same."),
                    table(["metric", "difference", "95% interval", "better", "worse", "same"], summary,
                          dict.fromkeys(range(1, 6), "num")),
-                   f"<h3>The {len(order)} dialogues whose ROUGE-L changed most</h3>",
+                   f"<h3>The {len(order)} dialogues whose ROUGE-L changed most</h3>" if order else
+                   "<h3>No dialogue's ROUGE-L changed</h3>"
+                   + note(f"Every one of the {len(frame)} dialogues scores the same ROUGE-L in both evaluations."),
                    table(["id", "ROUGE-L change", "reference", "this summary", f"summary of {label}"], rows,
-                         {0: "key", 1: "num", 2: "text", 3: "text", 4: "text"}, ' class="examples"'))
+                         {0: "key", 1: "num", 2: "text", 3: "text", 4: "text"}, ' class="examples"') if order else "")
 
 
 def examples_section(frame, words):

@@ -25,15 +25,18 @@ RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SWEEP_C
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
 
 
-def make(path):
-    """Create the folder and check that a file can be written there, before any work whose results would be lost."""
+def make(path, reads=None):
+    """Create the folder and check that a file can be written there, before any work whose results would be lost.
+    `reads`: the checkpoint the command takes from out_dir (its best.pt), which another out_dir must then name."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=...") from None
+        keep = f" and keep reading {reads} with --ckpt={reads}" if reads else ""
+        raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=<a writable "
+                        f"folder>{keep}") from None
 
 
 @contextlib.contextmanager

@@ -38,6 +38,16 @@ def resumed_schedule(schedule, saved, cfg, it):
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
 
 
+def fitted_to_budget(schedule, it, last):
+    """The schedule of a run whose time budget ends at step `last`, before its decay would (planned once, at step
+    `it`, and marked so): the cosine decay reaches min_lr at `last`, continuing from the LR of step `it` (a warmup
+    in progress finishes first). A resume continues it as saved."""
+    if it < schedule["warmup_iters"] < last:
+        return dict(schedule, decay_iters=last, fitted_to_budget=True)
+    return {"start": it, "warmup_iters": it, "peak_lr": learning_rate(it, schedule), "min_lr": schedule["min_lr"],
+            "decay_iters": max(last, it + 1), "fitted_to_budget": True}
+
+
 def describe_schedule(schedule, it, max_iters):
     """One line: the LR of step `it` (0-based, so logged as iter it + 1, as metrics.jsonl counts) and what the LR
     does from there to the last step (logged as iter max_iters)."""

@@ -5,7 +5,7 @@ import os
 import pandas as pd
 
 import data
-from summarizer import inference, run_folder
+from summarizer import inference
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
@@ -25,9 +25,11 @@ def check_against_sample(ids, path):
         raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary']")
     sample_ids = set(sample["id"].str.strip())
     missing, extra = sample_ids - set(ids), set(ids) - sample_ids
-    if missing or extra:
+    if missing or extra:  # examples from both sides: 0.0 against 0 shows only side by side
+        examples = "; ".join(f"{label} {sorted(ids)[:3]}" for label, ids in
+                             (("e.g. the sample's", missing), ("e.g. test_csv's", extra)) if ids)
         raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
-                        f"in test_csv, {len(extra)} test ids are not in it (e.g. {sorted(missing or extra)[:3]})")
+                        f"in test_csv, {len(extra)} test ids are not in it ({examples})")
 
 
 def predict(cfg, explicit, rt):
@@ -35,7 +37,7 @@ def predict(cfg, explicit, rt):
     into inference.output_dir and returns its path."""
     out = inference.output_dir(cfg)
     if rt.is_main:
-        run_folder.make(out)
+        inference.make_output_dir(cfg)
     run = inference.load_run(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(run.cfg)
     if cfg.sample_submission_csv:
@@ -43,7 +45,7 @@ def predict(cfg, explicit, rt):
     prompts, cut = run.prompts(test.dialogues)
     if rt.is_main and cut:
         print(inference.cut_line(run, cut, len(prompts)))
-    summaries = inference.summarize_sharded(run.model, prompts, run.cfg, rt, decode_step=run.decode_step)
+    summaries = inference.summaries(run, prompts, rt)
     if not rt.is_main:
         return None
     path = os.path.join(out, "submission.csv")

@@ -17,12 +17,13 @@ import torch
 
 import train
 from config import Decoding, load_config, parse_duration, part
-from conftest import REPO, TINY, metrics
+from conftest import REPO, TINY, metrics, one_error_line
 from model import GPT
 from summarizer import inference, run_folder
 from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.files import disk_full
+from summarizer.schedule import learning_rate
 
 
 @contextlib.contextmanager
@@ -267,3 +268,35 @@ def test_generation_memory_of_every_kaggle_preset_fits_a_t4(tmp_path):
         assert 1 <= row["prompts_per_batch"] <= cfg.gen_batch_size
         assert row["value"] == pytest.approx(row["weights_gib"] + row["kv_cache_gib"] + row["logits_gib"])
         assert row["value"] <= 15.0 and row["fits_t4"], row
+
+
+# ---- issue 43: a budget that finishes its schedule ------------------------------------------------------------
+
+
+def test_a_budget_spent_before_the_first_step_is_one_line(args, tmp_path, capsys):
+    err = one_error_line(capsys, train.main, [*args, f"--out_dir={tmp_path / 'out'}", "--max_time=0.001"])
+    assert "max_time=0.001 is used up before the first step: start-up took" in err and "--max_time=60" in err
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and_a_resume_continues_it(
+        args, tmp_path, capsys):
+    """max_time ends the run long before max_iters: at the first evaluation the steps that fit are projected and
+    the cosine decay planned to end within them, so the last step trains near min_lr (not at the peak, where a
+    decay over max_iters would still be); ckpt.pt keeps the plan, and a resume follows it exactly."""
+    run = [*args, "--max_iters=100000", "--eval_interval=10", "--eval_val_batches=1", "--warmup_iters=2",
+           "--learning_rate=1e-3", "--min_lr=5e-4"]
+    train.main([*run, f"--out_dir={tmp_path / 'out'}", "--max_time=20"])
+    printed = capsys.readouterr().out
+    assert "more steps fit the budget" in printed and "the learning rate now decays to min_lr 5.00e-04 by iter" \
+        in printed
+    rows = metrics(tmp_path / "out")
+    stopped = rows[-1]["iter"]
+    assert 20 < stopped < 100000 and abs(rows[-1]["lr"] - 5e-4) <= 0.1 * 5e-4, rows[-1]
+    schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
+    assert schedule["fitted_to_budget"] is True and schedule["decay_iters"] < 100000
+    train.main([*run, f"--out_dir={tmp_path / 'out'}", "--init_from=resume", f"--max_iters={stopped + 6}"])
+    resumed = [row for row in metrics(tmp_path / "out") if row["iter"] > stopped]
+    assert [row["lr"] for row in resumed] == [learning_rate(row["iter"] - 1, schedule) for row in resumed]
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"] == schedule

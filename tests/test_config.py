@@ -400,3 +400,20 @@ def test_values_are_typed_once_as_given():
 def test_sweeping_max_new_tokens_says_why_it_cannot_be_swept():
     message = error_of(["--sweep=max_new_tokens=32,64"])
     assert "max_new_tokens cannot be swept" in message and "--max_new_tokens=N" in message
+
+
+def test_a_flag_and_its_value_may_be_two_words():
+    """`--max_iters 5` is `--max_iters=5`; the word after a key is its value even where it looks like a preset."""
+    cfg = load_config(["--max_iters", "5", "config/demo.py", "--out_dir", "config/kaggle_t4x2.py"])
+    assert (cfg.max_iters, cfg.out_dir, cfg.n_layer, cfg.nccl_p2p_disable) == (5, "config/kaggle_t4x2.py", 2, False)
+    assert load_config(["--min_lr", "-1"] + ["--min_lr=0"]).min_lr == 0  # a negative number is a value too
+    assert "--key value" in error_of(["--compile"])
+
+
+def test_calibrate_help_says_what_it_needs(capsys):
+    import calibrate
+    with pytest.raises(SystemExit):
+        calibrate.main(["--help"])
+    head = capsys.readouterr().out.split("--train_csv=")[0]  # its usage, before the keys
+    assert head.startswith("The calibration stage") and "python calibrate.py" in head
+    assert "--rank_weight (> 0, needed" in head and "--init_from names the trained run's checkpoint" in head

@@ -188,3 +188,39 @@ def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
     submission.check_against_sample(["007", "café"], str(sample))
     with pytest.raises(UserError, match="1 of its ids are not in test_csv"):
         submission.check_against_sample(["007", "cafe"], str(sample))
+
+
+# ---- issue 43: extractive baselines --------------------------------------------------------------------------
+
+def test_extractive_baselines_score_lines_of_each_dialogue_with_the_same_report(tmp_path, capsys):
+    """--baseline=first_line (lead3, longest3) needs no model: its summaries are the dialogue's first line (first 3
+    lines, 3 longest lines in order), scored into out_dir/baseline-<name>/ like a checkpoint's; predict.py
+    writes them as a submission."""
+    rows = [{"id": "a", "dialogue": "Tom: Hi!\nAnn: Shall we bake cookies tonight?\nTom: Yes.\nAnn: Great, see you.",
+             "summary": "Tom and Ann will bake cookies tonight."},
+            {"id": "b", "dialogue": "Sam: lunch?\r\nKate: ok, at noon at the usual place\r\n",
+             "summary": "Lunch at noon."}]
+    save_csv(tmp_path / "validation.csv", rows)
+    save_csv(tmp_path / "test.csv", rows, test=True)
+    flags = [f"--train_csv={tmp_path / 'validation.csv'}", f"--validation_csv={tmp_path / 'validation.csv'}",
+             f"--test_csv={tmp_path / 'test.csv'}", "--sample_submission_csv=", f"--out_dir={tmp_path / 'out'}",
+             f"--data_cache_dir={tmp_path / 'cache'}", "--device=cpu"]
+    expected = {"first_line": ["Tom: Hi!", "Sam: lunch?"],
+                "lead3": ["Tom: Hi! Ann: Shall we bake cookies tonight? Tom: Yes.",
+                          "Sam: lunch? Kate: ok, at noon at the usual place"],
+                "longest3": ["Ann: Shall we bake cookies tonight? Tom: Yes. Ann: Great, see you.",
+                             "Sam: lunch? Kate: ok, at noon at the usual place"]}
+    for name, summaries in expected.items():
+        evaluate.main([*flags, f"--baseline={name}"])
+        out = tmp_path / "out" / f"baseline-{name}"
+        scored = pd.read_csv(out / "eval_predictions.csv", keep_default_na=False)
+        assert list(scored["prediction"]) == summaries
+        scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+        pairs = zip(rows, summaries, strict=True)
+        expected_rouge = sum(scorer.score(r["summary"], s)["rougeL"].fmeasure for r, s in pairs) / 2
+        report = json.loads((out / "eval_metrics.json").read_text())
+        assert report["rougeL"]["mean"] == pytest.approx(expected_rouge) and report["decoding"].startswith("none")
+        assert (out / "eval_report.html").is_file()
+    predict.main([*flags, "--baseline=first_line"])
+    submitted = pd.read_csv(tmp_path / "out" / "baseline-first_line" / "submission.csv")
+    assert list(submitted["summary"]) == expected["first_line"]

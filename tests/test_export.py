@@ -13,7 +13,7 @@ import data
 import export
 import train
 from config import load_config
-from conftest import card_code, metrics, save_csv, synthetic_rows, tiny
+from conftest import REPO, card_code, metrics, save_csv, synthetic_rows, tiny
 from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import build_model
@@ -168,3 +168,26 @@ def test_overwrite_replaces_an_export_atomically(run, capsys, monkeypatch, tmp_p
     export.main([ckpt, f"--export_dir={target}", "--overwrite=True", "--num_beams=2"])
     assert GenerationConfig.from_pretrained(target).num_beams == 2
     assert os.listdir(tmp_path) == ["hf"]
+
+
+def test_the_pipeline_recipe_cuts_dialogues_longer_than_the_positions_as_predict_does(run, capsys):
+    """docs/export.md's pipeline recipe, with this export's path and the card's template line, summarizes dialogues
+    of more tokens than the model has positions (a plain pipeline call fails on them) as the card's code and
+    predict.py do."""
+    recipe = open(os.path.join(REPO, "docs", "export.md"), encoding="utf-8").read()
+    recipe = recipe.split("<!-- pipeline-recipe -->\n```python\n")[1].split("```")[0]
+    card = open(os.path.join(run.hf_dir, "README.md"), encoding="utf-8").read()
+    card_line = next(line for line in card.splitlines() if line.startswith("HEAD, TAIL, MAX_DIALOGUE_TOKENS = "))
+    doc_line = next(line for line in recipe.splitlines() if line.startswith("HEAD, TAIL, MAX_DIALOGUE_TOKENS = "))
+    long_dialogues = [" ".join(row["dialogue"] for row in synthetic_rows(8, seed=seed)) for seed in (5, 6)]
+    tokenizer = GPT2TokenizerFast.from_pretrained(run.hf_dir)
+    assert min(len(tokenizer.encode(d)) for d in long_dialogues) > run.model.config.block_size
+    recipe = (recipe.replace('"out/export"', repr(run.hf_dir)).replace(doc_line, card_line)
+              .replace("dialogues = [", f"dialogues = {long_dialogues!r} + ["))
+    namespace = {}
+    exec(recipe, namespace)
+    assert namespace["summaries"][:2] == hf_summaries(run.hf_dir, long_dialogues)
+    summarizer = inference.Summarizer(run.model, run.cfg, trained_max_new_tokens=20)
+    prompts, cut = summarizer.prompts(long_dialogues)
+    ours = inference.summarize(run.model, prompts, run.cfg, nullcontext())
+    assert cut == 2 and namespace["summaries"][:2] == ours

@@ -3,6 +3,7 @@ writes ckpt.pt, prints the command that continues it and ends without a tracebac
 one uninterrupted run, each step logged once."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -107,3 +108,28 @@ def test_a_resumed_run_drops_the_rows_logged_after_its_checkpoint(write_csv, tmp
         f.write("\n".join(later) + "\n" + later[-1][:15])
     train.main([*args, "--max_iters=10", "--init_from=resume"])
     assert logged_iters(out) == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_command_that_continues(write_csv, tmp_path):
+    """SIGKILL of one torchrun rank mid-run (an out-of-memory kill, a crashed host): the rank left cannot save
+    (its collectives have no peer), so it ends in one line with the checkpoint still intact and the command that
+    continues the run; that command, run as printed, finishes it."""
+    out = tmp_path / "out"
+    args = [*ARGS, f"--train_csv={write_csv('train.csv', 96)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--eval_interval=5", "--dist_timeout=60"]
+    log = tmp_path / "run.log"
+    process = start(torchrun("--nproc_per_node=2", f"--master_port={free_port()}"), args, log)
+    output = stop_during_training(process, log, out, lambda: ranks_of(process)[-1:], signal.SIGKILL, after_iter=7)
+    lines = [line for line in output.splitlines() if "another rank of this run is gone" in line]
+    assert len(lines) == 1 and lines[0].startswith("error (rank "), output[-3000:]
+    assert "; intact: " in lines[0] and f"{out / 'ckpt.pt'} (iter 5)" in lines[0], lines[0]
+    assert 'train.py", line' not in output, output[-3000:]  # no traceback of ours, only the launcher's report
+    command = lines[0].split("continue with: ", 1)[1]
+    assert command.startswith("torchrun --nproc_per_node=2 --standalone train.py ")
+    assert command.endswith("--init_from=resume")
+    continued = subprocess.run([*torchrun(), *shlex.split(command)[1:]], cwd=REPO,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                               timeout=300)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == STEPS

@@ -3,6 +3,7 @@ evaluate.py / predict.py run LoRA from out_dir alone, refusing a resume without 
 warns."""
 import copy
 import os
+import re
 import shutil
 
 import pytest
@@ -167,7 +168,9 @@ def test_lora_resume_without_its_base_or_with_another_is_one_line(lora_args, bas
         train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", "--init_from=resume"])
     lines = error_lines(capsys)
     assert stopped.value.code == 2 and len(lines) == 1 and "holds LoRA adapters" in lines[0], lines
-    assert f"cannot be loaded from {base_dir}" in lines[0] and "--init_from=" in lines[0]
+    assert f"cannot be loaded from {base_dir}" in lines[0]
+    # the hint, followed literally with the base's new place, resumes (at the end of this test)
+    hinted = re.search(r"continue with (--resume_from=\S+) --init_from=<where the base is now", lines[0])[1]
     changed = GPT2LMHeadModel.from_pretrained(moved)
     with torch.no_grad():
         changed.transformer.h[0].mlp.c_fc.weight[0, 0] += 1.0
@@ -178,8 +181,7 @@ def test_lora_resume_without_its_base_or_with_another_is_one_line(lora_args, bas
     lines = error_lines(capsys)
     assert len(lines) == 1 and "trained on another base model" in lines[0] and "sha256" in lines[0], lines
     # the base where it is now: resumes
-    train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", f"--resume_from={out / 'ckpt.pt'}",
-                f"--init_from={moved}"])
+    train.main([*lora_args, "--max_iters=6", f"--out_dir={out}", hinted, f"--init_from={moved}"])
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 6
 
 

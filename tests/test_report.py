@@ -288,3 +288,29 @@ def test_sweep_rows_are_compared_with_the_best_by_the_paired_test():
     assert [row["within_best_ci95"] for row in rows] == [True, True, False]
     assert rows[0]["rougeL_vs_best"] == 0 and rows[1]["rougeL_vs_best_low"] < 0 < rows[1]["rougeL_vs_best_high"]
     assert rows[2]["rougeL_vs_best_high"] < 0
+
+
+# ---- issue 43: what one dialogue and no change can say ----------------------------------------------------------
+
+def test_one_dialogue_gives_no_interval_and_the_report_says_so(tmp_path):
+    rows = synthetic_rows(1, seed=3)
+    val = types.SimpleNamespace(ids=[rows[0]["id"]], dialogues=[rows[0]["dialogue"]], summaries=[rows[0]["summary"]])
+    frame = evaluation.scored_frame(val, ["they will meet"])
+    run = types.SimpleNamespace(weights="out/best.pt (iter 3)", ckpt={"iter_num": 3}, cfg=Config())
+    metrics = evaluation.scores_report(frame, run, Config(), [])
+    assert evaluation.bootstrap_interval([0.5]) is None and metrics["rougeL"]["ci95"] is None
+    assert "(no interval: fewer than 2 dialogues)" in evaluation.format_report(metrics)
+    comparison = evaluation.Comparison("other", frame.copy(), evaluation.compare(frame, frame.copy()))
+    report.write_report(tmp_path / "eval_report.html", frame, metrics, comparison=comparison)
+    page = (tmp_path / "eval_report.html").read_text(encoding="utf-8")
+    assert "(no interval: fewer than 2 dialogues)" in section(page, "scores")
+    assert "(no interval: fewer than 2 dialogues)" in section(page, "compare")
+
+
+def test_a_comparison_where_no_dialogue_changed_says_so_instead_of_an_empty_table(samsum_sized, tmp_path):
+    frame, metrics, _, _ = samsum_sized
+    comparison = evaluation.Comparison("itself", frame.copy(), evaluation.compare(frame, frame.copy()))
+    report.write_report(tmp_path / "eval_report.html", frame, metrics, comparison=comparison)
+    compared = section((tmp_path / "eval_report.html").read_text(encoding="utf-8"), "compare")
+    assert "No dialogue's ROUGE-L changed" in compared and "changed most" not in compared
+    assert 'class="examples"' not in compared

@@ -1,0 +1,63 @@
+"""Every hint leads to a command that works when followed literally: the flags an error line names, given as it
+names them (a placeholder `<...>` filled in), run."""
+import re
+
+import pandas as pd
+import pytest
+
+import evaluate
+import predict
+import train
+from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
+from summarizer import run_folder
+from summarizer.checkpoint import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-step tiny run; (its folder, the arguments that trained it, but out_dir)."""
+    folder = tmp_path_factory.mktemp("hints")
+    save_csv(folder / "train.csv", synthetic_rows(24, seed=0))
+    args = [*tiny(), *ONE_STEP, f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}"]
+    train.main([*args, f"--out_dir={folder / 'out'}"])
+    return folder, args
+
+
+def test_a_runs_folder_as_init_from_names_the_checkpoint_to_start_from(trained, tmp_path, capsys):
+    folder, args = trained
+    err = one_error_line(capsys, train.main, [*args, f"--init_from={folder / 'out'}", f"--out_dir={tmp_path}"])
+    hinted = re.search(r"name its checkpoint, (--init_from=\S+)", err)[1]
+    train.main([*args, hinted, f"--out_dir={tmp_path}"])
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_an_unwritable_out_dir_names_the_checkpoint_read_from_it(trained, tmp_path, capsys, monkeypatch):
+    folder, args = trained
+    real_open = open
+
+    def read_only(path, *rest, **kwargs):  # out/ refuses new files (root ignores a folder's permissions)
+        if str(path).startswith(str(folder / "out")) and ".write-test" in str(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *rest, **kwargs)
+    monkeypatch.setattr(run_folder, "open", read_only, raising=False)
+    scoring = [*tiny(init_from=None), f"--data_cache_dir={folder / 'cache'}"]
+    for main in (evaluate.main, predict.main):
+        err = one_error_line(capsys, main, [*scoring, f"--out_dir={folder / 'out'}"])
+        hinted = re.search(r"choose another with --out_dir=<a writable folder> and keep reading \S+ with (--ckpt=\S+)",
+                           err)[1]
+        test = save_csv(tmp_path / "test.csv", synthetic_rows(3, seed=5), test=True)
+        main([*scoring, f"--out_dir={tmp_path / 'scored'}", hinted, f"--test_csv={test}", "--sample_submission_csv="])
+    assert (tmp_path / "scored" / "eval_metrics.json").is_file() and (tmp_path / "scored" / "submission.csv").is_file()
+
+
+def test_a_folder_as_test_csv_names_the_csv_in_it(trained, tmp_path, capsys):
+    folder, _ = trained
+    data = tmp_path / "kaggle-input"
+    data.mkdir()
+    save_csv(data / "test.csv", synthetic_rows(3, seed=6), test=True)
+    scoring = [*tiny(init_from=None), f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={tmp_path / 'out'}",
+               "--sample_submission_csv="]
+    err = one_error_line(capsys, predict.main, [*scoring, f"--test_csv={data}"])
+    hinted = re.search(r"name the CSV inside it, e\.g\. (--test_csv=\S+)", err)[1]
+    predict.main([*scoring, hinted])
+    assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, arguments, flags_given, grad_accum_steps, load_config
+from config import FIELDS, arguments, describe_duration, flags_given, grad_accum_steps, load_config
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import (
@@ -64,19 +64,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, flags = load_config(argv, usage), flags_given(argv)
-        check_command(flags, script)
-        path, start = start_checkpoint(cfg)
-        run = None  # (its path, the keys this command decides, what the flags changed) of a run taken from start
-        if start is not None:  # the run's settings, but for what the flags change
-            use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
-            cfg, changed = resolve(cfg, flags, start, path, use)
-            run = (path, command_keys(use), changed)
-        check_shape(cfg, flags, cfg.init_from)  # from its config alone, before any work
-        check_validation(cfg)
-        problem = (objective or TokenLoss).problem(cfg)
-        if problem:
-            raise UserError(problem)
+        cfg, start, run = run_settings(argv, objective or TokenLoss, script, usage)
         with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
@@ -110,6 +98,27 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 evaluate(cfg, set(FIELDS), rt)
             if cfg.predict_after:
                 predict(cfg, set(FIELDS), rt)
+
+
+def run_settings(argv, objective, script, usage):
+    """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
+    checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
+    before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
+    source's shape, the validation rows the run needs, and what the objective needs."""
+    cfg, flags = load_config(argv, usage), flags_given(argv)
+    check_command(flags, script)
+    path, start = start_checkpoint(cfg)
+    run = None
+    if start is not None:
+        use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
+        cfg, changed = resolve(cfg, flags, start, path, use)
+        run = (path, command_keys(use), changed)
+    check_shape(cfg, flags, cfg.init_from)
+    check_validation(cfg)
+    problem = objective.problem(cfg)
+    if problem:
+        raise UserError(problem)
+    return cfg, start, run
 
 
 def notebook_main(argv=(), num_processes=2, port=29500):
@@ -494,11 +503,17 @@ class Trainer:
         if cfg.lora_rank:
             count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
-        return [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
-                f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
-                f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
-                f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak"]
+        lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
+                 f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
+                 f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
+                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
+                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak"]
+        if cfg.max_time is not None and self.state.schedule.get("fitted_to_budget") is None:
+            first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval
+            lines.append(f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): if the budget ends the run "
+                         f"before max_iters={cfg.max_iters}, the learning-rate decay is fitted to the steps that "
+                         f"fit, planned at the first evaluation (iter {first}) from its time and the steps'")
+        return lines
 
     def fit(self):
         cfg, rt, state, control = self.cfg, self.rt, self.state, self.control

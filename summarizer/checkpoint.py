@@ -67,8 +67,8 @@ def format_of(ckpt):
 
 
 # Settings added in each format, with the value a run of the format before had in effect: a checkpoint's config
-# gets them as it is upgraded (format 1 lacked every key of ADDED[2], ...). The first version of a setting whose
-# absence meant "off" or "none" is its default.
+# gets them as it is upgraded (format 1 lacked every key of ADDED[2], ...). Where a setting's absence meant "off"
+# or "none", that is the value.
 ADDED = {
     2: {"resume_from": "", "max_time": "", "fsdp_reduce_once": False, "gen_memory_gb": 0.0, "rank_weight": 0.0,
         "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8, "rank_decoding": "beam",
@@ -155,8 +155,8 @@ def load_checkpoint(path, key="ckpt"):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         raise UserError(f"checkpoint {path} {what}: train first, or pass --{key}=<a best.pt or ckpt.pt>"
                         + run_folder.missing_file_hint(path, f"--{key}"))
-    with open(path, "rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+    with open(path, "rb") as f:  # an empty file is a truncated one (below)
+        if os.path.getsize(path) and f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
             raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
                             f"archives): pass --{key}=<a best.pt or ckpt.pt>")
     if not complete_archive(path):

@@ -289,6 +289,8 @@ def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and
            "--learning_rate=1e-3", "--min_lr=5e-4"]
     train.main([*run, f"--out_dir={tmp_path / 'out'}", "--max_time=20"])
     printed = capsys.readouterr().out
+    assert "max_time=20 (20s): if the budget ends the run before max_iters=100000, the learning-rate decay is fitted " \
+        "to the steps that fit, planned at the first evaluation (iter 10)" in printed
     assert "more steps fit the budget" in printed and "the learning rate now decays to min_lr 5.00e-04 by iter" \
         in printed
     rows = metrics(tmp_path / "out")

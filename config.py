@@ -247,6 +247,11 @@ class Run:
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
                                   "attached as input; '' = out_dir/ckpt.pt", C)
     ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", C)
+    output_quota_dir: str = option("/kaggle/working", "a folder that keeps at most output_quota_gb as output "
+                                                      "(Kaggle's: what is beyond is lost at Save Version); a run "
+                                                      "writing under it plans its checkpoints against what the quota "
+                                                      "leaves; '' = none", C)
+    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", C, bound=POSITIVE)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
                                "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "

@@ -507,7 +507,7 @@ class Trainer:
                  f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
                  f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
-                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak"]
+                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if cfg.max_time is not None and self.state.schedule.get("fitted_to_budget") is None:
             first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval
             lines.append(f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): if the budget ends the run "

@@ -74,7 +74,7 @@ ADDED = {
         "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8, "rank_decoding": "beam",
         "candidates_file": ""},  # nccl_ib_disable: see upgrade_1
     3: {"compare": ""},
-    4: {},
+    4: {"output_quota_dir": "", "output_quota_gb": 20.0},  # no quota was counted
 }
 
 
@@ -335,7 +335,7 @@ class TrainingState:
             if best:
                 merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
                 writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
-        rt.stop_if(run_folder.save_problem(writes, self.step) if rt.is_main else None)
+        rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
         for path, state in writes:
             save_checkpoint(state, path)
         rt.barrier()

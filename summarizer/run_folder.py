@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -201,6 +202,31 @@ ZIP_BYTES_FIXED = 2**20  # the rest of a checkpoint: config, RNG states, LR sche
 ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 hashes per row
 
 
+@dataclass(frozen=True)
+class Quota:
+    """A folder that keeps at most `gb` GB as output, whatever its filesystem's free space (Kaggle's
+    /kaggle/working keeps 20 GB: what is beyond is lost at "Save Version", after the GPU hours are spent)."""
+    folder: str
+    gb: float
+
+    @classmethod
+    def of(cls, cfg):
+        return cls(cfg.output_quota_dir, cfg.output_quota_gb)
+
+
+def room(path, quota):
+    """(bytes a write into `path` may take, what limits them): the free space of its filesystem or, for a path
+    under the quota's folder where that is less, what the quota leaves after what the folder holds already."""
+    free = free_bytes(path)
+    if quota.folder and os.path.isdir(quota.folder) and os.path.commonpath(
+            [os.path.realpath(quota.folder), os.path.realpath(path)]) == os.path.realpath(quota.folder):
+        held = file_bytes(quota.folder)
+        left = max(int(quota.gb * GB) - held, 0)
+        if left < free:
+            return left, f"left of the {quota.gb:g} GB output quota of {quota.folder} ({gb(held)} held there)"
+    return free, "free on its filesystem"
+
+
 def free_bytes(path):
     """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
     path = os.path.abspath(path)
@@ -276,12 +302,17 @@ class DiskPlan:
             parts.append(f"export {gb(self.export)}")
         return f"{gb(self.peak)} ({' + '.join(parts)})"
 
+    def room(self):
+        """'51 GB free on its filesystem', or what an output quota leaves: the room out_dir's checkpoints have."""
+        left, limit = room(self.cfg.out_dir, Quota.of(self.cfg))
+        return f"{gb(left)} {limit}"
+
     def problem(self, resuming):
-        """None if out_dir's filesystem can take the run's peak, else the one line that says what to change. A
-        resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
+        """None if out_dir's filesystem and output quota can take the run's peak, else the one line that says what
+        to change. A resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
-        need, free = self.peak - here, free_bytes(out_dir)
+        (free, limit), need = room(out_dir, Quota.of(self.cfg)), self.peak - here
         if need <= free:
             return None
         name = os.path.basename(os.path.abspath(out_dir))
@@ -294,24 +325,25 @@ class DiskPlan:
             fixes.append("delete earlier runs kept there: " + ", ".join(earlier))
         if not self.cfg.lora_rank:
             fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
-        return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and its filesystem has "
-                f"{gb(free)} free: " + "; or ".join(fixes))
+        return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and {gb(free)} is {limit}: "
+                + "; or ".join(fixes))
 
 
 GO_ON = ("free some space and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the "
          "ckpt.pt> --out_dir=...)")  # what a run that met a full disk does next
 
 
-def save_problem(writes, iter_num):
+def save_problem(writes, iter_num, quota):
     """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces
-    until it is complete; else the line that says which cannot and what is kept. Nothing is written or removed."""
-    free = free_bytes(writes[0][0])
+    until it is complete, within the filesystem's free space and the output `quota`; else the line that says which
+    cannot and what is kept. Nothing is written or removed."""
+    free, limit = room(writes[0][0], quota)
     for path, state in writes:
         need = state_bytes(state)
         if need > free:
             folder = os.path.dirname(os.path.abspath(path))
             kept = [name for name in (CKPT, BEST) if os.path.exists(os.path.join(folder, name))]
-            return (f"cannot save {path} at iter {iter_num}: it needs {gb(need)} and {gb(free)} is free there; "
+            return (f"cannot save {path} at iter {iter_num}: it needs {gb(need)} and {gb(free)} is {limit}; "
                     f"{' and '.join(kept) + ' kept as they were' if kept else 'nothing was written'}: {GO_ON}")
         free -= need - file_bytes(path)  # the old file goes when the new one replaces it
     return None

@@ -302,3 +302,32 @@ def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and
     resumed = [row for row in metrics(tmp_path / "out") if row["iter"] > stopped]
     assert [row["lr"] for row in resumed] == [learning_rate(row["iter"] - 1, schedule) for row in resumed]
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"] == schedule
+
+
+# ---- issue 42: the output quota counts ----------------------------------------------------------------------
+
+
+def test_an_output_quota_not_the_free_space_stops_a_run_that_would_not_fit(args, tmp_path, capsys):
+    """/kaggle/working keeps 20 GB whatever its disk's free space: a run under --output_quota_dir plans against
+    what the quota leaves after what the folder holds, and says which limit it used."""
+    working = tmp_path / "working"
+    working.mkdir()
+    (working / "earlier.bin").write_bytes(b"\0" * 10_000_000)  # an earlier run's files count against the quota
+    err = one_error_line(capsys, train.main, [*args, f"--out_dir={working / 'out'}", "--max_iters=2",
+                                              f"--output_quota_dir={working}", "--output_quota_gb=0.05"])
+    assert err.startswith(f"error: out_dir {working / 'out'} needs") and "is left of the 0.05 GB output quota of " \
+        f"{working} (10 MB held there)" in err, err
+    assert not (working / "out" / "ckpt.pt").exists()
+    train.main([*args, f"--out_dir={working / 'out'}", "--max_iters=2", f"--output_quota_dir={working}",
+                "--output_quota_gb=1"])  # a quota that leaves room: trains, and the start line says what is left
+    assert "left of the 1 GB output quota of" in capsys.readouterr().out
+
+
+def test_a_save_beyond_the_output_quota_is_refused_before_anything_is_written(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    state = {"model": {"w": torch.zeros(1_000_000)}}  # 4 MB
+    problem = run_folder.save_problem([(str(path), state)], 7, run_folder.Quota(str(tmp_path), 0.002))
+    assert problem.startswith(f"cannot save {path} at iter 7: it needs ") and not path.exists()
+    assert f"and 2 MB is left of the 0.002 GB output quota of {tmp_path} (0 MB held there)" in problem
+    assert run_folder.save_problem([(str(path), state)], 7, run_folder.Quota(str(tmp_path / "elsewhere"), 0.002)) \
+        is None  # a folder outside the quota's: its free space alone counts

@@ -508,7 +508,7 @@ class Trainer:
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
                  f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
-        if cfg.max_time is not None and self.state.schedule.get("fitted_to_budget") is None:
+        if cfg.max_time is not None:
             first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval
             lines.append(f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): if the budget ends the run "
                          f"before max_iters={cfg.max_iters}, the learning-rate decay is fitted to the steps that "
@@ -557,15 +557,15 @@ class Trainer:
                     return
 
     def fit_schedule_to_budget(self, bar):
-        """Once, at the first evaluation of a run with max_time (its steps and an evaluation measured): when the
-        budget will end the run before the LR decay does, the decay is planned to end within it. The schedule keeps
-        the plan (ckpt.pt): a resume continues it."""
+        """At each evaluation of a run with max_time (its steps and an evaluation measured): when the budget will
+        end the run before the LR decay does, the decay is planned to end within it, from the current LR. A later
+        evaluation plans again only if fewer steps fit than planned (slower steps, longer evaluations), so a steady
+        pace plans once. The schedule keeps the plan (ckpt.pt): a resume continues it."""
         state, control, cfg = self.state, self.control, self.cfg
-        if control.budget is None or control.out_of_time or state.schedule.get("fitted_to_budget") is not None:
+        if control.budget is None or control.out_of_time:
             return
         last = control.last_step_that_fits(state.step)
         end = min(state.schedule["decay_iters"], cfg.max_iters)
-        state.schedule = dict(state.schedule, fitted_to_budget=False)
         if last >= end:
             return
         state.schedule = fitted_to_budget(state.schedule, state.step, last)

@@ -23,7 +23,10 @@ from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
 # ---- the record --------------------------------------------------------------------------------------------
 
-FORMAT = 4  # what TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS)
+# What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change to what a checkpoint holds
+# (a new setting included) bumps it, with its upgrade step (UPGRADES, ADDED) and a fixture written by the last commit
+# of the format before (tests/fixtures/checkpoints/make.sh): tests/test_checkpoint_formats.py reads every fixture.
+FORMAT = 4
 FORMATS = {1: "the version of 2026-11-23", 2: "the version of 2026-11-24", 3: "the version of 2026-11-25",
            4: "this version"}
 

@@ -39,9 +39,9 @@ def resumed_schedule(schedule, saved, cfg, it):
 
 
 def fitted_to_budget(schedule, it, last):
-    """The schedule of a run whose time budget ends at step `last`, before its decay would (planned once, at step
-    `it`, and marked so): the cosine decay reaches min_lr at `last`, continuing from the LR of step `it` (a warmup
-    in progress finishes first). A resume continues it as saved."""
+    """The schedule of a run whose time budget ends at step `last`, before its decay would (planned at step `it`,
+    and marked so): the cosine decay reaches min_lr at `last`, continuing from the LR of step `it` (a warmup in
+    progress finishes first). A resume continues it as saved."""
     if it < schedule["warmup_iters"] < last:
         return dict(schedule, decay_iters=last, fitted_to_budget=True)
     return {"start": it, "warmup_iters": it, "peak_lr": learning_rate(it, schedule), "min_lr": schedule["min_lr"],

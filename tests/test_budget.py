@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -279,26 +280,55 @@ def test_a_budget_spent_before_the_first_step_is_one_line(args, tmp_path, capsys
     assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
+class VirtualClock:
+    """train.py's time.monotonic and time.perf_counter, advanced by the test alone: a training step takes `step`
+    seconds (`slow_step` from iter `slow_from` on, as on a machine that got busy), an evaluation with its save
+    `evaluation` seconds. What a run does with its budget is then the same on any machine, however loaded."""
+
+    def __init__(self, step, slow_step, slow_from, evaluation):
+        self.now, self.step, self.evaluation = 0.0, step, evaluation
+        self.slow_step, self.slow_from = slow_step, slow_from
+
+    def monotonic(self):
+        return self.now
+
+    perf_counter = monotonic
+
+
 @pytest.mark.slow
 def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and_a_resume_continues_it(
-        args, tmp_path, capsys):
+        args, tmp_path, capsys, monkeypatch):
     """max_time ends the run long before max_iters: at the first evaluation the steps that fit are projected and
-    the cosine decay planned to end within them, so the last step trains near min_lr (not at the peak, where a
-    decay over max_iters would still be); ckpt.pt keeps the plan, and a resume follows it exactly."""
+    the cosine decay planned to end within them; when the steps slow down, a later evaluation plans again, so the
+    last step trains near min_lr (not at the peak, where a decay over max_iters would still be); ckpt.pt keeps the
+    plan, and a resume follows it exactly."""
+    clock = VirtualClock(step=0.1, slow_step=0.25, slow_from=60, evaluation=0.5)
+    step, validate = train.Trainer.train_step, train.Trainer.validate
+
+    def timed_step(trainer, it):
+        clock.now += clock.step if it < clock.slow_from else clock.slow_step
+        return step(trainer, it)
+
+    def timed_validate(trainer):
+        clock.now += clock.evaluation
+        return validate(trainer)
+    monkeypatch.setattr(train, "time", clock)
+    monkeypatch.setattr(train.Trainer, "train_step", timed_step)
+    monkeypatch.setattr(train.Trainer, "validate", timed_validate)
     run = [*args, "--max_iters=100000", "--eval_interval=10", "--eval_val_batches=1", "--warmup_iters=2",
-           "--learning_rate=1e-3", "--min_lr=5e-4"]
-    train.main([*run, f"--out_dir={tmp_path / 'out'}", "--max_time=20"])
+           "--learning_rate=1e-3", "--min_lr=5e-4", f"--out_dir={tmp_path / 'out'}"]
+    train.main([*run, "--max_time=30"])
     printed = capsys.readouterr().out
-    assert "max_time=20 (20s): if the budget ends the run before max_iters=100000, the learning-rate decay is fitted " \
+    assert "max_time=30 (30s): if the budget ends the run before max_iters=100000, the learning-rate decay is fitted " \
         "to the steps that fit, planned at the first evaluation (iter 10)" in printed
-    assert "more steps fit the budget" in printed and "the learning rate now decays to min_lr 5.00e-04 by iter" \
-        in printed
+    plans = re.findall(r"the learning rate now decays to min_lr 5.00e-04 by iter (\d+)", printed)
+    assert len(plans) >= 2 and int(plans[-1]) < int(plans[0]), plans  # planned at 10, then sooner when steps slowed
     rows = metrics(tmp_path / "out")
     stopped = rows[-1]["iter"]
-    assert 20 < stopped < 100000 and abs(rows[-1]["lr"] - 5e-4) <= 0.1 * 5e-4, rows[-1]
+    assert 60 < stopped < 100000 and abs(rows[-1]["lr"] - 5e-4) <= 0.1 * 5e-4, rows[-1]
     schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
-    assert schedule["fitted_to_budget"] is True and schedule["decay_iters"] < 100000
-    train.main([*run, f"--out_dir={tmp_path / 'out'}", "--init_from=resume", f"--max_iters={stopped + 6}"])
+    assert schedule["fitted_to_budget"] is True and schedule["decay_iters"] == int(plans[-1])
+    train.main([*run, "--init_from=resume", f"--max_iters={stopped + 6}"])
     resumed = [row for row in metrics(tmp_path / "out") if row["iter"] > stopped]
     assert [row["lr"] for row in resumed] == [learning_rate(row["iter"] - 1, schedule) for row in resumed]
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"] == schedule

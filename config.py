@@ -146,8 +146,9 @@ def parse_sweep(value):
     """The sweep as {key: (value, ...)}, each value typed as --key=value would be: from 'num_beams=1,4
     length_penalty=0.8,1.0' (keys apart by spaces, values by commas) or from a mapping (config.json); {} for ''."""
     if isinstance(value, dict):
-        return {key: tuple(typed(key, v, f"sweep {key}") for v in values) for key, values in value.items()
-                if check_sweep_key(key, value)}
+        for key in value:
+            check_sweep_key(key, value)
+        return {key: tuple(typed(key, v, f"sweep {key}") for v in values) for key, values in value.items()}
     if not isinstance(value, str):
         raise UserError(f"sweep={value!r}: write 'key=value1,value2 key2=...'")
     settings = {}
@@ -170,7 +171,6 @@ def check_sweep_key(key, sweep):
                         f"with --max_new_tokens=N")
     if key not in sweep_keys():
         raise UserError(f"sweep={sweep!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
-    return True
 
 
 def sweep_settings(sweep):

@@ -147,7 +147,11 @@ def save_checkpoint(state, path):
         raise DiskFull(f"{failed}; {kept}") from None
 
 
-ZIP_MAGIC = b"PK\x03\x04"  # how a torch.save archive (a zip file) begins
+def not_an_archive(path):
+    """Whether the file at `path` has content and is no torch.save archive (a zip file, which begins so): another
+    file given where a checkpoint or candidates file was meant. An empty file is a truncated archive."""
+    with open(path, "rb") as f:
+        return os.path.getsize(path) > 0 and f.read(4) != b"PK\x03\x04"
 
 
 def load_checkpoint(path, key="ckpt"):
@@ -158,10 +162,9 @@ def load_checkpoint(path, key="ckpt"):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         raise UserError(f"checkpoint {path} {what}: train first, or pass --{key}=<a best.pt or ckpt.pt>"
                         + run_folder.missing_file_hint(path, f"--{key}"))
-    with open(path, "rb") as f:  # an empty file is a truncated one (below)
-        if os.path.getsize(path) and f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
-                            f"archives): pass --{key}=<a best.pt or ckpt.pt>")
+    if not_an_archive(path):
+        raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
+                        f"archives): pass --{key}=<a best.pt or ckpt.pt>")
     if not complete_archive(path):
         raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
                         f"torch.save archive: truncated by a full disk or an interrupted copy?); "

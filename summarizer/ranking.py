@@ -22,7 +22,7 @@ import data
 from config import Decoding
 from generate import generate
 from summarizer import lora
-from summarizer.checkpoint import ZIP_MAGIC
+from summarizer.checkpoint import not_an_archive
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.inference import generation_batches, generation_memory
@@ -91,11 +91,10 @@ def load_candidates(path):
     or a damaged one is one line."""
     if not os.path.exists(path):
         return None
-    with open(path, "rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            raise UserError(f"candidates_file={path} is not a candidates file (calibrate.py writes one as a torch.save "
-                            f"archive): pass --candidates_file=<a new path> for calibrate.py to write, or "
-                            f"--candidates_file='' for out_dir/candidates.pt")
+    if not_an_archive(path):
+        raise UserError(f"candidates_file={path} is not a candidates file (calibrate.py writes one as a torch.save "
+                        f"archive): pass --candidates_file=<a new path> for calibrate.py to write, or "
+                        f"--candidates_file='' for out_dir/candidates.pt")
     try:
         return Candidates.from_state(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as e:

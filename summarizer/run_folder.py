@@ -290,6 +290,7 @@ class DiskPlan:
         self.ckpt = tensors_bytes(kept) + 2 * tensors_bytes(trained) + fixed
         self.export = tensors_bytes(base) if cfg.export_dir else 0
         self.cfg = cfg
+        self.space = room(cfg.out_dir, Quota.of(cfg))  # (bytes, what limits them): the quota's folder walked once
 
     @property
     def peak(self):
@@ -304,7 +305,7 @@ class DiskPlan:
 
     def room(self):
         """'51 GB free on its filesystem', or what an output quota leaves: the room out_dir's checkpoints have."""
-        left, limit = room(self.cfg.out_dir, Quota.of(self.cfg))
+        left, limit = self.space
         return f"{gb(left)} {limit}"
 
     def problem(self, resuming):
@@ -312,7 +313,7 @@ class DiskPlan:
         to change. A resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
-        (free, limit), need = room(out_dir, Quota.of(self.cfg)), self.peak - here
+        (free, limit), need = self.space, self.peak - here
         if need <= free:
             return None
         name = os.path.basename(os.path.abspath(out_dir))

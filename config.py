@@ -385,6 +385,9 @@ class System:
                                           "(only for a broken InfiniBand setup)", C)
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing", C,
                                bound=POSITIVE)
+    dist_start_timeout: int = option(120, "seconds the ranks have at start-up to meet and run a first collective "
+                                          "(NCCL's setup included) before the run stops in one line", C,
+                                     bound=POSITIVE)
 
     def problems(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

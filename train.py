@@ -44,7 +44,7 @@ from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
 from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference
 from summarizer.metrics import rouge
-from summarizer.runtime import Runtime, compile_model, out_of_memory_hint, peak_flops
+from summarizer.runtime import CompiledModule, Runtime, compile_model, out_of_memory_hint, peak_flops
 from summarizer.schedule import fitted_to_budget, learning_rate
 from summarizer.submission import check_against_sample, predict
 from summarizer.tracking import Tracker, drop_rows_after, log_row, plot_metrics, progress_postfix
@@ -488,13 +488,22 @@ class Trainer:
         """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
         micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None)."""
         module, decode_step = self.objective.module(self.model), None
-        if self.rt.compile:
+        if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
             with memory_hint(self.cfg, self.rt):
-                compiled = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
-            if compiled is not module:
-                module, decode_step = compiled, inference.CompiledDecodeStep()
+                module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
+        # decoding compiles with training, or alone where the backend trains eagerly (FSDP)
+        if isinstance(module, CompiledModule) or (self.rt.compile and not self.rt.compile_training):
+            decode_step = inference.CompiledDecodeStep()
         return self.rt.parallel.wrap(module), decode_step
+
+    def compiled(self):
+        """What runs under torch.compile, in words (the start line)."""
+        training = isinstance(self.module, CompiledModule) or isinstance(
+            getattr(self.module, "module", None), CompiledModule)  # under DDP
+        if training:
+            return "torch.compile"
+        return "eager" if self.decode_step is None else f"eager training ({self.rt.backend}), torch.compile decoding"
 
     def start_lines(self, disk):
         """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
@@ -506,7 +515,7 @@ class Trainer:
         lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                  f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe()}",
+                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled())}",
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if cfg.max_time is not None:
             first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval

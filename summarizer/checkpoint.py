@@ -26,9 +26,9 @@ from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 # What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change to what a checkpoint holds
 # (a new setting included) bumps it, with its upgrade step (UPGRADES, ADDED) and a fixture written by the last commit
 # of the format before (tests/fixtures/checkpoints/make.sh): tests/test_checkpoint_formats.py reads every fixture.
-FORMAT = 4
+FORMAT = 5
 FORMATS = {1: "the version of 2026-11-23", 2: "the version of 2026-11-24", 3: "the version of 2026-11-25",
-           4: "this version"}
+           4: "the version of 2026-11-26 up to f63e9be", 5: "this version"}
 
 
 class Record(TypedDict):
@@ -78,6 +78,7 @@ ADDED = {
         "candidates_file": ""},  # nccl_ib_disable: see upgrade_1
     3: {"compare": ""},
     4: {"output_quota_dir": "", "output_quota_gb": 20.0},  # no quota was counted
+    5: {"dist_start_timeout": 1800},  # the ranks met within dist_timeout (its default)
 }
 
 
@@ -110,7 +111,12 @@ def upgrade_3(ckpt):
                                              for key, value in config.items() if key in FIELDS}}
 
 
-UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3}
+def upgrade_4(ckpt):
+    """Format 4 (2026-11-26, up to f63e9be) -> 5: no dist_start_timeout."""
+    return {**ckpt, "format": 5, "config": {**ADDED[5], **ckpt["config"]}}
+
+
+UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 
 
 def upgraded(ckpt, path):

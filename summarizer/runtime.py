@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from summarizer.checkpoint import rng_state, set_rng_state
 from summarizer.errors import UserError
@@ -99,7 +100,11 @@ def compiler_error(error):
     compiler = tuple(getattr(inductor, name) for name in ("InductorError", "CppCompileError", "InvalidCxxCompiler",
                                                          "CUDACompileError", "LoweringException")
                      if hasattr(inductor, name))
-    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, *compiler))
+    # fullgraph=True turns dynamo's recompile limit into an error that is not a TorchDynamoException (named
+    # FailOnCacheLimitHit before torch 2.6)
+    recompiles = tuple(getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                       if hasattr(torch._dynamo.exc, name))
+    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, *compiler, *recompiles))
 
 
 @contextlib.contextmanager
@@ -120,21 +125,44 @@ def warn_compile_failed(error, fallback):
     """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
     error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
     reason = str(error).strip().splitlines()
-    print(f"warning: torch.compile failed ({type(error).__name__}: {reason[0] if reason else ''}); {fallback}",
-          file=sys.stderr)
+    tqdm.write(f"warning: torch.compile failed ({type(error).__name__}: {reason[0] if reason else ''}); {fallback}",
+               file=sys.stderr)  # on a line of its own under a progress bar
+
+
+class CompiledModule(torch.nn.Module):
+    """`module` under torch.compile, with `module` itself (eager) for the rest of the run after one warning line
+    when the compiler fails at any call: a recompile limit, a backend error after the first step. Its parameters
+    are `module`'s, so a backend's wrapper (DDP) and the optimizer see the same tensors either way."""
+
+    def __init__(self, module):
+        super().__init__()
+        # One graph (fullgraph) with its sizes symbolic from the start (dynamic): micro-batch widths and target
+        # counts change every step.
+        self.compiled = torch.compile(module, fullgraph=True, dynamic=True)
+        self.eager = False
+
+    def forward(self, *args):
+        if not self.eager:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole forward
+                if not compiler_error(e):
+                    raise
+                warn_compile_failed(e, "training eagerly from now on (tokens_per_s and mfu are eager's)")
+                self.eager = True
+        return self.compiled._orig_mod(*args)
 
 
 def compile_model(module, trial, autocast):
-    """torch.compile'd `module` (a GPT, or a stage's module around it), tried now on trial(compiled) -> a loss,
+    """A CompiledModule of `module` (a GPT, or a stage's module around it), tried now on trial(compiled) -> a loss,
     forward and backward, because compiling happens lazily at the first call; the eager module, with one warning
-    line, if the compiler fails. Any other error (out of memory included) propagates. Leaves no gradients behind
-    and draws no random numbers. One graph (fullgraph) with its sizes symbolic from the start (dynamic):
-    micro-batch widths and target counts change every step."""
+    line, if the compiler fails there. Any other error (out of memory included) propagates. Leaves no gradients
+    behind and draws no random numbers."""
     rng = rng_state()
     try:
-        compiled = torch.compile(module, fullgraph=True, dynamic=True)
+        compiled = CompiledModule(module)
         with autocast:
-            loss = trial(compiled)
+            loss = trial(compiled.compiled)
         loss.sum().backward()
         return compiled
     except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build
@@ -188,6 +216,9 @@ class Runtime:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
+        # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly, its decoding
+        # (a gathered copy of the weights) compiles
+        self.compile_training = self.compile and self.backend != "fsdp"
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
                   "--dtype=float32 (or --dtype=auto, float32 on a CPU)", file=sys.stderr)
@@ -199,10 +230,11 @@ class Runtime:
             accumulates = cfg.batch_size > cfg.micro_batch_size * self.world_size
             self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
 
-    def describe(self):
-        """What runs, in words: the line the trainer prints (and what it prints is what runs)."""
+    def describe(self, compiled):
+        """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what
+        runs under torch.compile."""
         return (f"{self.dtype}{' with GradScaler' if self.use_scaler else ''} on {self.device_name}, "
-                f"{'torch.compile' if self.compile else 'eager'}, backend {self.backend}"
+                f"{compiled}, backend {self.backend}"
                 + (f" (following {', '.join(self.decided_by)})" if self.decided_by else ""))
 
     def __enter__(self):
@@ -301,8 +333,7 @@ class DDP(SingleProcess):
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if want_cuda else "cpu")
         if want_cuda:
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if want_cuda else "gloo", device_id=self.device if want_cuda else None,
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+        meet(cfg, self.device, self.world_size)
 
     def close(self, clean):
         if dist.is_initialized():
@@ -320,6 +351,52 @@ class DDP(SingleProcess):
         if sync or self.world_size == 1:
             return contextlib.nullcontext()
         return wrapped.no_sync()
+
+
+# What to set when NCCL's first collective fails, in this order: Kaggle's T4s have no peer access, and NCCL >= 2.24
+# sets up its shared-memory transport with cuMem host buffers, which fails there ("Cuda failure 217 'peer access is
+# not supported'", NVIDIA/nccl#1838); NCCL_CUMEM_HOST_ENABLE=0 takes the older /dev/shm files, NCCL_SHM_DISABLE=1
+# no shared memory at all (a small /dev/shm fails the files too).
+NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
+
+
+def next_nccl_setting(environ):
+    """The first of NCCL_SETTINGS that `environ` does not already have, or None."""
+    return next((s for s in NCCL_SETTINGS if any(environ.get(k) != v for k, v in s.items())), None)
+
+
+def nccl_in_effect(environ):
+    """The NCCL_* variables of `environ`, as KEY=value words."""
+    return " ".join(f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("NCCL_")) or "NCCL's defaults"
+
+
+def meet(cfg, device, world_size):
+    """Start the process group and run one collective within dist_start_timeout seconds, so that a rank that
+    never arrives or a transport that fails (NCCL's, at its setup) stops every rank in one line at start-up,
+    naming what to change; later collectives may take dist_timeout seconds each."""
+    nccl = device.type == "cuda"
+    start = datetime.timedelta(seconds=min(cfg.dist_start_timeout, cfg.dist_timeout))
+    try:
+        dist.init_process_group("nccl" if nccl else "gloo", device_id=device if nccl else None, timeout=start)
+        dist.all_reduce(torch.ones(1, device=device))
+        if nccl:
+            torch.cuda.synchronize(device)  # NCCL reports a failed setup at the first wait
+    except (RuntimeError, dist.DistError) as e:  # DistStoreError, DistBackendError; NCCL's errors
+        detail = " ".join(str(e).split())[:300]
+        what = (f"the {world_size} processes did not all start and meet within dist_start_timeout="
+                f"{start.seconds} s" if "clients joined" in detail or "timed out" in detail.lower() else
+                f"the first collective between the {world_size} processes failed")
+        fix = ""
+        if nccl:
+            setting = next_nccl_setting(os.environ)
+            fix = (f" (NCCL ran with {nccl_in_effect(os.environ)}): set "
+                   + (" ".join(f"{k}={v}" for k, v in setting.items()) + " in the environment and run again "
+                      "(a notebook: os.environ[...] before the training cell); docs/troubleshooting.md"
+                      if setting else "see docs/troubleshooting.md (NCCL settings) and run python -m "
+                                      "bench.preflight"))
+        raise UserError(f"{what} ({detail}){fix}") from None
+    if start.seconds != cfg.dist_timeout:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.dist_timeout))
 
 
 class Accelerate(DDP):

@@ -19,7 +19,7 @@ from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_check
 from summarizer.errors import UserError
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
-FORMATS = {"2026-11-23": 1, "2026-11-24": 2, "2026-11-25": 3}  # the format each day's files have
+FORMATS = {"2026-11-23": 1, "2026-11-24": 2, "2026-11-25": 3, "2026-11-26": 4}  # the format each day's files have
 DEMO = "data/demo"  # the fixtures' runs name their CSVs relative to the repository, as they were trained
 
 

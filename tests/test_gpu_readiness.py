@@ -21,7 +21,7 @@ from summarizer import inference
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.loading import build_model
-from summarizer.runtime import Runtime, choose_precision, peak_flops, use_compile
+from summarizer.runtime import CompiledModule, Runtime, choose_precision, peak_flops, use_compile
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
 RUN = [*tiny(block_size=64, dtype=None, compile=None), "--log_interval=1", "--warmup_iters=2",
@@ -200,7 +200,7 @@ def compiled_then_eager_then_compiled(long_dialogues):
 @pytest.mark.slow
 def test_compiled_training_matches_eager_across_checkpoints(eager_run, compiled_then_eager_then_compiled):
     mixed, returned, _ = compiled_then_eager_then_compiled
-    assert len(returned) == 2 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in returned)
+    assert len(returned) == 2 and all(isinstance(m, CompiledModule) for m in returned)
     assert [r["iter"] for r in mixed] == [r["iter"] for r in eager_run] == [1, 2, 3, 4, 5, 6]
     for got, expected in zip(mixed, eager_run, strict=True):
         for key in ("loss", "val_loss"):

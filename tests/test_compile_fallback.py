@@ -1,0 +1,111 @@
+"""torch.compile falls back to eager at any point of a run, not only at the trial before step 1: a recompile limit
+or a compiler error after the first step, in the training step or in the decode step, is one warning line for each
+and the run finishes; under FSDP the start line says the training step runs eagerly."""
+import contextlib
+
+import pytest
+import torch
+
+import train
+from conftest import metrics, run, tiny, torchrun
+from summarizer import runtime
+
+
+@pytest.fixture
+def args(write_csv, tmp_path):
+    return [*tiny(compile=True), f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={tmp_path / 'out'}", "--batch_size=4", "--micro_batch_size=4", "--max_iters=3",
+            "--eval_interval=1", "--eval_val_batches=1", "--val_fraction=0.2", "--rouge_samples=2", "--log_interval=1",
+            "--sample_submission_csv="]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled code of earlier tests in this process is forgotten (its cache entries count toward the limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def warnings(capsys):
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: torch.compile")]
+
+
+def before_step(monkeypatch, at, change):
+    """change(trainer) runs before 0-based step `at` (after the first evaluation, whose decoding compiled)."""
+    step = train.Trainer.train_step
+
+    def changed_step(trainer, it):
+        if it == at:
+            change(trainer)
+        return step(trainer, it)
+    monkeypatch.setattr(train.Trainer, "train_step", changed_step)
+
+
+@pytest.mark.slow
+def test_a_recompile_limit_after_step_1_trains_and_decodes_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch,
+                                                                               fresh_dynamo):
+    """With a limit of one graph (torch._dynamo.config.recompile_limit), fullgraph raises FailOnRecompileLimitHit
+    at the first recompile: in decoding, at the first evaluation's second batch (1 row after 2: a size dynamo
+    specializes), and in training, at step 2, after a value the compiled step guards on changed."""
+    def flip(trainer):  # read by GPT.forward, so guarded; checkpointing changes no value
+        trainer.model.gradient_checkpointing = True
+    before_step(monkeypatch, 1, flip)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        train.main([*args, "--rouge_samples=3", "--gen_batch_size=2"])
+    said = sorted(warnings(capsys))
+    assert len(said) == 2 and all("FailOnRecompileLimitHit" in line for line in said), said
+    assert said[0].endswith("decoding eagerly")
+    assert said[1].endswith("training eagerly from now on (tokens_per_s and mfu are eager's)")
+    assert [row["iter"] for row in metrics(tmp_path / "out")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_compiler_error_after_step_1_trains_and_decodes_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch,
+                                                                              fresh_dynamo):
+    """After step 1 the compiled code is dropped and inductor fails from then on (as a T4's Triton may at a new
+    shape): training and decoding compile again, fail, and go on eagerly, with the losses eager gives."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("forced compiler error")
+
+    def break_compiler(trainer):
+        torch._dynamo.reset()
+        monkeypatch.setattr(compile_fx, "compile_fx", failing)
+    before_step(monkeypatch, 1, break_compiler)
+    train.main(args)
+    said = warnings(capsys)
+    assert len(said) == 2 and all("forced compiler error" in line for line in said), said
+    assert "training eagerly from now on" in said[0] and said[1].endswith("decoding eagerly")
+    compiled = metrics(tmp_path / "out")
+    monkeypatch.undo()
+    train.main([*args, "--compile=False", f"--out_dir={tmp_path / 'eager'}"])
+    eager = metrics(tmp_path / "eager")
+    assert [row["iter"] for row in compiled] == [1, 2, 3]
+    assert [row["loss"] for row in compiled] == pytest.approx([row["loss"] for row in eager], abs=1e-4)
+
+
+def test_the_compiled_module_falls_back_to_its_own_weights(capsys, fresh_dynamo):
+    """Tried on 2 rows, then given 1 (a size dynamo specializes): the recompile hits a limit of one graph, and the
+    module goes on eagerly with the same parameters, computing what the model computes."""
+    from conftest import tiny_gpt
+    from model import Targets
+    model = tiny_gpt()
+    x = torch.randint(0, 64, (2, 8))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = runtime.compile_model(model, lambda m: m(x, Targets.of(x))[1], contextlib.nullcontext())
+        assert isinstance(compiled, runtime.CompiledModule) and not compiled.eager
+        _, loss = compiled(x[:1], Targets.of(x[:1]))
+    assert compiled.eager and torch.equal(loss, model(x[:1], Targets.of(x[:1]))[1])
+    assert list(compiled.parameters()) == list(model.parameters())
+    assert "RecompileLimit" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_fsdp_start_line_says_the_training_step_runs_eagerly(args):
+    result = run(torchrun("--nproc_per_node=2", "--standalone", "train.py", *args, "--backend=fsdp", "--max_iters=1",
+                         "--micro_batch_size=2"))
+    assert result.returncode == 0, [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert "float32 on cpu, eager training (fsdp), torch.compile decoding, backend fsdp" in result.stdout
+    assert "warning: torch.compile" not in result.stderr

@@ -1,0 +1,45 @@
+"""The start of a distributed run: the ranks meet and run one collective within dist_start_timeout, else every rank
+that started stops in one line naming what to change; for NCCL, the next setting to try (the user's own NCCL_*
+variables win: only a setting they do not have is named)."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import free_port, run, tiny
+from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect, next_nccl_setting
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_CUMEM_HOST_ENABLE": "0"}),  # the Kaggle preset's: the cuMem host path next
+    ({"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"}),
+    ({"NCCL_CUMEM_HOST_ENABLE": "1"}, {"NCCL_CUMEM_HOST_ENABLE": "0"}),  # the user's value is theirs: named, not set
+    ({"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_SHM_DISABLE": "1"}, None),  # nothing left: the docs and the preflight
+])
+def test_the_next_nccl_setting_is_the_first_one_not_in_effect(environ, expected):
+    assert next_nccl_setting(environ) == expected
+    assert next_nccl_setting({}) == NCCL_SETTINGS[0]
+
+
+def test_the_nccl_variables_in_effect_are_named():
+    assert nccl_in_effect({"NCCL_P2P_DISABLE": "1", "PATH": "/bin"}) == "NCCL_P2P_DISABLE=1"
+    assert nccl_in_effect({}) == "NCCL's defaults"
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_joins_ends_the_run_in_one_line_within_the_start_timeout(write_csv, tmp_path):
+    """Rank 0 of 2 starts alone (rank 1 never comes): with dist_start_timeout=5 (dist_timeout keeps its 30
+    minutes) it stops after about 5 s, before any work, in one line; without the bound it would wait 30 minutes."""
+    env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    argv = [sys.executable, "train.py", *tiny(), f"--train_csv={write_csv('train.csv', 20)}",
+            f"--out_dir={tmp_path / 'out'}", "--dist_start_timeout=5"]
+    try:
+        result = run(argv, env=env, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 waited past dist_start_timeout")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error (rank 0): the 2 processes did not all start and meet within "
+                               "dist_start_timeout=5 s (") and "1/2" in lines[0]
+    assert not (tmp_path / "out" / "ckpt.pt").exists()

@@ -263,14 +263,18 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path, dropout=0.0, local_files_only=False):
         """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a local save_pretrained directory;
         local_files_only: a hub name from the local cache, without asking the hub."""
+        import transformers
         from transformers import GPT2LMHeadModel
 
+        # float32 whatever the files hold; transformers 4.56 renamed torch_dtype to dtype (the old name warns from
+        # then on) and requirements.txt allows 4.43
+        major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+        dtype = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
         if name_or_path not in PRETRAINED and not os.path.isdir(name_or_path):
             raise FileNotFoundError(
                 f"{name_or_path!r} is neither one of {', '.join(PRETRAINED)} nor a local directory")
         try:
-            hf = GPT2LMHeadModel.from_pretrained(name_or_path, torch_dtype=torch.float32,
-                                                 local_files_only=local_files_only)
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path, **dtype, local_files_only=local_files_only)
         except OSError as e:
             raise FileNotFoundError(f"could not load GPT-2 weights from {name_or_path!r}: {e}") from None
         hf_config = hf.config

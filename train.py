@@ -362,12 +362,24 @@ class RunControl:
         return self.budget - (time.monotonic() - self.started)
 
     def check_start_up(self):
-        """One line when max_time is spent before the first step (imports, data, model, a compile trial)."""
-        if self.budget is not None and self.seconds_left() <= 0:
-            spent = time.monotonic() - self.started
+        """One line when max_time is spent before the first step (imports, data, model, a compile trial), or when
+        what must follow the training (evaluate_after's and predict_after's summaries, at per_summary seconds as
+        measured before step 1) takes all the budget leaves."""
+        if self.budget is None:
+            return
+        spent, after = time.monotonic() - self.started, self.per_summary * self.after_summaries
+        enough = 10 * math.ceil((spent + 2 * after) / 10)
+        if self.seconds_left() <= 0:
             raise UserError(f"max_time={self.budget:g} is used up before the first step: start-up took {spent:.0f} s "
                             f"(imports, reading the data, building the model): give a budget well above that, e.g. "
                             f"--max_time={max(60, round(10 * spent, -1)):g}")
+        if after >= self.seconds_left():
+            raise UserError(f"max_time={self.budget:g} leaves {self.seconds_left():.0f} s after start-up, and the "
+                            f"{self.after_summaries} summaries of evaluate_after and predict_after need about "
+                            f"{after:.0f} s ({1000 * self.per_summary:.0f} ms each, measured before step 1): no "
+                            f"training would fit; give --max_time above {enough:g}, or "
+                            f"summarize later (--evaluate_after=False --predict_after=False, then evaluate.py and "
+                            f"predict.py)")
 
     def last_step_that_fits(self, step):
         """max_time: the last step the budget leaves room for, projected from the mean step and the last
@@ -467,6 +479,8 @@ class Trainer:
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
         self.module, self.decode_step = self.module_to_train()
+        if self.control.budget is not None and self.control.after_summaries and self.rouge_prompts:
+            self.control.per_summary = self.seconds_per_summary()
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
             if cfg.lora_rank and cfg.init_from == "scratch":
@@ -490,19 +504,32 @@ class Trainer:
         module, decode_step = self.objective.module(self.model), None
         if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
+            start = time.perf_counter()
             with memory_hint(self.cfg, self.rt):
                 module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
+            self.compile_seconds = time.perf_counter() - start
         # decoding compiles with training, or alone where the backend trains eagerly (FSDP)
         if isinstance(module, CompiledModule) or (self.rt.compile and not self.rt.compile_training):
             decode_step = inference.CompiledDecodeStep()
         return self.rt.parallel.wrap(module), decode_step
+
+    def seconds_per_summary(self):
+        """Seconds a summary takes, from one batch of the ROUGE prompts decoded now (its compile included, and
+        summaries of weights not yet trained, which run long: an upper bound): what max_time keeps for
+        evaluate_after and predict_after until the first evaluation measures it."""
+        prompts = self.rouge_prompts[:self.cfg.gen_batch_size * self.rt.world_size]
+        start = time.perf_counter()
+        with torch.no_grad():
+            inference.summarize_sharded(rouge_model(self.model, self.cfg, self.rt), prompts, self.cfg, self.rt,
+                                        progress=False, decode_step=self.decode_step)
+        return (time.perf_counter() - start) / len(prompts)
 
     def compiled(self):
         """What runs under torch.compile, in words (the start line)."""
         training = isinstance(self.module, CompiledModule) or isinstance(
             getattr(self.module, "module", None), CompiledModule)  # under DDP
         if training:
-            return "torch.compile"
+            return f"torch.compile (compiled in {self.compile_seconds:.0f} s)"
         return "eager" if self.decode_step is None else f"eager training ({self.rt.backend}), torch.compile decoding"
 
     def start_lines(self, disk):
@@ -522,6 +549,11 @@ class Trainer:
             lines.append(f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): if the budget ends the run "
                          f"before max_iters={cfg.max_iters}, the learning-rate decay is fitted to the steps that "
                          f"fit, planned at the first evaluation (iter {first}) from its time and the steps'")
+            if self.control.per_summary:
+                after = self.control.per_summary * self.control.after_summaries
+                lines.append(f"max_time keeps about {after:.0f} s for the {self.control.after_summaries} summaries of "
+                             f"evaluate_after and predict_after ({1000 * self.control.per_summary:.0f} ms each, "
+                             f"measured now; the first evaluation measures again)")
         return lines
 
     def fit(self):
@@ -550,8 +582,6 @@ class Trainer:
                 if self.peak:
                     flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
                     stats["mfu"] = flops / seconds / rt.world_size / self.peak
-                if rt.device.type == "cuda":
-                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or control.out_of_time:
                     start = time.perf_counter()
                     stats.update(self.validate())
@@ -560,6 +590,8 @@ class Trainer:
                     self.fit_schedule_to_budget(bar)
                 elif control.stop_signal:
                     state.save(cfg, rt, stats, best=False)
+                if rt.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
+                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
                 if rt.is_main:
                     self.log(stats, bar)
                 if stop:

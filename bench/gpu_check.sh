@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# First the hardware preflight (python -m bench.preflight config/kaggle_t4x2.py: versions, GPUs and peer access,
+# /dev/shm, disk and output quota, the NCCL collective, compiled steps through an evaluation and a save, fp16 against
+# fp32; its report beside gpu_check's, preflight_report.json). Then:
 # On a machine with one CUDA GPU (a Kaggle T4 is enough): fp16 + GradScaler, bf16 (refused on GPUs before Ampere),
 # torch.compile off and on at GPT-2 (124M) shapes: training MFU, greedy and MBR-16 decoding speed with a real EOS,
 # graph breaks, compilations and host syncs against their targets, and the Kaggle presets' peak training memory
@@ -15,6 +18,7 @@ done
 cd "$(dirname "$0")/.." || exit 1
 nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv || true
 status=0
+python -m bench.preflight config/kaggle_t4x2.py --report="$(dirname "$report")/preflight_report.json" || status=$?
 python -m bench.gpu_check --model=gpt2 --device=cuda "$@" --report="$report" || status=$?
 python -m bench --model=gpt2 --device=cuda || status=$?
 echo "gpu_check report: $report (attach it to an issue)"

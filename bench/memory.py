@@ -165,6 +165,32 @@ def per_rank(mode, states, activations):
     return (*states["lora" if mode.startswith("lora") else "full"]["single"], activations[mode])
 
 
+def after_training(shape, mode, parts, samsum_csv):
+    """(evaluation, save) bytes on one GPU after the steps: the ROUGE evaluation holds the weights and AdamW's state
+    (gradients freed) and decodes with a KV cache and logits in the half of the free memory generation_memory
+    takes (under FSDP from a gathered fp32 copy of the weights, train.rouge_model); a LoRA run's save builds, on
+    rank 0, the merged fp32 copy of every adapted weight (W + B @ A)."""
+    weights, _, optimizer, _ = parts
+    held = weights + optimizer
+    if mode.startswith("fsdp2"):
+        held += nbytes(build(shape, shape["n_layer"], False, "meta").parameters())
+    cfg = load_config([PRESETS[0]])
+    config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
+    length = longest_prompt(samsum_csv, cfg)
+    memory = max(T4_USABLE_GIB * GIB - held, 0) / 2
+    prompts = [[0] * length] * min(cfg.rouge_samples, cfg.gen_batch_size)
+    batch = len(inference.generation_batches(prompts, part(cfg, Decoding), cfg.gen_batch_size, config, memory,
+                                             torch.float16)[0])
+    kv = inference.kv_cache_bytes(config, batch * inference.cache_rows_per_prompt(part(cfg, Decoding)),
+                                  length + cfg.max_new_tokens, torch.float16)
+    evaluation = held + kv + LOGITS_COPIES * batch * config.vocab_size * 4
+    merged = 0
+    if mode.startswith("lora"):
+        model = build(shape, shape["n_layer"], True, "meta")
+        merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
+    return evaluation, held + merged
+
+
 def bench_memory(args, samsum_csv):
     x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
     names = args.memory_models.split(",")
@@ -178,9 +204,12 @@ def bench_memory(args, samsum_csv):
         for mode in MODES:
             parts = per_rank(mode, states, activations)
             total = sum(parts) / GIB
+            evaluation, save = after_training(shape, mode, parts, samsum_csv)
+            peak = max(total, evaluation / GIB, save / GIB)
             row = dict(section="memory", figure=f"{name}:{mode}:gib_per_rank", value=total,
                        weights_gib=parts[0] / GIB, grads_gib=parts[1] / GIB, optimizer_gib=parts[2] / GIB,
-                       activations_gib=parts[3] / GIB, fits_t4=total <= T4_USABLE_GIB)
+                       activations_gib=parts[3] / GIB, evaluation_gib=evaluation / GIB, save_gib=save / GIB,
+                       peak_gib=peak, fits_t4=peak <= T4_USABLE_GIB)
             if mode in measured:
                 row["measured_activations_gib"] = measured[mode] / GIB
             rows.append(row)

@@ -204,6 +204,8 @@ class Runtime:
         want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
             raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
+        if want_cuda:  # read at the first CUDA allocation: widths that vary every step fragment fixed segments
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.nccl_p2p_disable:
             os.environ.setdefault("NCCL_P2P_DISABLE", "1")
         if cfg.nccl_ib_disable:

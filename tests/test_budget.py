@@ -334,6 +334,41 @@ def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"] == schedule
 
 
+# ---- issue 42: one budget for the session ----------------------------------------------------------------------
+
+
+def test_summaries_after_training_that_take_the_whole_budget_stop_the_run_before_step_1(args, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """evaluate_after and predict_after summarize after the last step, inside max_time: one batch of the ROUGE
+    prompts is timed before step 1 (here at 1 s a summary, on a clock the test advances) and a budget their
+    summaries alone would spend is one line, before any step."""
+    clock = VirtualClock(step=0.1, slow_step=0.1, slow_from=0, evaluation=0.5)
+    summarize = train.inference.summarize_sharded
+
+    step = train.Trainer.train_step
+
+    def slow_summaries(model, prompts, *rest, **kwargs):
+        clock.now += len(prompts)  # a second a summary
+        return summarize(model, prompts, *rest, **kwargs)
+
+    def timed_step(trainer, it):
+        clock.now += clock.step
+        return step(trainer, it)
+    monkeypatch.setattr(train, "time", clock)
+    monkeypatch.setattr(train.Trainer, "train_step", timed_step)
+    monkeypatch.setattr(train.inference, "summarize_sharded", slow_summaries)
+    run = [*args, f"--out_dir={tmp_path / 'out'}", "--val_fraction=0.25", "--rouge_samples=4", "--evaluate_after=True",
+           "--max_iters=2", "--eval_interval=2"]
+    err = one_error_line(capsys, train.main, [*run, "--max_time=8"])
+    assert "max_time=8 leaves 4 s after start-up, and the 10 summaries of evaluate_after and predict_after need " \
+        "about 10 s (1000 ms each, measured before step 1): no training would fit" in err
+    assert "--max_time above 30" in err and "--evaluate_after=False --predict_after=False" in err
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    train.main([*run, "--max_time=100"])
+    assert "max_time keeps about 10 s for the 10 summaries of evaluate_after and predict_after (1000 ms each, " \
+        "measured now" in capsys.readouterr().out
+
+
 # ---- issue 42: the output quota counts ----------------------------------------------------------------------
 
 

@@ -114,6 +114,18 @@ def test_compile_auto_means_on_cuda_only(requested, device_type, expected):
     assert use_compile(requested, device_type) is expected
 
 
+def test_the_cuda_allocator_uses_expandable_segments_unless_the_user_configured_it(fake_gpu, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    Runtime(load_config(["--device=cpu"]))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    fake_gpu("Tesla T4", (7, 5))
+    Runtime(load_config(["--device=cuda", "--backend=none"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    Runtime(load_config(["--device=cuda", "--backend=none"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
 def test_nccl_variables_are_set_only_when_asked(monkeypatch):
     for name in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,278 @@
+"""The hardware preflight: what a user runs first on a new machine (the Kaggle notebook's first training cell), a few
+minutes before the GPU hours. It checks, with the run's own settings (a preset and --key=value flags):
+versions (Python, torch, CUDA, NCCL, Triton, the driver, the libraries); the GPUs and whether they reach each other;
+/dev/shm; the disk and the output quota against the run's checkpoints; a collective between the processes under a
+short timeout, trying the NCCL settings in turn (the run's, NCCL_CUMEM_HOST_ENABLE=0, NCCL_SHM_DISABLE=1); a few
+compiled training steps at the run's shapes (random weights: nothing is downloaded) through an evaluation with its
+compiled decoding and a save, with their compile seconds and peak memory; fp16 against fp32 losses. It ends in one
+verdict line, exits 1 on a no-go, and writes a JSON report. On a CPU the same code runs with gloo and a tiny model,
+and the GPU checks say `not run`.
+
+    python -m bench.preflight config/kaggle_t4x2.py [--key=value ...] [--report=PATH] [--steps=N]
+    python -m bench.preflight --device=cpu --report=preflight.json
+"""
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench import ROOT
+from config import load_config
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import run_folder
+from summarizer.files import atomic_write
+from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect
+
+TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
+TINY_DECODING = ["--max_new_tokens=16"]  # ... and its summaries
+DEMO_CSV = os.path.join(ROOT, "data", "demo", "train.csv")
+SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
+FP16_TOLERANCE = 0.02  # relative: fp16 autocast's losses over a few steps against fp32's
+NOT_RUN = "not run"
+
+
+def check(status, detail, **figures):
+    return dict(status=status, detail=detail, **figures)
+
+
+def version_of(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions():
+    found = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                 nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+                 triton=version_of("triton"), driver=None,
+                 **{name: version_of(name) for name in ("transformers", "accelerate", "peft", "numpy", "pandas")})
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+        found["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+    return check("ok", " ".join(f"{k} {v}" for k, v in found.items() if v), **found)
+
+
+def gpus():
+    if not torch.cuda.is_available():
+        return check(NOT_RUN, "no CUDA GPU")
+    count = torch.cuda.device_count()
+    listed = [dict(name=torch.cuda.get_device_name(i),
+                   capability=".".join(map(str, torch.cuda.get_device_capability(i))),
+                   memory_gib=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1))
+              for i in range(count)]
+    peer = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(count) for j in range(count) if i != j}
+    reach = ("no peer access between them: NCCL goes through host memory (/dev/shm)" if peer and not any(peer.values())
+             else "peer access" if peer else "one GPU")
+    return check("ok", f"{count} x {listed[0]['name']} ({listed[0]['memory_gib']} GiB); {reach}", gpus=listed,
+                 peer_access=peer)
+
+
+def shared_memory():
+    if not os.path.isdir("/dev/shm"):
+        return check(NOT_RUN, "no /dev/shm")
+    usage = shutil.disk_usage("/dev/shm")
+    figures = dict(total_mib=usage.total // 2**20, free_mib=usage.free // 2**20)
+    if usage.free < SHM_BYTES:
+        return check("warning", f"/dev/shm has {usage.free // 2**20} MiB free: NCCL's shared-memory transport may "
+                                f"fail; NCCL_SHM_DISABLE=1 avoids it", **figures)
+    return check("ok", f"/dev/shm {usage.free // 2**20} MiB free", **figures)
+
+
+def disk(cfg, shape):
+    """The run's checkpoints at their peak against out_dir's room (the output quota counted)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape))
+    plan = run_folder.DiskPlan(model, cfg)
+    (room, limit), problem = plan.space, plan.problem(resuming=False)
+    figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(room / 1e9, 2), limited_by=limit)
+    if problem:
+        return check("failed", problem, **figures)
+    return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak; {plan.room()}", **figures)
+
+
+def launch(args, nproc, env, timeout, cwd=ROOT):
+    """A command under torchrun (nproc > 1) or alone: (exit code or None if it ran past `timeout`, its output)."""
+    argv = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+            if nproc > 1 else [sys.executable, *args])
+    try:
+        done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return done.returncode, done.stdout + done.stderr
+
+
+def error_line(output):
+    lines = [line for line in output.splitlines() if line.startswith(("error", "warning"))]
+    return lines[-1] if lines else (output.strip().splitlines() or [""])[-1][:300]
+
+
+def collective(cfg, nproc, device, timeout):
+    """(the check, the environment the run will use): one all-reduce of 64 MB (NCCL's shared-memory and
+    network transports both set up) between nproc processes, for each NCCL setting in turn until one works."""
+    base = dict(os.environ, PYTHONPATH=ROOT)
+    if device == "cuda":
+        if cfg.nccl_p2p_disable:
+            base.setdefault("NCCL_P2P_DISABLE", "1")
+        if cfg.nccl_ib_disable:
+            base.setdefault("NCCL_IB_DISABLE", "1")
+        tries = [base, *({**base, **setting} for setting in NCCL_SETTINGS)]
+    else:
+        tries = [base]
+    tried = []
+    for env in tries:
+        code, output = launch(["-m", "bench.preflight", "--collective", f"--device={device}",
+                               f"--dist_start_timeout={timeout}"], nproc, env, timeout + 60)
+        nccl = nccl_in_effect(env) if device == "cuda" else "gloo"
+        tried.append(dict(setting=nccl, ok=code == 0,
+                          error=None if code == 0 else ("no answer" if code is None else error_line(output))))
+        if code == 0:
+            first = env is tries[0]
+            detail = (f"{nproc} processes all-reduced 64 MB with {nccl}" +
+                      ("" if first or device != "cuda" else f" (the run's own settings failed: set "
+                       f"{' '.join(f'{k}={v}' for k, v in env.items() if k.startswith('NCCL_') and base.get(k) != v)}"
+                       f" in the environment)"))
+            return check("ok" if first else "failed", detail, tried=tried, use=nccl), env
+    return check("failed", f"no setting worked ({'; '.join(t['setting'] + ': ' + t['error'] for t in tried)}): see "
+                           f"docs/troubleshooting.md (NCCL)", tried=tried), None
+
+
+def run_collective(argv):
+    """--collective: this rank's part of collective() (under torchrun)."""
+    cfg = load_config(argv)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    from summarizer.runtime import meet
+    meet(cfg, device, int(os.environ["WORLD_SIZE"]))
+    data = torch.ones(16 * 2**20, device=device)  # 64 MB of float32
+    torch.distributed.all_reduce(data)
+    assert data[0].item() == int(os.environ["WORLD_SIZE"])
+    torch.distributed.destroy_process_group()
+
+
+def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
+    """A few steps of train.py at the run's shapes, with an evaluation (ROUGE decoding included) and a save at
+    the last one: (the check, its losses)."""
+    csv = cfg.train_csv if os.path.isfile(cfg.train_csv) else DEMO_CSV
+    out = os.path.join(folder, f"{dtype}-{compile}")
+    run = [*argv, "--init_from=scratch", *(f"--{k}={v}" for k, v in shape.items()), f"--train_csv={csv}",
+           "--validation_csv=", "--val_fraction=0.1", f"--out_dir={out}", f"--data_cache_dir={folder}/cache",
+           f"--max_iters={args.steps}", f"--eval_interval={args.steps}", "--eval_val_batches=2",
+           f"--rouge_samples={args.rouge_samples}", "--log_interval=1", "--max_time=", "--evaluate_after=False",
+           "--predict_after=False", "--log_to=", "--overwrite=True", f"--dtype={dtype}", f"--compile={compile}",
+           f"--output_quota_dir={folder}"]
+    start = time.perf_counter()
+    code, output = launch(["train.py", *run], nproc, env, args.timeout)
+    seconds = time.perf_counter() - start
+    rows = [json.loads(line) for line in open(os.path.join(out, run_folder.METRICS))] \
+        if os.path.isfile(os.path.join(out, run_folder.METRICS)) else []
+    if code != 0:
+        return check("failed", "ran past --timeout" if code is None else error_line(output), seconds=seconds), []
+    compiled = re.search(r"torch\.compile \(compiled in (\d+) s\)", output)
+    fallbacks = [line for line in output.splitlines() if line.startswith("warning: torch.compile")]
+    figures = dict(seconds=round(seconds, 1), compile_seconds=int(compiled[1]) if compiled else None,
+                   ms_per_iter=rows[-1]["ms_per_iter"], tokens_per_s=rows[-1]["tokens_per_s"],
+                   peak_mem_gib=rows[-1].get("peak_mem_gb"), losses=[row["loss"] for row in rows],
+                   val_loss=rows[-1].get("val_loss"), compile_fallbacks=fallbacks)
+    said = (f"{len(rows)} steps, an evaluation and a save in {seconds:.0f} s"
+            + (f" (compiled in {compiled[1]} s)" if compiled else " (eager: compiling is a GPU check)" if not compile
+               else "")
+            + (f"; peak memory {figures['peak_mem_gib']:.1f} GiB" if figures["peak_mem_gib"] else ""))
+    if compile and (fallbacks or not compiled):
+        why = fallbacks[0] if fallbacks else "the start line says eager"
+        return check("failed", f"{said}; torch.compile fell back to eager ({why}): the run works, slower; "
+                               f"--compile=False says so up front", **figures), figures["losses"]
+    return check("ok", said, **figures), figures["losses"]
+
+
+def precision(run_losses, reference_losses, dtype):
+    if not run_losses or not reference_losses:
+        return check(NOT_RUN, "a training run failed")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(run_losses, reference_losses, strict=True))
+    figures = dict(max_relative_difference=worst, losses=run_losses, float32_losses=reference_losses)
+    if worst > FP16_TOLERANCE:
+        return check("failed", f"{dtype} losses differ from float32's by up to {100 * worst:.1f}% (more than "
+                               f"{100 * FP16_TOLERANCE:g}%): train with --dtype=float32 and report it", **figures)
+    return check("ok", f"{dtype} losses within {100 * worst:.2f}% of float32's", **figures)
+
+
+def say(name, checks):
+    print(f"{name:<14}{checks[name]['status']}: {checks[name]['detail']}", flush=True)
+
+
+def verdict(checks):
+    failed = [(name, c) for name, c in checks.items() if c["status"] == "failed"]
+    if not failed:
+        return "go: every check that ran passed" + (
+            f" ({', '.join(n for n, c in checks.items() if c['status'] == NOT_RUN)} not run)"
+            if any(c["status"] == NOT_RUN for c in checks.values()) else "")
+    return "no-go: " + "; ".join(f"{name}: {c['detail']}" for name, c in failed)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", default="preflight_report.json", help="where the JSON report goes")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the last evaluates and saves)")
+    parser.add_argument("--rouge_samples", type=int, default=16, help="dialogues the evaluation decodes")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds each training run may take")
+    parser.add_argument("--collective_timeout", type=int, default=60, help="seconds each collective try may take")
+    parser.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
+    args, settings = parser.parse_known_args(argv)
+    if args.collective:
+        return run_collective(settings)
+    cfg = load_config(settings)
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    nproc = max(torch.cuda.device_count(), 1) if cuda else 2
+    shape = {**(PRETRAINED.get(cfg.init_from, {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd")})),
+             "block_size": cfg.block_size} if cuda else TINY
+    checks = dict(versions=versions(), gpus=gpus(), shared_memory=shared_memory(), disk=disk(cfg, {**shape,
+                  "vocab_size": 50304}))
+    for name in checks:
+        say(name, checks)
+    env = None
+    if nproc > 1:
+        checks["collective"], env = collective(cfg, nproc, device, args.collective_timeout)
+    else:
+        checks["collective"] = check(NOT_RUN, "one process: no collective between GPUs")
+    say("collective", checks)
+    with tempfile.TemporaryDirectory(prefix="preflight-") as folder:
+        base = [*settings, f"--device={device}", *([] if cuda else TINY_DECODING)]
+        # gloo on a CPU; where no NCCL setting worked, one process trains
+        runs = nproc if env is not None else 1
+        env = env or dict(os.environ, PYTHONPATH=ROOT)
+        run_dtype = "float16" if cuda and torch.cuda.get_device_capability()[0] < 8 else (
+            "bfloat16" if cuda else "float32")
+        run_dtype = cfg.dtype if cfg.dtype != "auto" else run_dtype
+        checks["training"], losses = training(base, shape, cfg, runs, env, args, folder, run_dtype, compile=cuda)
+        say("training", checks)
+        if cuda and run_dtype != "float32":
+            _, reference = training(base, shape, cfg, runs, env, args, folder, "float32", compile=False)
+            checks["precision"] = precision(losses, reference, run_dtype)
+        else:
+            checks["precision"] = check(NOT_RUN, "no GPU: fp16 against fp32 is a GPU check" if not cuda
+                                        else f"the run trains in {run_dtype}")
+        say("precision", checks)
+    line = verdict(checks)
+    report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
+    with atomic_write(args.report) as f:
+        json.dump(report, f, indent=2, default=str)
+    print(line)
+    print(f"report: {os.path.abspath(args.report)}")
+    return 0 if report["go"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""bench/preflight.py, the check a user runs first: on this CPU it runs the same code with gloo and a tiny model
+(versions, /dev/shm, disk, a two-process collective, training through an evaluation and a save) and says which
+checks need a GPU; a failed check is a no-go verdict and exit status 1."""
+import json
+import sys
+
+from bench import preflight
+from config import load_config
+from conftest import run
+
+
+def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not_run(tmp_path):
+    report = tmp_path / "preflight.json"
+    result = run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--report={report}", "--steps=2",
+                  "--rouge_samples=2"], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = json.loads(report.read_text())
+    checks = said["checks"]
+    assert said["go"] is True and said["device"] == "cpu" and said["processes"] == 2
+    assert said["verdict"] == "go: every check that ran passed (gpus, precision not run)"
+    assert result.stdout.splitlines()[-2] == said["verdict"]  # the verdict is the last line before the report's path
+    assert (checks["gpus"]["status"], checks["precision"]["status"]) == ("not run", "not run")
+    assert checks["collective"] == {**checks["collective"], "status": "ok", "use": "gloo"}
+    assert checks["versions"]["torch"] and checks["disk"]["status"] == "ok"
+    training = checks["training"]
+    assert training["status"] == "ok" and len(training["losses"]) == 2 and training["val_loss"] > 0
+
+
+def test_a_disk_that_cannot_take_the_runs_checkpoints_is_a_no_go(tmp_path):
+    cfg = load_config([f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path}", "--output_quota_gb=0.01"])
+    disk = preflight.disk(cfg, dict(preflight.TINY, vocab_size=50304))
+    assert disk["status"] == "failed" and "output quota" in disk["detail"]
+    line = preflight.verdict({"versions": preflight.check("ok", ""), "disk": disk,
+                              "gpus": preflight.check("not run", "no CUDA GPU")})
+    assert line.startswith("no-go: disk: out_dir ") and "--out_dir" in line

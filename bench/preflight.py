@@ -4,7 +4,8 @@ versions (Python, torch, CUDA, NCCL, Triton, the driver, the libraries); the GPU
 /dev/shm; the disk and the output quota against the run's checkpoints; a collective between the processes under a
 short timeout, trying the NCCL settings in turn (the run's, NCCL_CUMEM_HOST_ENABLE=0, NCCL_SHM_DISABLE=1); a few
 compiled training steps at the run's shapes (random weights: nothing is downloaded) through an evaluation with its
-compiled decoding and a save, with their compile seconds and peak memory; fp16 against fp32 losses. It ends in one
+compiled decoding and a save, with their compile seconds and peak memory; fp16 against fp32 losses; the run's
+decoding at gen_batch_size prompts of the longest length, compiled, with its compile seconds. It ends in one
 verdict line, exits 1 on a no-go, and writes a JSON report. On a CPU the same code runs with gloo and a tiny model,
 and the GPU checks say `not run`.
 
@@ -196,6 +197,48 @@ def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
     return check("ok", said, **figures), figures["losses"]
 
 
+def decoding(cfg, shape, dtype, device):
+    """The run's decoding at its shapes, compiled as evaluate.py and predict.py compile it: one generate() call
+    of the batch generation_batches makes of gen_batch_size prompts of the longest length a prompt may have, random
+    weights in the run's dtype; the compile seconds are the first call's time less the second's."""
+    from config import Decoding, part
+    from generate import generate
+    from summarizer import inference
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    with device:
+        model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
+    length, settings = cfg.block_size - cfg.max_new_tokens, part(cfg, Decoding)
+    prompts = torch.randint(0, 50257, (cfg.gen_batch_size, length)).tolist()
+    batch = inference.generation_batches(prompts, settings, cfg.gen_batch_size, model.config,
+                                         inference.generation_memory(cfg, device), getattr(torch, dtype))[0]
+    step, seconds = inference.CompiledDecodeStep(), []
+    try:
+        for _ in range(2):
+            synchronize()
+            start = time.perf_counter()
+            generate(model, [prompts[i] for i in batch], settings, decode_step=step, seed=0)
+            synchronize()
+            seconds.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError as e:
+        return check("failed", f"out of memory decoding {len(batch)} prompts of {length} tokens: lower "
+                               f"--gen_batch_size or --gen_memory_gb ({str(e).splitlines()[0]})")
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    figures = dict(compile_seconds=round(seconds[0] - seconds[1], 1), seconds=round(seconds[1], 3),
+                   summaries_per_s=round(len(batch) / seconds[1], 1), prompts=len(batch), compiled=not step.failed)
+    said = (f"{len(batch)} summaries of up to {cfg.max_new_tokens} tokens from {length}-token prompts: compiled in "
+            f"{figures['compile_seconds']:.0f} s, then {figures['summaries_per_s']:.1f} summaries/s")
+    if step.failed:
+        return check("failed", f"{said}; torch.compile fell back to eager (its warning above): decoding works, "
+                               f"slower", **figures)
+    return check("ok", said, **figures)
+
+
 def precision(run_losses, reference_losses, dtype):
     if not run_losses or not reference_losses:
         return check(NOT_RUN, "a training run failed")
@@ -265,6 +308,10 @@ def main(argv=None):
             checks["precision"] = check(NOT_RUN, "no GPU: fp16 against fp32 is a GPU check" if not cuda
                                         else f"the run trains in {run_dtype}")
         say("precision", checks)
+    checks["decoding"] = (decoding(cfg, shape, run_dtype, torch.device("cuda")) if cuda and cfg.compile is not False
+                          else check(NOT_RUN, "no GPU: compiled decoding is a GPU check" if not cuda
+                                     else "--compile=False"))
+    say("decoding", checks)
     line = verdict(checks)
     report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
     with atomic_write(args.report) as f:

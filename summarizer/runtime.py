@@ -129,6 +129,15 @@ def warn_compile_failed(error, fallback):
                file=sys.stderr)  # on a line of its own under a progress bar
 
 
+def backward_compiled_in_forward():
+    """AOTAutograd compiles the backward graph at the forward, not lazily at the first backward: a compiler error
+    there meets CompiledModule's fallback."""
+    config = torch._functorch.config
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        return config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
+
+
 class CompiledModule(torch.nn.Module):
     """`module` under torch.compile, with `module` itself (eager) for the rest of the run after one warning line
     when the compiler fails at any call: a recompile limit, a backend error after the first step. Its parameters
@@ -144,7 +153,8 @@ class CompiledModule(torch.nn.Module):
     def forward(self, *args):
         if not self.eager:
             try:
-                return self.compiled(*args)
+                with backward_compiled_in_forward():
+                    return self.compiled(*args)
             except Exception as e:  # a failed compile ran nothing: the eager call below does the whole forward
                 if not compiler_error(e):
                     raise

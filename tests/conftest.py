@@ -118,6 +118,15 @@ def save_csv(path, rows, test=False):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Compiled code of earlier tests in this process is forgotten (its cache entries count toward dynamo's
+    recompile limit), before and after the test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def write_csv(tmp_path):
     """write_csv(name, n, seed=0, test=False) -> path of a CSV of synthetic dialogues in tmp_path (no summary if
     test). Module-scoped fixtures call save_csv(folder / name, synthetic_rows(n, seed)) instead."""

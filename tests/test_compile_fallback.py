@@ -19,14 +19,6 @@ def args(write_csv, tmp_path):
             "--sample_submission_csv="]
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Compiled code of earlier tests in this process is forgotten (its cache entries count toward the limit)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def warnings(capsys):
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: torch.compile")]
 
@@ -84,6 +76,30 @@ def test_a_compiler_error_after_step_1_trains_and_decodes_eagerly_to_the_end(arg
     eager = metrics(tmp_path / "eager")
     assert [row["iter"] for row in compiled] == [1, 2, 3]
     assert [row["loss"] for row in compiled] == pytest.approx([row["loss"] for row in eager], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_compiler_error_in_the_backward_graph_after_step_1_trains_eagerly_to_the_end(args, tmp_path, capsys,
+                                                                                       monkeypatch, fresh_dynamo):
+    """Inductor fails on backward graphs only, from step 2 on: AOTAutograd compiles the backward at the forward
+    (not lazily at loss.backward(), past the fallback), so the failure is one warning and training goes on eagerly."""
+    import torch._inductor.compile_fx as compile_fx
+    real_compile_fx, real_inner = compile_fx.compile_fx, compile_fx.compile_fx_inner
+
+    def failing_backward(*args, **kwargs):
+        if kwargs.get("is_backward"):
+            raise RuntimeError("forced backward compiler error")
+        return real_inner(*args, **kwargs)
+
+    def break_backward(trainer):
+        torch._dynamo.reset()
+        monkeypatch.setattr(compile_fx, "compile_fx",
+                            lambda *a, **k: real_compile_fx(*a, **{**k, "inner_compile": failing_backward}))
+    before_step(monkeypatch, 1, break_backward)
+    train.main([*args, "--rouge_samples=0", "--best_metric=val_loss"])
+    said = warnings(capsys)
+    assert len(said) == 1 and "forced backward compiler error" in said[0] and "training eagerly from now on" in said[0]
+    assert [row["iter"] for row in metrics(tmp_path / "out")] == [1, 2, 3]
 
 
 def test_the_compiled_module_falls_back_to_its_own_weights(capsys, fresh_dynamo):

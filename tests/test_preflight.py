@@ -4,6 +4,8 @@ checks need a GPU; a failed check is a no-go verdict and exit status 1."""
 import json
 import sys
 
+import torch
+
 from bench import preflight
 from config import load_config
 from conftest import run
@@ -17,9 +19,9 @@ def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not
     said = json.loads(report.read_text())
     checks = said["checks"]
     assert said["go"] is True and said["device"] == "cpu" and said["processes"] == 2
-    assert said["verdict"] == "go: every check that ran passed (gpus, precision not run)"
+    assert said["verdict"] == "go: every check that ran passed (gpus, precision, decoding not run)"
     assert result.stdout.splitlines()[-2] == said["verdict"]  # the verdict is the last line before the report's path
-    assert (checks["gpus"]["status"], checks["precision"]["status"]) == ("not run", "not run")
+    assert [checks[name]["status"] for name in ("gpus", "precision", "decoding")] == ["not run"] * 3
     assert checks["collective"] == {**checks["collective"], "status": "ok", "use": "gloo"}
     assert checks["versions"]["torch"] and checks["disk"]["status"] == "ok"
     training = checks["training"]
@@ -33,3 +35,11 @@ def test_a_disk_that_cannot_take_the_runs_checkpoints_is_a_no_go(tmp_path):
     line = preflight.verdict({"versions": preflight.check("ok", ""), "disk": disk,
                               "gpus": preflight.check("not run", "no CUDA GPU")})
     assert line.startswith("no-go: disk: out_dir ") and "--out_dir" in line
+
+
+def test_the_decoding_check_compiles_the_runs_decoding_at_its_shapes(fresh_dynamo):
+    """What the GPU runs, here on the CPU at a tiny shape: one batch as generation_batches sizes it, compiled."""
+    cfg = load_config(["--block_size=32", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu"])
+    said = preflight.decoding(cfg, dict(preflight.TINY, block_size=32), "float32", torch.device("cpu"))
+    assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3, said
+    assert said["detail"].startswith("3 summaries of up to 8 tokens from 24-token prompts: compiled in ")

@@ -478,7 +478,7 @@ class Trainer:
         self.control.step_in_progress = self.state.step + 1
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        self.module, self.decode_step = self.module_to_train()
+        self.module, self.decode_step, self.compiled = self.module_to_train()
         if self.control.budget is not None and self.control.after_summaries and self.rouge_prompts:
             self.control.per_summary = self.seconds_per_summary()
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
@@ -500,18 +500,21 @@ class Trainer:
 
     def module_to_train(self):
         """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
-        micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None)."""
-        module, decode_step = self.objective.module(self.model), None
+        micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None; what
+        runs under torch.compile, in words, for the start line)."""
+        module, decode_step, compiled = self.objective.module(self.model), None, "eager"
         if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
             start = time.perf_counter()
             with memory_hint(self.cfg, self.rt):
                 module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
-            self.compile_seconds = time.perf_counter() - start
-        # decoding compiles with training, or alone where the backend trains eagerly (FSDP)
-        if isinstance(module, CompiledModule) or (self.rt.compile and not self.rt.compile_training):
+            if isinstance(module, CompiledModule):
+                decode_step = inference.CompiledDecodeStep()
+                compiled = f"torch.compile (compiled in {time.perf_counter() - start:.0f} s)"
+        elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
             decode_step = inference.CompiledDecodeStep()
-        return self.rt.parallel.wrap(module), decode_step
+            compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
+        return self.rt.parallel.wrap(module), decode_step, compiled
 
     def seconds_per_summary(self):
         """Seconds a summary takes, from one batch of the ROUGE prompts decoded now (its compile included, and
@@ -519,18 +522,9 @@ class Trainer:
         evaluate_after and predict_after until the first evaluation measures it."""
         prompts = self.rouge_prompts[:self.cfg.gen_batch_size * self.rt.world_size]
         start = time.perf_counter()
-        with torch.no_grad():
-            inference.summarize_sharded(rouge_model(self.model, self.cfg, self.rt), prompts, self.cfg, self.rt,
-                                        progress=False, decode_step=self.decode_step)
+        inference.summarize_sharded(rouge_model(self.model, self.cfg, self.rt), prompts, self.cfg, self.rt,
+                                    progress=False, decode_step=self.decode_step)
         return (time.perf_counter() - start) / len(prompts)
-
-    def compiled(self):
-        """What runs under torch.compile, in words (the start line)."""
-        training = isinstance(self.module, CompiledModule) or isinstance(
-            getattr(self.module, "module", None), CompiledModule)  # under DDP
-        if training:
-            return f"torch.compile (compiled in {self.compile_seconds:.0f} s)"
-        return "eager" if self.decode_step is None else f"eager training ({self.rt.backend}), torch.compile decoding"
 
     def start_lines(self, disk):
         """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
@@ -542,7 +536,7 @@ class Trainer:
         lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                  f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled())}",
+                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}",
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if cfg.max_time is not None:
             first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval

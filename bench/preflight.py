@@ -31,6 +31,7 @@ from config import load_config
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import run_folder
 from summarizer.files import atomic_write
+from summarizer.launch import one_line_errors
 from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
@@ -274,8 +275,10 @@ def main(argv=None):
     parser.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
     args, settings = parser.parse_known_args(argv)
     if args.collective:
-        return run_collective(settings)
-    cfg = load_config(settings)
+        with one_line_errors():
+            return run_collective(settings)
+    with one_line_errors():  # a wrong setting is one line, as in train.py
+        cfg = load_config(settings)
     cuda = cfg.device != "cpu" and torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     nproc = max(torch.cuda.device_count(), 1) if cuda else 2

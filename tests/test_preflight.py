@@ -8,7 +8,7 @@ import torch
 
 from bench import preflight
 from config import load_config
-from conftest import run
+from conftest import one_error_line, run
 
 
 def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not_run(tmp_path):
@@ -43,3 +43,8 @@ def test_the_decoding_check_compiles_the_runs_decoding_at_its_shapes(fresh_dynam
     said = preflight.decoding(cfg, dict(preflight.TINY, block_size=32), "float32", torch.device("cpu"))
     assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3, said
     assert said["detail"].startswith("3 summaries of up to 8 tokens from 24-token prompts: compiled in ")
+
+
+def test_a_wrong_setting_is_one_line(capsys):
+    err = one_error_line(capsys, preflight.main, ["--device=cpu", "--max_itres=3"])
+    assert "unknown config key 'max_itres'" in err and "max_iters" in err

@@ -387,7 +387,8 @@ def meet(cfg, device, world_size):
     never arrives or a transport that fails (NCCL's, at its setup) stops every rank in one line at start-up,
     naming what to change; later collectives may take dist_timeout seconds each."""
     nccl = device.type == "cuda"
-    start = datetime.timedelta(seconds=min(cfg.dist_start_timeout, cfg.dist_timeout))
+    bound = min((cfg.dist_start_timeout, "dist_start_timeout"), (cfg.dist_timeout, "dist_timeout"))
+    start = datetime.timedelta(seconds=bound[0])
     try:
         dist.init_process_group("nccl" if nccl else "gloo", device_id=device if nccl else None, timeout=start)
         dist.all_reduce(torch.ones(1, device=device))
@@ -395,9 +396,9 @@ def meet(cfg, device, world_size):
             torch.cuda.synchronize(device)  # NCCL reports a failed setup at the first wait
     except (RuntimeError, dist.DistError) as e:  # DistStoreError, DistBackendError; NCCL's errors
         detail = " ".join(str(e).split())[:300]
-        what = (f"the {world_size} processes did not all start and meet within dist_start_timeout="
-                f"{start.seconds} s" if "clients joined" in detail or "timed out" in detail.lower() else
-                f"the first collective between the {world_size} processes failed")
+        timed_out = "clients joined" in detail or "timed out" in detail.lower()
+        what = (f"the {world_size} processes did not all start and meet within {bound[1]}={bound[0]} s" if timed_out
+                else f"the first collective between the {world_size} processes failed")
         fix = ""
         if nccl:
             setting = next_nccl_setting(os.environ)
@@ -407,7 +408,7 @@ def meet(cfg, device, world_size):
                       if setting else "see docs/troubleshooting.md (NCCL settings) and run python -m "
                                       "bench.preflight"))
         raise UserError(f"{what} ({detail}){fix}") from None
-    if start.seconds != cfg.dist_timeout:
+    if bound[0] != cfg.dist_timeout:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.dist_timeout))
 
 

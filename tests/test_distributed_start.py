@@ -27,19 +27,20 @@ def test_the_nccl_variables_in_effect_are_named():
 
 
 @pytest.mark.slow
-def test_a_rank_that_never_joins_ends_the_run_in_one_line_within_the_start_timeout(write_csv, tmp_path):
+@pytest.mark.parametrize("bound", ["--dist_start_timeout=5", "--dist_timeout=5"])
+def test_a_rank_that_never_joins_ends_the_run_in_one_line_within_the_start_timeout(bound, write_csv, tmp_path):
     """Rank 0 of 2 starts alone (rank 1 never comes): with dist_start_timeout=5 (dist_timeout keeps its 30
-    minutes) it stops after about 5 s, before any work, in one line; without the bound it would wait 30 minutes."""
+    minutes), or a dist_timeout below the start's 120 s, it stops after about 5 s, before any work, in one line
+    naming the setting that bounded the wait; without the bound it would wait 30 minutes."""
     env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     argv = [sys.executable, "train.py", *tiny(), f"--train_csv={write_csv('train.csv', 20)}",
-            f"--out_dir={tmp_path / 'out'}", "--dist_start_timeout=5"]
+            f"--out_dir={tmp_path / 'out'}", bound]
     try:
         result = run(argv, env=env, timeout=300)
     except subprocess.TimeoutExpired:
-        pytest.fail("rank 0 waited past dist_start_timeout")
+        pytest.fail("rank 0 waited past the start's timeout")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("error (rank 0): the 2 processes did not all start and meet within "
-                               "dist_start_timeout=5 s (") and "1/2" in lines[0]
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    assert lines[0].startswith(f"error (rank 0): the 2 processes did not all start and meet within {bound[2:]} s (")
+    assert "1/2" in lines[0] and not (tmp_path / "out" / "ckpt.pt").exists()

@@ -204,7 +204,7 @@ def decoding(cfg, shape, dtype, device):
     weights in the run's dtype; the compile seconds are the first call's time less the second's."""
     from config import Decoding, part
     from generate import generate
-    from summarizer import inference
+    from summarizer import inference, mbr
 
     def synchronize():
         if device.type == "cuda":
@@ -220,7 +220,7 @@ def decoding(cfg, shape, dtype, device):
         for _ in range(2):
             synchronize()
             start = time.perf_counter()
-            generate(model, [prompts[i] for i in batch], settings, decode_step=step, seed=0)
+            generate(model, [prompts[i] for i in batch], settings, seed=0, mbr_pick=mbr.pick, decode_step=step)
             synchronize()
             seconds.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as e:

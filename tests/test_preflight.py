@@ -39,7 +39,8 @@ def test_a_disk_that_cannot_take_the_runs_checkpoints_is_a_no_go(tmp_path):
 
 def test_the_decoding_check_compiles_the_runs_decoding_at_its_shapes(fresh_dynamo):
     """What the GPU runs, here on the CPU at a tiny shape: one batch as generation_batches sizes it, compiled."""
-    cfg = load_config(["--block_size=32", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu"])
+    cfg = load_config(["--block_size=32", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu",
+                       "--mbr_samples=2", "--temperature=0.7"])  # MBR: the choice among samples runs too
     said = preflight.decoding(cfg, dict(preflight.TINY, block_size=32), "float32", torch.device("cpu"))
     assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3, said
     assert said["detail"].startswith("3 summaries of up to 8 tokens from 24-token prompts: compiled in ")

@@ -165,24 +165,22 @@ def per_rank(mode, states, activations):
     return (*states["lora" if mode.startswith("lora") else "full"]["single"], activations[mode])
 
 
-def after_training(shape, mode, parts, samsum_csv):
+def after_training(shape, mode, parts, full_weights, preset, length):
     """(evaluation, save) bytes on one GPU after the steps: the ROUGE evaluation holds the weights and AdamW's state
     (gradients freed) and decodes with a KV cache and logits in the half of the free memory generation_memory
-    takes (under FSDP from a gathered fp32 copy of the weights, train.rouge_model); a LoRA run's save builds, on
-    rank 0, the merged fp32 copy of every adapted weight (W + B @ A)."""
+    takes (under FSDP from a gathered copy of the `full_weights`, train.rouge_model), at `preset`'s decoding and
+    prompts of `length` tokens; a LoRA run's save builds, on rank 0, the merged fp32 copy of every adapted weight
+    (W + B @ A)."""
     weights, _, optimizer, _ = parts
-    held = weights + optimizer
-    if mode.startswith("fsdp2"):
-        held += nbytes(build(shape, shape["n_layer"], False, "meta").parameters())
-    cfg = load_config([PRESETS[0]])
+    held = weights + optimizer + (full_weights if mode.startswith("fsdp2") else 0)
     config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-    length = longest_prompt(samsum_csv, cfg)
     memory = max(T4_USABLE_GIB * GIB - held, 0) / 2
-    prompts = [[0] * length] * min(cfg.rouge_samples, cfg.gen_batch_size)
-    batch = len(inference.generation_batches(prompts, part(cfg, Decoding), cfg.gen_batch_size, config, memory,
+    prompts = [[0] * length] * min(preset.rouge_samples, preset.gen_batch_size)
+    decoding = part(preset, Decoding)
+    batch = len(inference.generation_batches(prompts, decoding, preset.gen_batch_size, config, memory,
                                              torch.float16)[0])
-    kv = inference.kv_cache_bytes(config, batch * inference.cache_rows_per_prompt(part(cfg, Decoding)),
-                                  length + cfg.max_new_tokens, torch.float16)
+    kv = inference.kv_cache_bytes(config, batch * inference.cache_rows_per_prompt(decoding),
+                                  length + preset.max_new_tokens, torch.float16)
     evaluation = held + kv + LOGITS_COPIES * batch * config.vocab_size * 4
     merged = 0
     if mode.startswith("lora"):
@@ -194,6 +192,8 @@ def after_training(shape, mode, parts, samsum_csv):
 def bench_memory(args, samsum_csv):
     x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
     names = args.memory_models.split(",")
+    preset = load_config([PRESETS[0]])  # the evaluation's decoding during training
+    length = longest_prompt(samsum_csv, preset)
     rows = []
     for name in names:
         shape = dict(PRETRAINED[name])
@@ -204,7 +204,7 @@ def bench_memory(args, samsum_csv):
         for mode in MODES:
             parts = per_rank(mode, states, activations)
             total = sum(parts) / GIB
-            evaluation, save = after_training(shape, mode, parts, samsum_csv)
+            evaluation, save = after_training(shape, mode, parts, states["full"]["single"][0], preset, length)
             peak = max(total, evaluation / GIB, save / GIB)
             row = dict(section="memory", figure=f"{name}:{mode}:gib_per_rank", value=total,
                        weights_gib=parts[0] / GIB, grads_gib=parts[1] / GIB, optimizer_gib=parts[2] / GIB,

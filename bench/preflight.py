@@ -32,7 +32,7 @@ from model import GPT, PRETRAINED, GPTConfig
 from summarizer import run_folder
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors
-from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect
+from summarizer.runtime import NCCL_SETTINGS, choose_precision, nccl_flags, nccl_in_effect
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
 TINY_DECODING = ["--max_new_tokens=16"]  # ... and its summaries
@@ -124,10 +124,7 @@ def collective(cfg, nproc, device, timeout):
     network transports both set up) between nproc processes, for each NCCL setting in turn until one works."""
     base = dict(os.environ, PYTHONPATH=ROOT)
     if device == "cuda":
-        if cfg.nccl_p2p_disable:
-            base.setdefault("NCCL_P2P_DISABLE", "1")
-        if cfg.nccl_ib_disable:
-            base.setdefault("NCCL_IB_DISABLE", "1")
+        base = {**nccl_flags(cfg), **base}  # as Runtime sets them: the user's own environment wins
         tries = [base, *({**base, **setting} for setting in NCCL_SETTINGS)]
     else:
         tries = [base]
@@ -177,10 +174,10 @@ def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
     start = time.perf_counter()
     code, output = launch(["train.py", *run], nproc, env, args.timeout)
     seconds = time.perf_counter() - start
-    rows = [json.loads(line) for line in open(os.path.join(out, run_folder.METRICS))] \
-        if os.path.isfile(os.path.join(out, run_folder.METRICS)) else []
     if code != 0:
         return check("failed", "ran past --timeout" if code is None else error_line(output), seconds=seconds), []
+    with open(os.path.join(out, run_folder.METRICS), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
     compiled = re.search(r"torch\.compile \(compiled in (\d+) s\)", output)
     fallbacks = [line for line in output.splitlines() if line.startswith("warning: torch.compile")]
     figures = dict(seconds=round(seconds, 1), compile_seconds=int(compiled[1]) if compiled else None,
@@ -279,7 +276,10 @@ def main(argv=None):
             return run_collective(settings)
     with one_line_errors():  # a wrong setting is one line, as in train.py
         cfg = load_config(settings)
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        # what the run will train in (bfloat16 on a T4 is refused here as there)
+        run_dtype, _ = choose_precision(cfg.dtype, "cuda" if cuda else "cpu",
+                                        torch.cuda.get_device_capability() if cuda else None)
     device = "cuda" if cuda else "cpu"
     nproc = max(torch.cuda.device_count(), 1) if cuda else 2
     shape = {**(PRETRAINED.get(cfg.init_from, {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd")})),
@@ -299,9 +299,6 @@ def main(argv=None):
         # gloo on a CPU; where no NCCL setting worked, one process trains
         runs = nproc if env is not None else 1
         env = env or dict(os.environ, PYTHONPATH=ROOT)
-        run_dtype = "float16" if cuda and torch.cuda.get_device_capability()[0] < 8 else (
-            "bfloat16" if cuda else "float32")
-        run_dtype = cfg.dtype if cfg.dtype != "auto" else run_dtype
         checks["training"], losses = training(base, shape, cfg, runs, env, args, folder, run_dtype, compile=cuda)
         say("training", checks)
         if cuda and run_dtype != "float32":

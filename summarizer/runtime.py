@@ -216,10 +216,8 @@ class Runtime:
             raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
         if want_cuda:  # read at the first CUDA allocation: widths that vary every step fragment fixed segments
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if cfg.nccl_p2p_disable:
-            os.environ.setdefault("NCCL_P2P_DISABLE", "1")
-        if cfg.nccl_ib_disable:
-            os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        for key, value in nccl_flags(cfg).items():
+            os.environ.setdefault(key, value)  # the user's own environment wins
         accelerate_precision, accelerate_dynamo = (accelerate_settings(os.environ) if self.backend == "accelerate"
                                                    else ("no", "no"))
         self.parallel = BACKENDS[self.backend](cfg, want_cuda)
@@ -370,6 +368,12 @@ class DDP(SingleProcess):
 # not supported'", NVIDIA/nccl#1838); NCCL_CUMEM_HOST_ENABLE=0 takes the older /dev/shm files, NCCL_SHM_DISABLE=1
 # no shared memory at all (a small /dev/shm fails the files too).
 NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
+
+
+def nccl_flags(cfg):
+    """The NCCL variables the config's flags ask for (set only where the environment has none)."""
+    return {key: "1" for key, on in (("NCCL_P2P_DISABLE", cfg.nccl_p2p_disable),
+                                     ("NCCL_IB_DISABLE", cfg.nccl_ib_disable)) if on}
 
 
 def next_nccl_setting(environ):

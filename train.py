@@ -75,11 +75,15 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                     lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 trainer = Trainer(cfg, rt, control, objective, start)
                 del start  # its tensors map the file, whose disk space a save must be able to free
-                trainer.fit()
+                try:
+                    trainer.fit()
+                    step = trainer.state.step
+                finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
+                    del trainer
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
             if control.stop_signal:
                 if rt.is_main:
-                    print(f"stopped by {signal.Signals(control.stop_signal).name} after iter {trainer.state.step}: "
+                    print(f"stopped by {signal.Signals(control.stop_signal).name} after iter {step}: "
                           f"{ckpt} holds it; continue with:\n  {go_on}")
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + control.stop_signal)
@@ -88,7 +92,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 timing = (f"with {left:.0f} s left for what follows" if left > 0 else
                           f"{-left:.0f} s past the budget (the last step, evaluation and save took longer than "
                           f"measured)")
-                print(f"max_time={cfg.max_time:g}: stopped after iter {trainer.state.step} of {cfg.max_iters} "
+                print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
                       f"{timing}; {ckpt} holds it; continue with:\n"
                       f"  {go_on}\n"
                       f"or in a new session, with this output attached as input, add "

@@ -3,9 +3,12 @@ trainer uses), its backend (a single process, torchrun's DDP or FSDP, Accelerate
 wraps and gathers the model its way), compiling a model with a fallback to eager, and peak FLOPS."""
 import contextlib
 import datetime
+import gc
 import os
 import re
+import subprocess
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -250,8 +253,10 @@ class Runtime:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.parallel.close(clean=exc[0] is None)
+    def __exit__(self, kind, error, trace):
+        if trace is not None:  # what the failed work held (a DDP module, FSDP's state) goes before its group
+            traceback.clear_frames(trace)
+        self.parallel.close(clean=kind is None)
 
     @property
     def distributed(self):
@@ -347,9 +352,7 @@ class DDP(SingleProcess):
 
     def close(self, clean):
         if dist.is_initialized():
-            if clean:  # no rank tears its connections down while another still uses them
-                dist.barrier()
-            dist.destroy_process_group()
+            part(self.device, clean, self.rank)
 
     def wrap(self, model):
         if self.world_size == 1:
@@ -416,6 +419,49 @@ def meet(cfg, device, world_size):
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.dist_timeout))
 
 
+# How long a process may take to end after the ranks' last collective (its outputs are complete by then) before a
+# watchdog ends it: destroying a group takes well under a second.
+TEARDOWN_SECONDS = 60
+WATCHDOG = """
+import os, select, signal, sys
+pipe, parent, seconds, line = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+if not select.select([pipe], [], [], seconds)[0]:  # the pipe is readable (at its end) once the parent has exited
+    print(line, file=sys.stderr, flush=True)
+    os.kill(parent, signal.SIGKILL)
+"""
+
+
+def part(device, clean, rank):
+    """End the process group in an order that cannot deadlock. A gloo group's destructor joins its worker threads,
+    and a worker may need the GIL to drop the last reference to a finished collective's tensors: when a C++ holder
+    drops the group's last reference (DDP's Reducer, at the interpreter's exit) the GIL stays held and both wait
+    (pytorch/pytorch#56297, #75097). So: whatever still holds the group (the run's DDP module, FSDP's state) is
+    collected first, while the group's registry keeps it alive; a clean end meets the other ranks in one blocking
+    all-reduce whose tensor stays referenced here until the group is gone (no worker drops its last reference);
+    then destroy_process_group drops the group from Python, which releases the GIL while the workers stop. A
+    watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs."""
+    gc.collect()  # reference cycles through the model, its hooks and the objective
+    if clean:  # no rank tears its connections down while another still uses them
+        done = torch.ones(1, device=device)
+        dist.all_reduce(done)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    watch_exit(TEARDOWN_SECONDS, f"warning (rank {rank}): the process group's teardown did not end within "
+                                 f"{TEARDOWN_SECONDS} s of the ranks' last collective; the outputs are complete: "
+                                 f"ending the process")
+    dist.destroy_process_group()
+
+
+def watch_exit(seconds, line):
+    """Start a watchdog process that writes `line` to stderr and kills this process if it is still alive `seconds`
+    from now. A process, not a thread: a thread needs the GIL, which a hung teardown may hold. It learns of this
+    process's end from a pipe whose only writer is this process (the fd stays open until the process ends)."""
+    read, write = os.pipe()  # not inherited by later children (PEP 446): only this process holds `write`
+    subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
+                     pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    os.close(read)
+
+
 class Accelerate(DDP):
     """`accelerate launch`: Accelerate's process group and DDP wrapper; precision and compile stay ours."""
 
@@ -430,7 +476,9 @@ class Accelerate(DDP):
         self.device = self.accelerator.device
 
     def close(self, clean):
-        self.accelerator.end_training()
+        self.accelerator.free_memory()  # it keeps the models it prepared: its DDP module holds the group
+        if dist.is_initialized():  # end_training skips the group under notebook_launcher's forked workers
+            part(self.device, clean, self.rank)
 
     def wrap(self, model):
         return self.accelerator.prepare_model(model)
@@ -495,6 +543,10 @@ class FSDP(DDP):
                   f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
                   f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
         return fits
+
+    def close(self, clean):
+        self.model = None  # the sharded model holds the group: it goes first
+        super().close(clean)
 
     def wrap(self, model):
         return model

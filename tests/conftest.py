@@ -18,6 +18,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",
         "--device=cpu", "--dtype=float32", "--compile=False"]
+# Seconds after which a test gives up on a process it started: a guard against a hang, never a bound on the work
+# (a test bounds its work by steps and rows; a loaded machine is slower, not stuck).
+HANG = 1800
 # One optimizer step of 4 sequences, then one evaluation by validation loss: the shortest run that writes checkpoints.
 ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
@@ -42,12 +45,12 @@ def metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def run(cmd, env=None, timeout=240):
+def run(cmd, env=None, timeout=None):
     """A command (a script, torchrun, python -c) in the repository as a user starts it: one thread per process,
     no Accelerate settings of the surrounding shell. Returns the CompletedProcess."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | dict(env or {})
     return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout or HANG)
 
 
 def torchrun(*args):

@@ -22,7 +22,7 @@ import data
 import evaluate
 import predict
 import train
-from conftest import ONE_STEP, REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
+from conftest import HANG, ONE_STEP, REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 
@@ -319,7 +319,7 @@ def test_the_scripts_as_processes(trained, tmp_path):
                                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert len(processes) == 3
     for (script, pattern), process in processes.items():
-        _, err = process.communicate(timeout=120)
+        _, err = process.communicate(timeout=HANG)
         assert process.returncode == ERROR, (script, err)
         assert err.count("\n") == 1 and err.startswith("error: ") and re.search(pattern, err), (script, err)
 
@@ -400,7 +400,7 @@ def test_a_gpt2_name_without_network_is_one_line_within_seconds(trained, tmp_pat
     result = subprocess.run([sys.executable, "train.py", *gpt2, *ONE_STEP,
                              f"--train_csv={trained / 'train.csv'}", f"--data_cache_dir={trained / 'cache'}",
                              f"--out_dir={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=HANG)
     # 8 to 9 s on a quiet 2-core machine (imports, tokenizing, the Hub probe's 3 s); transformers' own retries would
     # take a minute or more: 45 s tells them apart on a loaded machine too (at least 3x the quiet figure)
     assert result.returncode == ERROR and time.monotonic() - start < 45

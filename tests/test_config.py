@@ -20,7 +20,7 @@ from config import (
     parse_sweep,
     sweep_settings,
 )
-from conftest import REPO, one_error_line, tiny
+from conftest import HANG, REPO, one_error_line, tiny
 from summarizer.command_line import SETTINGS_WIDTH, changed_settings, markdown_reference, save_config, settings_report
 from summarizer.errors import UserError
 
@@ -202,7 +202,7 @@ def test_help_and_reference_document_every_key(capsys):
 @pytest.mark.slow
 def test_help_into_a_closed_pipe_is_not_an_error():
     result = subprocess.run(f"{sys.executable} train.py --help | head -1", shell=True, cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0 and result.stdout.strip() and result.stderr == ""
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from conftest import REPO, TINY, torchrun
+from conftest import HANG, REPO, TINY, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import model_from_checkpoint
@@ -31,7 +31,7 @@ def train_logged(args, log):
     train.main(args)
 
 
-def wait_for(condition, proc, what, timeout=60):
+def wait_for(condition, proc, what, timeout=HANG):
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc.exitcode is None, f"the trainer exited ({proc.exitcode}) before {what}"
@@ -134,7 +134,7 @@ def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(write_csv, tmp_
         torchrun("--nproc_per_node=2", "--standalone", "tests/faulty_rank.py", *RUN, "--micro_batch_size=2",
                  f"--train_csv={tmp_path / 'train.csv'}", f"--data_cache_dir={tmp_path / 'cache'}",
                  f"--out_dir={tmp_path / 'out'}", "--max_iters=10", "--eval_interval=100", "--dist_timeout=30"),
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG)
     assert result.returncode != 0
     assert re.search(r"^(\[rank1\]: )?error \(rank 1\): RuntimeError: injected fault in step 2$", result.stderr,
                      re.MULTILINE), result.stderr[-3000:]

@@ -14,7 +14,7 @@ import torch
 
 import data
 from config import PROMPT_TEMPLATE, Config
-from conftest import REPO, save_csv
+from conftest import HANG, REPO, save_csv
 from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
 from summarizer.errors import UserError
 
@@ -385,7 +385,7 @@ def test_a_read_only_checkout_trains_with_a_writable_out_dir(tmp_path):
     with read_only(checkout):
         result = subprocess.run([sys.executable, "train.py", "config/demo.py", "--max_iters=1", "--rouge_samples=0",
                                  "--best_metric=val_loss", "--evaluate_after=False", "--predict_after=False",
-                                 f"--out_dir={out}"], cwd=checkout, capture_output=True, text=True, timeout=300,
+                                 f"--out_dir={out}"], cwd=checkout, capture_output=True, text=True, timeout=HANG,
                                 env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1"))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert "data_cache_dir .cache/data cannot be written" in result.stdout

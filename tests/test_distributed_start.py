@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import free_port, run, tiny
+from conftest import HANG, free_port, run, tiny
 from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect, next_nccl_setting
 
 
@@ -37,7 +37,7 @@ def test_a_rank_that_never_joins_ends_the_run_in_one_line_within_the_start_timeo
     argv = [sys.executable, "train.py", *tiny(), f"--train_csv={write_csv('train.csv', 20)}",
             f"--out_dir={tmp_path / 'out'}", bound]
     try:
-        result = run(argv, env=env, timeout=300)
+        result = run(argv, env=env, timeout=HANG)
     except subprocess.TimeoutExpired:
         pytest.fail("rank 0 waited past the start's timeout")
     lines = [line for line in result.stderr.splitlines() if line.strip()]

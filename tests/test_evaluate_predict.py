@@ -12,7 +12,7 @@ from rouge_score import rouge_scorer
 import evaluate
 import predict
 import train
-from conftest import REPO, save_csv, synthetic_rows, tiny, torchrun
+from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, torchrun
 from summarizer import submission
 from summarizer.errors import UserError
 
@@ -153,7 +153,7 @@ def test_two_ranks_write_the_submission_one_process_writes(trained, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     result = subprocess.run(torchrun("--nproc_per_node=2", "--standalone", "predict.py",
                                      *args(trained, tmp_path / "sharded")), cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=240)
+                            text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("wrote 11 summaries") == 1  # rank 0 only
     single = (tmp_path / "single" / "submission.csv").read_bytes()

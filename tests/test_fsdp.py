@@ -11,7 +11,7 @@ import torch
 
 import train
 from bench import fsdp as bench_fsdp
-from conftest import REPO, assert_export_matches, tiny, torchrun
+from conftest import HANG, REPO, assert_export_matches, tiny, torchrun
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer.checkpoint import load_checkpoint
 from summarizer.runtime import reduce_once_bytes
@@ -24,7 +24,7 @@ RUN = [*tiny(n_layer=2), "--log_interval=1", "--warmup_iters=2", "--learning_rat
 def run(cmd):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     result = subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO),
-                            capture_output=True, text=True, timeout=240)
+                            capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, metrics, tiny, torchrun
+from conftest import HANG, REPO, free_port, metrics, tiny, torchrun
 from summarizer.checkpoint import load_checkpoint
 
 STEPS = 30
@@ -39,14 +39,14 @@ def logged_iters(out):
 def stop_during_training(process, log, out, pids, sig, after_iter):
     """Send `sig` to `pids()` once the run has logged step `after_iter` (between two evaluations), so during the
     next step; its output."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG
     while max(logged_iters(out), default=0) < after_iter:
         assert process.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "the run did not reach the iteration to stop at"
         time.sleep(0.01)
     for pid in pids():
         os.kill(pid, sig)
-    process.wait(timeout=120)
+    process.wait(timeout=HANG)
     return log.read_text()
 
 
@@ -84,10 +84,10 @@ def test_a_stopped_run_saves_its_step_and_continues_as_one_uninterrupted_run(how
     assert command.startswith(code) and command.endswith("--init_from=resume")
 
     continued = subprocess.run([*launcher, "train.py", *args, "--init_from=resume"], cwd=REPO,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=HANG)
     assert continued.returncode == 0, continued.stderr
     finished = subprocess.run([*launcher, "train.py", *ARGS, *data, f"--out_dir={whole}"], cwd=REPO,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=HANG)
     assert finished.returncode == 0, finished.stderr
     assert logged_iters(stopped) == sorted(set(logged_iters(stopped))) == list(range(1, STEPS + 1))
     losses = {r["iter"]: r["loss"] for r in metrics(stopped)}
@@ -130,6 +130,6 @@ def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_comman
     assert command.endswith("--init_from=resume")
     continued = subprocess.run([*torchrun(), *shlex.split(command)[1:]], cwd=REPO,
                                env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                               timeout=300)
+                               timeout=HANG)
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == STEPS

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from conftest import REPO
+from conftest import HANG, REPO
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "kaggle_t4x2.ipynb")
 
@@ -41,7 +41,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
         'WHEELS = ""',
     ])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(nb, kernel_name="python3", timeout=HANG, resources={"metadata": {"path": str(tmp_path)}}).execute()
 
     out = tmp_path / "repo" / "out-demo"
     assert (out / "best.pt").is_file() and len(list((out / "tensorboard").iterdir())) == 1  # rank 0 only

@@ -8,13 +8,13 @@ import torch
 
 from bench import preflight
 from config import load_config
-from conftest import one_error_line, run
+from conftest import HANG, one_error_line, run
 
 
 def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not_run(tmp_path):
     report = tmp_path / "preflight.json"
     result = run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--report={report}", "--steps=2",
-                  "--rouge_samples=2"], timeout=600)
+                  "--rouge_samples=2"], timeout=HANG)
     assert result.returncode == 0, result.stdout + result.stderr
     said = json.loads(report.read_text())
     checks = said["checks"]

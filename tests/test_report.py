@@ -21,7 +21,7 @@ import data
 import evaluate
 import train
 from config import Config
-from conftest import REPO, one_error_line, synthetic_rows
+from conftest import HANG, REPO, one_error_line, synthetic_rows
 from summarizer import evaluation, report
 
 DEMO = os.path.join(REPO, "data", "demo")
@@ -272,7 +272,7 @@ def screenshot(chromium, page, png, folder):
     result = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                              f"--user-data-dir={folder / 'chromium'}", "--window-size=1280,1600",
                              f"--screenshot={png}", "--enable-logging=stderr", "--v=0", page.as_uri()],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0 and png.is_file(), result.stderr[-3000:]
     return [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
 

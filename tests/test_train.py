@@ -11,7 +11,7 @@ import torch
 
 import conftest
 import train
-from conftest import REPO, free_port, metrics, run, save_csv, synthetic_rows, torchrun
+from conftest import HANG, REPO, free_port, metrics, run, save_csv, synthetic_rows, torchrun
 from summarizer.checkpoint import load_checkpoint
 
 RUN = [*conftest.TINY, "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
@@ -135,7 +135,7 @@ def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, sin
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     try:
-        outputs = [node.communicate(timeout=240) for node in nodes]
+        outputs = [node.communicate(timeout=HANG) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
@@ -156,7 +156,7 @@ def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
                              "--rouge_samples=1", f"--out_dir={out}", f"--data_cache_dir={tmp_path / 'cache'}",
                              "--evaluate_after=False", "--predict_after=False"], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            timeout=300)
+                            timeout=HANG)
     assert result.returncode == 0, result.stdout
     # progress bars aside: a slower machine draws more of their updates
     lines = [line for line in result.stdout.replace("\r", "\n").splitlines()

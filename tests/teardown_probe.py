@@ -1,0 +1,47 @@
+"""A script (train.py, calibrate.py, evaluate.py, predict.py) under torchrun, that reports on stderr what is alive
+when its process group is destroyed: after a garbage collection, the DDP modules, FSDP-sharded modules and GPTs
+(tests/test_teardown.py). With --hang, the group's destruction never returns instead, and the teardown's bound
+is 2 s.
+
+    torchrun --nproc_per_node=2 --standalone tests/teardown_probe.py [--hang] SCRIPT [its arguments]
+"""
+import gc
+import runpy
+import sys
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.fsdp
+from torch.nn.parallel import DistributedDataParallel
+
+from model import GPT
+from summarizer import runtime
+
+destroy = dist.destroy_process_group
+
+
+def alive_at_teardown(*args, **kwargs):
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        counts = {"ddp": sum(isinstance(o, DistributedDataParallel) for o in objects),
+                  "fsdp": sum(isinstance(o, torch.distributed.fsdp.FSDPModule) for o in objects),
+                  "gpt": sum(isinstance(o, GPT) for o in objects)}
+    print(f"alive at teardown: {' '.join(f'{k}={v}' for k, v in counts.items())}", file=sys.stderr, flush=True)
+    return destroy(*args, **kwargs)
+
+
+def hang(*args, **kwargs):
+    while True:
+        pass
+
+
+if __name__ == "__main__":
+    hung = sys.argv[1] == "--hang"
+    script, *argv = sys.argv[2:] if hung else sys.argv[1:]
+    dist.destroy_process_group = hang if hung else alive_at_teardown
+    if hung:
+        runtime.TEARDOWN_SECONDS = 2
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")

@@ -291,6 +291,9 @@ class Training:
                                           "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
                                           "evaluate_after/predict_after; None or '' = none; this process's own, never "
                                           "a checkpoint's", C, parse=parse_duration)
+    sessions: int = option(1, "how many max_time sessions (processes that end at their budget) the run is planned "
+                              "over: the learning rate cools down to min_lr at the end of the last; each earlier one "
+                              "trains at the schedule's LR to its budget", R, bound=POSITIVE)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute", R)
 

@@ -463,6 +463,14 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     return Splits(train, val, notes)
 
 
+def load_validation(cfg, is_main=True, barrier=no_op):
+    """The tokenized examples of validation_csv alone: what a baseline, which trains on nothing, is scored on."""
+    fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
+    table = read_table(cfg.validation_csv, "validation_csv", cfg)
+    arrays, _ = cached_tokens(table, cfg, fmt, is_main, barrier)
+    return Examples.from_rows(table, arrays, np.arange(len(table.ids)))
+
+
 def read_test(cfg):
     """The dialogues to summarize (test_csv): every row is kept, ids must be unique."""
     return read_table(cfg.test_csv, "test_csv", cfg, test=True)

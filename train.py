@@ -15,7 +15,6 @@ import math
 import os
 import shlex
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -37,7 +36,10 @@ from summarizer.checkpoint import (
     load_checkpoint,
     lost_rank_keeps_checkpoints,
     resolve,
+    rng_state,
+    set_rng_state,
 )
+from summarizer.clock import COOLDOWN, RunClock, cooldown_lr
 from summarizer.command_line import check_command, save_config, settings_report
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
@@ -45,14 +47,11 @@ from summarizer.launch import notebook_launch, one_line_errors, process_age, ran
 from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference
 from summarizer.metrics import rouge
 from summarizer.runtime import CompiledModule, Runtime, compile_model, out_of_memory_hint, peak_flops
-from summarizer.schedule import fitted_to_budget, learning_rate
+from summarizer.schedule import learning_rate, sessions_done
 from summarizer.submission import check_against_sample, predict
 from summarizer.tracking import Tracker, drop_rows_after, log_row, plot_metrics, progress_postfix
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
-# max_time: the LR decay is planned to end this far into the steps projected to fit, so that steps a little slower
-# than measured still reach min_lr (the last 7% of a cosine decay is within 1% of its range from min_lr)
-PLAN_MARGIN = 0.9
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop
 
@@ -77,7 +76,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 del start  # its tensors map the file, whose disk space a save must be able to free
                 try:
                     trainer.fit()
-                    step = trainer.state.step
+                    step, clock = trainer.state.step, trainer.clock
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
                     del trainer
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
@@ -88,7 +87,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + control.stop_signal)
             if control.out_of_time and rt.is_main:
-                left = control.seconds_left()
+                left = clock.left()
                 timing = (f"with {left:.0f} s left for what follows" if left > 0 else
                           f"{-left:.0f} s past the budget (the last step, evaluation and save took longer than "
                           f"measured)")
@@ -301,20 +300,15 @@ class TokenLoss:
 
 class RunControl:
     """Asked once a step whether the run stops after it: a stop signal (SIGINT: Ctrl-C or a notebook's stop
-    button; SIGTERM: a session or job ending) that any rank received, max_time (no room left for another step
-    and what follows the loop), or NaN patience (an error). It also warns when fp16 keeps skipping steps."""
+    button; SIGTERM: a session or job ending) that any rank received, max_time (the run's clock leaves no room for
+    another step), or NaN patience (an error). It also warns when fp16 keeps skipping steps."""
 
     def __init__(self, cfg, rt, started=None):
         self.cfg, self.rt = cfg, rt
-        self.budget = cfg.max_time  # seconds, or None
-        self.started = time.monotonic() if started is None else started
-        self.after_summaries = 0  # dialogues evaluate_after/predict_after will summarize
-        self.step_seconds = collections.deque(maxlen=20)
-        self.evaluation_seconds = None  # of the last evaluation with its checkpoint save
-        self.per_summary = 0.0
+        self.started = time.monotonic() if started is None else started  # what max_time counts from
         self.received = None  # the first stop signal this process received
         self.stop_signal = None  # the one the ranks agreed on after a step
-        self.out_of_time = False  # the ranks agreed that max_time leaves no room for another step
+        self.out_of_time = False  # the ranks agreed (rank 0's clock) that max_time leaves no room for another step
         self.step_in_progress = 1  # for the acknowledgment
         self.bad_steps = 0
         self.recent_skips = collections.deque(maxlen=SKIP_WINDOW)
@@ -345,71 +339,23 @@ class RunControl:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    # max_time
-    def no_room_after_this_step(self):
-        """Whether the run must stop after the step about to start (its reserve is more than the budget leaves)."""
-        if self.budget is None or not self.step_seconds:
-            return False
-        return self.reserve() > self.seconds_left()
-
-    def reserve(self):
-        """The seconds the budget must keep after a step for the run to end in time: two of the slowest recent
-        steps, the last evaluation and save (before one is measured, 5% of the budget stands for it), and
-        evaluate_after and predict_after, an evaluation's time each beside their summaries (loading the checkpoint,
-        scoring, writing)."""
-        finish = 1.5 * self.evaluation_seconds if self.evaluation_seconds is not None else 0.05 * self.budget
-        after = (self.per_summary * self.after_summaries
-                 + finish * (int(self.cfg.evaluate_after) + int(self.cfg.predict_after)))
-        return 2 * max(self.step_seconds) + finish + after
-
-    def seconds_left(self):
-        return self.budget - (time.monotonic() - self.started)
-
-    def check_start_up(self):
-        """One line when max_time is spent before the first step (imports, data, model, a compile trial), or when
-        what must follow the training (evaluate_after's and predict_after's summaries, at per_summary seconds as
-        measured before step 1) takes all the budget leaves."""
-        if self.budget is None:
-            return
-        spent, after = time.monotonic() - self.started, self.per_summary * self.after_summaries
-        enough = 10 * math.ceil((spent + 2 * after) / 10)
-        if self.seconds_left() <= 0:
-            raise UserError(f"max_time={self.budget:g} is used up before the first step: start-up took {spent:.0f} s "
-                            f"(imports, reading the data, building the model): give a budget well above that, e.g. "
-                            f"--max_time={max(60, round(10 * spent, -1)):g}")
-        if after >= self.seconds_left():
-            raise UserError(f"max_time={self.budget:g} leaves {self.seconds_left():.0f} s after start-up, and the "
-                            f"{self.after_summaries} summaries of evaluate_after and predict_after need about "
-                            f"{after:.0f} s ({1000 * self.per_summary:.0f} ms each, measured before step 1): no "
-                            f"training would fit; give --max_time above {enough:g}, or "
-                            f"summarize later (--evaluate_after=False --predict_after=False, then evaluate.py and "
-                            f"predict.py)")
-
-    def last_step_that_fits(self, step):
-        """max_time: the last step the budget leaves room for, projected from the mean step and the last
-        evaluation (every eval_interval steps) measured, the reserve kept as no_room_after_this_step keeps it, and
-        PLAN_MARGIN; every rank gets rank 0's."""
-        per_step = statistics.mean(self.step_seconds) + self.evaluation_seconds / self.cfg.eval_interval
-        steps = PLAN_MARGIN * max(self.seconds_left() - self.reserve(), 0) / per_step
-        return self.rt.all_gather_objects(step + int(steps))[0]
-
-    def requests(self, device, out_of_time):
-        """This rank's stop requests as a tensor to sum over ranks (one slot per signal, then out of time): it
-        travels with the step's losses, in its one reduction."""
+    def requests(self, device, steps_left):
+        """This rank's stop requests as a tensor to sum over ranks (one slot per signal), then the steps max_time
+        leaves after this one by rank 0's clock (-1: no budget): it travels with the step's losses, in its one
+        reduction, so every rank sets the same learning rate and stops at the same step."""
         requests = torch.zeros(len(STOP_SIGNALS) + 1, device=device)
         if self.received:
             requests[STOP_SIGNALS.index(self.received)] = 1
-        if out_of_time:
-            requests[-1] = 1
+        if self.rt.is_main:
+            requests[-1] = -1 if steps_left is None else steps_left
         return requests
 
-    def after_step(self, step, requests, loss, skipped, seconds):
+    def after_step(self, step, requests, loss, skipped):
         """Take in the step just done (1-based `step`) and the summed requests of every rank; stops the run with one
         line after NAN_PATIENCE non-finite losses in a row. Returns whether the loop stops now."""
-        self.step_seconds.append(seconds)
         self.step_in_progress = step + 1
         self.stop_signal = next((s for s, n in zip(STOP_SIGNALS, requests, strict=False) if n), None)
-        self.out_of_time = bool(requests[-1])
+        self.out_of_time = requests[-1] == 0
         self.bad_steps = 0 if math.isfinite(loss) else self.bad_steps + 1
         if self.bad_steps >= NAN_PATIENCE:
             raise UserError(f"loss is {loss} for {self.bad_steps} iterations in a row (iter {step}); stopped. "
@@ -433,13 +379,14 @@ class RunControl:
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
     skipped (an fp16 overflow or a non-finite loss), the objective's second loss term per dialogue, every rank's
-    stop requests summed, and the GlobalBatch it trained on."""
+    stop requests summed, the GlobalBatch it trained on, and its learning rate."""
     loss: float
     grad_norm: float
     skipped: bool
     extra: float
     requests: list
     batch: data.GlobalBatch
+    lr: float
 
 
 class Trainer:
@@ -452,7 +399,7 @@ class Trainer:
         self.control = control or RunControl(cfg, rt)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
-        splits, self.control.after_summaries = datasets(cfg, rt)
+        splits, after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = model_to_train(cfg, start)
@@ -483,8 +430,14 @@ class Trainer:
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
         self.module, self.decode_step, self.compiled = self.module_to_train()
-        if self.control.budget is not None and self.control.after_summaries and self.rouge_prompts:
-            self.control.per_summary = self.seconds_per_summary()
+        self.clock, self.primed_step = None, None
+        if cfg.max_time is not None:
+            self.clock = RunClock(cfg.max_time, self.control.started, time.monotonic, cfg.eval_interval,
+                                  len(self.rouge_prompts), after_summaries,
+                                  int(cfg.evaluate_after) + int(cfg.predict_after))
+            self.primed_step = self.prime_clock(after_summaries)
+        # max_time's cooldown comes in the last of the sessions the run is planned over
+        self.last_session = sessions_done(self.state.schedule) + 1 >= cfg.sessions
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
         if rt.is_main:
             if cfg.lora_rank and cfg.init_from == "scratch":
@@ -520,15 +473,35 @@ class Trainer:
             compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
         return self.rt.parallel.wrap(module), decode_step, compiled
 
-    def seconds_per_summary(self):
-        """Seconds a summary takes, from one batch of the ROUGE prompts decoded now (its compile included, and
-        summaries of weights not yet trained, which run long: an upper bound): what max_time keeps for
-        evaluate_after and predict_after until the first evaluation measures it."""
-        prompts = self.rouge_prompts[:self.cfg.gen_batch_size * self.rt.world_size]
-        start = time.perf_counter()
-        inference.summarize_sharded(rouge_model(self.model, self.cfg, self.rt), prompts, self.cfg, self.rt,
-                                    progress=False, decode_step=self.decode_step)
-        return (time.perf_counter() - start) / len(prompts)
+    def prime_clock(self, after_summaries):
+        """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
+        decoded twice (when the run summarizes) and the first micro-batch's forward and backward twice; the first
+        of each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
+        trained run to max_new_tokens: an upper bound. Returns a step's seconds at the warm pace; leaves no
+        gradients and draws no random numbers."""
+        cfg, rt = self.cfg, self.rt
+        prompts = self.rouge_prompts
+        if after_summaries and not prompts:
+            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
+        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
+        rng = rng_state()
+        if prompts:
+            model = rouge_model(self.model, cfg, rt)
+            for _ in range(2):
+                start = time.perf_counter()
+                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
+                self.clock.summaries.add(time.perf_counter() - start, len(prompts))
+        first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], rt.device)
+        with memory_hint(cfg, rt):
+            for _ in range(2):
+                start = time.perf_counter()
+                with rt.autocast():
+                    token_loss, weighed, _ = self.objective.losses(self.module, first)
+                (token_loss + weighed).backward()
+                seconds = time.perf_counter() - start
+        self.state.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng)
+        return seconds * self.accum_steps
 
     def start_lines(self, disk):
         """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
@@ -542,36 +515,51 @@ class Trainer:
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
                  f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}",
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
-        if cfg.max_time is not None:
-            first = (self.state.step // cfg.eval_interval + 1) * cfg.eval_interval
-            lines.append(f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): if the budget ends the run "
-                         f"before max_iters={cfg.max_iters}, the learning-rate decay is fitted to the steps that "
-                         f"fit, planned at the first evaluation (iter {first}) from its time and the steps'")
-            if self.control.per_summary:
-                after = self.control.per_summary * self.control.after_summaries
-                lines.append(f"max_time keeps about {after:.0f} s for the {self.control.after_summaries} summaries of "
-                             f"evaluate_after and predict_after ({1000 * self.control.per_summary:.0f} ms each, "
-                             f"measured now; the first evaluation measures again)")
+        if self.clock:
+            lines.append(self.budget_line())
         return lines
 
+    def budget_line(self):
+        """What max_time buys, before step 1: the steps that fit at the pace measured now, and what the clock does
+        with them."""
+        cfg, clock, step = self.cfg, self.clock, self.state.step
+        fit = 1 + clock.steps_left(self.primed_step)
+        line = (f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): {clock.left():.0f} s left after "
+                f"start-up buy about {fit} steps ({clock.describe(self.primed_step)}; re-measured every step)")
+        if clock.after_summaries:
+            line += (f", keeping {clock.after_run():.0f} s for the {clock.after_summaries} summaries of "
+                     f"evaluate_after and predict_after")
+        if step + fit >= cfg.max_iters:
+            return line + f": room for the {cfg.max_iters - step} steps to max_iters={cfg.max_iters}"
+        if not self.last_session:
+            return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}; session "
+                    f"{sessions_done(self.state.schedule) + 1} of sessions={cfg.sessions}: the learning rate follows "
+                    f"the schedule to the budget's end, and cools down in the last session")
+        return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}: the learning rate cools "
+                f"down over the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
+                + ("; warning: few steps for a run" if fit < 10 else ""))
+
     def fit(self):
-        cfg, rt, state, control = self.cfg, self.rt, self.state, self.control
-        control.check_start_up()
+        cfg, rt, state, control, clock = self.cfg, self.rt, self.state, self.control, self.clock
+        if clock:  # every rank stops with rank 0's verdict
+            rt.stop_if(clock.start_up_problem(self.primed_step) if rt.is_main else None)
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         with self.tracker, memory_hint(cfg, rt), tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main,
                                                       dynamic_ncols=True, desc="training", unit="it") as bar:
             while state.step < cfg.max_iters:
-                lr = learning_rate(state.step, state.schedule)
-                for group in state.optimizer.param_groups:
-                    group["lr"] = lr
                 start = time.perf_counter()
                 done = self.train_step(state.step)
                 seconds = time.perf_counter() - start
+                if clock:
+                    clock.steps.add(seconds)
                 state.step += 1
                 state.skipped_steps += done.skipped
-                stop = control.after_step(state.step, done.requests, done.loss, done.skipped, seconds)
+                stop = control.after_step(state.step, done.requests, done.loss, done.skipped)
+                if control.out_of_time:  # this session ended at its budget; the last one ends the schedule
+                    state.schedule = {**state.schedule, "sessions_done": sessions_done(state.schedule) + 1,
+                                      **({"floor": state.schedule["min_lr"]} if self.last_session else {})}
                 batch = done.batch
-                stats = {"iter": state.step, "loss": done.loss, "lr": lr, "grad_norm": done.grad_norm,
+                stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
                 if self.objective.extra_loss:
                     stats[self.objective.extra_loss] = done.extra
@@ -584,8 +572,8 @@ class Trainer:
                     start = time.perf_counter()
                     stats.update(self.validate())
                     self.checkpoint(stats)
-                    control.evaluation_seconds = time.perf_counter() - start
-                    self.fit_schedule_to_budget(bar)
+                    if clock:
+                        clock.evaluated(time.perf_counter() - start)
                 elif control.stop_signal:
                     state.save(cfg, rt, stats, best=False)
                 if rt.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
@@ -594,26 +582,6 @@ class Trainer:
                     self.log(stats, bar)
                 if stop:
                     return
-
-    def fit_schedule_to_budget(self, bar):
-        """At each evaluation of a run with max_time (its steps and an evaluation measured): when the budget will
-        end the run before the LR decay does, the decay is planned to end within it, from the current LR. A later
-        evaluation plans again only if fewer steps fit than planned (slower steps, longer evaluations), so a steady
-        pace plans once. The schedule keeps the plan (ckpt.pt): a resume continues it."""
-        state, control, cfg = self.state, self.control, self.cfg
-        if control.budget is None or control.out_of_time:
-            return
-        last = control.last_step_that_fits(state.step)
-        end = min(state.schedule["decay_iters"], cfg.max_iters)
-        if last >= end:
-            return
-        state.schedule = fitted_to_budget(state.schedule, state.step, last)
-        if self.rt.is_main:
-            bar.write(f"max_time={cfg.max_time:g}: about {last - state.step} more steps fit the budget "
-                      f"({1000 * statistics.mean(control.step_seconds):.0f} ms a step, "
-                      f"{control.evaluation_seconds:.1f} s an evaluation every {cfg.eval_interval}), not the "
-                      f"{cfg.max_iters - state.step} to max_iters={cfg.max_iters}: the learning rate now decays to "
-                      f"min_lr {state.schedule['min_lr']:.2e} by iter {last} (it would at iter {end})")
 
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""
@@ -624,7 +592,7 @@ class Trainer:
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / batch.targets
         loss_sum, extra_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        out_of_time = self.control.no_room_after_this_step()
+        steps_left = self.clock.steps_left(self.primed_step) if self.clock else None
         for i, micro_batch in enumerate(batch.micro_batches):
             with rt.parallel.no_sync(self.module, sync=i == len(batch.micro_batches) - 1):
                 with rt.autocast():
@@ -636,8 +604,11 @@ class Trainer:
         # a signal received until now (during this step too), or no room after it: it travels with the losses,
         # one reduction and one host sync per step
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None],
-                                               self.control.requests(rt.device, out_of_time)])).tolist()
+                                               self.control.requests(rt.device, steps_left)])).tolist()
         loss, extra, requests = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, reduced[2:]
+        lr = self.learning_rate(step, int(requests[-1]))
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
         grad_norm, skipped = math.nan, True
         if math.isfinite(loss):
             state.scaler.unscale_(state.optimizer)  # true gradients, for the norm and the clipping
@@ -647,7 +618,16 @@ class Trainer:
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=True)
-        return StepDone(loss, grad_norm, skipped, extra, requests, batch)
+        return StepDone(loss, grad_norm, skipped, extra, requests, batch, lr)
+
+    def learning_rate(self, step, steps_left):
+        """The LR of step `step` (0-based): the schedule's, cooled down by max_time's clock when the budget ends the
+        run first (`steps_left`: the steps rank 0's clock leaves after this one; -1: no budget). Decided afresh each
+        step from the time left, so a pace measured better later (a second, warm evaluation) lifts an early guess."""
+        lr = learning_rate(step, self.state.schedule)
+        if steps_left < 0:
+            return lr
+        return cooldown_lr(lr, self.state.schedule["min_lr"], steps_left, step, self.last_session)
 
     @torch.no_grad()
     def validate(self):
@@ -662,7 +642,8 @@ class Trainer:
             model = rouge_model(self.model, self.cfg, self.rt)
             predictions = inference.summarize_sharded(model, self.rouge_prompts, self.cfg, self.rt, progress=False,
                                                       decode_step=self.decode_step)
-            self.control.per_summary = (time.perf_counter() - start) / len(predictions)
+            if self.clock:
+                self.clock.summarized(time.perf_counter() - start, len(predictions))
             metrics.update(rouge(predictions, self.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics

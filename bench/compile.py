@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import model as model_module
-from bench import ROOT, SAMSUM_CSV
+from bench import ROOT, SAMSUM_CSV, child_environ
 from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr
@@ -208,7 +208,7 @@ def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                              "--standalone", "-m", "bench.compile", out, *args], cwd=ROOT,
-                            env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
+                            env=child_environ(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                             timeout=600)
     if result.returncode:
         raise RuntimeError(f"training worker failed: {result.stderr[-2000:]}")

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import ROOT
+from bench import ROOT, child_environ
 
 GIB = 2**30
 RANKS = 2
@@ -140,9 +140,9 @@ def run_ranks(runs, tmp, timeout=TIMEOUT):
     spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "counted.json")
     with open(spec, "w") as f:
         json.dump([dict(run, port=free_port()) for run in runs], f)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(RANKS), OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")},
+                        MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(RANKS), OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     logs = [open(os.path.join(tmp, f"rank{rank}.log"), "w+") for rank in range(RANKS)]
     ranks = [subprocess.Popen([sys.executable, "-m", "bench.fsdp", "--worker", spec, out], cwd=ROOT,
                               env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log,

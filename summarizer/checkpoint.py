@@ -23,9 +23,10 @@ from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
 # ---- the record --------------------------------------------------------------------------------------------
 
-# What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change to what a checkpoint holds
-# (a new setting included) bumps it, with its upgrade step (UPGRADES, ADDED) and a fixture written by the last commit
-# of the format before (tests/fixtures/checkpoints/make.sh): tests/test_checkpoint_formats.py reads every fixture.
+# What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change of what a checkpoint's
+# contents mean bumps it (a new setting only needs its entry in ABSENT), with its upgrade step (UPGRADES, ADDED) and a
+# fixture written by the last commit of the format before (tests/fixtures/checkpoints/make.sh):
+# tests/test_checkpoint_formats.py reads every fixture.
 FORMAT = 5
 FORMATS = {1: "the version of 2026-11-23", 2: "the version of 2026-11-24", 3: "the version of 2026-11-25",
            4: "the version of 2026-11-26 up to f63e9be", 5: "this version"}
@@ -118,6 +119,10 @@ def upgrade_4(ckpt):
 
 UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 
+# Settings added since format 5, with the value in effect before each existed: a checkpoint that lacks one gets it
+# as it loads. A new setting needs no new format; a format changes when a meaning does.
+ABSENT = {"sessions": 1}
+
 
 def upgraded(ckpt, path):
     """A checkpoint dict of any format, as format FORMAT; one line for a file this code cannot read."""
@@ -130,6 +135,7 @@ def upgraded(ckpt, path):
         while version < FORMAT:
             ckpt = UPGRADES[version](ckpt)
             version += 1
+        ckpt = {**ckpt, "config": {**ABSENT, **ckpt["config"]}}
     except (KeyError, TypeError, UserError) as e:
         raise UserError(f"{path} is a checkpoint of format {written} ({FORMATS[written]}) that cannot be upgraded "
                         f"to format {FORMAT}: {type(e).__name__} {e}; read it with that version, or train "

@@ -164,8 +164,11 @@ def validation_set(run, cfg, explicit, rt):
     Rows the checkpoint trained on (same dialogue, or same id where both CSVs have ids) are refused in one line,
     unless the split is the run's own and they are duplicates inside its train_csv (then a note says so).
     Returns (examples, notes)."""
-    splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
-    val = splits.val
+    if run.ckpt is None and run.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
+        splits, val = None, data.load_validation(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+    else:
+        splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+        val = splits.val
     if not len(val):
         raise UserError(f"no validation rows to score: {describe_validation(run.cfg)} leaves none; pass "
                         f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if run.ckpt else ""))

@@ -439,9 +439,11 @@ def part(device, clean, rank):
     collected first, while the group's registry keeps it alive; a clean end meets the other ranks in one blocking
     all-reduce whose tensor stays referenced here until the group is gone (no worker drops its last reference);
     then destroy_process_group drops the group from Python, which releases the GIL while the workers stop. A
-    watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs."""
-    gc.collect()  # reference cycles through the model, its hooks and the objective
+    watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs.
+    After an error (its frames cleared by Runtime), no collection: under torchrun the launcher stops the other ranks
+    within moments, and the error line comes after this."""
     if clean:  # no rank tears its connections down while another still uses them
+        gc.collect()  # reference cycles through the model, its hooks and the objective
         done = torch.ones(1, device=device)
         dist.all_reduce(done)
         if device.type == "cuda":

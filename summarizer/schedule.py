@@ -1,5 +1,6 @@
-"""The learning-rate schedule: linear warmup, cosine decay to min_lr; saved in ckpt.pt and continued (or
-reshaped by a changed config) when a run resumes."""
+"""The learning-rate schedule: linear warmup, cosine decay to min_lr, and a floor: min_lr once a run's last
+max_time session has cooled down to it (summarizer/clock.py); saved in ckpt.pt with the sessions the run has ended,
+and continued (or reshaped by a changed config) when a run resumes."""
 import math
 
 
@@ -12,6 +13,11 @@ def lr_schedule(run_config):
 
 
 def learning_rate(it, schedule):
+    """The LR of step `it` (0-based): the warmup and cosine's, never above the floor."""
+    return min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
+
+
+def stepped_rate(it, schedule):
     s = schedule
     if it < s["warmup_iters"]:
         return s["peak_lr"] * (it - s["start"] + 1) / (s["warmup_iters"] - s["start"] + 1)
@@ -19,6 +25,11 @@ def learning_rate(it, schedule):
         return s["min_lr"]
     ratio = (it - s["warmup_iters"]) / max(1, s["decay_iters"] - s["warmup_iters"])
     return s["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (s["peak_lr"] - s["min_lr"])
+
+
+def sessions_done(schedule):
+    """How many max_time sessions of the run ended at their budget."""
+    return schedule.get("sessions_done", 0)
 
 
 def resumed_schedule(schedule, saved, cfg, it):
@@ -32,20 +43,12 @@ def resumed_schedule(schedule, saved, cfg, it):
     if not changed and not (warming_up and schedule["decay_iters"] <= schedule["warmup_iters"]):
         return schedule
     horizon = cfg.lr_decay_iters or cfg.max_iters
+    kept = {"sessions_done": sessions_done(schedule)}  # a changed LR setting lifts the floor, not the sessions
     if warming_up:  # finish the warmup, then decay to the new horizon
-        return dict(schedule, peak_lr=cfg.learning_rate, min_lr=cfg.min_lr, decay_iters=horizon)
+        return {**{k: v for k, v in schedule.items() if k != "floor"}, "peak_lr": cfg.learning_rate,
+                "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
     start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
-    return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon}
-
-
-def fitted_to_budget(schedule, it, last):
-    """The schedule of a run whose time budget ends at step `last`, before its decay would (planned at step `it`,
-    and marked so): the cosine decay reaches min_lr at `last`, continuing from the LR of step `it` (a warmup in
-    progress finishes first). A resume continues it as saved."""
-    if it < schedule["warmup_iters"] < last:
-        return dict(schedule, decay_iters=last, fitted_to_budget=True)
-    return {"start": it, "warmup_iters": it, "peak_lr": learning_rate(it, schedule), "min_lr": schedule["min_lr"],
-            "decay_iters": max(last, it + 1), "fitted_to_budget": True}
+    return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
 
 
 def describe_schedule(schedule, it, max_iters):
@@ -55,9 +58,10 @@ def describe_schedule(schedule, it, max_iters):
     decay_end = s["decay_iters"] + 1  # the first logged iter at min_lr
     if max_iters <= s["warmup_iters"]:
         plan = f"warmup: rises to {last:.2e} at iter {max_iters} (the warmup ends at iter {s['warmup_iters'] + 1})"
-    elif it >= s["decay_iters"]:
-        plan = (f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters} "
-                "(--lr_decay_iters=N decays over a new horizon)")
+    elif lr <= s["min_lr"]:
+        plan = (f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters}: the run's decay has ended; "
+                f"--learning_rate=<a peak, e.g. {s['peak_lr']:.0e}> decays from that peak again (under max_time, to "
+                f"min_lr at the budget's end; a run planned over several sessions says --sessions=N from its first)")
     else:
         if s["decay_iters"] <= s["warmup_iters"]:
             plan = f"min_lr {s['min_lr']:.2e} from iter {s['warmup_iters'] + 1}"

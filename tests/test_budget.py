@@ -6,7 +6,6 @@ import dataclasses
 import errno
 import os
 import random
-import re
 import resource
 import shutil
 import signal
@@ -24,7 +23,6 @@ from summarizer import inference, run_folder
 from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.files import disk_full
-from summarizer.schedule import learning_rate
 
 
 @contextlib.contextmanager
@@ -194,10 +192,10 @@ def test_a_process_knows_its_age():
 @pytest.mark.slow
 def test_max_time_stops_in_time_and_another_folder_continues_exactly(args, tmp_path, capsys):
     """A run that cannot finish in max_time ends by itself (exit 0) with ckpt.pt at its last step and the command
-    that continues it; continuing from a copy of that ckpt.pt in another folder (resume_from) logs the same
-    losses as one uninterrupted run."""
+    that continues it; a run planned over two sessions (no cooldown in the first), continued from a copy of that
+    ckpt.pt in another folder (resume_from), logs the same losses as one uninterrupted run."""
     run = [*args, "--max_iters=300", "--eval_interval=1000", "--dropout=0.1"]
-    train.main([*run, f"--out_dir={tmp_path / 'first'}", "--max_time=2"])
+    train.main([*run, f"--out_dir={tmp_path / 'first'}", "--max_time=2", "--sessions=2"])
     out = capsys.readouterr().out
     first = metrics(tmp_path / "first")
     stopped_at = first[-1]["iter"]
@@ -278,95 +276,6 @@ def test_a_budget_spent_before_the_first_step_is_one_line(args, tmp_path, capsys
     err = one_error_line(capsys, train.main, [*args, f"--out_dir={tmp_path / 'out'}", "--max_time=0.001"])
     assert "max_time=0.001 is used up before the first step: start-up took" in err and "--max_time=60" in err
     assert not (tmp_path / "out" / "ckpt.pt").exists()
-
-
-class VirtualClock:
-    """train.py's time.monotonic and time.perf_counter, advanced by the test alone: a training step takes `step`
-    seconds (`slow_step` from iter `slow_from` on, as on a machine that got busy), an evaluation with its save
-    `evaluation` seconds. What a run does with its budget is then the same on any machine, however loaded."""
-
-    def __init__(self, step, slow_step, slow_from, evaluation):
-        self.now, self.step, self.evaluation = 0.0, step, evaluation
-        self.slow_step, self.slow_from = slow_step, slow_from
-
-    def monotonic(self):
-        return self.now
-
-    perf_counter = monotonic
-
-
-@pytest.mark.slow
-def test_a_budget_that_ends_the_run_early_decays_the_learning_rate_to_min_lr_and_a_resume_continues_it(
-        args, tmp_path, capsys, monkeypatch):
-    """max_time ends the run long before max_iters: at the first evaluation the steps that fit are projected and
-    the cosine decay planned to end within them; when the steps slow down, a later evaluation plans again, so the
-    last step trains near min_lr (not at the peak, where a decay over max_iters would still be); ckpt.pt keeps the
-    plan, and a resume follows it exactly."""
-    clock = VirtualClock(step=0.1, slow_step=0.25, slow_from=60, evaluation=0.5)
-    step, validate = train.Trainer.train_step, train.Trainer.validate
-
-    def timed_step(trainer, it):
-        clock.now += clock.step if it < clock.slow_from else clock.slow_step
-        return step(trainer, it)
-
-    def timed_validate(trainer):
-        clock.now += clock.evaluation
-        return validate(trainer)
-    monkeypatch.setattr(train, "time", clock)
-    monkeypatch.setattr(train.Trainer, "train_step", timed_step)
-    monkeypatch.setattr(train.Trainer, "validate", timed_validate)
-    run = [*args, "--max_iters=100000", "--eval_interval=10", "--eval_val_batches=1", "--warmup_iters=2",
-           "--learning_rate=1e-3", "--min_lr=5e-4", f"--out_dir={tmp_path / 'out'}"]
-    train.main([*run, "--max_time=30"])
-    printed = capsys.readouterr().out
-    assert "max_time=30 (30s): if the budget ends the run before max_iters=100000, the learning-rate decay is fitted " \
-        "to the steps that fit, planned at the first evaluation (iter 10)" in printed
-    plans = re.findall(r"the learning rate now decays to min_lr 5.00e-04 by iter (\d+)", printed)
-    assert len(plans) >= 2 and int(plans[-1]) < int(plans[0]), plans  # planned at 10, then sooner when steps slowed
-    rows = metrics(tmp_path / "out")
-    stopped = rows[-1]["iter"]
-    assert 60 < stopped < 100000 and abs(rows[-1]["lr"] - 5e-4) <= 0.1 * 5e-4, rows[-1]
-    schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
-    assert schedule["fitted_to_budget"] is True and schedule["decay_iters"] == int(plans[-1])
-    train.main([*run, "--init_from=resume", f"--max_iters={stopped + 6}"])
-    resumed = [row for row in metrics(tmp_path / "out") if row["iter"] > stopped]
-    assert [row["lr"] for row in resumed] == [learning_rate(row["iter"] - 1, schedule) for row in resumed]
-    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"] == schedule
-
-
-# ---- issue 42: one budget for the session ----------------------------------------------------------------------
-
-
-def test_summaries_after_training_that_take_the_whole_budget_stop_the_run_before_step_1(args, tmp_path, capsys,
-                                                                                    monkeypatch):
-    """evaluate_after and predict_after summarize after the last step, inside max_time: one batch of the ROUGE
-    prompts is timed before step 1 (here at 1 s a summary, on a clock the test advances) and a budget their
-    summaries alone would spend is one line, before any step."""
-    clock = VirtualClock(step=0.1, slow_step=0.1, slow_from=0, evaluation=0.5)
-    summarize = train.inference.summarize_sharded
-
-    step = train.Trainer.train_step
-
-    def slow_summaries(model, prompts, *rest, **kwargs):
-        clock.now += len(prompts)  # a second a summary
-        return summarize(model, prompts, *rest, **kwargs)
-
-    def timed_step(trainer, it):
-        clock.now += clock.step
-        return step(trainer, it)
-    monkeypatch.setattr(train, "time", clock)
-    monkeypatch.setattr(train.Trainer, "train_step", timed_step)
-    monkeypatch.setattr(train.inference, "summarize_sharded", slow_summaries)
-    run = [*args, f"--out_dir={tmp_path / 'out'}", "--val_fraction=0.25", "--rouge_samples=4", "--evaluate_after=True",
-           "--max_iters=2", "--eval_interval=2"]
-    err = one_error_line(capsys, train.main, [*run, "--max_time=8"])
-    assert "max_time=8 leaves 4 s after start-up, and the 10 summaries of evaluate_after and predict_after need " \
-        "about 10 s (1000 ms each, measured before step 1): no training would fit" in err
-    assert "--max_time above 30" in err and "--evaluate_after=False --predict_after=False" in err
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
-    train.main([*run, "--max_time=100"])
-    assert "max_time keeps about 10 s for the 10 summaries of evaluate_after and predict_after (1000 ms each, " \
-        "measured now" in capsys.readouterr().out
 
 
 # ---- issue 42: the output quota counts ----------------------------------------------------------------------

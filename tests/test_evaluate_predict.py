@@ -193,16 +193,16 @@ def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
 # ---- issue 43: extractive baselines --------------------------------------------------------------------------
 
 def test_extractive_baselines_score_lines_of_each_dialogue_with_the_same_report(tmp_path, capsys):
-    """--baseline=first_line (lead3, longest3) needs no model: its summaries are the dialogue's first line (first 3
-    lines, 3 longest lines in order), scored into out_dir/baseline-<name>/ like a checkpoint's; predict.py
-    writes them as a submission."""
+    """--baseline=first_line (lead3, longest3) needs no model, nor a train_csv beside the validation CSV: its
+    summaries are the dialogue's first line (first 3 lines, 3 longest lines in order), scored into
+    out_dir/baseline-<name>/ like a checkpoint's; predict.py writes them as a submission."""
     rows = [{"id": "a", "dialogue": "Tom: Hi!\nAnn: Shall we bake cookies tonight?\nTom: Yes.\nAnn: Great, see you.",
              "summary": "Tom and Ann will bake cookies tonight."},
             {"id": "b", "dialogue": "Sam: lunch?\r\nKate: ok, at noon at the usual place\r\n",
              "summary": "Lunch at noon."}]
     save_csv(tmp_path / "validation.csv", rows)
     save_csv(tmp_path / "test.csv", rows, test=True)
-    flags = [f"--train_csv={tmp_path / 'validation.csv'}", f"--validation_csv={tmp_path / 'validation.csv'}",
+    flags = [f"--train_csv={tmp_path / 'missing.csv'}", f"--validation_csv={tmp_path / 'validation.csv'}",
              f"--test_csv={tmp_path / 'test.csv'}", "--sample_submission_csv=", f"--out_dir={tmp_path / 'out'}",
              f"--data_cache_dir={tmp_path / 'cache'}", "--device=cpu"]
     expected = {"first_line": ["Tom: Hi!", "Sam: lunch?"],

@@ -2,20 +2,30 @@
 (versions, /dev/shm, disk, a two-process collective, training through an evaluation and a save) and says which
 checks need a GPU; a failed check is a no-go verdict and exit status 1."""
 import json
+import math
+import os
+import subprocess
 import sys
 
 import torch
 
 from bench import preflight
 from config import load_config
-from conftest import HANG, one_error_line, run
+from conftest import HANG, REPO, one_error_line
 
 
 def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not_run(tmp_path):
-    report = tmp_path / "preflight.json"
-    result = run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--report={report}", "--steps=2",
-                  "--rouge_samples=2"], timeout=HANG)
+    """Run as a user runs it, with a PYTHONPATH of the user's own: every child process (the collective's ranks, the
+    training's launcher and ranks) keeps it (a site folder that records each process that starts with it)."""
+    report, site = tmp_path / "preflight.json", tmp_path / "site"
+    site.mkdir()
+    seen = str(site / "seen")
+    (site / "sitecustomize.py").write_text(f"import os\nopen({seen!r}, 'a').write(f'{{os.getpid()}}\\n')\n")
+    result = subprocess.run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--report={report}",
+                             "--steps=2", "--rouge_samples=2"], cwd=REPO, capture_output=True, text=True, timeout=HANG,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stdout + result.stderr
+    assert len(set((site / "seen").read_text().split())) >= 6  # preflight, 2 collective ranks, torchrun, 2 ranks
     said = json.loads(report.read_text())
     checks = said["checks"]
     assert said["go"] is True and said["device"] == "cpu" and said["processes"] == 2
@@ -49,3 +59,15 @@ def test_the_decoding_check_compiles_the_runs_decoding_at_its_shapes(fresh_dynam
 def test_a_wrong_setting_is_one_line(capsys):
     err = one_error_line(capsys, preflight.main, ["--device=cpu", "--max_itres=3"])
     assert "unknown config key 'max_itres'" in err and "max_iters" in err
+
+
+def test_the_precision_check_fails_on_an_overflow_and_compares_what_training_changed():
+    """fp16 losses that overflowed fail; losses compared by how far each moved from the first (what training did),
+    not by their size, which random weights make ln(vocab) whatever the precision."""
+    reference = [10.8, 10.2, 9.5, 8.9]
+    assert preflight.precision([10.8, math.inf, math.nan, 8.9], reference, "float16")["status"] == "failed"
+    assert preflight.precision([10.8, 10.2, 9.49, 8.91], reference, "float16")["status"] == "ok"
+    moved_less = preflight.precision([10.8, 10.6, 10.4, 10.2], reference, "float16")
+    assert moved_less["status"] == "failed" and "float16 training moved the loss" in moved_less["detail"]
+    still = preflight.precision([10.83, 10.83, 10.83, 10.83], [10.83] * 4, "float16")
+    assert still["status"] == "not run" and "--steps" in still["detail"]

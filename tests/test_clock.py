@@ -1,0 +1,203 @@
+"""max_time's clock (summarizer/clock.py) through train.py, on a virtual clock where the first call of each kind of
+work (the training step's forward and backward, an evaluation, a decoding) costs COLD times a warm call, as a compile
+does: the learning rate cools down to min_lr exactly at the last step whatever the pace, evaluations and resumes do;
+a run over two sessions cools down in the second only; the estimates before step 1 are the warm ones."""
+import re
+import signal
+import sys
+
+import pandas as pd
+import pytest
+
+import conftest
+import train
+from conftest import metrics, one_error_line, tiny
+from summarizer.checkpoint import load_checkpoint
+from summarizer.clock import Rate
+from summarizer.schedule import learning_rate
+
+COLD = 20  # a first call's cost, in warm calls
+MIN_LR, WARMUP, GEN_BATCH = 5e-4, 5, 4
+
+
+class VirtualClock:
+    """train.py's time.monotonic and time.perf_counter, advanced by the work alone: a micro-batch's forward and
+    backward costs `micro` seconds (times `slow` from step `slow_from` on), an evaluation and its save `evaluation`,
+    a summary `summary`; the first call of each costs COLD times as much."""
+
+    def __init__(self, micro=0.1, evaluation=0.5, summary=0.02, slow_from=None, slow=1.0):
+        self.now, self.micro, self.evaluation, self.summary = 100.0, micro, evaluation, summary
+        self.slow_from, self.slow = slow_from, slow
+        self.first = {"micro": True, "evaluation": True, "summary": True}
+        self.step = 0  # the loop's step in progress (0-based)
+        self.trained = None  # the time the last step ended
+
+    def cost(self, kind, seconds, call=None):
+        """`seconds` of work, whose first call (`call` seconds of it warm: a decoding's batch) costs COLD times."""
+        cold, self.first[kind] = self.first[kind], False
+        self.now += seconds + ((COLD - 1) * (seconds if call is None else call) if cold else 0)
+
+    def monotonic(self):
+        return self.now
+
+    perf_counter = monotonic
+
+
+@pytest.fixture
+def virtual(monkeypatch):
+    """virtual(**costs) -> a VirtualClock that train.py runs on from now on; stop_at=N stops the run with a SIGINT
+    received in step N (0-based) as Ctrl-C would."""
+    def install(stop_at=None, **costs):
+        clock = VirtualClock(**costs)
+        losses, step, validate = train.TokenLoss.losses, train.Trainer.train_step, train.Trainer.validate
+        summarize = train.inference.summarize_sharded
+
+        def timed_losses(objective, module, batch):
+            slow = clock.slow if clock.slow_from is not None and clock.step >= clock.slow_from else 1.0
+            clock.cost("micro", clock.micro * slow)
+            return losses(objective, module, batch)
+
+        def timed_step(trainer, it):
+            clock.step = it
+            if it == stop_at:
+                trainer.control.received = signal.SIGINT
+            done = step(trainer, it)
+            clock.trained = clock.now
+            return done
+
+        def after_run(command):  # evaluate_after and predict_after each load best.pt and compile their decoding
+            def timed(*args):
+                clock.first["summary"] = True
+                return command(*args)
+            return timed
+        evaluate, predict = train.evaluate, train.predict
+
+        def timed_validate(trainer):
+            clock.cost("evaluation", clock.evaluation)
+            return validate(trainer)
+
+        def timed_summaries(model, prompts, *args, **kwargs):
+            clock.cost("summary", clock.summary * len(prompts), clock.summary * min(len(prompts), GEN_BATCH))
+            return summarize(model, prompts, *args, **kwargs)
+        monkeypatch.setattr(train, "time", clock)
+        monkeypatch.setattr(train.TokenLoss, "losses", timed_losses)
+        monkeypatch.setattr(train.Trainer, "train_step", timed_step)
+        monkeypatch.setattr(train.Trainer, "validate", timed_validate)
+        monkeypatch.setattr(train.inference, "summarize_sharded", timed_summaries)
+        monkeypatch.setattr(train, "evaluate", after_run(evaluate))
+        monkeypatch.setattr(train, "predict", after_run(predict))
+        return clock
+    return install
+
+
+@pytest.fixture
+def run(write_csv, tmp_path):
+    csv, test = write_csv("train.csv", 60), write_csv("test.csv", 10, seed=1, test=True)
+    return [*tiny(), f"--train_csv={csv}", f"--test_csv={test}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--val_fraction=0.2", "--batch_size=4", "--micro_batch_size=4", "--max_iters=100000",
+            f"--warmup_iters={WARMUP}", "--learning_rate=1e-3", f"--min_lr={MIN_LR}", "--log_interval=1",
+            "--eval_val_batches=1", "--rouge_samples=4", f"--gen_batch_size={GEN_BATCH}",
+            f"--out_dir={tmp_path / 'out'}"]
+
+
+def assert_cools_down_at_the_end(rows):
+    """The last step trains at min_lr, the LR reaches it within the last 5% of the steps, and at most 5% sit there."""
+    lrs = [row["lr"] for row in rows]
+    at_min = [i for i, lr in enumerate(lrs) if lr <= MIN_LR * (1 + 1e-9) and i >= WARMUP]
+    assert at_min and at_min[-1] == len(lrs) - 1, lrs[-5:]
+    assert at_min[0] >= 0.95 * len(lrs) and len(at_min) <= 0.05 * len(lrs), (len(lrs), at_min)
+    peak = [lr for lr in lrs[WARMUP:] if lr >= 0.99e-3]  # the cooldown is the last 20%
+    assert len(peak) >= 0.7 * len(lrs), lrs
+
+
+def test_a_rate_keeps_the_first_samples_one_time_cost_apart():
+    rate = Rate()
+    assert rate.per_unit() is None and rate.one_time() == 0
+    rate.add(40.0, 20)  # 2 s a unit: the compile in it
+    assert rate.per_unit() == 2.0 and rate.one_time() == 0  # an upper bound until a warm sample
+    for seconds in (0.1, 0.1, 5.0, 0.1):  # a lone spike does not move the median
+        rate.add(seconds * 20, 20)
+    assert rate.per_unit() == pytest.approx(0.1) and rate.one_time() == pytest.approx(38.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["steady", "slowdown", "no_evaluation_in_the_budget"])
+def test_the_learning_rate_reaches_min_lr_at_the_last_step(run, virtual, capsys, case):
+    """First calls 20x a warm call; the steps slow down 2.5x half-way; or eval_interval beyond the budget (the run's
+    only evaluation is its last)."""
+    virtual(**({"slow_from": 120, "slow": 2.5} if case == "slowdown" else {}))
+    interval = 100000 if case == "no_evaluation_in_the_budget" else 25
+    train.main([*run, f"--eval_interval={interval}", "--max_time=40"])
+    rows = [row for row in metrics(run[-1].split("=", 1)[1]) if "loss" in row]
+    assert 100 < len(rows) < 100000
+    assert_cools_down_at_the_end(rows)
+    assert f"max_time=40: stopped after iter {len(rows)} of 100000" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_stays_at_min_lr(run, virtual,
+                                                                                             tmp_path, capsys):
+    virtual(stop_at=60)
+    with pytest.raises(SystemExit):  # Ctrl-C in step 61: ckpt.pt holds iter 61
+        train.main([*run, "--eval_interval=25", "--max_time=40"])
+    virtual()
+    train.main([*run, "--eval_interval=25", "--max_time=40", "--init_from=resume"])
+    rows = [row for row in metrics(tmp_path / "out") if "loss" in row]
+    assert [row["iter"] for row in rows] == list(range(1, len(rows) + 1))
+    assert_cools_down_at_the_end(rows)
+    schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
+    assert schedule["floor"] == MIN_LR and schedule["sessions_done"] == 1
+    capsys.readouterr()
+    train.main([*run, "--eval_interval=25", f"--max_iters={len(rows) + 3}", "--init_from=resume"])
+    assert f"stays at min_lr {MIN_LR:.2e} until iter {len(rows) + 3}: the run's decay has ended; " \
+           "--learning_rate=<a peak, e.g. 1e-03> decays from that peak again" in capsys.readouterr().out
+    again = [row for row in metrics(tmp_path / "out") if row["iter"] > len(rows)]
+    assert [row["lr"] for row in again] == [learning_rate(row["iter"] - 1, schedule) for row in again] == [MIN_LR] * 3
+
+
+@pytest.mark.slow
+def test_a_run_over_two_sessions_cools_down_in_the_second_only(run, virtual, tmp_path):
+    """docs/kaggle.md's recipe, a virtual minute a session: session 1 trains at the schedule's LR to its budget;
+    session 2, from a copy of its ckpt.pt in another folder, trains above min_lr for most of its steps and ends at
+    min_lr."""
+    first, second = tmp_path / "session1", tmp_path / "session2"
+    virtual()
+    train.main([*run, "--eval_interval=50", "--max_time=60", "--sessions=2", f"--out_dir={first}"])
+    one = [row for row in metrics(first) if "loss" in row]
+    assert all(row["lr"] == pytest.approx(1e-3, rel=1e-2) for row in one[WARMUP:])  # the peak to the end
+    virtual()
+    train.main([*run, "--eval_interval=50", "--max_time=60", f"--out_dir={second}",
+                f"--resume_from={first / 'ckpt.pt'}"])
+    two = [row for row in metrics(second) if "loss" in row]
+    assert len(two) > 100 and two[0]["iter"] == one[-1]["iter"] + 1
+    assert sum(row["lr"] > MIN_LR for row in two) > 0.75 * len(two) and two[-1]["lr"] == MIN_LR
+    assert_cools_down_at_the_end(one + two)
+
+
+def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
+    """The decoding's first call (20x a warm batch) is a one-time cost, counted once: the start line gives the warm
+    rate a summary; a budget that the last evaluation and the after-run (which compiles its decoding again) would
+    spend is refused with a figure within 2x of what they then take."""
+    after = [*run, "--eval_interval=1000", "--evaluate_after=True", "--predict_after=True"]
+    virtual(summary=0.5)
+    err = one_error_line(capsys, train.main, [*after, "--max_time=80"])  # 46 s of start-up, priming included
+    need = re.search(r"need about (\d+) s", err)
+    assert need, err
+    need = float(need.group(1))
+    clock = virtual(summary=0.5)
+    train.main([*after, "--max_time=1000", "--max_iters=1"])
+    took = clock.now - clock.trained  # the last evaluation and the after-run
+    assert took / 2 <= need <= 2 * took, (need, took)
+    printed = capsys.readouterr().out
+    assert "500 ms a summary warm, 38.0 s to compile the decoding" in printed, printed
+
+
+@pytest.mark.slow
+def test_a_minute_with_compile_on_a_cpu_trains_and_writes_the_submission(tmp_path):
+    """The demo compiled, with a budget of 60 s for training, evaluate_after and predict_after (refused before: the
+    estimate before step 1 took the decoding's compile for the pace of every summary)."""
+    result = conftest.run([sys.executable, "train.py", "config/demo.py", "--compile=True", "--max_time=60s",
+                           f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics(tmp_path / "out")[-1]["iter"] >= 10  # a machine under load trains fewer
+    assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 100

@@ -555,15 +555,21 @@ def load_config(argv, usage=None):
 def arguments(argv):
     """(the presets, the flags as '--key=value') of a command line, which may also give a flag as two words:
     `--max_iters 5` is `--max_iters=5`, whatever the word after the key looks like (a preset's path too)."""
-    presets, flags, words = [], [], list(argv)
+    presets, flags, words, two_words = [], [], list(argv), None
     while words:
         word = words.pop(0)
         if not word.startswith("--"):
+            if two_words and not os.path.isfile(word):  # `--max_time 1h 30m`: the shell split one value in two
+                raise UserError(f"{word!r} follows {two_words[0]} {two_words[1]}: a value with a space must be one "
+                                f"word: {two_words[0]}='{two_words[1]} {word}'")
             presets.append(word)
         elif "=" not in word and word not in ("-h", "--help") and words and not words[0].startswith("--"):
-            flags.append(f"{word}={words.pop(0)}")
+            two_words = (word, words.pop(0))
+            flags.append(f"{word}={two_words[1]}")
+            continue
         else:
             flags.append(word)
+        two_words = None
     return presets, flags
 
 
@@ -651,7 +657,7 @@ def read_preset(path):
     """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
     if not os.path.isfile(path):
         near = near_preset(path)
-        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path}" if "=" in path
+        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path
                 else "pass an existing .py or .json file (the presets are in config/)")
         raise UserError(f"preset {path}: no such preset; {hint}")
     with open(path, encoding="utf-8") as f:

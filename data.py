@@ -164,6 +164,11 @@ def read_table(path, key, cfg, test=False):
     dialogue = find_column(frame, cfg.dialogue_column, DIALOGUE_COLUMNS, "dialogue", key, path)
     summary = None if test else find_column(frame, cfg.summary_column, SUMMARY_COLUMNS, "summary", key, path)
     id_column = find_column(frame, cfg.id_column, ID_COLUMNS, "id", key, path, required=test)
+    clash = next((role for role, column in (("dialogue", dialogue), ("id", id_column)) if summary == column), None)
+    if clash:  # the model would learn to copy the dialogue, or to write the id
+        raise UserError(f"{key} {path}: the summary column {summary!r} is also the {clash} column: pass "
+                        f"--summary_column=<the column of the reference summaries> (columns found: "
+                        f"{', '.join(map(repr, frame.columns))})")
     ids = frame[id_column].str.strip() if id_column else pd.Series(range(len(frame))).astype(str)
     dialogues = frame[dialogue].map(clean_text)
     summaries = None if test else frame[summary].map(clean_text)

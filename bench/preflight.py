@@ -13,6 +13,7 @@ and the GPU checks say `not run`.
     python -m bench.preflight --device=cpu --report=preflight.json
 """
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -38,6 +39,8 @@ from summarizer.runtime import NCCL_SETTINGS, choose_precision, nccl_flags, nccl
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
 TINY_DECODING = ["--max_new_tokens=16"]  # ... and its summaries
 DEMO_CSV = os.path.join(ROOT, "data", "demo", "train.csv")
+DEMO_TEST_CSV = os.path.join(ROOT, "data", "demo", "test.csv")
+WARM_BATCHES = 4  # decoded after the first (compiling) batch, for the warm rate
 SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
 FP16_TOLERANCE = 0.02  # relative: fp16 autocast's losses over a few steps against fp32's
 NOT_RUN = "not run"
@@ -197,41 +200,50 @@ def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
 
 
 def decoding(cfg, shape, dtype, device):
-    """The run's decoding at its shapes, compiled as evaluate.py and predict.py compile it: one generate() call
-    of the batch generation_batches makes of gen_batch_size prompts of the longest length a prompt may have, random
-    weights in the run's dtype; the compile seconds are the first call's time less the second's."""
-    from config import Decoding, part
-    from generate import generate
-    from summarizer import inference, mbr
+    """The run's decoding as predict.py runs it: prompts of real dialogues (test_csv, else the demo's) in the batches
+    generation_batches makes, through inference.summarize with a compiled decode step, random weights in the run's
+    dtype. The first batch pays the compile; WARM_BATCHES more give the warm summaries/s and count the graphs new
+    prompt lengths and batch sizes compile. Random weights never end a summary early: every one runs to
+    max_new_tokens, an upper bound on what trained weights take."""
+    import dataclasses
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    import data
+    from summarizer import inference
+    if not os.path.isfile(cfg.test_csv):
+        cfg = dataclasses.replace(cfg, test_csv=DEMO_TEST_CSV)
     with device:
         model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
-    length, settings = cfg.block_size - cfg.max_new_tokens, part(cfg, Decoding)
-    prompts = torch.randint(0, 50257, (cfg.gen_batch_size, length)).tolist()
-    batch = inference.generation_batches(prompts, settings, cfg.gen_batch_size, model.config,
-                                         inference.generation_memory(cfg, device), getattr(torch, dtype))[0]
-    step, seconds = inference.CompiledDecodeStep(), []
+    prompts, _ = inference.Summarizer(model, cfg).prompts(data.read_test(cfg).dialogues)
+    first, rest = prompts[:cfg.gen_batch_size], prompts[cfg.gen_batch_size:cfg.gen_batch_size * (1 + WARM_BATCHES)]
+    step, seconds, graphs = inference.CompiledDecodeStep(), [], []
     try:
-        for _ in range(2):
-            synchronize()
+        for batch in (first, rest):
+            compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
-            generate(model, [prompts[i] for i in batch], settings, seed=0, mbr_pick=mbr.pick, decode_step=step)
-            synchronize()
+            inference.summarize(model, batch, cfg, contextlib.nullcontext(), decode_step=step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled)
     except torch.OutOfMemoryError as e:
-        return check("failed", f"out of memory decoding {len(batch)} prompts of {length} tokens: lower "
-                               f"--gen_batch_size or --gen_memory_gb ({str(e).splitlines()[0]})")
+        return check("failed", f"out of memory decoding {cfg.gen_batch_size} prompts: lower --gen_batch_size or "
+                               f"--gen_memory_gb ({str(e).splitlines()[0]})")
     finally:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    figures = dict(compile_seconds=round(seconds[0] - seconds[1], 1), seconds=round(seconds[1], 3),
-                   summaries_per_s=round(len(batch) / seconds[1], 1), prompts=len(batch), compiled=not step.failed)
-    said = (f"{len(batch)} summaries of up to {cfg.max_new_tokens} tokens from {length}-token prompts: compiled in "
-            f"{figures['compile_seconds']:.0f} s, then {figures['summaries_per_s']:.1f} summaries/s")
+    warm = seconds[1] / max(len(rest), 1)
+    lengths = sorted(len(p) for p in first + rest)
+    figures = dict(compile_seconds=round(max(seconds[0] - warm * len(first), 0.0), 1),
+                   summaries_per_s=round(1 / warm, 1) if warm else None, prompts=len(first) + len(rest),
+                   prompt_tokens=[lengths[0], lengths[-1]], graphs_first_batch=graphs[0],
+                   graphs_warm_batches=graphs[1], compiled=not step.failed)
+    said = (f"{figures['prompts']} real dialogues ({lengths[0]}-{lengths[-1]} prompt tokens, up to "
+            f"{cfg.max_new_tokens} new): compiled in {figures['compile_seconds']:.0f} s ({graphs[0]} graph(s)), then "
+            f"{figures['summaries_per_s']} summaries/s with {graphs[1]} more graph(s) as lengths varied (random "
+            f"weights run every summary to max_new_tokens: an upper bound)")
     if step.failed:
         return check("failed", f"{said}; torch.compile fell back to eager (its warning above): decoding works, "
                                f"slower", **figures)
@@ -280,7 +292,8 @@ def verdict(checks):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--report", default="preflight_report.json", help="where the JSON report goes")
+    parser.add_argument("--report", default="", help=f"where the JSON report goes (default: out_dir/"
+                                                     f"{run_folder.PREFLIGHT}, beside the run's outputs)")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the last evaluates and saves)")
     parser.add_argument("--rouge_samples", type=int, default=16, help="dialogues the evaluation decodes")
     parser.add_argument("--timeout", type=int, default=900, help="seconds each training run may take")
@@ -330,6 +343,8 @@ def main(argv=None):
     say("decoding", checks)
     line = verdict(checks)
     report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
+    args.report = args.report or os.path.join(cfg.out_dir, run_folder.PREFLIGHT)
+    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
     with atomic_write(args.report) as f:
         json.dump(report, f, indent=2, default=str)
     print(line)

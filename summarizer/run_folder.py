@@ -22,6 +22,7 @@ SUBMISSION, SWEEP_CSV, SWEEP_MD = "submission.csv", "sweep.csv", "sweep.md"
 LOCK = ".lock"  # flock'ed by the training run that writes into the folder; holds who that is
 EVAL_FILES = (EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT)
 # What a training run (and evaluate.py/predict.py after it) writes; a fresh run moves an earlier run's aside.
+PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the run it checked (not one of its files)
 RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SWEEP_CSV, SWEEP_MD, "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
 

@@ -61,3 +61,21 @@ def test_a_folder_as_test_csv_names_the_csv_in_it(trained, tmp_path, capsys):
     hinted = re.search(r"name the CSV inside it, e\.g\. (--test_csv=\S+)", err)[1]
     predict.main([*scoring, hinted])
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3
+
+
+def test_a_key_with_one_dash_is_hinted_with_two(trained, tmp_path, capsys):
+    folder, args = trained
+    err = one_error_line(capsys, train.main, [*args, "-max_iters=2", f"--out_dir={tmp_path}"])
+    hinted = re.search(r"to set a key, write (\S+)$", err)[1]
+    assert hinted == "--max_iters=2"
+    train.main([*args, hinted, "--eval_interval=2", f"--out_dir={tmp_path}"])
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 2
+
+
+def test_a_value_split_by_a_space_is_named_as_the_keys_value(trained, tmp_path, capsys):
+    """`--max_time 1h 30m` in a shell is three words; the hint is one, as the shell passes `--max_time='1h 30m'`."""
+    folder, args = trained
+    err = one_error_line(capsys, train.main, [*args, "--max_time", "1h", "30m", f"--out_dir={tmp_path}"])
+    assert err == "error: '30m' follows --max_time 1h: a value with a space must be one word: --max_time='1h 30m'"
+    train.main([*args, "--max_time=1h 30m", f"--out_dir={tmp_path}"])  # the hint, as the shell hands it over
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["config"]["max_time"] == 5400

@@ -164,3 +164,12 @@ def test_duplicate_ids_are_noted_and_every_row_is_kept(tmp_path, capsys):
                         f"row counts as a repeat of it)"), notes
     assert examples.startswith("19 training and 1 validation examples")
     assert start_up_notes(tmp_path, capsys, save_csv(tmp_path / "unique.csv", synthetic_rows(20, seed=3)))[0] == []
+
+
+@pytest.mark.parametrize("column", ["dialogue", "id"])
+def test_a_summary_column_that_is_the_dialogue_or_id_column_is_one_line(column, tmp_path, capsys):
+    """The model would learn to copy the dialogue, or to write the id."""
+    csv = save_csv(tmp_path / "train.csv", ROWS)
+    err = one_error_line(capsys, train.main, train_args(tmp_path, csv, f"--summary_column={column}"))
+    assert f"the summary column '{column}' is also the {column} column: pass --summary_column=" in err
+    assert not (tmp_path / "out" / "ckpt.pt").exists()

@@ -16,16 +16,18 @@ from conftest import HANG, REPO, one_error_line
 
 def test_on_a_cpu_the_preflight_runs_with_gloo_and_reports_the_gpu_checks_as_not_run(tmp_path):
     """Run as a user runs it, with a PYTHONPATH of the user's own: every child process (the collective's ranks, the
-    training's launcher and ranks) keeps it (a site folder that records each process that starts with it)."""
-    report, site = tmp_path / "preflight.json", tmp_path / "site"
+    training's launcher and ranks) keeps it (a site folder that records each process that starts with it); the
+    report goes to out_dir, the repository stays clean."""
+    report, site = tmp_path / "out" / "preflight_report.json", tmp_path / "site"  # beside the run's outputs
     site.mkdir()
     seen = str(site / "seen")
     (site / "sitecustomize.py").write_text(f"import os\nopen({seen!r}, 'a').write(f'{{os.getpid()}}\\n')\n")
-    result = subprocess.run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--report={report}",
+    result = subprocess.run([sys.executable, "-m", "bench.preflight", "--device=cpu", f"--out_dir={tmp_path / 'out'}",
                              "--steps=2", "--rouge_samples=2"], cwd=REPO, capture_output=True, text=True, timeout=HANG,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(set((site / "seen").read_text().split())) >= 6  # preflight, 2 collective ranks, torchrun, 2 ranks
+    assert not os.path.exists(os.path.join(REPO, "preflight_report.json"))
     said = json.loads(report.read_text())
     checks = said["checks"]
     assert said["go"] is True and said["device"] == "cpu" and said["processes"] == 2
@@ -48,12 +50,16 @@ def test_a_disk_that_cannot_take_the_runs_checkpoints_is_a_no_go(tmp_path):
 
 
 def test_the_decoding_check_compiles_the_runs_decoding_at_its_shapes(fresh_dynamo):
-    """What the GPU runs, here on the CPU at a tiny shape: one batch as generation_batches sizes it, compiled."""
-    cfg = load_config(["--block_size=32", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu",
-                       "--mbr_samples=2", "--temperature=0.7"])  # MBR: the choice among samples runs too
-    said = preflight.decoding(cfg, dict(preflight.TINY, block_size=32), "float32", torch.device("cpu"))
-    assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3, said
-    assert said["detail"].startswith("3 summaries of up to 8 tokens from 24-token prompts: compiled in ")
+    """What the GPU runs, here on the CPU at a tiny shape: real dialogues (the demo's test.csv) through predict.py's
+    summarize, in generation_batches' batches; the first batch's compile apart from the warm rate."""
+    cfg = load_config(["--block_size=256", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu",
+                       "--mbr_samples=2", "--temperature=0.7", "--test_csv=data/demo/test.csv"])  # MBR's choice too
+    said = preflight.decoding(cfg, dict(preflight.TINY, block_size=256), "float32", torch.device("cpu"))
+    assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3 * (1 + preflight.WARM_BATCHES), said
+    low, high = said["prompt_tokens"]
+    assert low < high <= 256 - 8  # real lengths, cut to fit block_size
+    assert said["graphs_first_batch"] >= 1 and said["summaries_per_s"] > 0
+    assert said["detail"].startswith(f"15 real dialogues ({low}-{high} prompt tokens, up to 8 new): compiled in ")
 
 
 def test_a_wrong_setting_is_one_line(capsys):

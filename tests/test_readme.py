@@ -172,3 +172,18 @@ def test_test_command_is_what_ci_runs(pages):
         "pyproject.toml's [tool.pytest.ini_options] markers should register the slow marker"
     ci = [line.strip() for line in read(os.path.join(ROOT, ".ci", "run")).splitlines()]
     assert TEST_COMMAND in ci, f".ci/run does not run {TEST_COMMAND!r}"
+
+
+def test_the_readme_quotes_requirements_txts_torch_floor(readme):
+    """A version floor is stated once, in requirements.txt; the README's set-up paragraph quotes it."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        floor = next(line.strip() for line in f if line.startswith("torch>="))
+    assert re.findall(r"`(torch>=[\d.]+)`", readme) == [floor]
+
+
+def test_the_offline_wheels_recipe_is_for_kaggles_python():
+    """docs/kaggle.md downloads wheels for the Python that tests/versions/kaggle.txt says Kaggle's image runs."""
+    with open(os.path.join(ROOT, "tests", "versions", "kaggle.txt")) as f:
+        python = re.search(r"[Pp]ython (3\.\d+)", f.read())[1]
+    with open(os.path.join(DOCS, "kaggle.md")) as f:
+        assert re.findall(r"--python-version (3\.\d+)", f.read()) == [python]

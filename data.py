@@ -122,6 +122,26 @@ class Table:
     has_ids: bool  # False: the CSV has no id column, and ids are row numbers
 
 
+# The columns (one of each group, any case) a CSV given as each key must have.
+NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
+                  "validation_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS), "test_csv": (DIALOGUE_COLUMNS,),
+                  "sample_submission_csv": (("id",), ("summary",))}
+
+
+def csv_for(key, folder, names):
+    """The first of the CSV files `names` in `folder` whose header has the columns `key` needs (a test CSV's
+    dialogues, not a sample submission's summaries), else the first whose name starts like the key, else None."""
+    def header(name):
+        try:
+            return {c.strip().lower() for c in pd.read_csv(os.path.join(folder, name), nrows=0).columns}
+        except (OSError, ValueError, UnicodeDecodeError):
+            return set()
+    fits = [n for n in names if all(header(n) & set(group) for group in NEEDED_COLUMNS.get(key, ()))]
+    stem = key.removesuffix("_csv").split("_")[0]
+    return next((n for n in fits if n.lower().startswith(stem)), None) or next(iter(fits), None) or next(
+        (n for n in names if n.lower().startswith(stem)), names[0] if names else None)
+
+
 def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
     (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
@@ -131,7 +151,7 @@ def read_frame(path, key, missing_hint=None):
         csvs = sorted(name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip")))
         inside = f" (it holds {', '.join(csvs[:5])})" if csvs else " (it holds no CSV)"
         raise UserError(f"{key} {path} is a folder{inside}: name the CSV inside it, e.g. "
-                        f"--{key}={os.path.join(path, csvs[0] if csvs else 'name.csv')}")
+                        f"--{key}={os.path.join(path, csv_for(key, path, csvs) or 'name.csv')}")
     if not os.path.isfile(path):
         where = "" if os.path.isabs(path) else f" (relative to the current folder {os.getcwd()})"
         raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")

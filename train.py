@@ -64,7 +64,9 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg, start, run = run_settings(argv, objective or TokenLoss, script, usage)
-        with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if):
+        # a resume that reads out_dir/ckpt.pt: another out_dir must name it
+        reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
+        with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
                 print(settings_report(argv, config_json, run))
@@ -154,6 +156,11 @@ def start_checkpoint(cfg):
     checkpoint file>), else (None, None)."""
     if resuming(cfg):
         path = resume_path(cfg)
+        running = None if cfg.resume_from else run_folder.held_by(cfg.out_dir)
+        if not os.path.isfile(path) and running:
+            raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that has "
+                            f"not saved a checkpoint ({running}): wait for its first save (every eval_interval "
+                            f"steps) or its end, or train into another folder with --out_dir=...")
         if not os.path.isfile(path):
             raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
                             f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"

@@ -65,9 +65,10 @@ SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too l
 
 
 def settings_report(argv, config_json, run=None):
-    """What start-up prints of the settings: a line naming config_json (every key), then for each source whose
+    """What start-up prints of the settings: a line naming config_json (every key, written before step 1: a run that
+    stops earlier writes none), then for each source whose
     values hold (the presets, then the command line) the keys it changed from the defaults, by group of config.py:
-        settings (changed from the defaults; every key: /kaggle/working/out/config.json):
+        settings (changed from the defaults; every key in /kaggle/working/out/config.json before step 1):
           config/kaggle_t4x2.py: System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64
           command line: Run: out_dir='/kaggle/working/out'
             Training: max_iters=600 max_time=41400.0 [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
@@ -80,13 +81,13 @@ def settings_report(argv, config_json, run=None):
     if run:
         path, own, from_run = run
         changed = [(key, value, source) for key, value, source in changed if key in own]
-        lines = [f"settings (the run's, from {path}, and this command's; every key: {config_json}):"]
+        lines = [f"settings (the run's, from {path}, and this command's; every key in {config_json} before step 1):"]
         lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in from_run]] if from_run else [["none"]],
                       "  changed from the run's by the command line: ", "    ")
     elif not changed:
-        return f"settings: the defaults; every key: {config_json}"
+        return f"settings: the defaults; every key in {config_json} before step 1"
     else:
-        lines = [f"settings (changed from the defaults; every key: {config_json}):"]
+        lines = [f"settings (changed from the defaults; every key in {config_json} before step 1):"]
     sources = dict.fromkeys(source for *_, source in given)  # the presets, then the command line
     for source in [source for source in sources if any(where == source for *_, where in changed)]:
         segments = []

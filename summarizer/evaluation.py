@@ -127,7 +127,8 @@ def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
     """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (an evaluation of
     other weights there moved aside first); with a comparison, its lines on stdout."""
     out = inference.output_dir(cfg)
-    moved = set_aside_other_weights(out, run.weights)
+    moved = run_folder.set_aside_other_weights(out, run_folder.EVAL_METRICS, run_folder.EVAL_FILES, "previous-eval",
+                                               run.weights)
     if moved:
         print(moved)
     if comparison is not None:
@@ -144,23 +145,6 @@ def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
         for t in COMPARED:
             print(comparison_line(t, comparison.stats[t], comparison.label, len(frame)))
     print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
-
-
-def set_aside_other_weights(out, weights):
-    """Move out's eval_predictions.csv, eval_metrics.json and eval_report.html into out/previous-eval-<time>/ when
-    other weights made them, so scoring another checkpoint into this folder replaces nothing. A line saying so, or
-    None."""
-    path = os.path.join(out, run_folder.EVAL_METRICS)
-    try:
-        with open(path, encoding="utf-8") as f:
-            made_by = json.load(f).get("weights")
-    except (OSError, ValueError):
-        made_by = None
-    if made_by == weights or not os.path.exists(path):
-        return None
-    found, folder = run_folder.move_aside(out, list(run_folder.EVAL_FILES), "previous-eval")
-    return (f"{out} held the evaluation of other weights ({made_by or 'unnamed'}): moved its {', '.join(found)} "
-            f"to {folder}")
 
 
 def bootstrap_interval(values, samples=1000, seed=0):

@@ -203,7 +203,7 @@ def checkpoint_path(cfg):
 def make_output_dir(cfg):
     """output_dir(cfg), created and checked writable before any work; where it is not, the line says to name the
     checkpoint too when it was read from out_dir."""
-    run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else checkpoint_path(cfg))
+    run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
 
 
 def output_dir(cfg):

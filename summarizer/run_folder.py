@@ -19,30 +19,33 @@ from summarizer.errors import UserError
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
 SUBMISSION, SWEEP_CSV, SWEEP_MD = "submission.csv", "sweep.csv", "sweep.md"
+SUBMISSION_RECORD = "submission.json"  # which weights wrote submission.csv (Kaggle's file has room for no more)
 LOCK = ".lock"  # flock'ed by the training run that writes into the folder; holds who that is
 EVAL_FILES = (EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT)
-# What a training run (and evaluate.py/predict.py after it) writes; a fresh run moves an earlier run's aside.
 PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the run it checked (not one of its files)
-RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SWEEP_CSV, SWEEP_MD, "tensorboard", "wandb")
+# What a training run (and evaluate.py/predict.py after it) writes; a fresh run moves an earlier run's aside.
+RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SUBMISSION_RECORD, SWEEP_CSV, SWEEP_MD,
+             "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
 
 
 def make(path, reads=None):
     """Create the folder and check that a file can be written there, before any work whose results would be lost.
-    `reads`: the checkpoint the command takes from out_dir (its best.pt), which another out_dir must then name."""
+    `reads`: the flag naming the checkpoint the command takes from out_dir (--ckpt=<its best.pt>, a resume's
+    --resume_from=<its ckpt.pt>), which a command with another out_dir must then give."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        keep = f" and keep reading {reads} with --ckpt={reads}" if reads else ""
+        keep = f" and keep reading {reads.partition('=')[2]} with {reads}" if reads else ""
         raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=<a writable "
                         f"folder>{keep}") from None
 
 
 @contextlib.contextmanager
-def claimed(out_dir, is_main, stop_if):
+def claimed(out_dir, is_main, stop_if, reads=None):
     """Rank 0 makes out_dir and holds its lock until the body ends: an OS advisory lock (flock) on out_dir/.lock,
     so a run that crashed leaves no lock behind, only the file. A folder another run holds stops every rank at
     once, in one line naming the holder, before anything is written. The lock file goes when the run ends, and a
@@ -50,7 +53,7 @@ def claimed(out_dir, is_main, stop_if):
     created = not os.path.exists(out_dir)
     handle, problem = None, None
     if is_main:
-        make(out_dir)
+        make(out_dir, reads)
         handle = lock(out_dir)
         if handle is None:
             problem = (f"out_dir {out_dir} is in use by another training run ({holder(out_dir)}): wait for it to "
@@ -94,6 +97,18 @@ def lock(out_dir):
                              "command": " ".join(sys.argv)}))
     handle.flush()
     return handle
+
+
+def held_by(out_dir):
+    """Who holds out_dir's lock (a training run writing into it), or None when no run does."""
+    try:
+        with open(os.path.join(out_dir, LOCK)) as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return holder(out_dir)
+    except OSError:  # no lock file
+        pass
+    return None
 
 
 def holder(out_dir):
@@ -142,6 +157,23 @@ def set_aside_earlier_run(out_dir):
         return None
     return (f"{out_dir} held an earlier run: moved its {', '.join(found)} to {folder} (continue a run with "
             f"--init_from=resume instead)")
+
+
+def set_aside_other_weights(out, record, names, prefix, weights):
+    """Move `names` of folder `out` into out/<prefix>-<time>/ when other weights wrote them: the JSON file `record`
+    among them names its weights (none, or no record beside them: unknown, so moved too). Scoring or summarizing
+    with other weights into a folder then replaces nothing. A line saying so, or None."""
+    if not any(os.path.exists(os.path.join(out, name)) for name in names):
+        return None
+    try:
+        with open(os.path.join(out, record), encoding="utf-8") as f:
+            made_by = json.load(f).get("weights")
+    except (OSError, ValueError, AttributeError):
+        made_by = None
+    if made_by == weights:
+        return None
+    found, folder = move_aside(out, list(names), prefix)
+    return f"{out} held the output of other weights ({made_by or 'unnamed'}): moved its {', '.join(found)} to {folder}"
 
 
 def unused(path, suffix=""):

@@ -1,11 +1,12 @@
 """submission.csv (id,summary) for test_csv, written by a run's model with the run's prompt and decoding.
 predict.py is its command line; train.py runs predict after training on request."""
+import json
 import os
 
 import pandas as pd
 
 import data
-from summarizer import inference
+from summarizer import inference, run_folder
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
@@ -48,8 +49,15 @@ def predict(cfg, explicit, rt):
     summaries = inference.summaries(run, prompts, rt)
     if not rt.is_main:
         return None
-    path = os.path.join(out, "submission.csv")
+    moved = run_folder.set_aside_other_weights(out, run_folder.SUBMISSION_RECORD,
+                                               (run_folder.SUBMISSION, run_folder.SUBMISSION_RECORD),
+                                               "previous-submission", run.weights)
+    if moved:
+        print(moved)
+    path = os.path.join(out, run_folder.SUBMISSION)
     write_submission(test.ids, summaries, path)
+    with atomic_write(os.path.join(out, run_folder.SUBMISSION_RECORD)) as f:
+        json.dump({"weights": run.weights, "test_csv": run.cfg.test_csv}, f, indent=2)
     if test.empty:
         print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")
     empty = sum(not s.split() for s in summaries)

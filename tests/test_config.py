@@ -342,7 +342,7 @@ def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_fr
             "--evaluate_after=true", "--prompt_template='" + "p" * 120 + "{dialogue}'"]
     report = settings_report(argv, f"{out}/config.json")
     lines = report.splitlines()
-    assert lines[0] == f"settings (changed from the defaults; every key: {out}/config.json):"
+    assert lines[0] == f"settings (changed from the defaults; every key in {out}/config.json before step 1):"
     assert all(len(line) <= SETTINGS_WIDTH or line.count("=") == 1 for line in lines[1:]), report  # or one key
     assert len(lines) <= 7, report
     sections = report_sections(report)
@@ -355,7 +355,7 @@ def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_fr
                  "Evaluation: evaluate_after=True log_to='tensorboard'"):
         assert text in command_line
     assert command_line.index("RowFormat:") < command_line.index("Run:") < command_line.index("Training:")
-    assert settings_report([], "out/config.json") == "settings: the defaults; every key: out/config.json"
+    assert settings_report([], "out/config.json") == "settings: the defaults; every key in out/config.json before step 1"
 
 
 def test_the_settings_block_of_the_demo_is_short():

@@ -89,6 +89,22 @@ def test_scoring_other_weights_into_a_folder_moves_its_evaluation_aside_and_says
 
 
 @pytest.mark.slow
+def test_a_submission_of_other_weights_is_moved_aside_and_said(trained, tmp_path, capsys):
+    """predict.py keeps an earlier submission.csv of other weights as evaluate.py keeps an evaluation."""
+    predict.main(args(trained, tmp_path))
+    first = (tmp_path / "submission.csv").read_text()
+    predict.main(args(trained, tmp_path))  # the same weights again: replaced, nothing set aside
+    assert not list(tmp_path.glob("previous-submission-*"))
+    capsys.readouterr()
+    predict.main([*args(trained, tmp_path), f"--ckpt={trained / 'out' / 'ckpt.pt'}"])
+    aside = list(tmp_path.glob("previous-submission-*"))
+    assert len(aside) == 1 and (aside[0] / "submission.csv").read_text() == first
+    assert f"held the output of other weights ({trained / 'out' / 'best.pt'}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "submission.json").read_text())["weights"].startswith(
+        str(trained / "out" / "ckpt.pt"))
+
+
+@pytest.mark.slow
 def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, tmp_path, capsys):
     # temperature 5 samples nonsense: the best setting is not in the first rows
     evaluate.main(args(trained, tmp_path / "sweep", "--sweep=temperature=5.0,0.0 repetition_penalty=1.0,1.3"))

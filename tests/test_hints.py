@@ -79,3 +79,49 @@ def test_a_value_split_by_a_space_is_named_as_the_keys_value(trained, tmp_path, 
     assert err == "error: '30m' follows --max_time 1h: a value with a space must be one word: --max_time='1h 30m'"
     train.main([*args, "--max_time=1h 30m", f"--out_dir={tmp_path}"])  # the hint, as the shell hands it over
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["config"]["max_time"] == 5400
+
+
+def test_a_folder_as_train_csv_names_the_csv_with_dialogues_and_summaries(trained, tmp_path, capsys):
+    """A competition's folder: the first CSV by name (sample_submission.csv) has no dialogues; train.csv has both."""
+    folder, args = trained
+    competition = tmp_path / "input"
+    competition.mkdir()
+    save_csv(competition / "train.csv", synthetic_rows(24, seed=0))
+    save_csv(competition / "test.csv", synthetic_rows(4, seed=1), test=True)
+    pd.DataFrame({"id": ["a"], "summary": [""]}).to_csv(competition / "sample_submission.csv", index=False)
+    err = one_error_line(capsys, train.main, [*args, f"--train_csv={competition}", f"--out_dir={tmp_path / 'out'}"])
+    hinted = re.search(r"e\.g\. (--train_csv=\S+)$", err)[1]
+    assert hinted == f"--train_csv={competition / 'train.csv'}"
+    train.main([*args, hinted, f"--out_dir={tmp_path / 'out'}"])
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_resume_into_an_unwritable_out_dir_names_the_checkpoint_it_reads(trained, tmp_path, capsys, monkeypatch):
+    folder, args = trained
+    real_open = open
+
+    def read_only(path, *rest, **kwargs):  # out/ refuses new files (root ignores a folder's permissions)
+        if str(path).startswith(str(folder / "out")) and ".write-test" in str(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *rest, **kwargs)
+    monkeypatch.setattr(run_folder, "open", read_only, raising=False)
+    resume = [*args, "--init_from=resume", "--max_iters=2", "--eval_interval=2"]
+    err = one_error_line(capsys, train.main, [*resume, f"--out_dir={folder / 'out'}"])
+    hinted = re.search(r"choose another with --out_dir=<a writable folder> and keep reading \S+ with "
+                       r"(--resume_from=\S+)", err)[1]
+    assert hinted == f"--resume_from={folder / 'out' / 'ckpt.pt'}"
+    train.main([*resume, f"--out_dir={tmp_path / 'out'}", hinted])
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2
+
+
+def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(trained, tmp_path, capsys):
+    folder, args = trained
+    out = tmp_path / "out"
+    out.mkdir()
+    running = run_folder.lock(str(out))  # a training run holds the folder and has written no ckpt.pt yet
+    try:
+        err = one_error_line(capsys, train.main, [*args, "--init_from=resume", f"--out_dir={out}"])
+    finally:
+        running.close()
+    assert f"out_dir {out} is in use by a training run that has not saved a checkpoint (pid " in err
+    assert "wait for its first save" in err

@@ -164,7 +164,7 @@ def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
     first = next(i for i, line in enumerate(lines) if line.startswith("training:"))
     assert first <= 16, lines[:first]
     start = next(i for i, line in enumerate(lines[:first]) if line.startswith("settings ("))
-    assert f"every key: {out / 'config.json'}" in lines[start] and (out / "config.json").is_file()
+    assert f"every key in {out / 'config.json'} before step 1" in lines[start] and (out / "config.json").is_file()
     sources = {}  # each source's lines ("  config/demo.py: Group: key=value ..." and "    ..." after it), joined
     for line in lines[start + 1:first]:
         if not line.startswith("  "):

@@ -26,6 +26,12 @@ ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_i
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `minutes` first: pytest-xdist hands tests out in this order, and one that takes minutes started
+    last would run alone while the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("minutes") is None)
+
+
 def tiny(**overrides):
     """TINY with keys replaced (key=value) or left out (key=None), in TINY's order; keys TINY lacks go last."""
     flags = dict(flag[2:].split("=", 1) for flag in TINY)

@@ -198,6 +198,10 @@ def test_a_minute_with_compile_on_a_cpu_trains_and_writes_the_submission(tmp_pat
     estimate before step 1 took the decoding's compile for the pace of every summary)."""
     result = conftest.run([sys.executable, "train.py", "config/demo.py", "--compile=True", "--max_time=60s",
                            f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}"])
+    used_up = re.search(r"max_time=60 is used up before the first step: start-up took (\d+) s", result.stderr)
+    if used_up:  # a machine so loaded that imports and compiling took the minute: that, and only that, is right
+        assert int(used_up[1]) >= 59, result.stderr[-3000:]
+        return
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics(tmp_path / "out")[-1]["iter"] >= 10  # a machine under load trains fewer
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 100

@@ -355,7 +355,8 @@ def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_fr
                  "Evaluation: evaluate_after=True log_to='tensorboard'"):
         assert text in command_line
     assert command_line.index("RowFormat:") < command_line.index("Run:") < command_line.index("Training:")
-    assert settings_report([], "out/config.json") == "settings: the defaults; every key in out/config.json before step 1"
+    assert settings_report([], "out/config.json") == ("settings: the defaults; every key in out/config.json before "
+                                                      "step 1")
 
 
 def test_the_settings_block_of_the_demo_is_short():

@@ -56,6 +56,7 @@ RUNS = 50
 
 
 @pytest.mark.slow
+@pytest.mark.minutes
 def test_fifty_two_process_runs_in_parallel_pairs_all_exit(csvs, tmp_path):
     """The suite's kind of torchrun job, started RUNS times two at a time: every one exits 0 on its own, its teardown
     within the bound (no watchdog line). Without the teardown order, some hang forever after their last line

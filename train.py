@@ -66,7 +66,10 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
         cfg, start, run = run_settings(argv, objective or TokenLoss, script, usage)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
-        with rank_error_lines(), Runtime(cfg) as rt, run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
+        # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
+        # (SIGTERM) moments after another one failed
+        with Runtime(cfg) as rt, one_line_errors(), rank_error_lines(), \
+                run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
                 print(settings_report(argv, config_json, run))

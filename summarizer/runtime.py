@@ -441,7 +441,7 @@ def part(device, clean, rank):
     then destroy_process_group drops the group from Python, which releases the GIL while the workers stop. A
     watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs.
     After an error (its frames cleared by Runtime), no collection: under torchrun the launcher stops the other ranks
-    within moments, and the error line comes after this."""
+    within moments."""
     if clean:  # no rank tears its connections down while another still uses them
         gc.collect()  # reference cycles through the model, its hooks and the objective
         done = torch.ones(1, device=device)

@@ -23,6 +23,18 @@ def trained(tmp_path_factory):
     return folder, args
 
 
+@pytest.fixture
+def read_only_out(trained, monkeypatch):
+    """The trained run's out/ refuses new files (root ignores a folder's permissions)."""
+    out, real_open = str(trained[0] / "out"), open
+
+    def read_only(path, *rest, **kwargs):
+        if str(path).startswith(out) and ".write-test" in str(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *rest, **kwargs)
+    monkeypatch.setattr(run_folder, "open", read_only, raising=False)
+
+
 def test_a_runs_folder_as_init_from_names_the_checkpoint_to_start_from(trained, tmp_path, capsys):
     folder, args = trained
     err = one_error_line(capsys, train.main, [*args, f"--init_from={folder / 'out'}", f"--out_dir={tmp_path}"])
@@ -31,15 +43,8 @@ def test_a_runs_folder_as_init_from_names_the_checkpoint_to_start_from(trained, 
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 1
 
 
-def test_an_unwritable_out_dir_names_the_checkpoint_read_from_it(trained, tmp_path, capsys, monkeypatch):
+def test_an_unwritable_out_dir_names_the_checkpoint_read_from_it(trained, read_only_out, tmp_path, capsys):
     folder, args = trained
-    real_open = open
-
-    def read_only(path, *rest, **kwargs):  # out/ refuses new files (root ignores a folder's permissions)
-        if str(path).startswith(str(folder / "out")) and ".write-test" in str(path):
-            raise PermissionError(13, "Permission denied", path)
-        return real_open(path, *rest, **kwargs)
-    monkeypatch.setattr(run_folder, "open", read_only, raising=False)
     scoring = [*tiny(init_from=None), f"--data_cache_dir={folder / 'cache'}"]
     for main in (evaluate.main, predict.main):
         err = one_error_line(capsys, main, [*scoring, f"--out_dir={folder / 'out'}"])
@@ -96,15 +101,8 @@ def test_a_folder_as_train_csv_names_the_csv_with_dialogues_and_summaries(traine
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
 
 
-def test_a_resume_into_an_unwritable_out_dir_names_the_checkpoint_it_reads(trained, tmp_path, capsys, monkeypatch):
+def test_a_resume_into_an_unwritable_out_dir_names_the_checkpoint_it_reads(trained, read_only_out, tmp_path, capsys):
     folder, args = trained
-    real_open = open
-
-    def read_only(path, *rest, **kwargs):  # out/ refuses new files (root ignores a folder's permissions)
-        if str(path).startswith(str(folder / "out")) and ".write-test" in str(path):
-            raise PermissionError(13, "Permission denied", path)
-        return real_open(path, *rest, **kwargs)
-    monkeypatch.setattr(run_folder, "open", read_only, raising=False)
     resume = [*args, "--init_from=resume", "--max_iters=2", "--eval_interval=2"]
     err = one_error_line(capsys, train.main, [*resume, f"--out_dir={folder / 'out'}"])
     hinted = re.search(r"choose another with --out_dir=<a writable folder> and keep reading \S+ with "

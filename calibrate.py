@@ -1,13 +1,14 @@
 """The calibration stage (experimental, docs/calibration.md): continue a trained run with a ranking loss on
-candidate summaries that the run's own weights write for every training dialogue. It is train.py's loop with the
-Ranking objective of summarizer/ranking.py; every train.py setting and launcher applies.
+candidate summaries that the run's own weights write for every training dialogue. It is train.py's loop with a
+ranking loss beside the token loss; every train.py setting and launcher applies.
 
     python calibrate.py [preset] --init_from=out/best.pt --out_dir=out-calibrated --rank_weight=1.0 [--key=value ...]
     torchrun --nproc_per_node=N --standalone calibrate.py [...]
     python calibrate.py --init_from=resume --out_dir=out-calibrated [--max_iters=N]     continue a calibration run
 
---init_from names the trained run's checkpoint (its best.pt): the new run takes that run's data, template and
-decoding (a flag changes one) and writes into --out_dir. Its own settings (the Calibration keys below):
+--init_from names the trained run's checkpoint (its best.pt): the new run takes that run's settings, its data,
+template, learning rate and decoding included (a preset or a flag changes any but the model's shape), and writes
+into --out_dir. Its own settings (the Calibration keys below):
 --rank_weight (> 0, needed: the ranking loss's weight beside the token loss), --rank_candidates and
 --rank_decoding (how many candidates per dialogue and how they are drawn), --rank_margin and
 --rank_length_exponent (the loss's shape), --candidates_file (where the candidates are kept).

@@ -1,22 +1,8 @@
-"""Every setting of train.py, calibrate.py, evaluate.py, predict.py and export.py, and how a command line becomes them.
-
-    python train.py [preset.py|preset.json ...] [--key=value ...]      --help lists the keys
-
-Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
-(also written --key value) in its order: a flag beats any preset, whether it comes before or after it
-(`--device=cpu config/kaggle_t4x2.py` runs on the CPU). Values are Python literals (`--learning_rate=3e-4`,
-`--prompt_template='"..."'`); for a text field a bare word is taken as it is (`--init_from=gpt2-medium`,
-`--device=cuda:1`). A yes/no key takes true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`,
-`--compile=False`). max_time takes seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its
-unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are parsed with `ast`, never executed: only
-top-level `name = <literal>` lines.
-
-Each setting says what it means for the commands after training (its Scope): fixed by training, the run's and
-changeable on resume, the run's default for every later command, or this command's alone. A run's checkpoint
-keeps every setting; summarizer/checkpoint.py's resolve() applies the scopes. Values are typed here, once, as a
-command line or a preset gives them (max_time in seconds, lora_targets a tuple, sweep a mapping); each group's
-rules check its own values and Config reports every problem of a command in one line. This module imports
-nothing from summarizer/: the rest of the program imports it.
+"""Every setting of train.py, calibrate.py, evaluate.py, predict.py and export.py, declared once with its type,
+default, rules and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and how
+a command line becomes them (COMMAND_LINE says it to users). Each group's rules check its own values and Config
+reports every problem of a command in one line. This module imports nothing from summarizer/: the rest of the
+program imports it.
 """
 import ast
 import difflib
@@ -27,6 +13,21 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field, fields
+
+COMMAND_LINE = """\
+Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
+(also written --key value) in its order: a flag beats any preset, whether it comes before or after it
+(`--device=cpu config/kaggle_t4x2.py` runs on the CPU). Values are Python literals (`--learning_rate=3e-4`,
+`--prompt_template='"..."'`); for a text field a bare word is taken as it is (`--init_from=gpt2-medium`,
+`--device=cuda:1`). A yes/no key takes true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`,
+`--compile=False`). max_time takes seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its
+unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are read, never run: only top-level
+`name = <literal>` lines.
+
+A command that uses a trained run (a resume, a new run from a checkpoint, evaluate.py, predict.py, export.py)
+takes the run's settings where they matter to it (the model's shape, its prompt template, its decoding): a flag
+changes what may change, and one that contradicts what training fixed stops in one line. docs/config.md has the
+table of what each command takes."""
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
@@ -43,19 +44,49 @@ class UserError(Exception):
 
 
 class Scope(enum.Enum):
-    """What a setting means for the commands after training: its value travels in the run's checkpoints."""
-    FIXED = "fixed"  # fixed by training: every later command takes the run's value; a flag that contradicts it stops
-    RESUME = "resume"  # the run's when it resumes, where a flag may change it; another command's own otherwise
-    RUN = "run"  # the run's default for every later command (resume, evaluate, predict, export); a flag changes it
-    COMMAND = "command"  # this command's alone: where and how it runs
+    """What a setting is to the commands that use a run's checkpoint: its row of TAKES."""
+    SHAPE = "shape"  # the model's shape
+    TRAINED = "trained"  # what training fixed but a new run from the weights may change: rows, batch, warmup, adapters
+    TRAINING = "training"  # how the run trains and what it does when it ends
+    RUN = "run"  # the run's data and seed
+    DECODING = "decoding"  # how the run's summaries are decoded
+    COMMAND = "command"  # where and how this command runs
 
 
-SCOPE_MEANING = {
-    Scope.FIXED: "fixed by training: later commands take the run's value, a flag that contradicts it is refused",
-    Scope.RESUME: "the run's when it resumes (a flag may change it); another command's own",
-    Scope.RUN: "the run's default for later commands (resume, evaluate, predict, export); a flag changes it",
-    Scope.COMMAND: "this command's alone; never taken from a checkpoint",
+class Use(enum.Enum):
+    """What a command does with a run's checkpoint: a column of TAKES."""
+    RESUME = "resume"  # train.py/calibrate.py --init_from=resume: continue the run
+    WEIGHTS = "weights"  # train.py/calibrate.py --init_from=<a checkpoint>: a new run from its weights
+    INFERENCE = "inference"  # evaluate.py, predict.py: decode with the run's model
+    EXPORT = "export"  # export.py: the run's model, its decoding and a card that describes the run
+
+
+class Take(enum.Enum):
+    """Where a command's value of a setting comes from."""
+    OWN = "this command's"  # defaults, presets, flags: never the run's
+    RUN_OR_GIVEN = "the run's, unless given"  # what the command gives (a flag; for a new run, a preset too) wins
+    RUN = "the run's"  # a flag that contradicts it stops in one line
+
+
+# The contract between a run and every later command, one row per scope: resolve() reads it, --help and
+# docs/config.md print it. A resume continues the run (a preset does not change it: only a flag); a new run from
+# the weights is a new run of the same recipe (a preset or a flag changes what is not the shape); evaluate.py and
+# predict.py decode the run's model on the run's data; export's card describes the run, so only its decoding may
+# change.
+TAKES = {
+    Scope.SHAPE: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN, Use.INFERENCE: Take.RUN, Use.EXPORT: Take.RUN},
+    Scope.TRAINED: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN,
+                    Use.EXPORT: Take.RUN},
+    Scope.TRAINING: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.OWN,
+                     Use.EXPORT: Take.RUN},
+    Scope.RUN: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN_OR_GIVEN,
+                Use.EXPORT: Take.RUN},
+    Scope.DECODING: dict.fromkeys(Use, Take.RUN_OR_GIVEN),
+    Scope.COMMAND: dict.fromkeys(Use, Take.OWN),
 }
+REFUSED = {Use.WEIGHTS: "drop the flag (the checkpoint brings the model's shape)",
+           Use.INFERENCE: "drop the flag (the run's value holds for every later command)",
+           Use.EXPORT: "drop the flag (the model card describes the run)"}
 
 
 @dataclass(frozen=True)
@@ -76,10 +107,13 @@ def competition_file(name, fallback):
     return path if os.path.exists(path) else fallback
 
 
-def option(default, help, scope, choices=None, bound=None, parse=None):
+def option(default, help, scope, choices=None, bound=None, parse=None, why=None):
     """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, allowed values, range rule
-    (a Bound) and, for a value given as text, its parser (text or value -> value, UserError naming the key)."""
-    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse}
+    (a Bound), for a value given as text its parser (text or value -> value, UserError naming the key) and, for
+    what a resume takes from the run whatever the flags (Scope.SHAPE, Scope.TRAINED), why it cannot change."""
+    if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
+        raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
+    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -183,42 +217,44 @@ def sweep_settings(sweep):
 
 # ---- the settings, by group ------------------------------------------------------------------------------------
 
-F, R, D, C = Scope.FIXED, Scope.RESUME, Scope.RUN, Scope.COMMAND
-
-
 @dataclass
 class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
-                            "else data/train.csv", D)
-    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", D)
-    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", D)
-    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", D)
-    id_column: str = option("", "id column; '' = auto (id)", D)
-    val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''", D,
-                                 bound=FRACTION)
-    split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)", D,
-                             bound=NON_NEGATIVE)
+                            "else data/train.csv", Scope.RUN)
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", Scope.RUN)
+    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", Scope.RUN)
+    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", Scope.RUN)
+    id_column: str = option("", "id column; '' = auto (id)", Scope.RUN)
+    val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''",
+                                 Scope.RUN, bound=FRACTION)
+    split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)",
+                             Scope.RUN, bound=NON_NEGATIVE)
 
 
 @dataclass
 class Submission:
     """What predict.py summarizes, and the sample submission its ids must match."""
     test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
-                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv", R)
+                           f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv",
+                           Scope.TRAINING)
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
-                                        "sample submission whose ids submission.csv must match; '' = no check", R)
+                                        "sample submission whose ids submission.csv must match; '' = no check",
+                                        Scope.TRAINING)
 
 
 @dataclass
 class RowFormat:
     """How a training row is made: fixed by training, so inference takes it from the checkpoint."""
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
-                                                   "summary and <|endoftext|>; must contain {dialogue} once", F)
-    train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)", F)
+                                                   "summary and <|endoftext|>; must contain {dialogue} once",
+                                                   Scope.TRAINED, why="what the model was trained on")
+    train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)",
+                                   Scope.TRAINED, why="what the model was trained on")
     block_size: int = option(1024, "longest sequence in tokens, a multiple of 8, at most the model's positions "
-                                   "(GPT-2: 1024); longer dialogues are cut", F, bound=POSITIVE)
+                                   "(GPT-2: 1024); longer dialogues are cut",
+                                   Scope.TRAINED, why="what the model was trained on", bound=POSITIVE)
 
     def problems(self):
         problems = []
@@ -240,31 +276,35 @@ class RowFormat:
 class Run:
     """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
-                                                "settings)", C)
-    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", C)
+                                                "settings)", Scope.COMMAND)
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", Scope.COMMAND)
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
-                                    "or a local transformers model directory", C)
+                                    "or a local transformers model directory", Scope.COMMAND)
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
-                                  "attached as input; '' = out_dir/ckpt.pt", C)
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", C)
+                                  "attached as input; '' = out_dir/ckpt.pt", Scope.COMMAND)
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", Scope.COMMAND)
     output_quota_dir: str = option("/kaggle/working", "a folder that keeps at most output_quota_gb as output "
                                                       "(Kaggle's: what is beyond is lost at Save Version); a run "
                                                       "writing under it plans its checkpoints against what the quota "
-                                                      "leaves; '' = none", C)
-    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", C, bound=POSITIVE)
+                                                      "leaves; '' = none", Scope.COMMAND)
+    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", Scope.COMMAND, bound=POSITIVE)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
                                "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "
-                               "outputs go to out_dir/baseline-<name>/", C)
+                               "outputs go to out_dir/baseline-<name>/", Scope.COMMAND)
 
 
 @dataclass
 class ModelShape:
     """A model's shape from scratch (a pretrained or resumed model brings its own)."""
-    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)", F, bound=POSITIVE)
-    n_head: int = option(12, "attention heads (init_from='scratch' only)", F, bound=POSITIVE)
-    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)", F, bound=POSITIVE)
-    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)", F)
+    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)",
+                          Scope.SHAPE, why="the model's shape", bound=POSITIVE)
+    n_head: int = option(12, "attention heads (init_from='scratch' only)",
+                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
+    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)",
+                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
+    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)",
+                        Scope.SHAPE, why="the model's shape")
 
     def problems(self):
         if self.n_head > 0 and self.n_embd % self.n_head:
@@ -275,27 +315,29 @@ class ModelShape:
 @dataclass
 class Training:
     """The optimization: batch, steps, learning rate and its schedule, time budget."""
-    dropout: float = option(0.0, "dropout probability while training", R, bound=FRACTION)
+    dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
     batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and "
-                                  "accumulation", F, bound=POSITIVE)
-    micro_batch_size: int = option(8, "sequences per forward pass on one rank", D, bound=POSITIVE)
-    max_iters: int = option(300, "optimizer steps", R, bound=POSITIVE)
-    learning_rate: float = option(2e-4, "peak learning rate", R, bound=POSITIVE)
-    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", R, bound=NON_NEGATIVE)
-    warmup_iters: int = option(20, "steps of linear warmup", F, bound=NON_NEGATIVE)
-    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", R,
+                                  "accumulation", Scope.TRAINED, why="the rows of each step", bound=POSITIVE)
+    micro_batch_size: int = option(8, "sequences per forward pass on one rank", Scope.RUN, bound=POSITIVE)
+    max_iters: int = option(300, "optimizer steps", Scope.TRAINING, bound=POSITIVE)
+    learning_rate: float = option(2e-4, "peak learning rate", Scope.TRAINING, bound=POSITIVE)
+    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", Scope.TRAINING, bound=NON_NEGATIVE)
+    warmup_iters: int = option(20, "steps of linear warmup",
+                               Scope.TRAINED, why="the warmup of the schedule", bound=NON_NEGATIVE)
+    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", Scope.TRAINING,
                                  bound=NON_NEGATIVE)
-    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", R, bound=NON_NEGATIVE)
-    seed: int = option(1337, "seed of the data order, dropout and sampling", D, bound=NON_NEGATIVE)
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", Scope.TRAINING, bound=NON_NEGATIVE)
+    seed: int = option(1337, "seed of the data order, dropout and sampling", Scope.RUN, bound=NON_NEGATIVE)
     max_time: float | None = option(None, "time budget of the run in seconds, given as seconds or a duration "
                                           "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
                                           "evaluate_after/predict_after; None or '' = none; this process's own, never "
-                                          "a checkpoint's", C, parse=parse_duration)
+                                          "a checkpoint's", Scope.COMMAND, parse=parse_duration)
     sessions: int = option(1, "how many max_time sessions (processes that end at their budget) the run is planned "
                               "over: the learning rate cools down to min_lr at the end of the last; each earlier one "
-                              "trains at the schedule's LR to its budget", R, bound=POSITIVE)
+                              "trains at the schedule's LR to its budget", Scope.TRAINING, bound=POSITIVE)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
-                                                 "keeping them: far less activation memory for ~1/3 more compute", R)
+                                                 "keeping them: far less activation memory for ~1/3 more compute",
+                                                 Scope.TRAINING)
 
     def problems(self):
         if self.micro_batch_size > 0 and self.batch_size % self.micro_batch_size:
@@ -306,22 +348,24 @@ class Training:
 @dataclass
 class AdamW:
     """AdamW's settings, which a resumed run applies to the optimizer it restores."""
-    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", R, bound=NON_NEGATIVE)
-    beta1: float = option(0.9, "AdamW beta1", R, bound=FRACTION)
-    beta2: float = option(0.95, "AdamW beta2", R, bound=FRACTION)
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", Scope.TRAINING, bound=NON_NEGATIVE)
+    beta1: float = option(0.9, "AdamW beta1", Scope.TRAINING, bound=FRACTION)
+    beta2: float = option(0.95, "AdamW beta2", Scope.TRAINING, bound=FRACTION)
 
 
 @dataclass
 class Lora:
     """LoRA adapters (lora_rank 0 = full fine-tuning)."""
     lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
-                               "lora_targets; best.pt holds the merged weights", F, bound=NON_NEGATIVE)
-    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank", F,
-                               bound=POSITIVE)
-    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training", F, bound=FRACTION)
+                               "lora_targets; best.pt holds the merged weights",
+                               Scope.TRAINED, why="the adapters", bound=NON_NEGATIVE)
+    lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank",
+                               Scope.TRAINED, why="the adapters", bound=POSITIVE)
+    lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training",
+                                 Scope.TRAINED, why="the adapters", bound=FRACTION)
     lora_targets: tuple = option(LORA_TARGETS, f"Linear layers of each block that get adapters (comma-separated on "
-                                               f"the command line), among {', '.join(LORA_TARGETS)}", F,
-                                 parse=parse_targets)
+                                               f"the command line), among {', '.join(LORA_TARGETS)}",
+                                               Scope.TRAINED, why="the adapters", parse=parse_targets)
 
     def problems(self):
         for target in self.lora_targets or ("",):
@@ -334,25 +378,25 @@ class Lora:
 @dataclass
 class Evaluation:
     """Evaluation during training, checkpoints kept, and logging."""
-    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", R,
+    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", Scope.TRAINING,
                                 bound=POSITIVE)
-    eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split", R,
-                                   bound=NON_NEGATIVE)
-    rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE", R,
-                                bound=NON_NEGATIVE)
+    eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split",
+                                   Scope.TRAINING, bound=NON_NEGATIVE)
+    rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE",
+                                Scope.TRAINING, bound=NON_NEGATIVE)
     best_metric: str = option("rougeL", "which score picks the checkpoint kept as best.pt; last = every save (a run "
-                                        "without validation rows)", R, ("rougeL", "val_loss", "last"))
-    log_interval: int = option(10, "print training loss every this many steps", R, bound=POSITIVE)
-    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", R)
+                                        "without validation rows)", Scope.TRAINING, ("rougeL", "val_loss", "last"))
+    log_interval: int = option(10, "print training loss every this many steps", Scope.TRAINING, bound=POSITIVE)
+    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", Scope.TRAINING)
     predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)",
-                                 R)
+                                 Scope.TRAINING)
     log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard "
-                             "(out_dir/tensorboard), wandb; '' = nowhere else", R)
-    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", R)
-    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", R)
+                             "(out_dir/tensorboard), wandb; '' = nowhere else", Scope.TRAINING)
+    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", Scope.TRAINING)
+    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", Scope.TRAINING)
     compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its "
                               "out_dir or eval_predictions.csv): paired ROUGE differences on stdout and in "
-                              "eval_report.html", C)
+                              "eval_report.html", Scope.COMMAND)
 
     def problems(self):
         problems = []
@@ -368,28 +412,29 @@ class Evaluation:
 @dataclass
 class System:
     """Device, precision, compile and the distributed backend."""
-    device: str = option("auto", "auto, cpu, cuda or cuda:N", C)
-    dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU", C,
-                        ("auto", "float32", "bfloat16", "float16"))
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", Scope.COMMAND)
+    dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
+                        Scope.COMMAND, ("auto", "float32", "bfloat16", "float16"))
     compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
                                          "compiling costs more than a short run saves), True/False = on/off "
-                                         "anywhere", C, ("auto", True, False))
+                                         "anywhere", Scope.COMMAND, ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
-                          C, ("auto", "ddp", "fsdp", "accelerate", "none"))
+                          Scope.COMMAND, ("auto", "ddp", "fsdp", "accelerate", "none"))
     fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
                                           "once per optimizer step, the weights gathered and fp32 gradients "
                                           "unsharded through its micro-steps (far less traffic, more memory); auto "
                                           "= when these, the shards and AdamW state fit the GPU (activations not "
-                                          "counted), False = after every micro-step", C, ("auto", True, False))
+                                          "counted), False = after every micro-step",
+                                          Scope.COMMAND, ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1: GPUs talk through host memory (hosts without "
-                                           "working peer-to-peer, e.g. Kaggle's 2xT4)", C)
+                                           "working peer-to-peer, e.g. Kaggle's 2xT4)", Scope.COMMAND)
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
-                                          "(only for a broken InfiniBand setup)", C)
-    dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing", C,
-                               bound=POSITIVE)
+                                          "(only for a broken InfiniBand setup)", Scope.COMMAND)
+    dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing",
+                               Scope.COMMAND, bound=POSITIVE)
     dist_start_timeout: int = option(120, "seconds the ranks have at start-up to meet and run a first collective "
-                                          "(NCCL's setup included) before the run stops in one line", C,
+                                          "(NCCL's setup included) before the run stops in one line", Scope.COMMAND,
                                      bound=POSITIVE)
 
     def problems(self):
@@ -401,26 +446,30 @@ class System:
 @dataclass
 class Decoding:
     """How summaries are decoded: generate()'s settings."""
-    max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size", D, bound=POSITIVE)
-    min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it", D)
-    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", D, bound=POSITIVE)
+    max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size",
+                                 Scope.DECODING, bound=POSITIVE)
+    min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it",
+                                 Scope.DECODING)
+    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", Scope.DECODING, bound=POSITIVE)
     temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam "
-                                     "candidate)", D, bound=NON_NEGATIVE)
-    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", D, bound=NON_NEGATIVE)
-    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", D, bound=Bound(lambda v: 0 < v <= 1,
+                                     "candidate)", Scope.DECODING, bound=NON_NEGATIVE)
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", Scope.DECODING, bound=NON_NEGATIVE)
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", Scope.DECODING, bound=Bound(lambda v: 0 < v <= 1,
                                                                                   "must be in (0, 1]"))
-    epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off", D,
-                            bound=FRACTION)
-    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", D)
-    repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary", D,
-                                       bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
-    no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off", D, bound=NON_NEGATIVE)
+    epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off",
+                            Scope.DECODING, bound=FRACTION)
+    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", Scope.DECODING)
+    repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary",
+                                       Scope.DECODING, bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
+    no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off",
+                                       Scope.DECODING, bound=NON_NEGATIVE)
     mbr_samples: int = option(0, "minimum Bayes risk decoding: sample this many summaries per dialogue (needs "
-                                 "temperature > 0) and keep the one that agrees most with the others; 0 = off", D,
-                              bound=NON_NEGATIVE)
-    mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries", D, ROUGE_TYPES)
+                                 "temperature > 0) and keep the one that agrees most with the others; 0 = off",
+                                 Scope.DECODING, bound=NON_NEGATIVE)
+    mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries",
+                             Scope.DECODING, ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too",
-                                    D)
+                                    Scope.DECODING)
 
     def contradiction(self):
         """The first of these settings that contradicts the others, in one line naming them; '' when none does.
@@ -441,14 +490,14 @@ class Decoding:
 @dataclass
 class Summarizing:
     """How many dialogues one generate() call takes, and evaluate.py's sweep."""
-    gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)", C,
-                                 bound=POSITIVE)
+    gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)",
+                                 Scope.COMMAND, bound=POSITIVE)
     gen_memory_gb: float = option(0.0, "GiB the KV cache of one generate() call may take (rows x num_beams or "
-                                       "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU", C,
+                                       "mbr_samples); 0 = auto: half the GPU's free memory, 2 on CPU", Scope.COMMAND,
                                   bound=Bound(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     sweep: dict = option(dict, "evaluate.py: score every combination of these decoding settings instead, e.g. "
-                               "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)", C,
-                         parse=parse_sweep)
+                               "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)",
+                               Scope.COMMAND, parse=parse_sweep)
 
 
 @dataclass
@@ -457,27 +506,27 @@ class Calibration:
     rank_weight: float = option(0.0, "calibrate.py (start it from a trained run, --init_from=out/best.pt), > 0: "
                                      "candidate summaries of every training dialogue are generated first, and this "
                                      "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
-                                     "loss", R, bound=NON_NEGATIVE)
+                                     "loss", Scope.TRAINING, bound=NON_NEGATIVE)
     rank_margin: float = option(0.01, "calibration: the ranking loss's margin per rank of difference between two "
-                                      "candidates' length-normalised log-probabilities", R, bound=NON_NEGATIVE)
+                                      "candidates' length-normalised log-probabilities",
+                                      Scope.TRAINING, bound=NON_NEGATIVE)
     rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "
-                                              "/ its length ** this", R, bound=NON_NEGATIVE)
+                                              "/ its length ** this", Scope.TRAINING, bound=NON_NEGATIVE)
     rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue "
-                                     "(distinct ones kept)", R,
+                                     "(distinct ones kept)", Scope.TRAINING,
                                   bound=Bound(lambda v: v >= 2, "must be >= 2: the ranking loss compares candidates"))
     rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
-                                        "sample (temperature 0.7, top-k 50)", R, ("beam", "sample"))
-    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt", R)
+                                        "sample (temperature 0.7, top-k 50)", Scope.TRAINING, ("beam", "sample"))
+    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt",
+                                  Scope.TRAINING)
 
 
 @dataclass
 class Export:
     """export.py's output."""
-    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", C)
-    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", C)
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND)
+    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", Scope.COMMAND)
 
-
-del F, R, D, C
 
 # in the order of --help and the reference
 GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
@@ -540,14 +589,57 @@ def grad_accum_steps(cfg, world_size):
 FIELDS = {f.name: f for f in fields(Config)}
 
 
+# The settings each command reads, which its --help lists (any command accepts every key, so that one preset serves
+# them all). evaluate.py and predict.py read the shape and the row format for a --baseline, which has no run.
+TRAINING_KEYS = tuple(key for key in FIELDS if key not in (*keys(Calibration), *keys(Export), "ckpt", "baseline",
+                                                            "compare", "sweep"))
+DECODING_KEYS = (*keys(RowFormat), *keys(ModelShape), "out_dir", "ckpt", "baseline", "seed", "device", "dtype",
+                 "compile", "nccl_p2p_disable", "dist_timeout", "dist_start_timeout", *keys(Decoding),
+                 "gen_batch_size", "gen_memory_gb")
+READS = {"train.py": TRAINING_KEYS, "calibrate.py": (*TRAINING_KEYS, *keys(Calibration)),
+         "evaluate.py": (*keys(Split), "data_cache_dir", "micro_batch_size", "eval_val_batches", "compare", "sweep",
+                         *DECODING_KEYS),
+         "predict.py": (*keys(Submission), *DECODING_KEYS),
+         "export.py": ("out_dir", "ckpt", *keys(Decoding), *keys(Export))}
+
+# ---- what a later command takes from a run ----------------------------------------------------------------------
+
+def resolve(cfg, given, saved, path, use):
+    """(the Config a command runs with, [(key, the run's value, this command's)] for what `given` changed) from the
+    command's `cfg` (defaults, presets, flags), the keys it gave (`given`), the settings `saved` of the run whose
+    checkpoint is at `path`, and what the command does with it (a Use), by TAKES. A key given with the run's value
+    is no change; one given against a value the command must take from the run stops in one line."""
+    values, changed = {}, []
+    for key, f in FIELDS.items():
+        take, mine, theirs = TAKES[f.metadata["scope"]][use], getattr(cfg, key), saved[key]
+        differs = key in given and mine != theirs
+        if take is Take.OWN:
+            values[key] = mine
+        elif take is Take.RUN and differs:
+            why = f"resume with --{key}={theirs!r} ({f.metadata['why']} cannot change when resuming)" \
+                if use is Use.RESUME else REFUSED[use]
+            raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
+                            f"{mine!r}: {why}")
+        else:
+            values[key] = mine if differs else theirs
+            if differs:
+                changed.append((key, theirs, mine))
+    return Config(**values), changed
+
+
+def own_keys(use):
+    """The settings that a command using a run's checkpoint so (a Use) decides itself, whatever the run's."""
+    return {key for key, f in FIELDS.items() if TAKES[f.metadata["scope"]][use] is Take.OWN}
+
+
 # ---- a command line, read --------------------------------------------------------------------------------------
 
-def load_config(argv, usage=None):
+def load_config(argv, usage=None, command="train.py"):
     """The checked Config that a command line asks for: presets in their order, then --key=value flags, which beat
-    any preset whatever the order; --help prints the usage (the command's own, then this module's) and every key,
-    and exits."""
+    any preset whatever the order; --help prints the command's usage, how a command line is read and the keys the
+    command reads, and exits."""
     if "-h" in argv or "--help" in argv:
-        print_help(usage)
+        print_help(usage, command)
         raise SystemExit(0)
     return Config(**{key: value for key, value, _ in settings_given(argv)})
 
@@ -711,17 +803,16 @@ def near_preset(path):
     return files[close[0]] if close else None
 
 
-def print_help(usage=None):
-    """The command's usage, how a command line is read, and every key; a reader that stops early (`--help | head`)
-    is not an error."""
+def print_help(usage, command):
+    """The command's usage, how a command line is read, and the keys the command reads; a reader that stops early
+    (`--help | head`) is not an error."""
     try:
-        print("\n\n".join(text.strip() for text in (usage, __doc__, help_text()) if text), flush=True)
+        print("\n\n".join(text.strip() for text in (usage, COMMAND_LINE, help_text(command)) if text), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 
 
-def help_text():
-    defaults = Config()
-    return "\n".join(f"--{name}={getattr(defaults, name)!r}    [{f.metadata['scope'].value}]\n"
-                     f"    {f.metadata['help']}" for name, f in FIELDS.items())
-
+def help_text(command):
+    defaults, read = Config(), set(READS[command])
+    return f"The settings {command} reads, with their defaults:\n" + "\n".join(
+        f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items() if name in read)

@@ -6,10 +6,10 @@
     torchrun --nproc_per_node=2 evaluate.py [...]          the validation set is sharded; rank 0 writes
 
 Scores the checkpoint (--ckpt, default out_dir/best.pt) with its run's prompt template, validation split and
-decoding (see inference.py: an explicit --key=value changes decoding or data settings, never the template);
+decoding (an explicit --key=value changes decoding or data settings, never the template);
 --baseline scores GPT-2 without fine-tuning or an untrained model (scratch, the preset's shape) with the
 command line's settings instead, into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json
-and eval_report.html (the page to read in a browser; report.py); --compare adds the paired ROUGE differences from
+and eval_report.html (the page to read in a browser); --compare adds the paired ROUGE differences from
 another evaluation of the same dialogues, on stdout and in the report.
 """
 import sys
@@ -25,7 +25,7 @@ from summarizer.runtime import Runtime
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg = load_config(argv, __doc__)
+        cfg = load_config(argv, __doc__, "evaluate.py")
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             (sweep if cfg.sweep else evaluate)(cfg, flags_given(argv), rt)
 

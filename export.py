@@ -4,8 +4,8 @@ for from_pretrained, pipeline, the Hugging Face Hub or a Kaggle dataset.
     python export.py [preset] [--ckpt=path] --export_dir=DIR [--overwrite=True] [--num_beams=4 ...]
 
 The prompt template, the truncation rule and the decoding settings (generation_config.json) are the run's,
-read from the checkpoint as inference.py reads them: an explicit --key=value replaces a decoding setting, a preset
-does not; any other flag may only repeat the run's value, which the model card describes. `--init_from=DIR`
+read from the checkpoint: an explicit --key=value replaces a decoding setting, a preset does not; any other flag
+may only repeat the run's value, which the model card describes. `--init_from=DIR`
 fine-tunes the exported folder further.
 """
 import os
@@ -16,9 +16,8 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, Config, Decoding, flags_given, load_config, part
+from config import GPT2_NAMES, Config, Decoding, Use, flags_given, load_config, part
 from model import CONV1D_WEIGHTS
-from summarizer.checkpoint import Use
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run, training_note
 from summarizer.launch import one_line_errors
@@ -225,7 +224,7 @@ def export(cfg, explicit=()):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        export(load_config(argv, __doc__), flags_given(argv))
+        export(load_config(argv, __doc__, "export.py"), flags_given(argv))
 
 
 if __name__ == "__main__":

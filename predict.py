@@ -3,7 +3,9 @@
     python predict.py [preset] [--ckpt=path | --baseline=...] [--key=value ...]
     torchrun --nproc_per_node=2 predict.py [...]          the test set is sharded; rank 0 writes the file
 
-An explicit --key=value changes a decoding setting (e.g. --num_beams=4); see inference.py.
+The prompt template and the decoding are the run's, read from the checkpoint; an explicit --key=value changes a
+decoding setting (e.g. --num_beams=4), a preset does not. An earlier submission.csv of other weights is moved
+aside, not overwritten.
 """
 import sys
 
@@ -18,7 +20,7 @@ from summarizer.submission import predict
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg = load_config(argv, __doc__)
+        cfg = load_config(argv, __doc__, "predict.py")
         with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             predict(cfg, flags_given(argv), rt)
 

@@ -5,10 +5,12 @@
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
 
-Reads top to bottom: main, what a run is built from (data, the model to train, its objective), the run control
-that says when to stop, and the Trainer with its loop. The checkpoint's contents are summarizer.checkpoint's
-TrainingState; out_dir is summarizer.run_folder's.
+Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
+time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
+# Reads top to bottom: main, what a run is built from (data, the model to train, its objective), the run control
+# that says when to stop, and the Trainer with its loop. The checkpoint's contents are summarizer.checkpoint's
+# TrainingState; out_dir is summarizer.run_folder's.
 import collections
 import contextlib
 import math
@@ -25,17 +27,25 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, arguments, describe_duration, flags_given, grad_accum_steps, load_config
+from config import (
+    FIELDS,
+    Use,
+    arguments,
+    describe_duration,
+    flags_given,
+    grad_accum_steps,
+    load_config,
+    own_keys,
+    resolve,
+    settings_given,
+)
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import (
     TrainingState,
-    Use,
-    command_keys,
     full_disk_keeps_checkpoints,
     load_checkpoint,
     lost_rank_keeps_checkpoints,
-    resolve,
     rng_state,
     set_rng_state,
 )
@@ -112,15 +122,17 @@ def run_settings(argv, objective, script, usage):
     """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
     checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
     before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
-    source's shape, the validation rows the run needs, and what the objective needs."""
-    cfg, flags = load_config(argv, usage), flags_given(argv)
+    source's shape, the validation rows the run needs, and what the objective needs. A resume continues the run:
+    only a flag changes it; a new run from the weights is a new run of the run's recipe: a preset changes it too."""
+    cfg, flags = load_config(argv, usage, script), flags_given(argv)
     check_command(flags, script)
     path, start = start_checkpoint(cfg)
     run = None
     if start is not None:
         use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
-        cfg, changed = resolve(cfg, flags, start, path, use)
-        run = (path, command_keys(use), changed)
+        given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
+        cfg, changed = resolve(cfg, given, start["config"], path, use)
+        run = (path, own_keys(use), changed)
     check_shape(cfg, flags, cfg.init_from)
     check_validation(cfg)
     problem = objective.problem(cfg)
@@ -235,7 +247,7 @@ def model_to_train(cfg, start=None):
     model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg), ckpt=start)
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
-    resolve(cfg, FIELDS, ckpt, path, Use.RESUME)  # train.main resolved cfg: this stops any other contradiction
+    resolve(cfg, FIELDS, ckpt["config"], path, Use.RESUME)  # train.main resolved cfg: this stops any contradiction
     return model, ckpt
 
 

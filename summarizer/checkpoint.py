@@ -1,10 +1,8 @@
 """A checkpoint: its record (what best.pt and ckpt.pt hold, a typed dict with a format version: written by
 TrainingState.save, read by load_checkpoint, which upgrades the files of every earlier version step by step), its
 file format (torch.save written atomically, read back with weights_only so a file cannot run code, a damaged file
-named with the intact ones beside it), resolve (the settings a later command takes from the run's record, by each
-setting's config.Scope) and the training state a resumed run restores (TrainingState)."""
+named with the intact ones beside it) and the training state a resumed run restores (TrainingState)."""
 import contextlib
-import enum
 import glob
 import math
 import os
@@ -15,7 +13,7 @@ from typing import TypedDict
 import torch
 
 import data
-from config import FIELDS, AdamW, Config, Decoding, Lora, ModelShape, RowFormat, Scope, keys, typed
+from config import FIELDS, AdamW, ModelShape, keys, typed
 from summarizer import lora, run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.files import atomic_write
@@ -403,63 +401,3 @@ class TrainingState:
         if changed:
             notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
         return notes
-
-
-class Use(enum.Enum):
-    """What a command does with a run's checkpoint, which decides what it takes from the record (resolve)."""
-    RESUME = "resume"  # train.py/calibrate.py --init_from=resume: continue the run
-    WEIGHTS = "weights"  # train.py/calibrate.py --init_from=<a checkpoint>: a new run from its weights
-    INFERENCE = "inference"  # evaluate.py, predict.py: decode with the run's model
-    EXPORT = "export"  # export.py: the run's model, its decoding and a card that describes the run
-
-
-ADVICE = {Use.WEIGHTS: "drop the flag (the checkpoint brings the model's shape)",
-          Use.INFERENCE: "drop the flag (the run's value holds for every later command)",
-          Use.EXPORT: "drop the flag (the model card describes the run)"}
-FIXED_BECAUSE = {**dict.fromkeys(keys(ModelShape), "the model's shape"), **dict.fromkeys(keys(Lora), "the adapters"),
-                 **dict.fromkeys(keys(RowFormat), "what the model was trained on"),
-                 "batch_size": "the rows of each step", "warmup_iters": "the warmup of the schedule"}
-
-
-def advice(use, key, theirs):
-    """How a command goes on when its flag contradicts the run's fixed `key` (the run's value: theirs)."""
-    if use is Use.RESUME:
-        return f"resume with --{key}={theirs!r} ({FIXED_BECAUSE[key]} cannot change when resuming)"
-    return ADVICE[use]
-
-
-def command_keys(use):
-    """The settings a command that uses a checkpoint so (a Use) decides itself, whatever the run's: COMMAND's, and
-    RESUME's for a new run and for evaluate/predict (export's card describes the run: they are the run's)."""
-    scopes = (Scope.COMMAND, Scope.RESUME) if use in (Use.WEIGHTS, Use.INFERENCE) else (Scope.COMMAND,)
-    return {key for key, f in FIELDS.items() if f.metadata["scope"] in scopes}
-
-
-def resolve(cfg, flags, ckpt, path, use):
-    """(the Config a command runs with, [(key, the run's value, this command's)] that its flags changed), from this
-    command's `cfg` (defaults, presets, flags), the --key=value `flags` it gave ({key: value} or the keys), the
-    checkpoint `ckpt` at `path` and what it does with it (a Use), by each setting's Scope:
-    - FIXED: the run's; a flag that contradicts it stops in one line (a new run from the weights may change all
-      but the shape);
-    - RESUME: the run's when resuming, where a flag changes it; this command's otherwise;
-    - RUN: the run's, where a flag changes it (export: decoding only, since its card describes the run);
-    - COMMAND: this command's.
-    Presets never replace a run's value: they say where and how to run. Only a flag the command gave is named."""
-    saved, values, changed, own = ckpt["config"], {}, [], command_keys(use)
-    for key, f in FIELDS.items():
-        scope, mine, theirs = f.metadata["scope"], getattr(cfg, key), saved[key]
-        given, fixed = key in flags and mine != theirs, scope is Scope.FIXED
-        if use is Use.WEIGHTS and key not in keys(ModelShape):
-            fixed = False
-        if use is Use.EXPORT and scope in (Scope.RESUME, Scope.RUN) and key not in keys(Decoding):
-            fixed = True
-        if key in own:
-            values[key] = mine
-        elif fixed and given:
-            raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
-                            f"{mine!r}: {advice(use, key, theirs)}")
-        else:
-            values[key] = mine if given else theirs
-            if given:
-                changed.append((key, theirs, mine))
-    return Config(**values), changed

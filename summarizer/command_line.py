@@ -11,8 +11,11 @@ from config import (
     FIELDS,
     GROUPS,
     READ_ONLY_BY,
-    SCOPE_MEANING,
+    TAKES,
     Config,
+    Scope,
+    Take,
+    Use,
     describe_duration,
     keys,
     settings_given,
@@ -81,9 +84,13 @@ def settings_report(argv, config_json, run=None):
     if run:
         path, own, from_run = run
         changed = [(key, value, source) for key, value, source in changed if key in own]
+        winner = {key: "the command line" if where == "command line" else where for key, _, where in given}
         lines = [f"settings (the run's, from {path}, and this command's; every key in {config_json} before step 1):"]
-        lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in from_run]] if from_run else [["none"]],
-                      "  changed from the run's by the command line: ", "    ")
+        if not from_run:
+            lines.append("  changed from the run's: none")
+        for source in dict.fromkeys(winner[key] for key, _, _ in from_run):  # the presets, then the command line
+            lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in from_run if winner[key] == source]],
+                          f"  changed from the run's by {source}: ", "    ")
     elif not changed:
         return f"settings: the defaults; every key in {config_json} before step 1"
     else:
@@ -131,11 +138,31 @@ def setting_text(key, value):
 # ---- help and the reference -------------------------------------------------------------------------------
 
 
+SCOPES = {Scope.SHAPE: "the model's shape", Scope.TRAINED: "what training fixed: the row format, `batch_size`, "
+          "`warmup_iters`, the adapters", Scope.TRAINING: "how the run trains, what it does at its end, the test CSV",
+          Scope.RUN: "the data, its split and `seed`, `micro_batch_size`", Scope.DECODING: "how summaries are decoded",
+          Scope.COMMAND: "where and how this command runs: paths, device, precision, budget"}
+USES = {Use.RESUME: "a resume (`--init_from=resume`)", Use.WEIGHTS: "a new run from its weights (`--init_from=<a "
+        "checkpoint>`, calibrate.py)", Use.INFERENCE: "evaluate.py, predict.py", Use.EXPORT: "export.py"}
+TAKE_WORDS = {Take.OWN: "its own", Take.RUN_OR_GIVEN: "the run's unless given", Take.RUN: "the run's (a flag against "
+              "it is refused)"}
+
+
+def scope_table():
+    """config.TAKES as a Markdown table: what each command takes from a run's checkpoint, by scope."""
+    rows = ["| scope | what | " + " | ".join(USES.values()) + " |", "| --- " * (len(USES) + 2) + "|"]
+    rows += [f"| `{scope.value}` | {SCOPES[scope]} | " + " | ".join(TAKE_WORDS[take] for take in uses.values()) + " |"
+             for scope, uses in TAKES.items()]
+    return "\n".join(rows)
+
+
 def markdown_reference():
-    """docs/config.md's reference: what each scope means, then a table of keys per group of settings."""
+    """docs/config.md's reference: what a command takes from a run by each scope, then a table of keys per group of
+    settings."""
     defaults = Config()
-    sections = ["What a key means for the commands after training (its scope; a run's checkpoints keep every "
-                "key):\n\n" + "\n".join(f"- `{scope.value}`: {meaning}" for scope, meaning in SCOPE_MEANING.items())]
+    sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (a run's checkpoints "
+                "keep every key; \"given\": a flag, and for a new run from the weights a preset too):\n\n"
+                + scope_table()]
     for group in GROUPS:
         rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | scope | meaning |",
                 "| --- | --- | --- | --- | --- |"]

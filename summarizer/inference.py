@@ -1,7 +1,7 @@
 """The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
 evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
 
-A checkpoint keeps the config it was trained with, and summarizer.checkpoint.resolve decides from each setting's
+A checkpoint keeps the config it was trained with, and config.resolve decides from each setting's
 scope what this command takes from it: what training fixed (the prompt template, block_size, the shape) comes from
 it, and a --key=value that contradicts it stops in one line; decoding and data settings (config.Decoding and the
 sampling seed, config.Split) default to the run's, and an explicit --key=value replaces them. Presets never replace
@@ -19,10 +19,9 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import Config, Decoding, Split, keys, part
+from config import Config, Decoding, Split, Use, keys, part, resolve
 from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
-from summarizer.checkpoint import Use, resolve
 from summarizer.errors import UserError
 from summarizer.loading import build_model, check_shape
 from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
@@ -95,7 +94,7 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
     else:
         path = checkpoint_path(cfg)
         model, ckpt = build_model(path, key="ckpt")
-        run_cfg, changed = resolve(cfg, explicit, ckpt, path, use)
+        run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                          ckpt["config"]["max_new_tokens"], path=path)

@@ -1,18 +1,19 @@
-"""A later command's settings (summarizer.checkpoint.resolve): every setting's scope decides what a resume, a new run
+"""A later command's settings (config.resolve): every setting's scope decides what a resume, a new run
 from a checkpoint's weights, evaluate/predict and export take from the run's record. A resume with no flags
 continues the run, in place or into another folder; a flag changes what may change and is printed as a change;
 a flag that contradicts what training fixed stops in one line naming it and the run's value; a message never names
 a flag that was not given."""
-import dataclasses
 import json
+import re
 
 import pytest
 
 import train
-from config import FIELDS, Config, Scope, load_config
+from config import FIELDS, TAKES, Scope, Take, Use, flags_given, load_config, resolve
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
-from summarizer.checkpoint import Use, load_checkpoint, resolve
+from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
+from summarizer.inference import open_run
 
 TEMPLATE = "Chat:\n{dialogue}\nSummary:"
 
@@ -26,6 +27,7 @@ def run(tmp_path_factory):
     save_csv(folder / "validation.csv", synthetic_rows(4, seed=1))
     cache = f"--data_cache_dir={folder / 'cache'}"
     train.main([*tiny(block_size=64), *ONE_STEP, "--max_iters=2", "--eval_interval=2", "--num_beams=2",
+                "--learning_rate=1e-3", "--seed=7", "--gen_batch_size=5", "--warmup_iters=3",
                 f"--prompt_template={TEMPLATE!r}", f"--train_csv={folder / 'train.csv'}",
                 f"--validation_csv={folder / 'validation.csv'}", f"--out_dir={folder / 'out'}", cache])
     return folder, folder / "out", cache
@@ -50,15 +52,15 @@ def test_a_resume_into_another_folder_names_no_flag_it_was_not_given(run, tmp_pa
     _, out, cache = run
     capsys.readouterr()
     train.main([f"--resume_from={out / 'ckpt.pt'}", f"--out_dir={tmp_path / 'next'}", "--max_iters=3",
-                "--learning_rate=1e-3", cache])
+                "--learning_rate=5e-4", cache])
     printed = capsys.readouterr()
-    assert "max_iters=2 -> 3 learning_rate=0.0002 -> 0.001" in printed.out
+    assert "max_iters=2 -> 3 learning_rate=0.001 -> 0.0005" in printed.out
     assert "--n_layer" not in printed.out + printed.err and "n_layer=12" not in printed.out + printed.err
-    assert load_checkpoint(str(tmp_path / "next" / "ckpt.pt"))["config"]["learning_rate"] == 1e-3
+    assert load_checkpoint(str(tmp_path / "next" / "ckpt.pt"))["config"]["learning_rate"] == 5e-4
 
 
 @pytest.mark.parametrize("flag, value", [("--n_layer=2", "n_layer=1"), ("--block_size=128", "block_size=64"),
-                                         ("--warmup_iters=5", "warmup_iters=20"), ("--lora_rank=4", "lora_rank=0")])
+                                         ("--warmup_iters=5", "warmup_iters=3"), ("--lora_rank=4", "lora_rank=0")])
 def test_a_flag_that_contradicts_what_training_fixed_is_one_line_naming_it_and_the_runs_value(run, tmp_path,
                                                                                                capsys, flag, value):
     _, out, cache = run
@@ -78,52 +80,98 @@ def test_a_new_run_from_a_checkpoints_weights_takes_its_template_and_decoding(ru
         (TEMPLATE, 64, 1, str(folder / "validation.csv"))
 
 
-RUN_VALUES = dict(n_layer=1, n_head=2, n_embd=32, block_size=64, prompt_template=TEMPLATE, batch_size=4,
-                  micro_batch_size=4, learning_rate=1e-3, max_iters=2, num_beams=2, train_csv="run.csv",
-                  test_csv="run-test.csv", device="cpu", out_dir="run-out", rouge_samples=8)
-COMMAND_VALUES = dict(n_layer=2, n_head=2, n_embd=64, block_size=128, prompt_template="{dialogue}", batch_size=8,
-                      micro_batch_size=2, learning_rate=3e-4, max_iters=9, num_beams=3, train_csv="mine.csv",
-                      test_csv="mine-test.csv", device="auto", out_dir="mine", rouge_samples=4)
+# ---- the scope table, cell by cell, through each command's own start ---------------------------------------------
+
+# A key of each scope: (the run's value, another, the default), the run's set by the `run` fixture.
+KEYS = {Scope.SHAPE: ("n_layer", 1, 2, 12), Scope.TRAINED: ("warmup_iters", 3, 5, 20),
+        Scope.TRAINING: ("learning_rate", 1e-3, 3e-4, 2e-4), Scope.RUN: ("seed", 7, 9, 1337),
+        Scope.DECODING: ("num_beams", 2, 3, 1), Scope.COMMAND: ("gen_batch_size", 5, 6, 32)}
+OWN, RUN_OR_GIVEN, FIXED = "own", "the run's unless given", "the run's, a flag against it refused"
+# What each command takes from the run (the specification config.TAKES implements)
+SPEC = {Scope.SHAPE: dict(resume=FIXED, weights=FIXED, inference=FIXED, export=FIXED),
+        Scope.TRAINED: dict(resume=FIXED, weights=RUN_OR_GIVEN, inference=FIXED, export=FIXED),
+        Scope.TRAINING: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=OWN, export=FIXED),
+        Scope.RUN: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN, export=FIXED),
+        Scope.DECODING: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN,
+                             export=RUN_OR_GIVEN),
+        Scope.COMMAND: dict(resume=OWN, weights=OWN, inference=OWN, export=OWN)}
 
 
-@pytest.mark.parametrize("use, flags, expected", [
-    # no flag: the run's settings, but for what the command decides itself
-    (Use.RESUME, {}, dict(n_embd=32, learning_rate=1e-3, num_beams=2, train_csv="run.csv", test_csv="run-test.csv",
-                          out_dir="mine", device="auto")),
-    (Use.INFERENCE, {}, dict(n_embd=32, prompt_template=TEMPLATE, num_beams=2, train_csv="run.csv",
-                             learning_rate=3e-4, test_csv="mine-test.csv", out_dir="mine")),
-    (Use.WEIGHTS, {}, dict(n_embd=32, block_size=64, num_beams=2, batch_size=4, learning_rate=3e-4)),
-    # flags change what their scope lets them change
-    (Use.RESUME, {"learning_rate", "micro_batch_size", "num_beams", "test_csv"},
-     dict(learning_rate=3e-4, micro_batch_size=2, num_beams=3, test_csv="mine-test.csv")),
-    (Use.INFERENCE, {"num_beams", "train_csv"}, dict(num_beams=3, train_csv="mine.csv")),
-    (Use.WEIGHTS, {"prompt_template", "block_size", "batch_size"},
-     dict(prompt_template="{dialogue}", block_size=128, batch_size=8)),
-    (Use.EXPORT, {"num_beams"}, dict(num_beams=3, train_csv="run.csv")),
-])
-def test_each_scope_decides_what_a_command_takes_from_the_run(use, flags, expected):
-    cfg, ckpt = Config(**COMMAND_VALUES), {"config": dataclasses.asdict(Config(**RUN_VALUES))}
-    resolved, changed = resolve(cfg, flags, ckpt, "run.pt", use)
-    assert {key: getattr(resolved, key) for key in expected} == expected
-    assert {key for key, _, _ in changed} == set(flags)  # each flag here differs from the run's value
+def settings_taken(use, out, cache, argv):
+    """The Config a command that uses the run in `out` so starts with: train.py's for a resume or a new run from
+    best.pt, evaluate.py's and predict.py's (inference), export.py's."""
+    if use in ("resume", "weights"):
+        start = ["--init_from=resume", f"--out_dir={out}"] if use == "resume" else \
+            [f"--init_from={out / 'best.pt'}", f"--out_dir={out}-new"]
+        return train.run_settings([*start, cache, *argv], train.TokenLoss, "train.py", "")[0]
+    args = [f"--ckpt={out / 'best.pt'}", f"--out_dir={out}", *argv]
+    return open_run(load_config(args), flags_given(args), Use.EXPORT if use == "export" else Use.INFERENCE).cfg
 
 
-@pytest.mark.parametrize("use, flag", [(Use.RESUME, "n_layer"), (Use.RESUME, "prompt_template"),
-                                       (Use.INFERENCE, "block_size"), (Use.WEIGHTS, "n_embd"),
-                                       (Use.EXPORT, "train_csv"), (Use.EXPORT, "rouge_samples")])
-def test_what_a_command_may_not_change_is_refused_naming_the_flag(use, flag):
-    cfg, ckpt = Config(**COMMAND_VALUES), {"config": dataclasses.asdict(Config(**RUN_VALUES))}
-    with pytest.raises(UserError, match=rf"^--{flag}=.* contradicts run.pt: it was trained with {flag}="):
-        resolve(cfg, {flag}, ckpt, "run.pt", use)
+@pytest.mark.parametrize("scope, use", [(scope, use) for scope in SPEC for use in SPEC[scope]],
+                         ids=lambda x: getattr(x, "value", x))
+def test_each_scope_and_use_takes_what_the_table_says(run, scope, use):
+    _, out, cache = run
+    key, theirs, other, default = KEYS[scope]
+    unflagged = getattr(settings_taken(use, out, cache, []), key)
+    assert unflagged == (default if SPEC[scope][use] == OWN else theirs)
+    if SPEC[scope][use] == FIXED:
+        path = out / ("ckpt.pt" if use == "resume" else "best.pt")
+        with pytest.raises(UserError, match=rf"^--{key}={other!r} contradicts {re.escape(str(path))}: it was trained "
+                                            rf"with {key}={theirs!r}"):
+            settings_taken(use, out, cache, [f"--{key}={other}"])
+    else:
+        assert getattr(settings_taken(use, out, cache, [f"--{key}={other}"]), key) == other
 
 
-def test_a_flag_that_repeats_the_runs_value_is_no_change():
-    ckpt = {"config": dataclasses.asdict(Config(**RUN_VALUES))}
-    resolved, changed = resolve(load_config(["--n_layer=1", "--max_iters=2"]), {"n_layer", "max_iters"}, ckpt, "run.pt",
-                                Use.RESUME)
+def test_the_table_is_the_one_the_code_reads():
+    assert {scope: {use.value: take for use, take in uses.items()} for scope, uses in TAKES.items()} == {
+        scope: {use: {OWN: Take.OWN, RUN_OR_GIVEN: Take.RUN_OR_GIVEN, FIXED: Take.RUN}[take]
+                for use, take in uses.items()} for scope, uses in SPEC.items()}
+
+
+def test_a_flag_that_repeats_the_runs_value_is_no_change(run):
+    _, out, _ = run
+    saved = load_checkpoint(str(out / "ckpt.pt"))["config"]
+    resolved, changed = resolve(load_config(["--n_layer=1", "--max_iters=2"]), {"n_layer", "max_iters"}, saved,
+                                "run.pt", Use.RESUME)
     assert changed == [] and resolved.n_layer == 1
 
 
 def test_every_setting_has_a_scope():
     assert all(isinstance(f.metadata["scope"], Scope) for f in FIELDS.values())
     assert {f.metadata["scope"] for f in FIELDS.values()} == set(Scope)
+
+
+def test_a_damaged_ckpt_pts_hint_followed_literally_trains_on_with_the_runs_settings(run, tmp_path, capsys):
+    """The hint names best.pt and --init_from=<that file>: the new run it starts takes the run's learning rate,
+    intervals and seed (no preset nor flag changed them), and its settings block says so."""
+    _, out, cache = run
+    copy = tmp_path / "out"
+    copy.mkdir()
+    (copy / "best.pt").write_bytes((out / "best.pt").read_bytes())
+    (copy / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:100])
+    err = one_error_line(capsys, train.main, ["--init_from=resume", f"--out_dir={copy}", "--max_iters=3", cache])
+    hinted = re.search(r"intact: (\S+) \(iter 2\); start from its weights with --init_from=<that file>$", err)
+    train.main([f"--init_from={hinted[1]}", f"--out_dir={copy}", cache])
+    printed = capsys.readouterr().out
+    assert f"settings (the run's, from {hinted[1]}" in printed and "changed from the run's: none" in printed
+    saved, trained = json.loads((copy / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    assert {key: saved[key] for key in ("learning_rate", "eval_interval", "seed", "max_iters", "num_beams")} == \
+        {key: trained[key] for key in ("learning_rate", "eval_interval", "seed", "max_iters", "num_beams")} == \
+        dict(learning_rate=1e-3, eval_interval=2, seed=7, max_iters=2, num_beams=2)
+
+
+def test_a_new_run_from_the_weights_takes_a_presets_values_and_names_them(run, tmp_path, capsys):
+    """A preset changes a new run from the weights (a recipe run again), not a resume (the same run)."""
+    _, out, cache = run
+    preset = tmp_path / "recipe.py"
+    preset.write_text("learning_rate = 5e-4\n")
+    capsys.readouterr()
+    cfg, _, _ = train.run_settings([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", cache],
+                                   train.TokenLoss, "train.py", "")
+    resumed, _, _ = train.run_settings([str(preset), "--init_from=resume", f"--out_dir={out}", cache],
+                                       train.TokenLoss, "train.py", "")
+    assert (cfg.learning_rate, resumed.learning_rate) == (5e-4, 1e-3)
+    train.main([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path / 'new'}", cache])
+    assert f"changed from the run's by {preset}: learning_rate=0.001 -> 0.0005" in capsys.readouterr().out

@@ -83,7 +83,9 @@ def model_card(ckpt, trained, run, fmt, name):
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {trained.rouge_samples} validation dialogues)"
     validation = describe_validation(trained).removeprefix("validation ")
-    base = trained.init_from if trained.init_from in GPT2_NAMES else f"{trained.init_from} (init_from)"
+    base = (trained.init_from if trained.init_from in GPT2_NAMES else
+            "not recorded (a resumed run's checkpoint written before 2026-11-26)" if trained.init_from == "resume"
+            else f"{trained.init_from} (init_from)")
     decoding = "beam search" if run.num_beams > 1 else "sampling" if run.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
     head, tail = data.template_text(run.prompt_template)

@@ -59,7 +59,7 @@ from summarizer.metrics import rouge
 from summarizer.runtime import CompiledModule, Runtime, compile_model, out_of_memory_hint, peak_flops
 from summarizer.schedule import learning_rate, sessions_done
 from summarizer.submission import check_against_sample, predict
-from summarizer.tracking import Tracker, drop_rows_after, log_row, plot_metrics, progress_postfix
+from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix, resumed_history
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
@@ -438,16 +438,14 @@ class Trainer:
         self.state = TrainingState.start(rt.parallel.shard(model), cfg, rt,
                                          train_rows=self.train_set.fingerprints(),
                                          validation_digest=self.val_set.digest, lora_base=base,
+                                         base=ckpt["config"]["init_from"] if ckpt else cfg.init_from,
                                          extra=dict(self.objective.checkpoint_keys))
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
         notes = list(splits.notes)
         if ckpt is not None:
             notes += self.state.restore(ckpt, cfg, rt, resume_path(cfg))
-            dropped = drop_rows_after(os.path.join(cfg.out_dir, run_folder.METRICS), self.state.step) \
-                if rt.is_main else 0
-            if dropped:
-                notes.append(f"metrics.jsonl: {dropped} row(s) logged after iter {self.state.step} were dropped; "
-                             f"those steps run and are logged again")
+            if rt.is_main:
+                notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, self.state.step)])
         self.control.step_in_progress = self.state.step + 1
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])

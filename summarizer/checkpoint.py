@@ -289,12 +289,14 @@ class TrainingState:
     """What ckpt.pt holds and a resumed run restores: the model as the backend shards it, AdamW, the fp16
     GradScaler, the LR schedule, the optimizer steps done (`step`, saved as iter_num), the best score so far, the
     steps fp16 skipped, and each rank's RNG. The sampler needs no state of its own: a step's batch is a function
-    of the step. What every checkpoint says of the run: the training rows (inference refuses to score them), the
+    of the step. What every checkpoint says of the run: where its weights started (`base`: its first session's
+    init_from, kept through resumes as the config's), the training rows (inference refuses to score them), the
     validation split's digest, a LoRA base's reference, and `extra`, a stage's own keys."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     schedule: dict
+    base: str
     train_rows: dict
     validation_digest: str
     lora_base: dict | None = None
@@ -337,7 +339,8 @@ class TrainingState:
         writes = []
         if rt.is_main:
             model_args = asdict(self.model.config)
-            record = Record(format=FORMAT, model_args=model_args, config={**asdict(cfg), **shape_settings(model_args)},
+            record = Record(format=FORMAT, model_args=model_args, config={**asdict(cfg), "init_from": self.base,
+                                                                     **shape_settings(model_args)},
                             tokenizer=data.TOKENIZER_ID, iter_num=self.step, best_metric=cfg.best_metric,
                             best_score=self.best_score, best_val_loss=self.best_val_loss,
                             metrics={k: v for k, v in metrics.items() if isinstance(v, float)},

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from summarizer.command_line import as_json
 from summarizer.errors import UserError
 from summarizer.files import atomic_write, disk_full
+from summarizer.run_folder import METRICS
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 
@@ -103,9 +104,30 @@ def drop_rows_after(jsonl_path, iter_num):
     return len(lines) - len(kept)
 
 
+def resumed_history(ckpt_path, out_dir, step):
+    """metrics.jsonl of a run resumed at `step` from `ckpt_path`: its rows to that step, each step logged once (the
+    steps after it run again); a run continued into another folder (a new session) first brings the earlier
+    sessions' rows from the checkpoint's folder, or says that they are not there. The note that says what was done,
+    or None."""
+    path, earlier = os.path.join(out_dir, METRICS), os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), METRICS)
+    if not os.path.isfile(path) and os.path.abspath(path) != earlier:
+        if not os.path.isfile(earlier):
+            return (f"note: no {METRICS} beside {ckpt_path}: this folder's {METRICS}, metrics.png and report start "
+                    f"at iter {step + 1}; the history of the steps before is where those sessions wrote it")
+        with open(earlier, encoding="utf-8") as f, atomic_write(path) as copy:
+            copy.write(f.read())
+        drop_rows_after(path, step)
+        with open(path, encoding="utf-8") as f:
+            rows = sum(1 for line in f if line.strip())
+        return f"{METRICS}: the earlier sessions' {rows} row(s), to iter {step}, carried over from {earlier}"
+    dropped = drop_rows_after(path, step)
+    return (f"{METRICS}: {dropped} row(s) logged after iter {step} were dropped; those steps run and are logged "
+            f"again") if dropped else None
+
+
 def log_row(out_dir, row, tracker):
     """Append one row to out_dir/metrics.jsonl and send it to the tracker's destinations."""
-    path = os.path.join(out_dir, "metrics.jsonl")
+    path = os.path.join(out_dir, METRICS)
     try:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

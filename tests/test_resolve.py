@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+import export
 import train
 from config import FIELDS, TAKES, Scope, Take, Use, flags_given, load_config, resolve
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
@@ -175,3 +176,11 @@ def test_a_new_run_from_the_weights_takes_a_presets_values_and_names_them(run, t
     assert (cfg.learning_rate, resumed.learning_rate) == (5e-4, 1e-3)
     train.main([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path / 'new'}", cache])
     assert f"changed from the run's by {preset}: learning_rate=0.001 -> 0.0005" in capsys.readouterr().out
+
+
+def test_a_resumed_runs_checkpoint_keeps_its_base_which_the_exports_card_names(run, tmp_path):
+    _, out, cache = run
+    train.main([f"--resume_from={out / 'ckpt.pt'}", f"--out_dir={tmp_path / 'next'}", "--max_iters=3", cache])
+    assert load_checkpoint(str(tmp_path / "next" / "ckpt.pt"))["config"]["init_from"] == "scratch"
+    export.main([f"--ckpt={tmp_path / 'next' / 'best.pt'}", f"--export_dir={tmp_path / 'hf'}"])
+    assert "| base model | scratch (init_from) |" in (tmp_path / "hf" / "README.md").read_text()

@@ -122,3 +122,27 @@ def test_tensorboard_follows_resumes_and_fresh_runs(write_csv, tmp_path):
     assert [step for step, _ in tensorboard_losses(out / "tensorboard")] == [1]
     (previous,) = out.glob("previous-run-*")
     assert [step for step, _ in tensorboard_losses(previous / "tensorboard")] == [1, 2, 3, 4]
+
+
+def test_a_run_continued_into_a_new_folder_carries_its_earlier_history_or_says_where_it_is(write_csv, tmp_path,
+                                                                                            capsys):
+    """The second Kaggle session continues the first's ckpt.pt into a new out_dir: its metrics.jsonl (so
+    metrics.png and the report) starts with the first session's rows; a ckpt.pt without them is named."""
+    args = [*MODEL, f"--train_csv={write_csv('train.csv', 32)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--batch_size=8", "--micro_batch_size=8", "--eval_interval=2", "--rouge_samples=0",
+            "--best_metric=val_loss", "--eval_val_batches=1"]
+    train.main([*args, "--max_iters=2", f"--out_dir={tmp_path / 'first'}"])
+    first = metrics(tmp_path / "first")
+    capsys.readouterr()
+    train.main([*args, "--max_iters=4", f"--resume_from={tmp_path / 'first' / 'ckpt.pt'}",
+                f"--out_dir={tmp_path / 'second'}"])
+    assert f"carried over from {tmp_path / 'first' / 'metrics.jsonl'}" in capsys.readouterr().out
+    second = metrics(tmp_path / "second")
+    assert second[:len(first)] == first and sorted({row["iter"] for row in second}) == [1, 2, 3, 4]
+    alone = tmp_path / "attached"
+    alone.mkdir()
+    (alone / "ckpt.pt").write_bytes((tmp_path / "first" / "ckpt.pt").read_bytes())
+    train.main([*args, "--max_iters=3", f"--resume_from={alone / 'ckpt.pt'}", f"--out_dir={tmp_path / 'third'}"])
+    assert f"note: no metrics.jsonl beside {alone / 'ckpt.pt'}: this folder's metrics.jsonl" in \
+        capsys.readouterr().out
+    assert sorted({row["iter"] for row in metrics(tmp_path / "third")}) == [3]

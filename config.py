@@ -340,8 +340,11 @@ class Training:
                                                  Scope.TRAINING)
 
     def problems(self):
-        if self.micro_batch_size > 0 and self.batch_size % self.micro_batch_size:
-            return [f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"]
+        try:
+            if self.micro_batch_size > 0:
+                grad_accum_steps(self, world_size=1)  # the ranks a run has are counted where it runs
+        except UserError as e:
+            return [str(e)]
         return []
 
 

@@ -8,17 +8,16 @@
 Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
 time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
-# Reads top to bottom: main, what a run is built from (data, the model to train, its objective), the run control
-# that says when to stop, and the Trainer with its loop. The checkpoint's contents are summarizer.checkpoint's
+# Reads top to bottom: main, what a run is built from (data, the model to train, its objective), and the Trainer
+# with its loop, which stops at max_iters, at a stop signal (summarizer/launch.py) or when the run's clock
+# (summarizer/clock.py) leaves no room for another step. The checkpoint's contents are summarizer.state's
 # TrainingState; out_dir is summarizer.run_folder's.
 import collections
-import contextlib
 import math
 import os
 import shlex
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 from typing import NamedTuple
@@ -41,29 +40,40 @@ from config import (
 )
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
-from summarizer.checkpoint import (
-    TrainingState,
+from summarizer.checkpoint import load_checkpoint
+from summarizer.clock import COOLDOWN, RunClock, cooldown_lr
+from summarizer.errors import DiskFull, UserError
+from summarizer.evaluation import evaluate, validation_loss
+from summarizer.launch import (
+    STOP_SIGNALS,
+    StopSignals,
     full_disk_keeps_checkpoints,
-    load_checkpoint,
     lost_rank_keeps_checkpoints,
+    notebook_launch,
+    one_line_errors,
+    process_age,
+    rank_error_lines,
+)
+from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference, resume_path
+from summarizer.metrics import rouge
+from summarizer.runtime import (
+    CompiledModule,
+    Runtime,
+    compile_model,
+    out_of_memory_hint,
+    peak_flops,
     rng_state,
     set_rng_state,
 )
-from summarizer.clock import COOLDOWN, RunClock, cooldown_lr
-from summarizer.command_line import check_command, save_config, settings_report
-from summarizer.errors import DiskFull, UserError
-from summarizer.evaluation import evaluate, validation_loss
-from summarizer.launch import notebook_launch, one_line_errors, process_age, rank_error_lines
-from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference
-from summarizer.metrics import rouge
-from summarizer.runtime import CompiledModule, Runtime, compile_model, out_of_memory_hint, peak_flops
 from summarizer.schedule import learning_rate, sessions_done
+from summarizer.settings_report import FromRun, check_command, save_config, settings_report
+from summarizer.state import TrainingState
 from summarizer.submission import check_against_sample, predict
 from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix, resumed_history
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # save ckpt.pt after the step in progress and stop
+OUT_OF_TIME = "max_time"  # fit()'s reason to stop when the run's clock leaves no room for another step
 
 
 def main(argv=None, objective=None, script="train.py", usage=__doc__):
@@ -73,7 +83,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, start, run = run_settings(argv, objective or TokenLoss, script, usage)
+        cfg, checkpoint, from_run = run_settings(argv, objective or TokenLoss, script, usage)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
@@ -82,26 +92,27 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
-                print(settings_report(argv, config_json, run))
-            control = RunControl(cfg, rt, started)
+                print(settings_report(argv, config_json, from_run))
             go_on = continue_command(script, argv, rt.world_size)
-            with control.handlers(), full_disk_keeps_checkpoints(cfg.out_dir), \
-                    lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
-                trainer = Trainer(cfg, rt, control, objective, start)
-                del start  # its tensors map the file, whose disk space a save must be able to free
+            ckpt, trainer = os.path.join(cfg.out_dir, run_folder.CKPT), None
+            signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1 if trainer else 1}, then "
+                                          f"saving {ckpt}" if rt.is_main else None,
+                                  f"{ckpt} and best.pt stay as the last save left them", rt.distributed)
+            with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
+                trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
+                del checkpoint  # its tensors map the file, whose disk space a save must be able to free
                 try:
-                    trainer.fit()
+                    stopped_by = trainer.fit()
                     step, clock = trainer.state.step, trainer.clock
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
-                    del trainer
-            ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
-            if control.stop_signal:
+                    trainer = None
+            if stopped_by in STOP_SIGNALS:
                 if rt.is_main:
-                    print(f"stopped by {signal.Signals(control.stop_signal).name} after iter {step}: "
+                    print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: "
                           f"{ckpt} holds it; continue with:\n  {go_on}")
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
-                sys.exit(0 if rt.distributed else 128 + control.stop_signal)
-            if control.out_of_time and rt.is_main:
+                sys.exit(0 if rt.distributed else 128 + stopped_by)
+            if stopped_by == OUT_OF_TIME and rt.is_main:
                 left = clock.left()
                 timing = (f"with {left:.0f} s left for what follows" if left > 0 else
                           f"{-left:.0f} s past the budget (the last step, evaluation and save took longer than "
@@ -127,18 +138,18 @@ def run_settings(argv, objective, script, usage):
     cfg, flags = load_config(argv, usage, script), flags_given(argv)
     check_command(flags, script)
     path, start = start_checkpoint(cfg)
-    run = None
+    from_run = None
     if start is not None:
         use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
         given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
         cfg, changed = resolve(cfg, given, start["config"], path, use)
-        run = (path, own_keys(use), changed)
+        from_run = FromRun(path, own_keys(use), changed)
     check_shape(cfg, flags, cfg.init_from)
     check_validation(cfg)
     problem = objective.problem(cfg)
     if problem:
         raise UserError(problem)
-    return cfg, start, run
+    return cfg, start, from_run
 
 
 def notebook_main(argv=(), num_processes=2, port=29500):
@@ -160,10 +171,6 @@ def continue_command(script, argv, world_size):
 
 def resuming(cfg):
     return cfg.init_from == "resume" or bool(cfg.resume_from)
-
-
-def resume_path(cfg):
-    return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
 
 
 def start_checkpoint(cfg):
@@ -318,95 +325,19 @@ class TokenLoss:
         return loss * len(found.index), zero, zero
 
 
-# ---- the run control: when to stop ----------------------------------------------------------------------------
-
-class RunControl:
-    """Asked once a step whether the run stops after it: a stop signal (SIGINT: Ctrl-C or a notebook's stop
-    button; SIGTERM: a session or job ending) that any rank received, max_time (the run's clock leaves no room for
-    another step), or NaN patience (an error). It also warns when fp16 keeps skipping steps."""
-
-    def __init__(self, cfg, rt, started=None):
-        self.cfg, self.rt = cfg, rt
-        self.started = time.monotonic() if started is None else started  # what max_time counts from
-        self.received = None  # the first stop signal this process received
-        self.stop_signal = None  # the one the ranks agreed on after a step
-        self.out_of_time = False  # the ranks agreed (rank 0's clock) that max_time leaves no room for another step
-        self.step_in_progress = 1  # for the acknowledgment
-        self.bad_steps = 0
-        self.recent_skips = collections.deque(maxlen=SKIP_WINDOW)
-        self.skip_warned_at = -SKIP_WINDOW
-
-    # stop signals
-    def __call__(self, signum, frame):
-        if self.received is None:
-            self.received = signum
-            if self.rt.is_main:
-                print(f"\n{signal.Signals(signum).name}: stopping after iter {self.step_in_progress}, then saving "
-                      f"{os.path.join(self.cfg.out_dir, run_folder.CKPT)}", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT and not self.rt.distributed:  # under torchrun a rank gets copies of one signal
-            print(f"second Ctrl-C: stopping at once; {self.cfg.out_dir}/ckpt.pt and best.pt stay as the last save "
-                  f"left them", file=sys.stderr, flush=True)
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def handlers(self):
-        """SIGINT and SIGTERM come here while inside (in the main thread; elsewhere they cannot be caught)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, self) for s in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def requests(self, device, steps_left):
-        """This rank's stop requests as a tensor to sum over ranks (one slot per signal), then the steps max_time
-        leaves after this one by rank 0's clock (-1: no budget): it travels with the step's losses, in its one
-        reduction, so every rank sets the same learning rate and stops at the same step."""
-        requests = torch.zeros(len(STOP_SIGNALS) + 1, device=device)
-        if self.received:
-            requests[STOP_SIGNALS.index(self.received)] = 1
-        if self.rt.is_main:
-            requests[-1] = -1 if steps_left is None else steps_left
-        return requests
-
-    def after_step(self, step, requests, loss, skipped):
-        """Take in the step just done (1-based `step`) and the summed requests of every rank; stops the run with one
-        line after NAN_PATIENCE non-finite losses in a row. Returns whether the loop stops now."""
-        self.step_in_progress = step + 1
-        self.stop_signal = next((s for s, n in zip(STOP_SIGNALS, requests, strict=False) if n), None)
-        self.out_of_time = requests[-1] == 0
-        self.bad_steps = 0 if math.isfinite(loss) else self.bad_steps + 1
-        if self.bad_steps >= NAN_PATIENCE:
-            raise UserError(f"loss is {loss} for {self.bad_steps} iterations in a row (iter {step}); stopped. "
-                            f"{self.cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
-                            f"Lower learning_rate or use dtype=float32/bfloat16")
-        self.recent_skips.append(skipped)
-        return bool(self.stop_signal or self.out_of_time)
-
-    def skip_warning(self, step, loss_scale):
-        """The warning line when fp16's GradScaler keeps skipping steps (once per SKIP_WINDOW), else None."""
-        if sum(self.recent_skips) <= SKIP_WARN or step - self.skip_warned_at < SKIP_WINDOW:
-            return None
-        self.skip_warned_at = step
-        return (f"warning: the fp16 GradScaler skipped {sum(self.recent_skips)} of the last {SKIP_WINDOW} steps "
-                f"(loss scale now {loss_scale:g}): gradients keep overflowing; lower learning_rate, or use "
-                f"--dtype=bfloat16 (Ampere or newer) or --dtype=float32")
-
-
 # ---- the trainer -------------------------------------------------------------------------------------------
 
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
-    skipped (an fp16 overflow or a non-finite loss), the objective's second loss term per dialogue, every rank's
-    stop requests summed, the GlobalBatch it trained on, and its learning rate."""
+    skipped (an fp16 overflow or a non-finite loss), the objective's second loss term per dialogue, the stop
+    signal some rank received (or None), the steps max_time leaves after it by rank 0's clock (-1: no budget),
+    the GlobalBatch it trained on, and its learning rate."""
     loss: float
     grad_norm: float
     skipped: bool
     extra: float
-    requests: list
+    stop_signal: int | None
+    steps_left: int
     batch: data.GlobalBatch
     lr: float
 
@@ -414,11 +345,12 @@ class StepDone(NamedTuple):
 class Trainer:
     """A training run: set up in __init__ (out_dir, data, model, objective, state, compile), then fit() runs the
     loop. Its TrainingState is what ckpt.pt holds. `start`: the checkpoint train.main loaded to resume or start
-    from (else it is loaded here)."""
+    from (else it is loaded here); `started`: what max_time counts from (else now); `signals`: the StopSignals
+    that ask the run to stop after a step (else none)."""
 
-    def __init__(self, cfg, rt, control=None, objective=None, start=None):
+    def __init__(self, cfg, rt, objective=None, start=None, started=None, signals=None):
         self.cfg, self.rt = cfg, rt
-        self.control = control or RunControl(cfg, rt)
+        self.signals = signals or StopSignals(None, "", rt.distributed)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
         splits, after_summaries = datasets(cfg, rt)
@@ -446,13 +378,13 @@ class Trainer:
             notes += self.state.restore(ckpt, cfg, rt, resume_path(cfg))
             if rt.is_main:
                 notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, self.state.step)])
-        self.control.step_in_progress = self.state.step + 1
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        self.module, self.decode_step, self.compiled = self.module_to_train()
+        self.module, self.decode_step, self.compiled, self.compile_seconds = self.step_module()
         self.clock, self.primed_step = None, None
         if cfg.max_time is not None:
-            self.clock = RunClock(cfg.max_time, self.control.started, time.monotonic, cfg.eval_interval,
+            self.clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
+                                  cfg.eval_interval,
                                   len(self.rouge_prompts), after_summaries,
                                   int(cfg.evaluate_after) + int(cfg.predict_after))
             self.primed_step = self.prime_clock(after_summaries)
@@ -475,23 +407,25 @@ class Trainer:
     def scaler(self):
         return self.state.scaler
 
-    def module_to_train(self):
+    def step_module(self):
         """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
         micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None; what
-        runs under torch.compile, in words, for the start line)."""
-        module, decode_step, compiled = self.objective.module(self.model), None, "eager"
+        runs under torch.compile, in words, for the start line; the seconds the step's compile took, or None)."""
+        module, decode_step, compiled, seconds = self.objective.module(self.model), None, "eager", None
         if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
             start = time.perf_counter()
             with memory_hint(self.cfg, self.rt):
                 module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
             if isinstance(module, CompiledModule):
+                seconds = time.perf_counter() - start
                 decode_step = inference.CompiledDecodeStep()
-                compiled = f"torch.compile (compiled in {time.perf_counter() - start:.0f} s)"
+                compiled = f"torch.compile (compiled in {seconds:.0f} s)"
         elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
             decode_step = inference.CompiledDecodeStep()
             compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
-        return self.rt.parallel.wrap(module), decode_step, compiled
+        self.compiled_module = module if isinstance(module, CompiledModule) else None
+        return self.rt.parallel.wrap(module), decode_step, compiled, seconds
 
     def prime_clock(self, after_summaries):
         """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
@@ -560,9 +494,13 @@ class Trainer:
                 + ("; warning: few steps for a run" if fit < 10 else ""))
 
     def fit(self):
-        cfg, rt, state, control, clock = self.cfg, self.rt, self.state, self.control, self.clock
+        """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
+        a signal number or OUT_OF_TIME; None at max_iters)."""
+        cfg, rt, state, clock = self.cfg, self.rt, self.state, self.clock
         if clock:  # every rank stops with rank 0's verdict
             rt.stop_if(clock.start_up_problem(self.primed_step) if rt.is_main else None)
+        bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
+        first_step = state.step + 1
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         with self.tracker, memory_hint(cfg, rt), tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main,
                                                       dynamic_ncols=True, desc="training", unit="it") as bar:
@@ -574,8 +512,13 @@ class Trainer:
                     clock.steps.add(seconds)
                 state.step += 1
                 state.skipped_steps += done.skipped
-                stop = control.after_step(state.step, done.requests, done.loss, done.skipped)
-                if control.out_of_time:  # this session ended at its budget; the last one ends the schedule
+                bad_steps = 0 if math.isfinite(done.loss) else bad_steps + 1
+                if bad_steps >= NAN_PATIENCE:
+                    raise UserError(f"loss is {done.loss} for {bad_steps} iterations in a row (iter {state.step}); "
+                                    f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
+                                    f"Lower learning_rate or use dtype=float32/bfloat16")
+                out_of_time = done.steps_left == 0
+                if out_of_time:  # this session ended at its budget; the last one ends the schedule
                     state.schedule = {**state.schedule, "sessions_done": sessions_done(state.schedule) + 1,
                                       **({"floor": state.schedule["min_lr"]} if self.last_session else {})}
                 batch = done.batch
@@ -583,25 +526,38 @@ class Trainer:
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
                 if self.objective.extra_loss:
                     stats[self.objective.extra_loss] = done.extra
+                if self.compiled_module:  # what compiling cost, and whether the steps still run compiled
+                    if state.step == first_step:
+                        stats["compile_s"] = self.compile_seconds
+                    if self.compiled_module.fallback.failed:
+                        stats["compile_fallback"] = self.compiled_module.fallback.why
                 if state.scaler.is_enabled():
                     stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
                 if self.peak:
                     flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
                     stats["mfu"] = flops / seconds / rt.world_size / self.peak
-                if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or control.out_of_time:
+                if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
                     start = time.perf_counter()
                     stats.update(self.validate())
                     self.checkpoint(stats)
                     if clock:
                         clock.evaluated(time.perf_counter() - start)
-                elif control.stop_signal:
+                elif done.stop_signal:
                     state.save(cfg, rt, stats, best=False)
                 if rt.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
                     stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+                skips.append(done.skipped)
                 if rt.is_main:
                     self.log(stats, bar)
-                if stop:
-                    return
+                    if sum(skips) > SKIP_WARN and state.step - warned_at >= SKIP_WINDOW:
+                        warned_at = state.step
+                        bar.write(f"warning: the fp16 GradScaler skipped {sum(skips)} of the last {SKIP_WINDOW} "
+                                  f"steps (loss scale now {state.scaler.get_scale():g}): gradients keep "
+                                  f"overflowing; lower learning_rate, or use --dtype=bfloat16 (Ampere or newer) "
+                                  f"or --dtype=float32", file=sys.stderr)
+                if done.stop_signal or out_of_time:
+                    return done.stop_signal or OUT_OF_TIME
+        return None
 
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""
@@ -621,12 +577,18 @@ class Trainer:
                 state.scaler.scale(token_loss * scale + weighed).backward()
             loss_sum += token_loss.detach().float()
             extra_sum += extra.detach().float()
-        # a signal received until now (during this step too), or no room after it: it travels with the losses,
-        # one reduction and one host sync per step
-        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None],
-                                               self.control.requests(rt.device, steps_left)])).tolist()
-        loss, extra, requests = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, reduced[2:]
-        lr = self.learning_rate(step, int(requests[-1]))
+        # What stops the run travels with the losses, in one reduction and one host sync per step: the steps rank
+        # 0's clock leaves after this one (-1: no budget), and a slot per stop signal that a rank received until
+        # now (during this step too). Filled from Python numbers: kernels, not host syncs.
+        stops = torch.zeros(1 + len(STOP_SIGNALS), device=rt.device)
+        if rt.is_main:
+            stops[0] = -1 if steps_left is None else steps_left
+        if self.signals.received:
+            stops[1 + STOP_SIGNALS.index(self.signals.received)] = 1
+        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None], stops])).tolist()
+        loss, extra, steps_left = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, int(reduced[2])
+        stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
+        lr = self.learning_rate(step, steps_left)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True
@@ -638,7 +600,7 @@ class Trainer:
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=True)
-        return StepDone(loss, grad_norm, skipped, extra, requests, batch, lr)
+        return StepDone(loss, grad_norm, skipped, extra, stop_signal, steps_left, batch, lr)
 
     def learning_rate(self, step, steps_left):
         """The LR of step `step` (0-based): the schedule's, cooled down by max_time's clock when the budget ends the
@@ -679,16 +641,13 @@ class Trainer:
         self.state.save(self.cfg, self.rt, stats, best=self.state.improved(stats, self.cfg.best_metric))
 
     def log(self, stats, bar):
-        """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar, a
-        warning when fp16 keeps skipping steps, and the plot after an evaluation."""
+        """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar, and the
+        plot after an evaluation."""
         cfg, step = self.cfg, self.state.step
         if step % cfg.log_interval == 0 or "val_loss" in stats:
             log_row(cfg.out_dir, stats, self.tracker)
         bar.set_postfix(progress_postfix(stats, self.state.skipped_steps if self.scaler.is_enabled() else None))
         bar.update(1)
-        warning = self.control.skip_warning(step, self.scaler.get_scale())
-        if warning:
-            bar.write(warning, file=sys.stderr)
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
             bar.write(f"iter {step}: {scores}")

@@ -34,11 +34,11 @@ from config import Decoding, load_config
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import mbr
-from summarizer.checkpoint import configure_optimizer
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.inference import CompiledDecodeStep
 from summarizer.runtime import Runtime, choose_precision
+from summarizer.state import configure_optimizer
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
           "tiny": dict(n_layer=1, n_head=2, n_embd=32, block_size=128)}

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -30,10 +29,11 @@ import torch
 
 from bench import ROOT, child_environ
 from config import load_config
-from model import GPT, PRETRAINED, GPTConfig
+from model import GPT, GPTConfig
 from summarizer import run_folder
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors
+from summarizer.loading import trained_shape
 from summarizer.runtime import NCCL_SETTINGS, choose_precision, nccl_flags, nccl_in_effect
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
@@ -182,18 +182,19 @@ def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
         return check("failed", "ran past --timeout" if code is None else error_line(output), seconds=seconds), []
     with open(os.path.join(out, run_folder.METRICS), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
-    compiled = re.search(r"torch\.compile \(compiled in (\d+) s\)", output)
-    fallbacks = [line for line in output.splitlines() if line.startswith("warning: torch.compile")]
-    figures = dict(seconds=round(seconds, 1), compile_seconds=int(compiled[1]) if compiled else None,
+    compiled = rows[0].get("compile_s")  # what train.py writes of its compile: its seconds, a fallback's reason
+    fallbacks = [row["compile_fallback"] for row in rows if "compile_fallback" in row][:1]
+    figures = dict(seconds=round(seconds, 1), compile_seconds=None if compiled is None else round(compiled, 1),
                    ms_per_iter=rows[-1]["ms_per_iter"], tokens_per_s=rows[-1]["tokens_per_s"],
                    peak_mem_gib=rows[-1].get("peak_mem_gb"), losses=[row["loss"] for row in rows],
                    val_loss=rows[-1].get("val_loss"), compile_fallbacks=fallbacks)
     said = (f"{len(rows)} steps, an evaluation and a save in {seconds:.0f} s"
-            + (f" (compiled in {compiled[1]} s)" if compiled else " (eager: compiling is a GPU check)" if not compile
+            + (f" (compiled in {compiled:.0f} s)" if compiled is not None else " (eager: compiling is a GPU check)"
+               if not compile
                else "")
             + (f"; peak memory {figures['peak_mem_gib']:.1f} GiB" if figures["peak_mem_gib"] else ""))
-    if compile and (fallbacks or not compiled):
-        why = fallbacks[0] if fallbacks else "the start line says eager"
+    if compile and (fallbacks or compiled is None):
+        why = fallbacks[0] if fallbacks else "its first step ran eagerly"
         return check("failed", f"{said}; torch.compile fell back to eager ({why}): the run works, slower; "
                                f"--compile=False says so up front", **figures), figures["losses"]
     return check("ok", said, **figures), figures["losses"]
@@ -311,8 +312,7 @@ def main(argv=None):
                                         torch.cuda.get_device_capability() if cuda else None)
     device = "cuda" if cuda else "cpu"
     nproc = max(torch.cuda.device_count(), 1) if cuda else 2
-    shape = {**(PRETRAINED.get(cfg.init_from, {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd")})),
-             "block_size": cfg.block_size} if cuda else TINY
+    shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"} if cuda else TINY
     checks = dict(versions=versions(), gpus=gpus(), shared_memory=shared_memory(), disk=disk(cfg, {**shape,
                   "vocab_size": 50304}))
     for name in checks:

@@ -2,22 +2,18 @@
 TrainingState.save, read by load_checkpoint, which upgrades the files of every earlier version step by step), its
 file format (torch.save written atomically, read back with weights_only so a file cannot run code, a damaged file
 named with the intact ones beside it) and the training state a resumed run restores (TrainingState)."""
-import contextlib
 import glob
-import math
 import os
 import zipfile
-from dataclasses import asdict, dataclass, field
 from typing import TypedDict
 
 import torch
 
 import data
-from config import FIELDS, AdamW, ModelShape, keys, typed
-from summarizer import lora, run_folder
+from config import FIELDS, ModelShape, keys, typed
+from summarizer import run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.files import atomic_write
-from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
 # ---- the record --------------------------------------------------------------------------------------------
 
@@ -223,184 +219,3 @@ def intact_in(folder, besides=None):
         except Exception:
             continue
     return intact
-
-
-@contextlib.contextmanager
-def full_disk_keeps_checkpoints(folder):
-    """A DiskFull in the body ends in its line plus the checkpoints of the run's `folder` that are intact and how
-    to go on from them."""
-    try:
-        yield
-    except DiskFull as e:
-        intact = intact_in(folder)
-        kept = f"intact: {', '.join(intact)}: {run_folder.GO_ON}" if intact else "no checkpoint was written yet"
-        raise DiskFull(f"{e}; {kept}") from None
-
-
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "[gloo]", "NCCL")
-
-
-@contextlib.contextmanager
-def lost_rank_keeps_checkpoints(folder, go_on):
-    """A collective that fails because another rank is gone (killed, crashed, out of memory) ends in one line: what
-    failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the command that continues it."""
-    try:
-        yield
-    except Exception as e:
-        lost = isinstance(e, torch.distributed.DistError) or (
-            isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST))
-        if not lost or isinstance(e, UserError):
-            raise
-        intact = intact_in(folder)
-        kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
-        first_line = str(e).strip().partition("\n")[0]
-        raise UserError(f"another rank of this run is gone ({type(e).__name__}: {first_line}); {kept}; continue "
-                        f"with: {go_on}") from None
-
-
-
-# ---- the training state ------------------------------------------------------------------------------------
-
-def configure_optimizer(model, cfg, device_type):
-    """AdamW with weight decay on 2-D weights only (not biases, LayerNorms); fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device_type == "cuda")
-
-
-def rng_state():
-    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-@dataclass
-class TrainingState:
-    """What ckpt.pt holds and a resumed run restores: the model as the backend shards it, AdamW, the fp16
-    GradScaler, the LR schedule, the optimizer steps done (`step`, saved as iter_num), the best score so far, the
-    steps fp16 skipped, and each rank's RNG. The sampler needs no state of its own: a step's batch is a function
-    of the step. What every checkpoint says of the run: where its weights started (`base`: its first session's
-    init_from, kept through resumes as the config's), the training rows (inference refuses to score them), the
-    validation split's digest, a LoRA base's reference, and `extra`, a stage's own keys."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    schedule: dict
-    base: str
-    train_rows: dict
-    validation_digest: str
-    lora_base: dict | None = None
-    extra: dict = field(default_factory=dict)
-    step: int = 0
-    best_score: float | None = None
-    best_val_loss: float | None = None  # the best evaluation's: it breaks a tie of best_metric
-    skipped_steps: int = 0
-
-    @classmethod
-    def start(cls, model, cfg, rt, **record):
-        """The state of a run at step 0: a fresh optimizer, scaler and schedule for `model` (sharded)."""
-        return cls(model, configure_optimizer(model, cfg, rt.device.type),
-                   torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
-
-    def improved(self, stats, metric):
-        """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best): a higher
-        ROUGE, or the same ROUGE (0 at the first evaluations of a run) with a lower validation loss; a lower
-        val_loss. A non-finite score never does; with best_metric=last, every save is the best."""
-        if metric == "last":
-            return True
-        score, best, val_loss = stats[metric], self.best_score, stats["val_loss"]
-        if not math.isfinite(score):
-            return False
-        if best is None or metric == "val_loss":
-            better = best is None or score < best
-        else:
-            best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
-            better = score > best or (score == best and val_loss < best_val_loss)
-        if better:
-            self.best_score, self.best_val_loss = score, val_loss
-        return better
-
-    def save(self, cfg, rt, metrics, best):
-        """Rank 0 writes ckpt.pt, and with `best` best.pt (weights, config, metrics); the others wait. A LoRA run's
-        ckpt.pt keeps its adapters and where its base comes from; its best.pt the merged weights. A save that
-        cannot fit on the disk stops every rank with one line before anything is written."""
-        rng = rt.all_gather_objects(rng_state())
-        model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
-        writes = []
-        if rt.is_main:
-            model_args = asdict(self.model.config)
-            record = Record(format=FORMAT, model_args=model_args, config={**asdict(cfg), "init_from": self.base,
-                                                                     **shape_settings(model_args)},
-                            tokenizer=data.TOKENIZER_ID, iter_num=self.step, best_metric=cfg.best_metric,
-                            best_score=self.best_score, best_val_loss=self.best_val_loss,
-                            metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
-                            train_rows=self.train_rows, validation_digest=self.validation_digest, model={})
-            trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
-                       if self.lora_base else {"model": model_state})
-            writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
-                           {**record, **trained, **self.extra, "optimizer": optimizer_state,
-                            "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
-                            "skipped_steps": self.skipped_steps}))
-            if best:
-                merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
-                writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
-        rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
-        for path, state in writes:
-            save_checkpoint(state, path)
-        rt.barrier()
-
-    def restore(self, ckpt, cfg, rt, path):
-        """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
-        hyperparameters this run's config changed applied. Returns the lines that say so."""
-        saved = ckpt["config"]
-        if ckpt["iter_num"] >= cfg.max_iters:
-            raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
-                            f"continue with --max_iters above {ckpt['iter_num']}")
-        notes = []
-        if ckpt["train_rows"] is None:
-            notes.append(f"note: {path} (format 1) kept no fingerprints of its training rows: that train_csv="
-                         f"{cfg.train_csv} holds the same rows is not checked")
-        elif ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
-            raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
-                            f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
-                            f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
-        rt.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
-        # the optimizer's state dict brings back the saved run's AdamW settings: this run's config decides
-        decay, no_decay = self.optimizer.param_groups
-        decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
-        for group in self.optimizer.param_groups:
-            group["betas"] = (cfg.beta1, cfg.beta2)
-        if ckpt["scaler"]:  # {} from a run without fp16
-            self.scaler.load_state_dict(ckpt["scaler"])
-        self.step, self.skipped_steps = ckpt["iter_num"], ckpt["skipped_steps"]
-        if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
-            set_rng_state(ckpt["rng"][rt.rank])
-        self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
-        notes.insert(0, f"resuming {path} at iter {self.step}; "
-                     + describe_schedule(self.schedule, self.step, cfg.max_iters))
-        if ckpt["best_metric"] == cfg.best_metric:
-            # best_val_loss: None before format 3, whose ties then go to the next evaluation
-            self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
-        else:
-            kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
-            notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
-                         f"{cfg.best_metric} from the next evaluation on"
-                         + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))
-        if ckpt["validation_digest"] not in (None, self.validation_digest):
-            notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
-                         f"measured on the others, so a later best.pt is chosen by another yardstick")
-        changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
-                   if saved[k] != getattr(cfg, k)]
-        if changed:
-            notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
-        return notes

@@ -24,7 +24,7 @@ from generate import decode_step, eager_step, generate
 from summarizer import mbr, run_folder
 from summarizer.errors import UserError
 from summarizer.loading import build_model, check_shape
-from summarizer.runtime import compiler_error, out_of_memory_hint, warn_compile_failed
+from summarizer.runtime import EagerFallback, out_of_memory_hint
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
@@ -224,24 +224,16 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-class CompiledDecodeStep:
-    """generate's decode step under torch.compile (compiled at its first call); if the compiler fails, one warning
-    line and eager decoding from then on. Errors of the program itself (out of memory included) propagate."""
+class CompiledDecodeStep(EagerFallback):
+    """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure."""
 
     def __init__(self):
-        self.compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
-        self.failed = False
+        compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
+        super().__init__(compiled, eager_decode_step, "decoding eagerly")
 
-    def __call__(self, model, *args):
-        if not self.failed:
-            try:
-                return self.compiled(model, *args)
-            except Exception as e:  # a failed compile wrote nothing the eager retry does not overwrite
-                if not compiler_error(e):
-                    raise
-                warn_compile_failed(e, "decoding eagerly")
-                self.failed = True
-        return eager_step(model.lm_head.weight.device)(model, *args)
+
+def eager_decode_step(model, *args):
+    return eager_step(model.lm_head.weight.device)(model, *args)
 
 
 CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU

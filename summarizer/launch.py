@@ -6,14 +6,48 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import torch
 
 from config import load_config
-from summarizer.errors import UserError
+from summarizer import run_folder
+from summarizer.checkpoint import intact_in
+from summarizer.errors import DiskFull, UserError
 
 FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the step in progress and stops
+
+
+class StopSignals:
+    """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
+    stop button) and SIGTERM (a session or job ending) ask the run to stop after its step in progress: the first
+    one is `received`, and notice() says so (the line, or None on ranks that print nothing); a second Ctrl-C in a
+    single process stops at once, saying `at_once` (under torchrun a rank gets copies of one signal)."""
+
+    def __init__(self, notice, at_once, distributed):
+        self.notice, self.at_once, self.distributed = notice, at_once, distributed
+        self.received, self.previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            line = self.notice and self.notice()
+            if line:
+                print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT and not self.distributed:
+            print(f"second Ctrl-C: stopping at once; {self.at_once}", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -73,6 +107,39 @@ def quiet_launcher_logs():
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def full_disk_keeps_checkpoints(folder):
+    """A DiskFull in the body ends in its line plus the checkpoints of the run's `folder` that are intact and how
+    to go on from them."""
+    try:
+        yield
+    except DiskFull as e:
+        intact = intact_in(folder)
+        kept = f"intact: {', '.join(intact)}: {run_folder.GO_ON}" if intact else "no checkpoint was written yet"
+        raise DiskFull(f"{e}; {kept}") from None
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "[gloo]", "NCCL")
+
+
+@contextlib.contextmanager
+def lost_rank_keeps_checkpoints(folder, go_on):
+    """A collective that fails because another rank is gone (killed, crashed, out of memory) ends in one line: what
+    failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the command that continues it."""
+    try:
+        yield
+    except Exception as e:
+        lost = isinstance(e, torch.distributed.DistError) or (
+            isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST))
+        if not lost or isinstance(e, UserError):
+            raise
+        intact = intact_in(folder)
+        kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
+        first_line = str(e).strip().partition("\n")[0]
+        raise UserError(f"another rank of this run is gone ({type(e).__name__}: {first_line}); {kept}; continue "
+                        f"with: {go_on}") from None
 
 
 def notebook_launch(main, argv, num_processes, port):

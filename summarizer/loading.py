@@ -3,6 +3,7 @@ transformers folder, or a checkpoint of ours), the Hub probe that keeps an offli
 run's frozen base: referenced by where it came from and its hash instead of stored."""
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -13,7 +14,7 @@ import torch
 from config import ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora
+from summarizer import lora, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 
@@ -80,6 +81,20 @@ def source_shape(source):
                 "block_size": hf["n_positions"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def resume_path(cfg):
+    """The ckpt.pt a resumed run continues: resume_from, else out_dir's."""
+    return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
+
+
+def trained_shape(cfg):
+    """The ModelShape keys and block_size of the model a run of `cfg` trains: its source's shape (init_from, or the
+    checkpoint it resumes), cut to cfg.block_size, or cfg's own for a model from scratch."""
+    source = resume_path(cfg) if cfg.init_from == "resume" or cfg.resume_from else cfg.init_from
+    shape = source_shape(source) or {key: getattr(cfg, key) for key in keys(ModelShape)}
+    return {**{key: shape[key] for key in keys(ModelShape)}, "block_size": min(cfg.block_size,
+                                                                               shape.get("block_size", math.inf))}
 
 
 def check_folder(source, key):

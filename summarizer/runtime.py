@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from summarizer.checkpoint import rng_state, set_rng_state
+from config import grad_accum_steps
 from summarizer.errors import UserError
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
@@ -125,11 +125,13 @@ def out_of_memory_hint(doing, settings):
 
 
 def warn_compile_failed(error, fallback):
-    """One stderr line for a torch.compile failure: the compiler's own error and what runs instead."""
+    """One stderr line for a torch.compile failure: the compiler's own error and what runs instead; returns the
+    error, in one line."""
     error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
     reason = str(error).strip().splitlines()
-    tqdm.write(f"warning: torch.compile failed ({type(error).__name__}: {reason[0] if reason else ''}); {fallback}",
-               file=sys.stderr)  # on a line of its own under a progress bar
+    why = f"{type(error).__name__}: {reason[0] if reason else ''}"
+    tqdm.write(f"warning: torch.compile failed ({why}); {fallback}", file=sys.stderr)  # a line of its own under a bar
+    return why
 
 
 def backward_compiled_in_forward():
@@ -141,29 +143,60 @@ def backward_compiled_in_forward():
     return contextlib.nullcontext()
 
 
+def rng_state():
+    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class EagerFallback:
+    """The one compile fallback, of training and of decoding: calls go to `compiled` until the compiler fails at
+    one (it compiles lazily: at a first call, at a recompile, or at a recompile limit), then one warning line that
+    says `instead`, and `eager` for the rest of the run. Errors of the program itself (out of memory included)
+    propagate."""
+
+    def __init__(self, compiled, eager, instead):
+        self.compiled, self.eager, self.instead = compiled, eager, instead
+        self.failed, self.why = False, None  # why: the compiler's error, in one line
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole work
+                if not compiler_error(e):
+                    raise
+                self.why = warn_compile_failed(e, self.instead)
+                self.failed = True
+        return self.eager(*args)
+
+
 class CompiledModule(torch.nn.Module):
-    """`module` under torch.compile, with `module` itself (eager) for the rest of the run after one warning line
-    when the compiler fails at any call: a recompile limit, a backend error after the first step. Its parameters
-    are `module`'s, so a backend's wrapper (DDP) and the optimizer see the same tensors either way."""
+    """`module` under torch.compile, eager after a compiler failure (EagerFallback). Its parameters are `module`'s,
+    so a backend's wrapper (DDP) and the optimizer see the same tensors either way."""
 
     def __init__(self, module):
         super().__init__()
         # One graph (fullgraph) with its sizes symbolic from the start (dynamic): micro-batch widths and target
         # counts change every step.
-        self.compiled = torch.compile(module, fullgraph=True, dynamic=True)
-        self.eager = False
+        self.compiled = compiled = torch.compile(module, fullgraph=True, dynamic=True)
+
+        def compiled_forward(*args):  # not a method: the module would hold itself, and outlive its last user
+            with backward_compiled_in_forward():
+                return compiled(*args)
+        self.fallback = EagerFallback(compiled_forward, module, "training eagerly from now on (tokens_per_s and mfu "
+                                                                "are eager's)")
 
     def forward(self, *args):
-        if not self.eager:
-            try:
-                with backward_compiled_in_forward():
-                    return self.compiled(*args)
-            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole forward
-                if not compiler_error(e):
-                    raise
-                warn_compile_failed(e, "training eagerly from now on (tokens_per_s and mfu are eager's)")
-                self.eager = True
-        return self.compiled._orig_mod(*args)
+        return self.fallback(*args)
 
 
 def compile_model(module, trial, autocast):
@@ -240,7 +273,7 @@ class Runtime:
                            (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))
                            if value != "no"]
         if self.backend == "fsdp":
-            accumulates = cfg.batch_size > cfg.micro_batch_size * self.world_size
+            accumulates = grad_accum_steps(cfg, self.world_size) > 1
             self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
 
     def describe(self, compiled):

@@ -6,10 +6,10 @@ import json
 import os
 from dataclasses import asdict
 
-from summarizer.command_line import as_json
 from summarizer.errors import UserError
 from summarizer.files import atomic_write, disk_full
 from summarizer.run_folder import METRICS
+from summarizer.settings_report import as_json
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 

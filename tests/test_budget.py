@@ -20,9 +20,10 @@ from config import Decoding, load_config, parse_duration, part
 from conftest import REPO, TINY, metrics, one_error_line
 from model import GPT
 from summarizer import inference, run_folder
-from summarizer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from summarizer.checkpoint import load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.files import disk_full
+from summarizer.state import TrainingState
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ def virtual(monkeypatch):
         def timed_step(trainer, it):
             clock.step = it
             if it == stop_at:
-                trainer.control.received = signal.SIGINT
+                trainer.signals.received = signal.SIGINT
             done = step(trainer, it)
             clock.trained = clock.now
             return done

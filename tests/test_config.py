@@ -1,5 +1,5 @@
 """config.py (the settings, their scopes and rules, a command line read into them) and what a command prints of
-them (summarizer/command_line.py): defaults, typed --key=value overrides, .py/.json presets read without running
+them (summarizer/settings_report.py): defaults, typed --key=value overrides, .py/.json presets read without running
 them, sweeps, and one-line errors that name the bad key or value."""
 import dataclasses
 import glob
@@ -25,8 +25,14 @@ from config import (
     sweep_settings,
 )
 from conftest import HANG, REPO, one_error_line, tiny
-from summarizer.command_line import SETTINGS_WIDTH, changed_settings, markdown_reference, save_config, settings_report
 from summarizer.errors import UserError
+from summarizer.settings_report import (
+    SETTINGS_WIDTH,
+    changed_settings,
+    markdown_reference,
+    save_config,
+    settings_report,
+)
 
 
 def error_of(argv):

@@ -112,3 +112,74 @@ def test_model_needs_torch_alone_and_generate_the_model_alone():
     assert generate - set(sys.stdlib_module_names) == {"model", "generate"}
     assert not {"rouge_score", "nltk", "rapidfuzz", "pandas", "tiktoken"} & (model | generate)
 
+
+
+# The layers, lowest first: a module imports from its own layer or one below, never above
+LAYERS = (("config", "model", "data"), ("generate",), ("summarizer",),
+          ("train", "calibrate", "evaluate", "predict", "export"), ("bench",))
+
+
+def layer(module):
+    return next(i for i, names in enumerate(LAYERS) if module.split(".")[0] in names)
+
+
+def project_imports():
+    """{module: the project modules it imports (at any depth of its code)}."""
+    graph = {}
+    for path, tree in parsed():
+        if path.startswith(("config" + os.sep, "data" + os.sep, "notebooks")):
+            continue  # presets, the demo data's script, notebooks: no module imports them
+        module = path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+        graph[module] = {name for name in names if name.split(".")[0] in {n for ns in LAYERS for n in ns}}
+    return graph
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [f"{module} imports {name}" for module, names in project_imports().items() for name in names
+              if layer(name) > layer(module)]
+    assert not upward, upward
+
+
+def test_no_circle_of_imports_between_modules():
+    graph = project_imports()
+    modules = set(graph)
+    edges = {module: {name if name in modules else name.rsplit(".", 1)[0] for name in names} & modules - {module}
+             for module, names in graph.items()}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for name in sorted(edges[module]):
+            circle = visit(name)
+            if circle:
+                return circle
+        path.pop()
+        done.add(module)
+        return None
+
+    circles = [c for c in map(visit, sorted(modules)) if c]
+    assert not circles, " -> ".join(circles[0])
+
+
+def test_runtime_needs_no_checkpoint_and_data_nothing_of_summarizer():
+    graph = project_imports()
+    assert not {name for name in graph["summarizer.runtime"] if name.startswith("summarizer.checkpoint")}
+    assert not {name for name in graph["data"] if name.startswith("summarizer")}
+
+
+def test_the_benchmarks_read_what_runs_write_not_their_printed_lines_through_regexes():
+    """bench/ takes a run's figures from metrics.jsonl and JSON files: a regex over train.py's printed lines would
+    break silently when a line's words change."""
+    users = [path for path, tree in parsed() if path.startswith("bench" + os.sep) for node in ast.walk(tree)
+             if isinstance(node, ast.Import) and any(alias.name == "re" for alias in node.names)]
+    assert not users, users

@@ -15,10 +15,11 @@ import predict
 import train
 from config import load_config
 from conftest import metrics, one_error_line, run, tiny
-from summarizer.checkpoint import TrainingState, load_checkpoint
+from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.runtime import Runtime, choose_precision, use_compile
 from summarizer.schedule import learning_rate, lr_schedule
+from summarizer.state import TrainingState
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)
 RUN = [*tiny(dtype=None), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=8",

@@ -1,11 +1,12 @@
 """What a command says of its settings: the block train.py prints at start-up (the keys changed from the defaults,
 and where each value came from), config.json, the one line for a key another command reads, and the Markdown
-reference of every key (`python -m summarizer.command_line` prints docs/config.md's table). Reading a command
+reference of every key (`python -m summarizer.settings_report` prints docs/config.md's table). Reading a command
 line into settings is config.py's.
 """
 import dataclasses
 import json
 import os
+from typing import NamedTuple
 
 from config import (
     FIELDS,
@@ -67,7 +68,14 @@ def changed_settings(argv):
 SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
 
 
-def settings_report(argv, config_json, run=None):
+class FromRun(NamedTuple):
+    """What the settings block says of the checkpoint a command takes its run's settings from (config.resolve)."""
+    path: str
+    own: set  # the keys the command decides itself
+    changed: list  # [(key, the run's value, this command's)] that the command gave
+
+
+def settings_report(argv, config_json, from_run=None):
     """What start-up prints of the settings: a line naming config_json (every key, written before step 1: a run that
     stops earlier writes none), then for each source whose
     values hold (the presets, then the command line) the keys it changed from the defaults, by group of config.py:
@@ -76,21 +84,20 @@ def settings_report(argv, config_json, run=None):
           command line: Run: out_dir='/kaggle/working/out'
             Training: max_iters=600 max_time=41400.0 [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
     in lines of at most SETTINGS_WIDTH characters; max_time with its budget in hours, minutes and seconds.
-    `run`: (checkpoint path, the keys the command decides itself, [(key, the run's value, this command's)]) for a
-    run that takes the others from a checkpoint (checkpoint.resolve): what the flags changed of the run's, then
-    the command's own keys."""
+    `from_run`: for a command that takes the others from a run's checkpoint, what it changed of the run's settings
+    (with the preset or flag that changed it), then the command's own keys."""
     given = settings_given(argv)
     changed = changed_values(given)
-    if run:
-        path, own, from_run = run
-        changed = [(key, value, source) for key, value, source in changed if key in own]
+    if from_run:
+        changed = [(key, value, source) for key, value, source in changed if key in from_run.own]
         winner = {key: "the command line" if where == "command line" else where for key, _, where in given}
-        lines = [f"settings (the run's, from {path}, and this command's; every key in {config_json} before step 1):"]
-        if not from_run:
+        lines = [f"settings (the run's, from {from_run.path}, and this command's; every key in {config_json} before "
+                 f"step 1):"]
+        if not from_run.changed:
             lines.append("  changed from the run's: none")
-        for source in dict.fromkeys(winner[key] for key, _, _ in from_run):  # the presets, then the command line
-            lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in from_run if winner[key] == source]],
-                          f"  changed from the run's by {source}: ", "    ")
+        for source in dict.fromkeys(winner[key] for key, _, _ in from_run.changed):  # presets, then the command line
+            lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in from_run.changed
+                            if winner[key] == source]], f"  changed from the run's by {source}: ", "    ")
     elif not changed:
         return f"settings: the defaults; every key in {config_json} before step 1"
     else:

@@ -34,7 +34,10 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
         return []
-    prompts = [list(p) for p in prompts]
+    asked = len(prompts)
+    # a compiled step specializes a batch of one row (a recompile, and a second graph): it never gets one
+    min_rows = 1 if decode_step is None else 2
+    prompts = [list(p) for p in prompts] + [list(prompts[0])] * (min_rows - len(prompts))
     device = model.lm_head.weight.device
     state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
@@ -42,7 +45,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     if compact_below is None:
         compact_below = 1.0 if device.type == "cpu" else 0.5
     run = Decoder(model, decode_step or eager_step(device), LogitsProcessors(d, eos_token_id), eos_token_id,
-                  compact_below)
+                  compact_below, min_rows)
 
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
@@ -65,7 +68,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         else:
             samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
             results = [[s for s, n in row for _ in range(n)] for row in samples]
-    return [s.tokens for row in results for s in row]
+    return [s.tokens for row in results[:asked] for s in row]
 
 
 def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
@@ -195,9 +198,9 @@ class LogitsProcessors:
 class Decoder:
     """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
 
-    def __init__(self, model, decode_step, processors, eos_token_id, compact_below):
+    def __init__(self, model, decode_step, processors, eos_token_id, compact_below, min_rows):
         self.model, self.decode_step, self.processors, self.eos = model, decode_step, processors, eos_token_id
-        self.compact_below = compact_below
+        self.compact_below, self.min_rows = compact_below, min_rows
 
     def next_logits(self, state, kv_caches):
         return self.decode_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
@@ -210,8 +213,9 @@ class Decoder:
         Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
         per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
         model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
-        at most compact_below of the batch or a row splits: only then are their caches copied into a smaller
-        batch. Each step waits for the device once, to read the tokens drawn; the rest is bookkeeping on the host.
+        at most compact_below of the batch (and at least min_rows) or a row splits: only then are their caches
+        copied into a smaller batch. Each step waits for the device once, to read the tokens drawn; the rest is
+        bookkeeping on the host.
         Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
         max_new = state.max_len - state.prompt_len
         results = [[] for _ in counts]
@@ -244,7 +248,8 @@ class Decoder:
             if not continuing:
                 break
             split = len(continuing) > len(set(parents))
-            if split or len(continuing) < len(rows) and len(continuing) <= self.compact_below * len(rows):
+            few = self.min_rows <= len(continuing) <= self.compact_below * len(rows)
+            if split or len(continuing) < len(rows) and few:
                 parent = torch.tensor(parents, device=logits.device)
                 state = state.select_rows(parent)
                 kv_caches = [cache.select_rows(parent) for cache in kv_caches]

@@ -13,6 +13,7 @@ time budget (--max_time) it stops in time to save and to run evaluate_after/pred
 # (summarizer/clock.py) leaves no room for another step. The checkpoint's contents are summarizer.state's
 # TrainingState; out_dir is summarizer.run_folder's.
 import collections
+import contextlib
 import math
 import os
 import shlex
@@ -106,6 +107,9 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                     step, clock = trainer.state.step, trainer.clock
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
                     trainer = None
+            # the compiled work is a cache: a folder that cannot keep it costs later commands a compile, no more
+            with contextlib.suppress(OSError, DiskFull):
+                rt.save_compiled_work(cfg.out_dir)
             if stopped_by in STOP_SIGNALS:
                 if rt.is_main:
                     print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: "
@@ -270,17 +274,20 @@ def lora_base(cfg, model, ckpt):
 
 
 def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training: the trained one, or under FSDP, where every forward is
-    a collective that ranks generating different lengths cannot keep in step, a plain copy with the gathered (and
-    LoRA-merged) weights: it needs room for a full copy of the weights on each GPU."""
-    if rt.backend != "fsdp":
+    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
+    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
+    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
+    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
+    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
+    dtype = getattr(torch, rt.dtype)
+    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model
     weights = rt.parallel.full_weights(model)
     if cfg.lora_rank:
         weights = lora.merged_state_dict(weights, **lora.settings(cfg))
-    with torch.device(rt.device):
-        copy = GPT(GPTConfig(**asdict(model.config)))
-    copy.load_state_dict(weights)
+    with torch.device("meta"):
+        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
+    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
     return copy.eval()
 
 
@@ -360,6 +367,11 @@ class Trainer:
         base = lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
+        # before anything compiles: the compiled work of the run this one continues, starts from or replaces
+        start_folder = os.path.dirname(os.path.abspath(resume_path(cfg) if resuming(cfg) else
+                                                       cfg.init_from if is_checkpoint(cfg.init_from) else
+                                                       os.path.join(cfg.out_dir, run_folder.CKPT)))
+        cached = rt.load_compiled_work(start_folder)
         # every input is checked: an earlier run's files can go aside
         moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
         if moved:
@@ -373,14 +385,19 @@ class Trainer:
                                          base=ckpt["config"]["init_from"] if ckpt else cfg.init_from,
                                          extra=dict(self.objective.checkpoint_keys))
         torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-        notes = list(splits.notes)
+        notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
         if ckpt is not None:
             notes += self.state.restore(ckpt, cfg, rt, resume_path(cfg))
             if rt.is_main:
                 notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, self.state.step)])
         n = min(cfg.rouge_samples, len(self.val_set))
         self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        self.module, self.decode_step, self.compiled, self.compile_seconds = self.step_module()
+        # compiled or eager: the decoding of every evaluation and of evaluate_after/predict_after, in this process
+        evaluations = (cfg.max_iters - self.state.step) // cfg.eval_interval + 1
+        self.decode_step, self.decoding = rt.decoding(
+            evaluations * inference.decode_steps(len(self.rouge_prompts), cfg, rt.world_size)
+            + inference.decode_steps(after_summaries, cfg, rt.world_size), self.model.config.n_layer)
+        self.module, self.compiled, self.compile_seconds = self.step_module()
         self.clock, self.primed_step = None, None
         if cfg.max_time is not None:
             self.clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
@@ -409,9 +426,9 @@ class Trainer:
 
     def step_module(self):
         """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
-        micro-batch, on the device) and wrapped by the backend; the compiled decode step for ROUGE, or None; what
-        runs under torch.compile, in words, for the start line; the seconds the step's compile took, or None)."""
-        module, decode_step, compiled, seconds = self.objective.module(self.model), None, "eager", None
+        micro-batch, on the device) and wrapped by the backend; what runs under torch.compile, in words, for the
+        start line; the seconds the step's compile took, or None)."""
+        module, compiled, seconds = self.objective.module(self.model), "eager", None
         if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
             start = time.perf_counter()
@@ -419,13 +436,11 @@ class Trainer:
                 module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
             if isinstance(module, CompiledModule):
                 seconds = time.perf_counter() - start
-                decode_step = inference.CompiledDecodeStep()
                 compiled = f"torch.compile (compiled in {seconds:.0f} s)"
         elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
-            decode_step = inference.CompiledDecodeStep()
             compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
         self.compiled_module = module if isinstance(module, CompiledModule) else None
-        return self.rt.parallel.wrap(module), decode_step, compiled, seconds
+        return self.rt.parallel.wrap(module), compiled, seconds
 
     def prime_clock(self, after_summaries):
         """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
@@ -467,7 +482,8 @@ class Trainer:
         lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
                  f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}",
+                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}; "
+                 f"{self.decoding}",
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if self.clock:
             lines.append(self.budget_line())

@@ -36,8 +36,7 @@ from model import GPT, PRETRAINED, GPTConfig
 from summarizer import mbr
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.inference import CompiledDecodeStep
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.runtime import CompiledDecodeStep, Runtime, choose_precision
 from summarizer.state import configure_optimizer
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),

@@ -30,7 +30,7 @@ import torch
 from bench import ROOT, child_environ
 from config import load_config
 from model import GPT, GPTConfig
-from summarizer import run_folder
+from summarizer import run_folder, runtime
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors
 from summarizer.loading import trained_shape
@@ -216,7 +216,7 @@ def decoding(cfg, shape, dtype, device):
         model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
     prompts, _ = inference.Summarizer(model, cfg).prompts(data.read_test(cfg).dialogues)
     first, rest = prompts[:cfg.gen_batch_size], prompts[cfg.gen_batch_size:cfg.gen_batch_size * (1 + WARM_BATCHES)]
-    step, seconds, graphs = inference.CompiledDecodeStep(), [], []
+    step, seconds, graphs = runtime.CompiledDecodeStep(), [], []
     try:
         for batch in (first, rest):
             compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -86,14 +86,13 @@ class RunClock:
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
     def after_run(self):
-        """The seconds evaluate_after and predict_after take: their summaries at the warm rate, and for each of them
-        the decoding's compile once more (each loads best.pt anew) and its loading and writing as an evaluation's
-        rest."""
+        """The seconds evaluate_after and predict_after take: their summaries at the warm rate (they decode with the
+        graphs this run's evaluations compiled: nothing compiles again), and for each of them its loading of
+        best.pt and its writing as an evaluation's rest."""
         if not self.after_summaries:
             return 0.0
         rest = self.evaluations.per_unit() or 0.0
-        return (self.after_summaries * (self.summaries.per_unit() or 0.0)
-                + self.after_evaluations * (self.summaries.one_time() + rest))
+        return self.after_summaries * (self.summaries.per_unit() or 0.0) + self.after_evaluations * rest
 
     def reserve(self):
         """What the budget keeps after the last step: the last evaluation with its save, and the after-run."""

@@ -10,6 +10,7 @@ the run's settings: they say where and how to run (out_dir, ckpt, test_csv, devi
 """
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,11 +21,11 @@ from tqdm import tqdm
 
 import data
 from config import Config, Decoding, Split, Use, keys, part, resolve
-from generate import decode_step, eager_step, generate
+from generate import generate
 from summarizer import mbr, run_folder
-from summarizer.errors import UserError
+from summarizer.errors import DiskFull, UserError
 from summarizer.loading import build_model, check_shape
-from summarizer.runtime import EagerFallback, out_of_memory_hint
+from summarizer.runtime import out_of_memory_hint
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
@@ -56,7 +57,6 @@ class Summarizer:
     ckpt: dict | None = None
     overridden: list = ()  # decoding keys this command changed
     trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
-    decode_step: object = None  # the decode step: CompiledDecodeStep when compiling, else None (eager)
     path: str = ""  # the checkpoint file; '' for a baseline
     extractive: str = ""  # an EXTRACTIVE baseline's name: no model, its summaries are lines of the dialogue
 
@@ -104,9 +104,9 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
 
 def load_run(cfg, explicit, rt, describe_data):
     """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
-    decoding), then the model on rt's device in eval mode, its decode step compiled when rt compiles. The
-    weights are cast once to rt's dtype (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype),
-    so no decode step casts them again."""
+    decoding), then the model on rt's device in eval mode, and the compiled work its run saved beside the
+    checkpoint (when this process compiles and that work was made here). The weights are cast once to rt's dtype
+    (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype), so no decode step casts them again."""
     run = open_run(cfg, explicit)
     if run.extractive:
         if rt.is_main:
@@ -118,8 +118,11 @@ def load_run(cfg, explicit, rt, describe_data):
         note = training_note(run.path)
         if note:
             print(note)
+    if run.path:
+        cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(run.path)))
+        if cached and rt.is_main:
+            print(cached)
     run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    run.decode_step = CompiledDecodeStep() if rt.compile else None
     return run
 
 
@@ -224,18 +227,6 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-class CompiledDecodeStep(EagerFallback):
-    """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure."""
-
-    def __init__(self):
-        compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
-        super().__init__(compiled, eager_decode_step, "decoding eagerly")
-
-
-def eager_decode_step(model, *args):
-    return eager_step(model.lm_head.weight.device)(model, *args)
-
-
 CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
@@ -320,10 +311,26 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
 
 def summaries(run, prompts, rt, cfg=None):
     """A summary per prompt (run.prompts), in order, on every rank: the run's model decoding them as `cfg` (else
-    the run's config) says, sharded across the ranks; or an extractive baseline's lines of each dialogue."""
+    the run's config) says, sharded across the ranks, compiled or eager as rt.decoding decides (rank 0 says which
+    and why before the first); or an extractive baseline's lines of each dialogue."""
     if run.extractive:
         return [" ".join(EXTRACTIVE[run.extractive][0](utterances(dialogue))) for dialogue in prompts]
-    return summarize_sharded(run.model, prompts, cfg or run.cfg, rt, decode_step=run.decode_step)
+    cfg = cfg or run.cfg
+    decided = rt.decode_choice is not None
+    step, words = rt.decoding(decode_steps(len(prompts), cfg, rt.world_size), run.model.config.n_layer)
+    if rt.is_main and not decided:
+        print(f"summarizing {len(prompts)} dialogues: {words}")
+    done = summarize_sharded(run.model, prompts, cfg, rt, decode_step=step)
+    if step is not None and not rt.compiled_work and run.path:  # compiled afresh: a later command need not
+        with contextlib.suppress(OSError, DiskFull):  # a read-only or full folder (a Kaggle input) keeps none
+            rt.save_compiled_work(os.path.dirname(os.path.abspath(run.path)))
+    return done
+
+
+def decode_steps(prompts, cfg, world_size):
+    """The decode steps that summarizing `prompts` dialogues takes on a rank, at most: max_new_tokens for each of
+    its batches of gen_batch_size."""
+    return math.ceil(prompts / (cfg.gen_batch_size * world_size)) * cfg.max_new_tokens
 
 
 def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):

@@ -4,6 +4,8 @@ wraps and gathers the model its way), compiling a model with a fallback to eager
 import contextlib
 import datetime
 import gc
+import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -23,7 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from config import grad_accum_steps
+from generate import decode_step, eager_step
 from summarizer.errors import UserError
+from summarizer.files import atomic_write
+from summarizer.run_folder import COMPILE_CACHE
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
 # more specific names first.
@@ -89,6 +94,63 @@ def use_compile(requested, device_type, accelerate_dynamo="no"):
                             f"accelerate config, --dynamo_backend or ACCELERATE_DYNAMO_BACKEND): drop one of them")
         return True
     return requested is True or (requested == "auto" and device_type == "cuda")
+
+
+# What compiling generate's decode step costs and saves on a GPU: compile=auto compiles a command's decoding when the
+# steps it will run save more than the compile takes (decode_compile_pays). Python's and the kernel launches' time
+# per module call is what a compiled step saves; a GPT-2 block is about ten module calls.
+DECODE_COMPILE_S = 30.0  # a cold compile of the decode step (the first H100 run's first batch: 35-45 s with it)
+CACHED_COMPILE_S = 8.0  # with the run's compiled work loaded (compile_cache.bin): Dynamo traces again, no more
+SAVED_PER_BLOCK_S = 2.5e-4  # per decode step and transformer block
+
+
+def decode_compile_pays(decode_steps, n_layer, compile_seconds):
+    """(whether compiling the decode step repays itself over `decode_steps` steps of an n_layer model, the words
+    that say so)."""
+    saved = decode_steps * n_layer * SAVED_PER_BLOCK_S
+    return saved > compile_seconds, (f"{decode_steps} decode steps of {n_layer} blocks save ~{saved:.0f} s, "
+                                     f"{'more' if saved > compile_seconds else 'less'} than the "
+                                     f"~{compile_seconds:.0f} s a compile takes")
+
+
+def compiled_by():
+    """What compiled work is valid for: this torch, Triton and Python."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # a CPU build
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "python": ".".join(map(str, sys.version_info[:2]))}
+
+
+def load_compile_cache(folder, device_name):
+    """Bring back the compiled work a run saved in `folder` (save_compile_cache) when this torch, Triton, Python
+    and device made it: (loaded, the line that says what happened, or None where there is no file)."""
+    path = os.path.join(folder, COMPILE_CACHE)
+    if not os.path.isfile(path):
+        return False, None
+    with open(path, "rb") as f:
+        made_by, artifacts = json.loads(f.readline()), f.read()
+    here = {**compiled_by(), "device": device_name}
+    if made_by != here:
+        differ = ", ".join(f"{key} {made_by.get(key)} (here {value})" for key, value in here.items()
+                           if made_by.get(key) != value)
+        return False, f"{path} was compiled for another {differ}: compiling afresh"
+    try:
+        info = torch.compiler.load_cache_artifacts(artifacts)
+    except Exception as e:  # a damaged or foreign file costs a compile, not the run
+        return False, f"{path} cannot be read ({type(e).__name__}: {e}): compiling afresh"
+    count = sum(len(names) for names in info.artifacts.values()) if info else 0
+    return count > 0, f"compiled work: {count} artifact(s) from {path}"
+
+
+def save_compile_cache(folder, device_name):
+    """Write what this process compiled (inductor's kernels, AOTAutograd's graphs, autotuning) to
+    folder/compile_cache.bin, with what it is valid for; nothing when nothing was compiled."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved:
+        with atomic_write(os.path.join(folder, COMPILE_CACHE), "wb") as f:
+            f.write(json.dumps({**compiled_by(), "device": device_name}).encode() + b"\n")
+            f.write(saved[0])
 
 
 def compiler_error(error):
@@ -199,6 +261,20 @@ class CompiledModule(torch.nn.Module):
         return self.fallback(*args)
 
 
+class CompiledDecodeStep(EagerFallback):
+    """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure. A
+    process has one (Runtime.decode_step): training's ROUGE decoding, evaluate_after and predict_after run the
+    graphs it compiled."""
+
+    def __init__(self):
+        compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
+        super().__init__(compiled, eager_decode_step, "decoding eagerly")
+
+
+def eager_decode_step(model, *args):
+    return eager_step(model.lm_head.weight.device)(model, *args)
+
+
 def compile_model(module, trial, autocast):
     """A CompiledModule of `module` (a GPT, or a stage's module around it), tried now on trial(compiled) -> a loss,
     forward and backward, because compiling happens lazily at the first call; the eager module, with one warning
@@ -265,6 +341,9 @@ class Runtime:
         # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly, its decoding
         # (a gathered copy of the weights) compiles
         self.compile_training = self.compile and self.backend != "fsdp"
+        self.compile_rule = "auto" if cfg.compile == "auto" and accelerate_dynamo == "no" else "set"
+        self.compiled_work = False  # whether a run's compile_cache.bin was loaded (load_compiled_work)
+        self.decode_choice = None  # (the decode step, the words): the process's first decoding decides
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
                   "--dtype=float32 (or --dtype=auto, float32 on a CPU)", file=sys.stderr)
@@ -275,6 +354,34 @@ class Runtime:
         if self.backend == "fsdp":
             accumulates = grad_accum_steps(cfg, self.world_size) > 1
             self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
+
+    def load_compiled_work(self, folder):
+        """Before anything compiles: the compiled work a run saved in `folder`, when it was made here (the line that
+        says what came of it, or None where there is none)."""
+        if not self.compile:
+            return None
+        self.compiled_work, line = load_compile_cache(folder, self.device_name)
+        return line
+
+    def save_compiled_work(self, folder):
+        """Rank 0 keeps what this process compiled in `folder`, for later processes (load_compiled_work)."""
+        if self.compile and self.is_main:
+            save_compile_cache(folder, self.device_name)
+
+    def decoding(self, decode_steps, n_layer):
+        """(generate's decode step for this process's decoding: a CompiledDecodeStep, or None for eager; words that
+        say which and why). The first call decides for the process, so a training run's after-run decodes with the
+        graphs its evaluations compiled: compile=True compiles, False does not, and auto compiles on a GPU when
+        the `decode_steps` of the caller's work (a training run: its evaluations and its after-run) repay it."""
+        if self.decode_choice is None:
+            pays, why = self.compile, "compile=True" if self.compile else "eager"
+            if self.compile and self.compile_rule == "auto":
+                pays, why = decode_compile_pays(decode_steps, n_layer,
+                                                CACHED_COMPILE_S if self.compiled_work else DECODE_COMPILE_S)
+                why = f"compile=auto: {why}"
+            self.decode_choice = (CompiledDecodeStep() if pays else None,
+                                  f"{'torch.compile' if pays else 'eager'} decoding ({why})")
+        return self.decode_choice
 
     def describe(self, compiled):
         """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what

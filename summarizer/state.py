@@ -37,10 +37,10 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     schedule: dict
-    base: str
     train_rows: dict
     validation_digest: str
     lora_base: dict | None = None
+    base: str | None = None  # None: this run's init_from
     extra: dict = field(default_factory=dict)
     step: int = 0
     best_score: float | None = None
@@ -80,8 +80,8 @@ class TrainingState:
         writes = []
         if rt.is_main:
             model_args = asdict(self.model.config)
-            record = Record(format=FORMAT, model_args=model_args, config={**asdict(cfg), "init_from": self.base,
-                                                                     **shape_settings(model_args)},
+            config = {**asdict(cfg), "init_from": self.base or cfg.init_from, **shape_settings(model_args)}
+            record = Record(format=FORMAT, model_args=model_args, config=config,
                             tokenizer=data.TOKENIZER_ID, iter_num=self.step, best_metric=cfg.best_metric,
                             best_score=self.best_score, best_val_loss=self.best_val_loss,
                             metrics={k: v for k, v in metrics.items() if isinstance(v, float)},

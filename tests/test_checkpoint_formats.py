@@ -15,6 +15,7 @@ import predict
 import train
 from config import FIELDS, LORA_TARGETS, Config
 from conftest import REPO, assert_export_matches, one_error_line
+from summarizer import checkpoint
 from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_checkpoint, upgrade_1
 from summarizer.errors import UserError
 
@@ -48,6 +49,18 @@ def test_each_file_is_told_by_its_keys_and_read_in_todays_format(written):
         assert ckpt["tokenizer"] == data.TOKENIZER_ID  # format 1 wrote no tokenizer: it was GPT-2's BPE
         # format 1 kept -val_loss as the best score (higher was better); today a loss is kept as it is
         assert ckpt["best_metric"] == "val_loss" and ckpt["best_score"] == pytest.approx(ckpt["metrics"]["val_loss"])
+
+
+def test_a_new_setting_needs_no_new_format_only_the_value_it_replaces(written, monkeypatch, tmp_path):
+    """A setting added after a file was written takes, as the file loads, the value that was in effect then
+    (checkpoint.ABSENT, one entry per key); a file that has the key keeps its own."""
+    monkeypatch.setitem(checkpoint.ABSENT, "new_setting", 7)
+    _, folder = written
+    for name in ("ckpt.pt", "best.pt"):
+        ckpt = load_checkpoint(os.path.join(folder, name))
+        assert ckpt["format"] == FORMAT and ckpt["config"]["new_setting"] == 7
+        save_checkpoint({**ckpt, "config": {**ckpt["config"], "new_setting": 3}}, str(tmp_path / name))
+        assert load_checkpoint(str(tmp_path / name))["config"]["new_setting"] == 3
 
 
 def test_format_1_gets_the_settings_that_version_ran_with():

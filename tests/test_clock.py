@@ -65,13 +65,6 @@ def virtual(monkeypatch):
             clock.trained = clock.now
             return done
 
-        def after_run(command):  # evaluate_after and predict_after each load best.pt and compile their decoding
-            def timed(*args):
-                clock.first["summary"] = True
-                return command(*args)
-            return timed
-        evaluate, predict = train.evaluate, train.predict
-
         def timed_validate(trainer):
             clock.cost("evaluation", clock.evaluation)
             return validate(trainer)
@@ -84,8 +77,6 @@ def virtual(monkeypatch):
         monkeypatch.setattr(train.Trainer, "train_step", timed_step)
         monkeypatch.setattr(train.Trainer, "validate", timed_validate)
         monkeypatch.setattr(train.inference, "summarize_sharded", timed_summaries)
-        monkeypatch.setattr(train, "evaluate", after_run(evaluate))
-        monkeypatch.setattr(train, "predict", after_run(predict))
         return clock
     return install
 
@@ -168,19 +159,20 @@ def test_a_run_over_two_sessions_cools_down_in_the_second_only(run, virtual, tmp
     virtual()
     train.main([*run, "--eval_interval=50", "--max_time=60", f"--out_dir={second}",
                 f"--resume_from={first / 'ckpt.pt'}"])
-    two = [row for row in metrics(second) if "loss" in row]
-    assert len(two) > 100 and two[0]["iter"] == one[-1]["iter"] + 1
+    carried, two = metrics(second)[:len(metrics(first))], [row for row in metrics(second)[len(metrics(first)):]
+                                                           if "loss" in row]
+    assert carried == metrics(first) and len(two) > 100 and two[0]["iter"] == one[-1]["iter"] + 1
     assert sum(row["lr"] > MIN_LR for row in two) > 0.75 * len(two) and two[-1]["lr"] == MIN_LR
     assert_cools_down_at_the_end(one + two)
 
 
 def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
     """The decoding's first call (20x a warm batch) is a one-time cost, counted once: the start line gives the warm
-    rate a summary; a budget that the last evaluation and the after-run (which compiles its decoding again) would
+    rate a summary; a budget that the last evaluation and the after-run (on the graphs training compiled) would
     spend is refused with a figure within 2x of what they then take."""
     after = [*run, "--eval_interval=1000", "--evaluate_after=True", "--predict_after=True"]
     virtual(summary=0.5)
-    err = one_error_line(capsys, train.main, [*after, "--max_time=80"])  # 46 s of start-up, priming included
+    err = one_error_line(capsys, train.main, [*after, "--max_time=60"])  # 46 s of start-up, priming included
     need = re.search(r"need about (\d+) s", err)
     assert need, err
     need = float(need.group(1))
@@ -201,6 +193,10 @@ def test_a_minute_with_compile_on_a_cpu_trains_and_writes_the_submission(tmp_pat
     used_up = re.search(r"max_time=60 is used up before the first step: start-up took (\d+) s", result.stderr)
     if used_up:  # a machine so loaded that imports and compiling took the minute: that, and only that, is right
         assert int(used_up[1]) >= 59, result.stderr[-3000:]
+        return
+    left = re.search(r"max_time=60 leaves (\d+) s after start-up, .* need about (\d+) s", result.stderr)
+    if left:  # so loaded that start-up took most of the minute (a quiet machine's takes ~20 s) and no step fits
+        assert int(left[1]) <= 15 and int(left[1]) < int(left[2]), result.stderr[-3000:]
         return
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics(tmp_path / "out")[-1]["iter"] >= 10  # a machine under load trains fewer

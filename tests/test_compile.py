@@ -1,6 +1,7 @@
 """GPU paths without waste, counted on the CPU: one graph and at most two compilations for the training step (one
-process and DDP) and the decode step (any batch sizes and EOS pattern), one wait for the device per decode step,
-no weight casts per step, and few KV-cache bytes copied; LoRA with gradient checkpointing compiles, as eager."""
+process and DDP), one compilation of the decode step (any batch sizes and EOS pattern; none after training), one
+wait for the device per decode step, no weight casts per step, and few KV-cache bytes copied; LoRA with gradient
+checkpointing compiles, as eager."""
 import contextlib
 import dataclasses
 import random
@@ -15,7 +16,7 @@ from config import Decoding, load_config
 from conftest import tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora, mbr
+from summarizer import inference, lora, mbr, runtime
 from summarizer.runtime import CompiledModule, compile_model
 
 MAX_NEW = 20
@@ -86,10 +87,10 @@ def eos(model, prompts):
 
 
 @pytest.mark.slow
-def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, prompts, eos):
+def test_decode_compiles_once_whatever_the_batch_sizes_and_eos(model, prompts, eos):
     """Greedy (ended rows dropped at each EOS, or at half), beam and MBR over one batch of 64 and over batches of
     1, 2, 17, 3 and 41 prompts, compiled (a counting backend) as evaluate.py compiles them: the eager summaries,
-    one graph, at most two compilations."""
+    one graph, compiled once (a batch never shrinks to the one row a compiled step would specialize)."""
     mbr4 = dict(seed=1, mbr_pick=mbr.pick)
     settings = [(Decoding(MAX_NEW), {}), (Decoding(MAX_NEW), dict(compact_below=0.5)),
                 (Decoding(MAX_NEW, num_beams=3), {}),
@@ -99,10 +100,10 @@ def test_decode_compiles_at_most_twice_whatever_the_batch_sizes_and_eos(model, p
     cases = [(batch, decoding, options, generate(model, batch, decoding, eos, **options))
              for decoding, options in settings for batch in batches]
     with counted_compiles() as (counter, breaks):
-        step = inference.CompiledDecodeStep()
+        step = runtime.CompiledDecodeStep()
         for batch, decoding, options, expected in cases:
             assert generate(model, batch, decoding, eos, decode_step=step, **options) == expected
-    assert not step.failed and breaks() == 0 and counter.compilations["decode"] <= 2
+    assert not step.failed and breaks() == 0 and counter.compilations["decode"] == 1
 
 
 def test_decode_waits_once_per_step_and_copies_few_cache_bytes(model, prompts, eos):
@@ -169,3 +170,86 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     assert compiled_loss == pytest.approx(loss, abs=1e-5)
     for name, grad in grads.items():
         assert torch.allclose(compiled_grads[name], grad, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_a_bf16_run_ends_its_training(write_csv, tmp_path, monkeypatch):
+    """train.py --dtype=bfloat16 --compile=True with evaluate_after and predict_after: the after-run decodes with
+    the graphs training's ROUGE decoding compiled (one process, one decode step, one weight dtype and layout)."""
+    from conftest import tiny
+    at_end = {}
+
+    def after_training(command):
+        def counted(*args):
+            at_end.setdefault("compiles", dict(counter.compilations))
+            return command(*args)
+        return counted
+    monkeypatch.setattr(train, "evaluate", after_training(train.evaluate))
+    monkeypatch.setattr(train, "predict", after_training(train.predict))
+    argv = [*tiny(), f"--train_csv={write_csv('train.csv', 40)}", f"--test_csv={write_csv('test.csv', 9, test=True)}",
+            "--val_fraction=0.25", "--batch_size=4", "--micro_batch_size=2", "--max_iters=2", "--eval_interval=2",
+            "--rouge_samples=6", "--gen_batch_size=4", "--dtype=bfloat16", "--compile=True", "--evaluate_after=True",
+            "--predict_after=True", "--sample_submission_csv=", f"--out_dir={tmp_path / 'out'}",
+            f"--data_cache_dir={tmp_path / 'cache'}"]
+    with counted_compiles() as (counter, breaks):
+        train.main(argv)
+    assert at_end["compiles"]["decode"] >= 1 and breaks() == 0
+    assert dict(counter.compilations) == at_end["compiles"]
+    assert (tmp_path / "out" / "submission.csv").exists() and (tmp_path / "out" / "eval_metrics.json").exists()
+
+
+@pytest.mark.parametrize("dialogues, compiled_work, compiles", [(41, False, False), (819, False, False),
+                                                                 (20000, False, True), (4000, True, True)])
+def test_compile_auto_decodes_eagerly_where_the_compile_would_not_repay_itself(monkeypatch, dialogues,
+                                                                               compiled_work, compiles):
+    """The rule on given costs (runtime.DECODE_COMPILE_S, CACHED_COMPILE_S, SAVED_PER_BLOCK_S), on a 12-block
+    model at gen_batch_size 64 and 128 new tokens: a validation set's or a test set's decoding is too small to
+    repay a cold compile; a long job repays it, and so does a mid-sized one where the run's compiled work loads.
+    The words say which and why; the process keeps its first choice."""
+    monkeypatch.setattr(runtime, "use_compile", lambda *args: True)  # as on a GPU
+    cfg = load_config(["--device=cpu", "--gen_batch_size=64", "--max_new_tokens=128"])
+    rt = runtime.Runtime(cfg)
+    rt.compiled_work = compiled_work
+    steps = inference.decode_steps(dialogues, cfg, world_size=1)
+    pays, _ = runtime.decode_compile_pays(steps, 12, runtime.CACHED_COMPILE_S if compiled_work
+                                          else runtime.DECODE_COMPILE_S)
+    step, words = rt.decoding(steps, 12)
+    assert pays is compiles and isinstance(step, runtime.CompiledDecodeStep) is compiles
+    assert words.startswith(f"{'torch.compile' if compiles else 'eager'} decoding (compile=auto: {steps} decode steps")
+    assert ("more than" if compiles else "less than") in words
+    assert rt.decoding(1, 12) == (step, words)
+
+
+@pytest.mark.slow
+def test_a_later_process_reuses_the_runs_compiled_work_where_it_was_made(write_csv, tmp_path):
+    """evaluate.py --compile=True in a new process, with an empty inductor cache (a new Kaggle session): the first
+    saves its compiled work beside best.pt, the second loads it and hits inductor's cache instead of compiling;
+    work made by another torch is named in one line and compiled afresh."""
+    import json
+    import sys
+
+    from conftest import run, tiny
+    out = tmp_path / "out"
+    train.main([*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=2",
+                "--micro_batch_size=2", "--max_iters=1", "--eval_interval=1", "--rouge_samples=0",
+                "--best_metric=val_loss", "--eval_val_batches=1", f"--out_dir={out}",
+                f"--data_cache_dir={tmp_path / 'cache'}"])
+
+    def evaluate(cache):
+        code = ("import json, sys, torch, evaluate; evaluate.main(sys.argv[1:]); "
+                "print(json.dumps(dict(torch._dynamo.utils.counters['inductor'])))")
+        done = run([sys.executable, "-c", code, f"--out_dir={out}", "--compile=True", "--gen_batch_size=4",
+                    f"--data_cache_dir={tmp_path / 'cache'}"], env=dict(TORCHINDUCTOR_CACHE_DIR=str(cache)))
+        assert done.returncode == 0, done.stderr
+        return done.stdout, json.loads(done.stdout.strip().splitlines()[-1])
+    printed, counts = evaluate(tmp_path / "inductor-1")
+    assert (out / "compile_cache.bin").exists() and counts.get("fxgraph_cache_miss", 0) >= 1
+    printed, counts = evaluate(tmp_path / "inductor-2")
+    assert "compiled work: " in printed and f"from {out / 'compile_cache.bin'}" in printed
+    assert counts.get("fxgraph_cache_hit", 0) >= 1 and counts.get("fxgraph_cache_miss", 0) == 0
+    header, artifacts = (out / "compile_cache.bin").read_bytes().split(b"\n", 1)
+    (out / "compile_cache.bin").write_bytes(json.dumps({**json.loads(header), "torch": "2.0.0"}).encode() + b"\n"
+                                            + artifacts)
+    printed, counts = evaluate(tmp_path / "inductor-3")
+    assert f"was compiled for another torch 2.0.0 (here {torch.__version__}): compiling afresh" in printed
+    assert counts.get("fxgraph_cache_miss", 0) >= 1

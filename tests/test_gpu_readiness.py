@@ -17,7 +17,7 @@ import train
 from config import Decoding, load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from model import GPT
-from summarizer import inference
+from summarizer import inference, runtime
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.loading import build_model
@@ -241,7 +241,7 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
     _, _, out = compiled_then_eager_then_compiled
     cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--device=cpu"])
     run = inference.load_run(cfg, set(), Runtime(cfg), inference.describe_validation)
-    assert isinstance(run.decode_step, inference.CompiledDecodeStep) is compiles
+    assert isinstance(run.decode_step, runtime.CompiledDecodeStep) is compiles
 
 
 def greedy_case(tiny_hf_dir):
@@ -264,7 +264,7 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
-    step = inference.CompiledDecodeStep()
+    step = runtime.CompiledDecodeStep()
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert "torch.compile failed" not in capfd.readouterr().err
 
@@ -274,7 +274,7 @@ def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_h
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    step = inference.CompiledDecodeStep()
+    step = runtime.CompiledDecodeStep()
     original = generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step)
     twin = copy.deepcopy(model)
     with torch.no_grad():
@@ -316,7 +316,7 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
-    step = inference.CompiledDecodeStep()
+    step = runtime.CompiledDecodeStep()
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert warnings_in(capfd.readouterr().err) == [

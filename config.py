@@ -318,7 +318,10 @@ class Training:
     dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
     batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and "
                                   "accumulation", Scope.TRAINED, why="the rows of each step", bound=POSITIVE)
-    micro_batch_size: int = option(8, "sequences per forward pass on one rank", Scope.RUN, bound=POSITIVE)
+    micro_batch_size: int | str = option(8, "sequences per forward pass on one rank; auto = the most that the run's "
+                                            "memory plan fits on its GPU (dividing batch_size exactly)", Scope.RUN,
+                                         bound=Bound(lambda v: v == "auto" or (type(v) is int and v > 0),
+                                                     "must be a number > 0 or auto"))
     max_iters: int = option(300, "optimizer steps", Scope.TRAINING, bound=POSITIVE)
     learning_rate: float = option(2e-4, "peak learning rate", Scope.TRAINING, bound=POSITIVE)
     min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", Scope.TRAINING, bound=NON_NEGATIVE)
@@ -341,7 +344,7 @@ class Training:
 
     def problems(self):
         try:
-            if self.micro_batch_size > 0:
+            if self.micro_batch_size != "auto" and self.micro_batch_size > 0:
                 grad_accum_steps(self, world_size=1)  # the ranks a run has are counted where it runs
         except UserError as e:
             return [str(e)]
@@ -600,7 +603,7 @@ DECODING_KEYS = (*keys(RowFormat), *keys(ModelShape), "out_dir", "ckpt", "baseli
                  "compile", "nccl_p2p_disable", "dist_timeout", "dist_start_timeout", *keys(Decoding),
                  "gen_batch_size", "gen_memory_gb")
 READS = {"train.py": TRAINING_KEYS, "calibrate.py": (*TRAINING_KEYS, *keys(Calibration)),
-         "evaluate.py": (*keys(Split), "data_cache_dir", "micro_batch_size", "eval_val_batches", "compare", "sweep",
+         "evaluate.py": (*keys(Split), "data_cache_dir", "compare", "sweep",
                          *DECODING_KEYS),
          "predict.py": (*keys(Submission), *DECODING_KEYS),
          "export.py": ("out_dir", "ckpt", *keys(Decoding), *keys(Export))}

@@ -20,7 +20,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import NamedTuple
 
 import torch
@@ -56,6 +56,7 @@ from summarizer.launch import (
     rank_error_lines,
 )
 from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference, resume_path
+from summarizer.memory import choose_micro_batch
 from summarizer.metrics import rouge
 from summarizer.runtime import (
     CompiledModule,
@@ -101,6 +102,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                                   f"{ckpt} and best.pt stay as the last save left them", rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
+                cfg = trainer.cfg  # micro_batch_size=auto chosen
                 del checkpoint  # its tensors map the file, whose disk space a save must be able to free
                 try:
                     stopped_by = trainer.fit()
@@ -358,12 +360,17 @@ class Trainer:
     def __init__(self, cfg, rt, objective=None, start=None, started=None, signals=None):
         self.cfg, self.rt = cfg, rt
         self.signals = signals or StopSignals(None, "", rt.distributed)
-        self.accum_steps = grad_accum_steps(cfg, rt.world_size)
-        self.tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
+        Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
         splits, after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = model_to_train(cfg, start)
+        self.micro_batch = None  # micro_batch_size=auto: the choice, in words
+        if cfg.micro_batch_size == "auto":
+            rows, self.micro_batch = choose_micro_batch(cfg, rt, model, self.train_set, self.val_set)
+            self.cfg = cfg = replace(cfg, micro_batch_size=rows)
+        self.accum_steps = grad_accum_steps(cfg, rt.world_size)
+        self.tracker = Tracker(cfg, rt.is_main)
         base = lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
@@ -484,6 +491,7 @@ class Trainer:
                  f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
                  f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}; "
                  f"{self.decoding}",
+                 *([self.micro_batch] if self.micro_batch else []),
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if self.clock:
             lines.append(self.budget_line())

@@ -26,8 +26,8 @@ import torch
 import data
 from bench import ROOT
 from config import PROMPT_TEMPLATE, Config, Decoding, load_config, part
-from model import GPT, PRETRAINED, GPTConfig
-from summarizer import inference, lora
+from model import GPT, PRETRAINED, GPTConfig, Targets
+from summarizer import inference, lora, memory
 
 GIB = 2**30
 T4_USABLE_GIB = 15.0
@@ -68,66 +68,16 @@ def build(shape, n_layer, with_lora, device):
     return model
 
 
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def state_bytes(shape, with_lora):
     """{"single": (weights, gradients, AdamW state), "fsdp2": the same for one of FSDP_RANKS ranks} in bytes,
-    counted from the real (meta) tensors of the whole model after one optimizer step."""
+    counted from the real (meta) tensors of the whole model, as the run's own plan counts them."""
     model = build(shape, shape["n_layer"], with_lora, "meta")
-    params = list(model.parameters())  # the tied wte / lm_head weight once
-    trainable = [p for p in params if p.requires_grad]
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(trainable, foreach=False)
-    optimizer.step()
-    state = [t for s in optimizer.state.values() for t in s.values()]
-    # all-gathered while computing: the root unit (it is not resharded after forward) and two blocks
-    gathered = (nbytes(p for n, p in model.named_parameters() if ".h." not in n)
-                + 2 * nbytes(model.transformer.h[0].parameters()))
-    return {"single": (nbytes(params), nbytes(p.grad for p in trainable), nbytes(state)),
-            "fsdp2": (shard_bytes(params) + gathered, shard_bytes(p.grad for p in trainable) + gathered,
-                      shard_bytes(state))}
-
-
-def shard_bytes(tensors, world_size=FSDP_RANKS):
-    """Bytes of one rank's FSDP2 shards: dim 0 cut in world_size equal pieces (padded); scalars whole."""
-    return sum(math.ceil(t.shape[0] / world_size) * (t.numel() // t.shape[0]) * t.element_size() if t.dim()
-               else t.element_size() for t in tensors)
+    return {"single": memory.state_bytes(model, "none", 1), "fsdp2": memory.state_bytes(model, "fsdp", FSDP_RANKS)}
 
 
 def saved_bytes(model, x, y):
-    """{"block": bytes, "rest": bytes}: the distinct storages autograd keeps for backward in one fp16-autocast
-    forward of (x, y), split by whether the first block or the rest of the model saved them first."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept, owner, where = {}, {}, ["rest"]
-
-    def pack(tensor):  # held in `kept`, so no storage is freed and its address reused while counting
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in kept:
-            kept[ptr], owner[ptr] = tensor, where[0]
-        return ptr
-
-    def unpack(ptr):
-        raise RuntimeError("saved_bytes counts a forward pass; it cannot run backward")
-
-    block = model.transformer.h[0]
-    hooks = [block.register_forward_pre_hook(lambda *_: where.__setitem__(0, "block")),
-             block.register_forward_hook(lambda *_: where.__setitem__(0, "rest"))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            with torch.autocast("cpu", dtype=torch.float16):
-                model(x, y)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    totals = {"block": 0, "rest": 0}
-    for ptr, tensor in kept.items():
-        if ptr not in params:
-            totals[owner[ptr]] += tensor.untyped_storage().nbytes()
-    kept.clear()  # the graph holds `pack`, which holds `kept`: a cycle through C++ that gc cannot free
-    return totals
+    """memory.saved_bytes under fp16 autocast on the CPU."""
+    return memory.saved_bytes(model, x, Targets.of(y), torch.autocast("cpu", dtype=torch.float16))
 
 
 def activation_bytes(shape, x, y):
@@ -135,13 +85,9 @@ def activation_bytes(shape, x, y):
     bytes x n_layer + the rest. A checkpointed block keeps only its input (the residual stream)."""
     torch.manual_seed(0)
     n = shape["n_layer"]
-    one = build(shape, 1, False, "cpu")
-    inputs = []
-    hook = one.transformer.h[0].register_forward_pre_hook(lambda _, args: inputs.append(args[0].nbytes))
-    full = saved_bytes(one, x, y)
-    hook.remove()
+    full = saved_bytes(build(shape, 1, False, "cpu"), x, y)
     block_lora = saved_bytes(build(shape, 1, True, "cpu"), x, y)["block"]
-    checkpointed = full["rest"] + n * inputs[0]
+    checkpointed = full["rest"] + n * full["input"]
     return {"full": full["rest"] + n * full["block"], "full+checkpointing": checkpointed + full["block"],
             "lora+checkpointing": checkpointed + block_lora, "fsdp2+checkpointing": checkpointed + full["block"],
             "block": full["block"]}
@@ -152,9 +98,11 @@ def measured_activation_bytes(shape, x, y, blocks):
     block in backward (measured by activation_bytes)."""
     torch.manual_seed(0)
     model = build(shape, shape["n_layer"], False, "cpu")
-    result = {"full": sum(saved_bytes(model, x, y).values())}
+    saved = saved_bytes(model, x, y)
+    result = {"full": saved["block"] + saved["rest"]}
     model.gradient_checkpointing = True
-    result["full+checkpointing"] = sum(saved_bytes(model, x, y).values()) + blocks["block"]
+    saved = saved_bytes(model, x, y)
+    result["full+checkpointing"] = saved["block"] + saved["rest"] + blocks["block"]
     return result
 
 
@@ -174,18 +122,18 @@ def after_training(shape, mode, parts, full_weights, preset, length):
     weights, _, optimizer, _ = parts
     held = weights + optimizer + (full_weights if mode.startswith("fsdp2") else 0)
     config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-    memory = max(T4_USABLE_GIB * GIB - held, 0) / 2
+    room = max(T4_USABLE_GIB * GIB - held, 0) / 2
     prompts = [[0] * length] * min(preset.rouge_samples, preset.gen_batch_size)
     decoding = part(preset, Decoding)
-    batch = len(inference.generation_batches(prompts, decoding, preset.gen_batch_size, config, memory,
+    batch = len(inference.generation_batches(prompts, decoding, preset.gen_batch_size, config, room,
                                              torch.float16)[0])
     kv = inference.kv_cache_bytes(config, batch * inference.cache_rows_per_prompt(decoding),
                                   length + preset.max_new_tokens, torch.float16)
-    evaluation = held + kv + LOGITS_COPIES * batch * config.vocab_size * 4
+    evaluation = held + kv + memory.LOGITS_COPIES * batch * config.vocab_size * 4
     merged = 0
     if mode.startswith("lora"):
         model = build(shape, shape["n_layer"], True, "meta")
-        merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
+        merged = memory.nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
     return evaluation, held + merged
 
 
@@ -225,7 +173,6 @@ def bench_memory(args, samsum_csv):
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "kaggle_t4x2*.py")))
 DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
              "mbr16": dict(temperature=0.7, mbr_samples=16, mbr_include_beam=True)}
-LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
 
 
 def longest_prompt(csv_path, cfg):
@@ -247,18 +194,18 @@ def generation_rows(samsum_csv):
         base = load_config([preset])
         shape = PRETRAINED[base.init_from]
         config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-        weights = nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16
-        memory = (T4_USABLE_GIB * GIB - weights) / 2
+        weights = memory.nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16
+        room = (T4_USABLE_GIB * GIB - weights) / 2
         length = longest_prompt(samsum_csv, base)
         for decoding, options in DECODINGS.items():
             cfg = dataclasses.replace(base, **options)
             settings = part(cfg, Decoding)
             prompts = [[0] * length] * cfg.gen_batch_size
-            batch = len(inference.generation_batches(prompts, settings, cfg.gen_batch_size, config, memory,
+            batch = len(inference.generation_batches(prompts, settings, cfg.gen_batch_size, config, room,
                                                      torch.float16)[0])
             per_prompt = inference.cache_rows_per_prompt(settings)
             kv = inference.kv_cache_bytes(config, batch * per_prompt, length + cfg.max_new_tokens, torch.float16)
-            logits = LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * config.vocab_size * 4
+            logits = memory.LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * config.vocab_size * 4
             total = (weights + kv + logits) / GIB
             rows.append(dict(section="memory", figure=f"{base.init_from}:generate:{decoding}:gib", value=total,
                              weights_gib=weights / GIB, kv_cache_gib=kv / GIB, logits_gib=logits / GIB,

@@ -4,7 +4,7 @@ or from the notebook with Accelerate's notebook_launcher (see train.py).
 dtype and compile are auto: float16 with a GradScaler and torch.compile on a T4, bfloat16 from Ampere on."""
 init_from = "gpt2"
 batch_size = 256
-micro_batch_size = 8
+micro_batch_size = "auto"  # the most the memory plan fits on the GPU (the start line says which)
 device = "cuda"
 nccl_p2p_disable = True
 gen_batch_size = 64

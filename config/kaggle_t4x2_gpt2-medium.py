@@ -6,7 +6,7 @@ dtype and compile are auto: float16 with a GradScaler and torch.compile on a T4,
 init_from = "gpt2-medium"
 out_dir = "out-gpt2-medium"
 batch_size = 256
-micro_batch_size = 8
+micro_batch_size = "auto"  # the most the memory plan fits on the GPU (the start line says which)
 gradient_checkpointing = True
 device = "cuda"
 nccl_p2p_disable = True

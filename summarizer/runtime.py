@@ -352,7 +352,7 @@ class Runtime:
                            (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))
                            if value != "no"]
         if self.backend == "fsdp":
-            accumulates = grad_accum_steps(cfg, self.world_size) > 1
+            accumulates = cfg.micro_batch_size == "auto" or grad_accum_steps(cfg, self.world_size) > 1
             self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
 
     def load_compiled_work(self, folder):

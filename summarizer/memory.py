@@ -1,0 +1,234 @@
+"""The memory one GPU of a training run needs at its peaks, planned before step 1 from the sizes of real tensors:
+what micro_batch_size=auto chooses by (no out-of-memory probing in a live run) and what bench --section=memory
+reports.
+- Weights, gradients and AdamW's state are the model's own tensors: under FSDP one rank's shards plus the units it
+  gathers while computing (the root and two blocks); under DDP its gradient buckets, a second copy of the
+  gradients.
+- Activations are what autograd keeps for backward, measured on a one-block model of the run's width (its LoRA
+  adapters and dropout included) over a short probe under the run's autocast: a block's bytes per token, the rest's
+  per token and per target (only targets go through lm_head). scaled_dot_product_attention keeps O(T) state, so a
+  micro-batch's bytes are these rates times its rows, length and targets. A checkpointed block keeps its input
+  only, and backward recomputes one block at a time.
+- The evaluation holds the weights and AdamW's state (gradients freed), the copy ROUGE decodes with (train.
+  rouge_model: in the run's dtype, gathered under FSDP) and one generation batch's KV cache and logits.
+- A LoRA run's save builds, on rank 0, the merged float32 copy of every adapted weight.
+Not counted: backward's transient buffers and the CUDA context, which HEADROOM leaves room for."""
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from config import Decoding, part
+from model import GPT, GPTConfig, Targets
+from summarizer import inference, lora
+
+PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
+HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation
+LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
+CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may fill
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shard_bytes(tensors, world_size):
+    """Bytes of one rank's FSDP2 shards: dim 0 cut in world_size equal pieces (padded); scalars whole."""
+    return sum(math.ceil(t.shape[0] / world_size) * (t.numel() // t.shape[0]) * t.element_size() if t.dim()
+               else t.element_size() for t in tensors)
+
+
+def state_bytes(model, backend, world_size):
+    """(weights, gradients, AdamW's state) bytes on one GPU, from the model's tensors (meta ones will do): the
+    tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    moments = 2 * sum(p.numel() for p in trainable) * 4
+    if backend != "fsdp":
+        grads = nbytes(trainable) * (2 if backend in ("ddp", "accelerate") and world_size > 1 else 1)
+        return nbytes(params), grads, moments
+    gathered = (nbytes(p for n, p in model.named_parameters() if ".h." not in n)
+                + 2 * nbytes(model.transformer.h[0].parameters()))
+    return (shard_bytes(params, world_size) + gathered, shard_bytes(trainable, world_size) + gathered,
+            math.ceil(moments / world_size))
+
+
+def saved_bytes(model, x, targets, autocast):
+    """{"block": bytes, "rest": bytes, "input": bytes}: the distinct storages autograd keeps for backward in one
+    forward of (x, targets) under `autocast`, split by whether the first block or the rest of the model saved them
+    first; and the first block's input (what a checkpointed block keeps)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept, owner, where, inputs = {}, {}, ["rest"], []
+
+    def pack(tensor):  # held in `kept`, so no storage is freed and its address reused while counting
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in kept:
+            kept[ptr], owner[ptr] = tensor, where[0]
+        return ptr
+
+    def unpack(ptr):
+        raise RuntimeError("saved_bytes counts a forward pass; it cannot run backward")
+
+    def enter(_, args):
+        where[0] = "block"
+        inputs.append(args[0].nbytes)
+
+    block = model.transformer.h[0]
+    hooks = [block.register_forward_pre_hook(enter),
+             block.register_forward_hook(lambda *_: where.__setitem__(0, "rest"))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
+            model(x, targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    totals = {"block": 0, "rest": 0, "input": inputs[0]}
+    for ptr, tensor in kept.items():
+        if ptr not in params:
+            totals[owner[ptr]] += tensor.untyped_storage().nbytes()
+    kept.clear()  # the graph holds `pack`, which holds `kept`: a cycle through C++ that gc cannot free
+    return totals
+
+
+@dataclass(frozen=True)
+class ActivationRates:
+    """What autograd keeps for backward: a block's bytes whatever the tokens (autocast's 16-bit copies of its
+    weights) and per token, the rest's (embeddings, ln_f, lm_head: the copy of the tied wte) whatever the tokens,
+    per token and per target, and a block's input per token (what a checkpointed block keeps)."""
+    block_fixed: float
+    block: float
+    rest_fixed: float
+    rest: float
+    target: float
+    block_input: float
+
+    def bytes(self, rows, length, targets, n_layer, checkpointing):
+        tokens = rows * length
+        rest = self.rest_fixed + tokens * self.rest + targets * self.target
+        one_block = self.block_fixed + tokens * self.block
+        if checkpointing:  # each block keeps its input; backward recomputes one block at a time
+            return rest + tokens * n_layer * self.block_input + one_block
+        return rest + n_layer * one_block
+
+    @classmethod
+    def measure(cls, config, lora_settings, dtype):
+        """The rates of a model like `config` (its width, heads, vocabulary, dropout), with LoRA adapters where
+        lora_settings has a rank, trained in `dtype` (16-bit ones under autocast), from three probes on the CPU:
+        two lengths with one target, and every position a target."""
+        torch.manual_seed(0)
+        one = GPT(GPTConfig(**{**asdict(config), "n_layer": 1, "block_size": PROBE_TOKENS}))
+        if lora_settings["lora_rank"]:
+            lora.add_adapters(one, **lora_settings)
+        one.train()
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+        def probe(length, every):
+            x = torch.randint(0, config.vocab_size, (1, length))
+            y = x.clone() if every else torch.full_like(x, -1)
+            y[0, -1] = x[0, -1]
+            return saved_bytes(one, x, Targets.of(y), autocast)
+        short, long, targets = probe(PROBE_TOKENS // 2, False), probe(PROBE_TOKENS, False), probe(PROBE_TOKENS, True)
+        half = PROBE_TOKENS // 2
+        block, rest = (long["block"] - short["block"]) / half, (long["rest"] - short["rest"]) / half
+        return cls(block_fixed=long["block"] - PROBE_TOKENS * block, block=block,
+                   rest_fixed=long["rest"] - PROBE_TOKENS * rest, rest=rest,
+                   target=(targets["rest"] - long["rest"]) / (PROBE_TOKENS - 1),
+                   block_input=long["input"] / PROBE_TOKENS)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes on one GPU: the training step's parts, the evaluation's peak and the save's."""
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    evaluation: int
+    save: int
+
+    @property
+    def training(self):
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def peak(self):
+        return max(self.training, self.evaluation, self.save)
+
+    def describe(self):
+        return (f"training {self.training / 2**30:.1f} GiB, evaluation {self.evaluation / 2**30:.1f}, save "
+                f"{self.save / 2**30:.1f}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a plan needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
+    decodes in, and its longest training row, the most targets a row has, and its longest prompt (tokens)."""
+    model: torch.nn.Module
+    cfg: object
+    backend: str
+    world_size: int
+    dtype: torch.dtype
+    longest_row: int
+    most_targets: int
+    longest_prompt: int
+
+
+def plan(run, rows, rates, budget):
+    """The Plan of `run` at micro-batches of `rows` (each as long as its longest row), with ActivationRates, on a
+    GPU whose plan may fill `budget` bytes (the evaluation's generation batches take half of what the rest leaves,
+    as inference.generation_memory sizes them)."""
+    cfg, model = run.cfg, run.model
+    weights, grads, optimizer = state_bytes(model, run.backend, run.world_size)
+    activations = rates.bytes(rows, run.longest_row, rows * run.most_targets, model.config.n_layer,
+                              cfg.gradient_checkpointing)
+    full = nbytes(model.parameters())
+    plain = run.backend != "fsdp" and not cfg.lora_rank and run.dtype == torch.float32
+    copy = 0 if plain else full // 4 * run.dtype.itemsize + (full if run.backend == "fsdp" else 0)
+    decoding, held = part(cfg, Decoding), weights + optimizer + copy
+    memory = cfg.gen_memory_gb * 2**30 or max(budget - held, 0) / 2
+    prompts = [[0] * run.longest_prompt] * min(cfg.rouge_samples, cfg.gen_batch_size)
+    batch = len(inference.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory,
+                                             run.dtype)[0]) if prompts else 0
+    kv = inference.kv_cache_bytes(model.config, batch * inference.cache_rows_per_prompt(decoding),
+                                  run.longest_prompt + cfg.max_new_tokens, run.dtype)
+    logits = LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * model.config.vocab_size * 4
+    evaluation = held + kv + logits if batch else weights + optimizer
+    merged = 0
+    if cfg.lora_rank:
+        merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
+    return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merged)
+
+
+def device_memory(device):
+    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory, CPU_SHARE of the host's available."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * HEADROOM)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_SHARE)
+
+
+def choose_micro_batch(cfg, rt, model, train_set, val_set):
+    """micro_batch_size=auto: (the rows every rank's micro-batches take, the words for the start line), from the
+    plan of this run on the smallest budget of its ranks (device_memory)."""
+    budget = min(rt.all_gather_objects(device_memory(rt.device)))
+    dtype = getattr(torch, rt.dtype)
+    run = Run(model, cfg, rt.backend, rt.world_size, dtype, longest_row=int(train_set.lengths.max()),
+              most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
+              longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0)
+    rows, chosen = largest_micro_batch(run, budget, ActivationRates.measure(model.config, lora.settings(cfg), dtype))
+    words = (f"micro_batch_size=auto: {rows} (the plan's peak {chosen.peak / 2**30:.1f} of {budget / 2**30:.1f} GiB "
+             f"usable: {chosen.describe()})")
+    if chosen.peak > budget:
+        words += ("; warning: even one row does not fit the plan: lower block_size, or set --gradient_checkpointing="
+                  "True, --lora_rank=8 or --backend=fsdp")
+    return rows, words
+
+
+def largest_micro_batch(run, budget, rates):
+    """(rows, its Plan): the largest micro-batch that divides a rank's rows per step (batch_size / world_size, so
+    accumulation keeps batch_size exact) and whose plan fits `budget` bytes; the smallest, 1, when none does."""
+    per_rank = run.cfg.batch_size // run.world_size
+    fitting = [rows for rows in range(1, per_rank + 1) if per_rank % rows == 0
+               and plan(run, rows, rates, budget).peak <= budget]
+    rows = fitting[-1] if fitting else 1
+    return rows, plan(run, rows, rates, budget)

@@ -1,0 +1,74 @@
+"""micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch that the run's memory plan
+fits on its GPU and that divides a rank's rows per step, so batch_size stays exact; the run then trains as the same
+explicit micro-batch would."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import train
+from config import load_config
+from conftest import REPO, metrics, tiny
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import lora, memory
+
+PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
+RANKS = 2  # Kaggle's two T4s
+
+
+@pytest.mark.parametrize("gib", [15, 80])
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
+    """Each Kaggle preset on a T4's 15 GiB and on 80 GiB, with rows as long as block_size (the worst a micro-batch
+    can be) and summaries of max_new_tokens: the chosen rows fit, the next divisor does not, and rows x ranks x
+    accumulation steps is batch_size."""
+    cfg = load_config([preset])
+    assert cfg.micro_batch_size == "auto"  # the presets' default
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**PRETRAINED[cfg.init_from]))
+    if cfg.lora_rank:
+        lora.add_adapters(model, **lora.settings(cfg))
+    run = memory.Run(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", RANKS, torch.float16,
+                     longest_row=cfg.block_size, most_targets=cfg.max_new_tokens,
+                     longest_prompt=cfg.block_size - cfg.max_new_tokens)
+    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+    budget = gib * 2**30 * memory.HEADROOM
+    rows, chosen = memory.largest_micro_batch(run, budget, rates)
+    per_rank = cfg.batch_size // RANKS
+    assert chosen == memory.plan(run, rows, rates, budget) and chosen.peak <= budget
+    assert per_rank % rows == 0 and rows * RANKS * (per_rank // rows) == cfg.batch_size == 256
+    bigger = [r for r in range(rows + 1, per_rank + 1) if per_rank % r == 0]
+    assert not bigger or memory.plan(run, bigger[0], rates, budget).peak > budget
+
+
+def test_activations_grow_with_rows_and_checkpointing_keeps_less():
+    """gpt2 under fp16 autocast: each row adds the same bytes (scaled_dot_product_attention keeps O(T) state), the
+    16-bit weight copies autocast keeps do not grow with rows, and a checkpointed model keeps far less."""
+    config = GPTConfig(**PRETRAINED["gpt2"])
+    rates = memory.ActivationRates.measure(config, lora.settings(load_config([])), torch.float16)
+    full = [rates.bytes(rows, 512, rows * 60, config.n_layer, checkpointing=False) for rows in (1, 2, 4)]
+    assert full[0] < full[1] < full[2] and full[2] - full[1] == pytest.approx(2 * (full[1] - full[0]))
+    assert rates.rest_fixed == pytest.approx(config.vocab_size * config.n_embd * 2, rel=0.05)  # wte's fp16 copy
+    assert rates.bytes(4, 512, 240, config.n_layer, checkpointing=True) < full[2] / 3
+
+
+def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monkeypatch, capsys):
+    """A device whose memory fits micro-batches of 2 rows and not 4 (batch 4): the run chooses 2, says so and
+    trains with the losses of --micro_batch_size=2."""
+    chosen = memory.largest_micro_batch
+
+    def two_fit(run, budget, rates):
+        between = (memory.plan(run, 2, rates, budget).peak + memory.plan(run, 4, rates, budget).peak) / 2
+        return chosen(run, between, rates)
+    monkeypatch.setattr(memory, "largest_micro_batch", two_fit)
+    args = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=4",
+            "--max_iters=3", "--eval_interval=3", "--rouge_samples=0", "--best_metric=val_loss", "--log_interval=1",
+            "--eval_val_batches=1", f"--data_cache_dir={tmp_path / 'cache'}"]
+    train.main([*args, "--micro_batch_size=auto", f"--out_dir={tmp_path / 'auto'}"])
+    assert "micro_batch_size=auto: 2 (the plan's peak" in capsys.readouterr().out
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["micro_batch_size"] == 2
+    train.main([*args, "--micro_batch_size=2", f"--out_dir={tmp_path / 'explicit'}"])
+    losses = [[row["loss"] for row in metrics(tmp_path / name) if "loss" in row] for name in ("auto", "explicit")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

@@ -41,7 +41,6 @@ from config import (
 )
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
-from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import COOLDOWN, RunClock, cooldown_lr
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
@@ -55,7 +54,15 @@ from summarizer.launch import (
     process_age,
     rank_error_lines,
 )
-from summarizer.loading import build_model, check_shape, is_checkpoint, lora_base_reference, resume_path
+from summarizer.loading import (
+    check_shape,
+    is_checkpoint,
+    kept_lora_base,
+    model_to_train,
+    resume_path,
+    resuming,
+    start_checkpoint,
+)
 from summarizer.memory import choose_micro_batch
 from summarizer.metrics import rouge
 from summarizer.runtime import (
@@ -175,31 +182,6 @@ def continue_command(script, argv, world_size):
 
 # ---- what a run is built from --------------------------------------------------------------------------------
 
-def resuming(cfg):
-    return cfg.init_from == "resume" or bool(cfg.resume_from)
-
-
-def start_checkpoint(cfg):
-    """(path, its Checkpoint) of the checkpoint the run continues (resuming) or starts from (init_from=<a
-    checkpoint file>), else (None, None)."""
-    if resuming(cfg):
-        path = resume_path(cfg)
-        running = None if cfg.resume_from else run_folder.held_by(cfg.out_dir)
-        if not os.path.isfile(path) and running:
-            raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that has "
-                            f"not saved a checkpoint ({running}): wait for its first save (every eval_interval "
-                            f"steps) or its end, or train into another folder with --out_dir=...")
-        if not os.path.isfile(path):
-            raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
-                            f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
-                            + run_folder.missing_file_hint(path, "--resume_from"))
-    elif is_checkpoint(cfg.init_from):
-        path = cfg.init_from
-    else:
-        return None, None
-    return path, load_checkpoint(path, "resume_from" if resuming(cfg) else "init_from")
-
-
 def validation_problem(cfg, rows):
     """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
     if rows:
@@ -224,11 +206,6 @@ def check_validation(cfg):
             raise UserError(problem)
 
 
-def lora_base_source(cfg):
-    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
-    return cfg.init_from if cfg.init_from != "resume" else None
-
-
 def datasets(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
@@ -245,34 +222,6 @@ def datasets(cfg, rt):
         if cfg.sample_submission_csv:
             check_against_sample(test.ids, cfg.sample_submission_csv)
     return splits, after_summaries
-
-
-def model_to_train(cfg, start=None):
-    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
-    transformers directory, a checkpoint file, or 'resume' (resume_path), which must not change what the run
-    fixed; with LoRA adapters (base frozen) when lora_rank > 0. `start`: that checkpoint, if loaded already."""
-    if not resuming(cfg):
-        model, _ = build_model(cfg.init_from, cfg, ckpt=start)
-        if cfg.lora_rank:
-            lora.add_adapters(model, **lora.settings(cfg))
-        return model, None
-    path, start = start_checkpoint(cfg) if start is None else (resume_path(cfg), start)
-    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_source(cfg), ckpt=start)
-    if "optimizer" not in ckpt:
-        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
-    resolve(cfg, FIELDS, ckpt["config"], path, Use.RESUME)  # train.main resolved cfg: this stops any contradiction
-    return model, ckpt
-
-
-def lora_base(cfg, model, ckpt):
-    """What ckpt.pt keeps of a LoRA run's frozen base instead of its weights (where it comes from, its hash),
-    or None where it keeps the weights: full fine-tuning, adapters on a random (scratch) base."""
-    if not cfg.lora_rank:
-        return None
-    if ckpt is not None:
-        reference = ckpt.get("lora_base")  # none: the adapters sit on a scratch base, which ckpt.pt holds
-        return reference and {**reference, "init_from": lora_base_source(cfg) or reference["init_from"]}
-    return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
 
 
 def rouge_model(model, cfg, rt):
@@ -371,7 +320,7 @@ class Trainer:
             self.cfg = cfg = replace(cfg, micro_batch_size=rows)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)
-        base = lora_base(cfg, model, ckpt) if rt.is_main else None
+        base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
         # before anything compiles: the compiled work of the run this one continues, starts from or replaces

@@ -33,7 +33,7 @@ from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
 from config import Decoding, load_config
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import mbr
+from summarizer import loading, mbr
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.runtime import CompiledDecodeStep, Runtime, choose_precision
@@ -194,7 +194,7 @@ def peak_training_gib(cfg, x, y, device, capability, steps=2):
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
-    model, _ = train.model_to_train(cfg)
+    model, _ = loading.model_to_train(cfg)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model.to(device)
     optimizer = configure_optimizer(model, cfg, device.type)

@@ -1,6 +1,7 @@
 """Where a model comes from: the one function that builds it (untrained, pretrained GPT-2 from the Hub or a local
-transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, and a LoRA
-run's frozen base: referenced by where it came from and its hash instead of stored."""
+transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, a LoRA
+run's frozen base (referenced by where it came from and its hash instead of stored), and the model a training run
+trains: the checkpoint it continues or starts from, and its shape."""
 import hashlib
 import json
 import math
@@ -11,7 +12,7 @@ import urllib.parse
 
 import torch
 
-from config import ModelShape, keys
+from config import FIELDS, ModelShape, Use, keys, resolve
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, run_folder
@@ -245,3 +246,63 @@ def base_weights(ckpt, path, source, model, resuming):
     adapted = {key.rsplit(".lora_A.", 1)[0] for key in ckpt["model"] if ".lora_A." in key}
     return {(f"{layer}.base_layer.{kind}" if layer in adapted else key): value
             for key, value in base.state_dict().items() for layer, _, kind in [key.rpartition(".")]}
+
+
+# ---- the model a training run trains ------------------------------------------------------------------------
+
+def resuming(cfg):
+    return cfg.init_from == "resume" or bool(cfg.resume_from)
+
+
+def start_checkpoint(cfg):
+    """(path, its Checkpoint) of the checkpoint the run continues (resuming) or starts from (init_from=<a
+    checkpoint file>), else (None, None)."""
+    if resuming(cfg):
+        path = resume_path(cfg)
+        running = None if cfg.resume_from else run_folder.held_by(cfg.out_dir)
+        if not os.path.isfile(path) and running:
+            raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that has "
+                            f"not saved a checkpoint ({running}): wait for its first save (every eval_interval "
+                            f"steps) or its end, or train into another folder with --out_dir=...")
+        if not os.path.isfile(path):
+            raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
+                            f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
+                            + run_folder.missing_file_hint(path, "--resume_from"))
+    elif is_checkpoint(cfg.init_from):
+        path = cfg.init_from
+    else:
+        return None, None
+    return path, load_checkpoint(path, "resume_from" if resuming(cfg) else "init_from")
+
+
+def lora_base_moved_to(cfg):
+    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
+    return cfg.init_from if cfg.init_from != "resume" else None
+
+
+def model_to_train(cfg, start=None):
+    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
+    transformers directory, a checkpoint file, or 'resume' (resume_path), which must not change what the run
+    fixed; with LoRA adapters (base frozen) when lora_rank > 0. `start`: that checkpoint, if loaded already."""
+    if not resuming(cfg):
+        model, _ = build_model(cfg.init_from, cfg, ckpt=start)
+        if cfg.lora_rank:
+            lora.add_adapters(model, **lora.settings(cfg))
+        return model, None
+    path, start = start_checkpoint(cfg) if start is None else (resume_path(cfg), start)
+    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start)
+    if "optimizer" not in ckpt:
+        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
+    resolve(cfg, FIELDS, ckpt["config"], path, Use.RESUME)  # train.main resolved cfg: this stops any contradiction
+    return model, ckpt
+
+
+def kept_lora_base(cfg, model, ckpt):
+    """What ckpt.pt keeps of a LoRA run's frozen base instead of its weights (where it comes from, its hash),
+    or None where it keeps the weights: full fine-tuning, adapters on a random (scratch) base."""
+    if not cfg.lora_rank:
+        return None
+    if ckpt is not None:
+        reference = ckpt.get("lora_base")  # none: the adapters sit on a scratch base, which ckpt.pt holds
+        return reference and {**reference, "init_from": lora_base_moved_to(cfg) or reference["init_from"]}
+    return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)

@@ -19,7 +19,7 @@ import train
 from config import Decoding, load_config, parse_duration, part
 from conftest import REPO, TINY, metrics, one_error_line
 from model import GPT
-from summarizer import inference, run_folder
+from summarizer import inference, loading, run_folder
 from summarizer.checkpoint import load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.files import disk_full
@@ -77,7 +77,8 @@ def test_the_plan_names_earlier_runs_and_counts_the_checkpoints_it_replaces(args
     with small_filesystem(tmp_path / "small", 80, monkeypatch) as small:
         out = small / "out"
         train.main([*args, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
-        plan = run_folder.DiskPlan(train.model_to_train(load_config([*args, f"--out_dir={out}"]))[0], load_config(args))
+        model, _ = loading.model_to_train(load_config([*args, f"--out_dir={out}"]))
+        plan = run_folder.DiskPlan(model, load_config(args))
         on_disk = os.path.getsize(out / "ckpt.pt") + os.path.getsize(out / "best.pt")
         assert on_disk <= plan.ckpt + plan.best <= on_disk + 2 * 2**20 + 2 * run_folder.ZIP_BYTES_FIXED
         # resuming replaces ckpt.pt and best.pt: their bytes count as room

@@ -8,9 +8,10 @@
 Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
 time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
-# Reads top to bottom: main, what a run is built from (data, the model to train, its objective), and the Trainer
-# with its loop, which stops at max_iters, at a stop signal (summarizer/launch.py) or when the run's clock
-# (summarizer/clock.py) leaves no room for another step. The checkpoint's contents are summarizer.state's
+# Reads top to bottom: main, then the Trainer: its set-up and its loop (fit, train_step), which stops at max_iters,
+# at a stop signal (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another
+# step; then what main reads from the command line and what a run is built from (data, the ROUGE model, the
+# objective). The checkpoint's contents are summarizer.state's
 # TrainingState; out_dir is summarizer.run_folder's.
 import collections
 import contextlib
@@ -141,148 +142,6 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
             if cfg.predict_after:
                 predict(cfg, set(FIELDS), rt)
 
-
-def run_settings(argv, objective, script, usage):
-    """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
-    checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
-    before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
-    source's shape, the validation rows the run needs, and what the objective needs. A resume continues the run:
-    only a flag changes it; a new run from the weights is a new run of the run's recipe: a preset changes it too."""
-    cfg, flags = load_config(argv, usage, script), flags_given(argv)
-    check_command(flags, script)
-    path, start = start_checkpoint(cfg)
-    from_run = None
-    if start is not None:
-        use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
-        given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
-        cfg, changed = resolve(cfg, given, start["config"], path, use)
-        from_run = FromRun(path, own_keys(use), changed)
-    check_shape(cfg, flags, cfg.init_from)
-    check_validation(cfg)
-    problem = objective.problem(cfg)
-    if problem:
-        raise UserError(problem)
-    return cfg, start, from_run
-
-
-def notebook_main(argv=(), num_processes=2, port=29500):
-    """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4)."""
-    notebook_launch(main, list(argv), num_processes, port)
-
-
-def continue_command(script, argv, world_size):
-    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
-    torchrun when the run had several processes."""
-    presets, flags = arguments(argv)
-    args = [*presets, *(f for f in flags if not f.startswith(("--init_from=", "--resume_from="))), "--init_from=resume"]
-    launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
-                if world_size > 1 else ["python"])
-    return shlex.join([*launcher, script, *args])
-
-
-# ---- what a run is built from --------------------------------------------------------------------------------
-
-def validation_problem(cfg, rows):
-    """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
-    if rows:
-        return None
-    source = (f"validation_csv={cfg.validation_csv} leaves no validation rows" if cfg.validation_csv else
-              f"val_fraction={cfg.val_fraction:g} of train_csv leaves no validation rows")
-    if cfg.evaluate_after:
-        return (f"{source} for evaluate_after=True to score: pass --validation_csv=<a CSV> or --val_fraction=0.05, "
-                f"or --evaluate_after=False")
-    if cfg.best_metric != "last":
-        return (f"{source} to choose best.pt by best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or "
-                f"--val_fraction=0.05, or --best_metric=last to keep the last save as best.pt")
-    return None
-
-
-def check_validation(cfg):
-    """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
-    split or a CSV leaves are counted by datasets())."""
-    if not cfg.validation_csv and cfg.val_fraction == 0:
-        problem = validation_problem(cfg, 0)
-        if problem:
-            raise UserError(problem)
-
-
-def datasets(cfg, rt):
-    """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
-    predict reads after hours of training are checked now."""
-    splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
-    problem = validation_problem(cfg, len(splits.val))
-    if problem:
-        raise UserError(problem)
-    if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
-        splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
-    after_summaries = len(splits.val) if cfg.evaluate_after else 0
-    if cfg.predict_after:
-        test = data.read_test(cfg)
-        after_summaries += len(test.ids)
-        if cfg.sample_submission_csv:
-            check_against_sample(test.ids, cfg.sample_submission_csv)
-    return splits, after_summaries
-
-
-def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
-    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
-    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
-    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
-    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
-    dtype = getattr(torch, rt.dtype)
-    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
-        return model
-    weights = rt.parallel.full_weights(model)
-    if cfg.lora_rank:
-        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
-    with torch.device("meta"):
-        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
-    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
-    return copy.eval()
-
-
-def memory_hint(cfg, rt):
-    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
-    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
-    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
-                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
-                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
-                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
-                                 "gradients unsharded)" if reduce_once is True else ""))
-
-
-class TokenLoss:
-    """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
-    it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
-    offers the same six things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
-    checkpoint_keys = {}  # what this objective adds to ckpt.pt
-    extra_loss = None  # the metrics.jsonl name of a second loss term, if any
-
-    @staticmethod
-    def problem(cfg):
-        """Why the run's settings cannot train this objective (asked before any work), else None."""
-        return None
-
-    def __init__(self, cfg, rt, train_set, model, ckpt):
-        self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
-
-    def module(self, model):
-        """What a step calls (compiled and wrapped by the backend)."""
-        return model
-
-    def on_device(self, batch, device):
-        x, y = batch
-        return x.to(device, non_blocking=True), Targets.of(y).to(device)
-
-    def losses(self, module, batch):
-        """(token loss summed over the micro-batch's targets, a second term already weighed, its unweighed sum)."""
-        x, found = batch
-        _, loss = module(x, found)
-        zero = torch.zeros((), device=x.device)
-        return loss * len(found.index), zero, zero
-
-
 # ---- the trainer -------------------------------------------------------------------------------------------
 
 class StepDone(NamedTuple):
@@ -371,101 +230,6 @@ class Trainer:
                       f"weight (lora_rank=0)", file=sys.stderr)
             print("\n".join([*notes, *self.start_lines(disk)]))
             save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
-
-    @property
-    def model(self):
-        return self.state.model
-
-    @property
-    def scaler(self):
-        return self.state.scaler
-
-    def step_module(self):
-        """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
-        micro-batch, on the device) and wrapped by the backend; what runs under torch.compile, in words, for the
-        start line; the seconds the step's compile took, or None)."""
-        module, compiled, seconds = self.objective.module(self.model), "eager", None
-        if self.rt.compile_training:
-            first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
-            start = time.perf_counter()
-            with memory_hint(self.cfg, self.rt):
-                module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
-            if isinstance(module, CompiledModule):
-                seconds = time.perf_counter() - start
-                compiled = f"torch.compile (compiled in {seconds:.0f} s)"
-        elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
-            compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
-        self.compiled_module = module if isinstance(module, CompiledModule) else None
-        return self.rt.parallel.wrap(module), compiled, seconds
-
-    def prime_clock(self, after_summaries):
-        """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
-        decoded twice (when the run summarizes) and the first micro-batch's forward and backward twice; the first
-        of each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
-        trained run to max_new_tokens: an upper bound. Returns a step's seconds at the warm pace; leaves no
-        gradients and draws no random numbers."""
-        cfg, rt = self.cfg, self.rt
-        prompts = self.rouge_prompts
-        if after_summaries and not prompts:
-            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
-        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
-        rng = rng_state()
-        if prompts:
-            model = rouge_model(self.model, cfg, rt)
-            for _ in range(2):
-                start = time.perf_counter()
-                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
-                self.clock.summaries.add(time.perf_counter() - start, len(prompts))
-        first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], rt.device)
-        with memory_hint(cfg, rt):
-            for _ in range(2):
-                start = time.perf_counter()
-                with rt.autocast():
-                    token_loss, weighed, _ = self.objective.losses(self.module, first)
-                (token_loss + weighed).backward()
-                seconds = time.perf_counter() - start
-        self.state.optimizer.zero_grad(set_to_none=True)
-        set_rng_state(rng)
-        return seconds * self.accum_steps
-
-    def start_lines(self, disk):
-        """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
-        cfg, rt = self.cfg, self.rt
-        trained = ""
-        if cfg.lora_rank:
-            count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
-        lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
-                 f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
-                 f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}; "
-                 f"{self.decoding}",
-                 *([self.micro_batch] if self.micro_batch else []),
-                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
-        if self.clock:
-            lines.append(self.budget_line())
-        return lines
-
-    def budget_line(self):
-        """What max_time buys, before step 1: the steps that fit at the pace measured now, and what the clock does
-        with them."""
-        cfg, clock, step = self.cfg, self.clock, self.state.step
-        fit = 1 + clock.steps_left(self.primed_step)
-        line = (f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): {clock.left():.0f} s left after "
-                f"start-up buy about {fit} steps ({clock.describe(self.primed_step)}; re-measured every step)")
-        if clock.after_summaries:
-            line += (f", keeping {clock.after_run():.0f} s for the {clock.after_summaries} summaries of "
-                     f"evaluate_after and predict_after")
-        if step + fit >= cfg.max_iters:
-            return line + f": room for the {cfg.max_iters - step} steps to max_iters={cfg.max_iters}"
-        if not self.last_session:
-            return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}; session "
-                    f"{sessions_done(self.state.schedule) + 1} of sessions={cfg.sessions}: the learning rate follows "
-                    f"the schedule to the budget's end, and cools down in the last session")
-        return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}: the learning rate cools "
-                f"down over the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
-                + ("; warning: few steps for a run" if fit < 10 else ""))
-
     def fit(self):
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
         a signal number or OUT_OF_TIME; None at max_iters)."""
@@ -630,6 +394,242 @@ class Trainer:
                              f"{cfg.out_dir} ({cfg.init_from}, {self.model.num_params() / 1e6:.1f}M)")
             except DiskFull as e:
                 bar.write(f"warning: {e}: {run_folder.PLOT} is not updated; training goes on", file=sys.stderr)
+
+    @property
+    def model(self):
+        return self.state.model
+
+    @property
+    def scaler(self):
+        return self.state.scaler
+    def step_module(self):
+        """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
+        micro-batch, on the device) and wrapped by the backend; what runs under torch.compile, in words, for the
+        start line; the seconds the step's compile took, or None)."""
+        module, compiled, seconds = self.objective.module(self.model), "eager", None
+        if self.rt.compile_training:
+            first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
+            start = time.perf_counter()
+            with memory_hint(self.cfg, self.rt):
+                module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
+            if isinstance(module, CompiledModule):
+                seconds = time.perf_counter() - start
+                compiled = f"torch.compile (compiled in {seconds:.0f} s)"
+        elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
+            compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
+        self.compiled_module = module if isinstance(module, CompiledModule) else None
+        return self.rt.parallel.wrap(module), compiled, seconds
+
+    def prime_clock(self, after_summaries):
+        """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
+        decoded twice (when the run summarizes) and the first micro-batch's forward and backward twice; the first
+        of each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
+        trained run to max_new_tokens: an upper bound. Returns a step's seconds at the warm pace; leaves no
+        gradients and draws no random numbers."""
+        cfg, rt = self.cfg, self.rt
+        prompts = self.rouge_prompts
+        if after_summaries and not prompts:
+            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
+        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
+        rng = rng_state()
+        if prompts:
+            model = rouge_model(self.model, cfg, rt)
+            for _ in range(2):
+                start = time.perf_counter()
+                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
+                self.clock.summaries.add(time.perf_counter() - start, len(prompts))
+        first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], rt.device)
+        with memory_hint(cfg, rt):
+            for _ in range(2):
+                start = time.perf_counter()
+                with rt.autocast():
+                    token_loss, weighed, _ = self.objective.losses(self.module, first)
+                (token_loss + weighed).backward()
+                seconds = time.perf_counter() - start
+        self.state.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng)
+        return seconds * self.accum_steps
+
+    def start_lines(self, disk):
+        """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
+        cfg, rt = self.cfg, self.rt
+        trained = ""
+        if cfg.lora_rank:
+            count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
+        lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
+                 f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
+                 f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
+                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}; "
+                 f"{self.decoding}",
+                 *([self.micro_batch] if self.micro_batch else []),
+                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
+        if self.clock:
+            lines.append(self.budget_line())
+        return lines
+
+    def budget_line(self):
+        """What max_time buys, before step 1: the steps that fit at the pace measured now, and what the clock does
+        with them."""
+        cfg, clock, step = self.cfg, self.clock, self.state.step
+        fit = 1 + clock.steps_left(self.primed_step)
+        line = (f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): {clock.left():.0f} s left after "
+                f"start-up buy about {fit} steps ({clock.describe(self.primed_step)}; re-measured every step)")
+        if clock.after_summaries:
+            line += (f", keeping {clock.after_run():.0f} s for the {clock.after_summaries} summaries of "
+                     f"evaluate_after and predict_after")
+        if step + fit >= cfg.max_iters:
+            return line + f": room for the {cfg.max_iters - step} steps to max_iters={cfg.max_iters}"
+        if not self.last_session:
+            return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}; session "
+                    f"{sessions_done(self.state.schedule) + 1} of sessions={cfg.sessions}: the learning rate follows "
+                    f"the schedule to the budget's end, and cools down in the last session")
+        return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}: the learning rate cools "
+                f"down over the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
+                + ("; warning: few steps for a run" if fit < 10 else ""))
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def run_settings(argv, objective, script, usage):
+    """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
+    checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
+    before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
+    source's shape, the validation rows the run needs, and what the objective needs. A resume continues the run:
+    only a flag changes it; a new run from the weights is a new run of the run's recipe: a preset changes it too."""
+    cfg, flags = load_config(argv, usage, script), flags_given(argv)
+    check_command(flags, script)
+    path, start = start_checkpoint(cfg)
+    from_run = None
+    if start is not None:
+        use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
+        given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
+        cfg, changed = resolve(cfg, given, start["config"], path, use)
+        from_run = FromRun(path, own_keys(use), changed)
+    check_shape(cfg, flags, cfg.init_from)
+    check_validation(cfg)
+    problem = objective.problem(cfg)
+    if problem:
+        raise UserError(problem)
+    return cfg, start, from_run
+
+
+def notebook_main(argv=(), num_processes=2, port=29500):
+    """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4)."""
+    notebook_launch(main, list(argv), num_processes, port)
+
+
+def continue_command(script, argv, world_size):
+    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
+    torchrun when the run had several processes."""
+    presets, flags = arguments(argv)
+    args = [*presets, *(f for f in flags if not f.startswith(("--init_from=", "--resume_from="))), "--init_from=resume"]
+    launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
+                if world_size > 1 else ["python"])
+    return shlex.join([*launcher, script, *args])
+
+
+# ---- what a run is built from --------------------------------------------------------------------------------
+
+def validation_problem(cfg, rows):
+    """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
+    if rows:
+        return None
+    source = (f"validation_csv={cfg.validation_csv} leaves no validation rows" if cfg.validation_csv else
+              f"val_fraction={cfg.val_fraction:g} of train_csv leaves no validation rows")
+    if cfg.evaluate_after:
+        return (f"{source} for evaluate_after=True to score: pass --validation_csv=<a CSV> or --val_fraction=0.05, "
+                f"or --evaluate_after=False")
+    if cfg.best_metric != "last":
+        return (f"{source} to choose best.pt by best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or "
+                f"--val_fraction=0.05, or --best_metric=last to keep the last save as best.pt")
+    return None
+
+
+def check_validation(cfg):
+    """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
+    split or a CSV leaves are counted by datasets())."""
+    if not cfg.validation_csv and cfg.val_fraction == 0:
+        problem = validation_problem(cfg, 0)
+        if problem:
+            raise UserError(problem)
+
+
+def datasets(cfg, rt):
+    """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
+    predict reads after hours of training are checked now."""
+    splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    problem = validation_problem(cfg, len(splits.val))
+    if problem:
+        raise UserError(problem)
+    if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
+        splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
+    after_summaries = len(splits.val) if cfg.evaluate_after else 0
+    if cfg.predict_after:
+        test = data.read_test(cfg)
+        after_summaries += len(test.ids)
+        if cfg.sample_submission_csv:
+            check_against_sample(test.ids, cfg.sample_submission_csv)
+    return splits, after_summaries
+
+
+def rouge_model(model, cfg, rt):
+    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
+    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
+    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
+    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
+    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
+    dtype = getattr(torch, rt.dtype)
+    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
+        return model
+    weights = rt.parallel.full_weights(model)
+    if cfg.lora_rank:
+        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
+    with torch.device("meta"):
+        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
+    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
+    return copy.eval()
+
+
+def memory_hint(cfg, rt):
+    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                 "gradients unsharded)" if reduce_once is True else ""))
+
+
+class TokenLoss:
+    """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
+    it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
+    offers the same six things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
+    checkpoint_keys = {}  # what this objective adds to ckpt.pt
+    extra_loss = None  # the metrics.jsonl name of a second loss term, if any
+
+    @staticmethod
+    def problem(cfg):
+        """Why the run's settings cannot train this objective (asked before any work), else None."""
+        return None
+
+    def __init__(self, cfg, rt, train_set, model, ckpt):
+        self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
+
+    def module(self, model):
+        """What a step calls (compiled and wrapped by the backend)."""
+        return model
+
+    def on_device(self, batch, device):
+        x, y = batch
+        return x.to(device, non_blocking=True), Targets.of(y).to(device)
+
+    def losses(self, module, batch):
+        """(token loss summed over the micro-batch's targets, a second term already weighed, its unweighed sum)."""
+        x, found = batch
+        _, loss = module(x, found)
+        zero = torch.zeros((), device=x.device)
+        return loss * len(found.index), zero, zero
 
 
 if __name__ == "__main__":

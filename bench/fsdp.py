@@ -215,10 +215,11 @@ def t4_dtype(preset):
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
 
 
-def tiny_args(preset, data_dir):
+def tiny_args(name, preset, data_dir):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
+    from bench.memory import t4_micro_batch
     from config import Config, grad_accum_steps
-    cfg = Config(**preset)
+    cfg = Config(**{**preset, "micro_batch_size": t4_micro_batch(name, preset)})
     steps = grad_accum_steps(cfg, RANKS)
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
             f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
@@ -240,7 +241,7 @@ def bench_fsdp(args=None):
         runs, index = [], {}
         for name, preset in presets.items():
             for before in (False, True):
-                run = {"args": tiny_args(preset, tmp), "before": before}
+                run = {"args": tiny_args(name, preset, tmp), "before": before}
                 if run not in runs:
                     runs.append(run)
                 index[name, before] = runs.index(run)

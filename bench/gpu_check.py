@@ -30,7 +30,7 @@ import train
 from bench import ROOT, SAMSUM_CSV
 from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token, training_csv
-from config import Decoding, load_config
+from config import Decoding, load_config, read_preset
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import loading, mbr
@@ -218,8 +218,9 @@ def preset_row(preset, device, capability, total_gib, batches, samsum_csv):
     """A preset's mode, predicted GiB per GPU and measured peak GiB, or why it was not measured."""
     path = os.path.join(ROOT, "config", f"{preset}.py")
     name = load_config([path]).init_from
+    micro = bench_memory.t4_micro_batch(name, read_preset(path))
     cfg = load_config([path, "--init_from=scratch", *(f"--{k}={v}" for k, v in PRETRAINED[name].items()),
-                       f"--device={device}", "--compile=False"])
+                       f"--device={device}", "--compile=False", f"--micro_batch_size={micro}"])
     mode = ("fsdp2" if cfg.backend == "fsdp" else "lora" if cfg.lora_rank else "full") + (
         "+checkpointing" if cfg.gradient_checkpointing else "")
     row = dict(preset=preset, model=name, mode=mode, micro_batch_size=cfg.micro_batch_size, note="")

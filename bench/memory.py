@@ -137,6 +137,19 @@ def after_training(shape, mode, parts, full_weights, preset, length):
     return evaluation, held + merged
 
 
+def t4_micro_batch(name, preset):
+    """A preset's ({key: value}) micro_batch_size, or for auto the one the run's memory plan chooses on a T4 for
+    gpt2 model `name`, rows as long as block_size (the worst a micro-batch can be), on FSDP_RANKS GPUs."""
+    cfg = Config(**preset)
+    if cfg.micro_batch_size != "auto":
+        return cfg.micro_batch_size
+    model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
+    run = memory.Run(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", FSDP_RANKS, torch.float16,
+                     cfg.block_size, cfg.max_new_tokens, cfg.block_size - cfg.max_new_tokens)
+    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+    return memory.largest_micro_batch(run, T4_USABLE_GIB * GIB * memory.HEADROOM, rates)[0]
+
+
 def bench_memory(args, samsum_csv):
     x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
     names = args.memory_models.split(",")

@@ -182,16 +182,21 @@ def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):
         return check("failed", "ran past --timeout" if code is None else error_line(output), seconds=seconds), []
     with open(os.path.join(out, run_folder.METRICS), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
+    with open(os.path.join(out, run_folder.CONFIG), encoding="utf-8") as f:
+        config = json.load(f)  # micro_batch_size=auto: the one the run chose
     compiled = rows[0].get("compile_s")  # what train.py writes of its compile: its seconds, a fallback's reason
     fallbacks = [row["compile_fallback"] for row in rows if "compile_fallback" in row][:1]
     figures = dict(seconds=round(seconds, 1), compile_seconds=None if compiled is None else round(compiled, 1),
                    ms_per_iter=rows[-1]["ms_per_iter"], tokens_per_s=rows[-1]["tokens_per_s"],
+                   mfu=rows[-1].get("mfu"), micro_batch_size=config["micro_batch_size"],
                    peak_mem_gib=rows[-1].get("peak_mem_gb"), losses=[row["loss"] for row in rows],
                    val_loss=rows[-1].get("val_loss"), compile_fallbacks=fallbacks)
-    said = (f"{len(rows)} steps, an evaluation and a save in {seconds:.0f} s"
+    said = (f"{len(rows)} steps of micro-batches of {config['micro_batch_size']}, an evaluation and a save in "
+            f"{seconds:.0f} s"
             + (f" (compiled in {compiled:.0f} s)" if compiled is not None else " (eager: compiling is a GPU check)"
                if not compile
                else "")
+            + f"; {figures['tokens_per_s']:.0f} tokens/s" + (f", MFU {figures['mfu']:.1%}" if figures["mfu"] else "")
             + (f"; peak memory {figures['peak_mem_gib']:.1f} GiB" if figures["peak_mem_gib"] else ""))
     if compile and (fallbacks or compiled is None):
         why = fallbacks[0] if fallbacks else "its first step ran eagerly"

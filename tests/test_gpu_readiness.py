@@ -240,8 +240,10 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
                                                                           monkeypatch, compile, compiles):
     _, _, out = compiled_then_eager_then_compiled
     cfg = load_config([f"--ckpt={out / 'ckpt.pt'}", f"--compile={compile}", "--device=cpu"])
-    run = inference.load_run(cfg, set(), Runtime(cfg), inference.describe_validation)
-    assert isinstance(run.decode_step, runtime.CompiledDecodeStep) is compiles
+    rt = Runtime(cfg)
+    run = inference.load_run(cfg, set(), rt, inference.describe_validation)
+    step, _ = rt.decoding(inference.decode_steps(100, run.cfg, rt.world_size), run.model.config.n_layer)
+    assert isinstance(step, runtime.CompiledDecodeStep) is compiles
 
 
 def greedy_case(tiny_hf_dir):

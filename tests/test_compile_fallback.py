@@ -38,10 +38,11 @@ def before_step(monkeypatch, at, change):
 def test_a_recompile_limit_after_step_1_trains_and_decodes_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch,
                                                                                fresh_dynamo):
     """With a limit of one graph (torch._dynamo.config.recompile_limit), fullgraph raises FailOnRecompileLimitHit
-    at the first recompile: in decoding, at the first evaluation's second batch (1 row after 2: a size dynamo
-    specializes), and in training, at step 2, after a value the compiled step guards on changed."""
-    def flip(trainer):  # read by GPT.forward, so guarded; checkpointing changes no value
+    at the first recompile, after a value both compiled steps guard on changed before step 2: in training at step 2,
+    in decoding at the second evaluation."""
+    def flip(trainer):  # checkpointing is read by GPT.forward; a frozen weight is one the decode step is given too
         trainer.model.gradient_checkpointing = True
+        trainer.model.transformer.ln_f.weight.requires_grad_(False)
     before_step(monkeypatch, 1, flip)
     with torch._dynamo.config.patch(recompile_limit=1):
         train.main([*args, "--rouge_samples=3", "--gen_batch_size=2"])

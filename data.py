@@ -472,9 +472,7 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
         notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
     notes += filter(None, [duplicate_ids_note(table, "train_csv")])
     if cfg.validation_csv:
-        val_table = read_table(cfg.validation_csv, "validation_csv", cfg)
-        val_arrays, val_notes = cached_tokens(val_table, cfg, fmt, is_main, barrier)
-        val = Examples.from_rows(val_table, val_arrays, np.arange(len(val_table.ids)))
+        val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
             notes += filter(None, [duplicate_ids_note(val_table, "validation_csv")])
@@ -502,9 +500,14 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
 def load_validation(cfg, is_main=True, barrier=no_op):
     """The tokenized examples of validation_csv alone: what a baseline, which trains on nothing, is scored on."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
+    return validation_examples(cfg, fmt, is_main, barrier)[1]
+
+
+def validation_examples(cfg, fmt, is_main, barrier):
+    """(validation_csv's table, its Examples in the PromptFormat `fmt`, the tokenizing's notes)."""
     table = read_table(cfg.validation_csv, "validation_csv", cfg)
-    arrays, _ = cached_tokens(table, cfg, fmt, is_main, barrier)
-    return Examples.from_rows(table, arrays, np.arange(len(table.ids)))
+    arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
+    return table, Examples.from_rows(table, arrays, np.arange(len(table.ids))), notes
 
 
 def read_test(cfg):

@@ -62,10 +62,10 @@ class Use(enum.Enum):
 
 
 class Take(enum.Enum):
-    """Where a command's value of a setting comes from."""
-    OWN = "this command's"  # defaults, presets, flags: never the run's
-    RUN_OR_GIVEN = "the run's, unless given"  # what the command gives (a flag; for a new run, a preset too) wins
-    RUN = "the run's"  # a flag that contradicts it stops in one line
+    """Where a command's value of a setting comes from, in the words of docs/config.md's table."""
+    OWN = "its own"  # defaults, presets, flags: never the run's
+    RUN_OR_GIVEN = "the run's unless given"  # what the command gives (a flag; for a new run, a preset too) wins
+    RUN = "the run's (a flag against it is refused)"  # a flag that contradicts it stops in one line
 
 
 # The contract between a run and every later command, one row per scope: resolve() reads it, --help and

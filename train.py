@@ -11,8 +11,7 @@ time budget (--max_time) it stops in time to save and to run evaluate_after/pred
 # Reads top to bottom: main, then the Trainer: its set-up and its loop (fit, train_step), which stops at max_iters,
 # at a stop signal (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another
 # step; then what main reads from the command line and what a run is built from (data, the ROUGE model, the
-# objective). The checkpoint's contents are summarizer.state's
-# TrainingState; out_dir is summarizer.run_folder's.
+# objective). The checkpoint's contents are summarizer.state's TrainingState; out_dir is summarizer.run_folder's.
 import collections
 import contextlib
 import math
@@ -178,7 +177,7 @@ class Trainer:
             rows, self.micro_batch = choose_micro_batch(cfg, rt, model, self.train_set, self.val_set)
             self.cfg = cfg = replace(cfg, micro_batch_size=rows)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
-        self.tracker = Tracker(cfg, rt.is_main)
+        self.tracker = Tracker(cfg, rt.is_main)  # the one that logs: its hyperparameters are the chosen settings
         base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)

@@ -321,7 +321,8 @@ def summaries(run, prompts, rt, cfg=None):
     if rt.is_main and not decided:
         print(f"summarizing {len(prompts)} dialogues: {words}")
     done = summarize_sharded(run.model, prompts, cfg, rt, decode_step=step)
-    if step is not None and not rt.compiled_work and run.path:  # compiled afresh: a later command need not
+    # compiled afresh by this command (a training run keeps what its process compiled itself): a later one need not
+    if step is not None and not decided and not rt.compiled_work and run.path:
         with contextlib.suppress(OSError, DiskFull):  # a read-only or full folder (a Kaggle input) keeps none
             rt.save_compiled_work(os.path.dirname(os.path.abspath(run.path)))
     return done

@@ -92,7 +92,7 @@ def resume_path(cfg):
 def trained_shape(cfg):
     """The ModelShape keys and block_size of the model a run of `cfg` trains: its source's shape (init_from, or the
     checkpoint it resumes), cut to cfg.block_size, or cfg's own for a model from scratch."""
-    source = resume_path(cfg) if cfg.init_from == "resume" or cfg.resume_from else cfg.init_from
+    source = resume_path(cfg) if resuming(cfg) else cfg.init_from
     shape = source_shape(source) or {key: getattr(cfg, key) for key in keys(ModelShape)}
     return {**{key: shape[key] for key in keys(ModelShape)}, "block_size": min(cfg.block_size,
                                                                                shape.get("block_size", math.inf))}

@@ -128,16 +128,16 @@ def load_compile_cache(folder, device_name):
     path = os.path.join(folder, COMPILE_CACHE)
     if not os.path.isfile(path):
         return False, None
-    with open(path, "rb") as f:
-        made_by, artifacts = json.loads(f.readline()), f.read()
-    here = {**compiled_by(), "device": device_name}
-    if made_by != here:
-        differ = ", ".join(f"{key} {made_by.get(key)} (here {value})" for key, value in here.items()
-                           if made_by.get(key) != value)
-        return False, f"{path} was compiled for another {differ}: compiling afresh"
-    try:
+    try:  # a damaged or foreign file costs a compile, not the run
+        with open(path, "rb") as f:
+            made_by, artifacts = json.loads(f.readline()), f.read()
+        here = {**compiled_by(), "device": device_name}
+        if made_by != here:
+            differ = ", ".join(f"{key} {made_by.get(key)} (here {value})" for key, value in here.items()
+                               if made_by.get(key) != value)
+            return False, f"{path} was compiled for another {differ}: compiling afresh"
         info = torch.compiler.load_cache_artifacts(artifacts)
-    except Exception as e:  # a damaged or foreign file costs a compile, not the run
+    except Exception as e:
         return False, f"{path} cannot be read ({type(e).__name__}: {e}): compiling afresh"
     count = sum(len(names) for names in info.artifacts.values()) if info else 0
     return count > 0, f"compiled work: {count} artifact(s) from {path}"
@@ -263,8 +263,8 @@ class CompiledModule(torch.nn.Module):
 
 class CompiledDecodeStep(EagerFallback):
     """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure. A
-    process has one (Runtime.decode_step): training's ROUGE decoding, evaluate_after and predict_after run the
-    graphs it compiled."""
+    process has one at most (Runtime.decoding): training's ROUGE decoding, evaluate_after and predict_after run
+    the graphs it compiled."""
 
     def __init__(self):
         compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
@@ -342,7 +342,7 @@ class Runtime:
         # (a gathered copy of the weights) compiles
         self.compile_training = self.compile and self.backend != "fsdp"
         self.compile_rule = "auto" if cfg.compile == "auto" and accelerate_dynamo == "no" else "set"
-        self.compiled_work = False  # whether a run's compile_cache.bin was loaded (load_compiled_work)
+        self.compiled_work = None  # None: not looked for yet; then whether a run's compile_cache.bin was loaded
         self.decode_choice = None  # (the decode step, the words): the process's first decoding decides
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
@@ -357,8 +357,9 @@ class Runtime:
 
     def load_compiled_work(self, folder):
         """Before anything compiles: the compiled work a run saved in `folder`, when it was made here (the line that
-        says what came of it, or None where there is none)."""
-        if not self.compile:
+        says what came of it, or None where there is none). A process looks once: a training run's after-run
+        decodes with what the run compiled and loaded already."""
+        if not self.compile or self.compiled_work is not None:
             return None
         self.compiled_work, line = load_compile_cache(folder, self.device_name)
         return line
@@ -374,11 +375,13 @@ class Runtime:
         graphs its evaluations compiled: compile=True compiles, False does not, and auto compiles on a GPU when
         the `decode_steps` of the caller's work (a training run: its evaluations and its after-run) repay it."""
         if self.decode_choice is None:
-            pays, why = self.compile, "compile=True" if self.compile else "eager"
-            if self.compile and self.compile_rule == "auto":
+            if self.compile_rule == "auto" and self.compile:
                 pays, why = decode_compile_pays(decode_steps, n_layer,
                                                 CACHED_COMPILE_S if self.compiled_work else DECODE_COMPILE_S)
                 why = f"compile=auto: {why}"
+            else:
+                pays = self.compile
+                why = f"compile={self.compile}" if self.compile_rule == "set" else "compile=auto: on a GPU only"
             self.decode_choice = (CompiledDecodeStep() if pays else None,
                                   f"{'torch.compile' if pays else 'eager'} decoding ({why})")
         return self.decode_choice

@@ -15,7 +15,6 @@ from config import (
     TAKES,
     Config,
     Scope,
-    Take,
     Use,
     describe_duration,
     keys,
@@ -151,14 +150,12 @@ SCOPES = {Scope.SHAPE: "the model's shape", Scope.TRAINED: "what training fixed:
           Scope.COMMAND: "where and how this command runs: paths, device, precision, budget"}
 USES = {Use.RESUME: "a resume (`--init_from=resume`)", Use.WEIGHTS: "a new run from its weights (`--init_from=<a "
         "checkpoint>`, calibrate.py)", Use.INFERENCE: "evaluate.py, predict.py", Use.EXPORT: "export.py"}
-TAKE_WORDS = {Take.OWN: "its own", Take.RUN_OR_GIVEN: "the run's unless given", Take.RUN: "the run's (a flag against "
-              "it is refused)"}
 
 
 def scope_table():
     """config.TAKES as a Markdown table: what each command takes from a run's checkpoint, by scope."""
     rows = ["| scope | what | " + " | ".join(USES.values()) + " |", "| --- " * (len(USES) + 2) + "|"]
-    rows += [f"| `{scope.value}` | {SCOPES[scope]} | " + " | ".join(TAKE_WORDS[take] for take in uses.values()) + " |"
+    rows += [f"| `{scope.value}` | {SCOPES[scope]} | " + " | ".join(take.value for take in uses.values()) + " |"
              for scope, uses in TAKES.items()]
     return "\n".join(rows)
 

@@ -253,3 +253,10 @@ def test_a_later_process_reuses_the_runs_compiled_work_where_it_was_made(write_c
     printed, counts = evaluate(tmp_path / "inductor-3")
     assert f"was compiled for another torch 2.0.0 (here {torch.__version__}): compiling afresh" in printed
     assert counts.get("fxgraph_cache_miss", 0) >= 1
+
+
+def test_a_damaged_compile_cache_costs_a_compile_not_the_run(tmp_path):
+    (tmp_path / "compile_cache.bin").write_bytes(b"\x00\x01 not a header\nnor artifacts")
+    loaded, line = runtime.load_compile_cache(str(tmp_path), "cpu")
+    assert not loaded and line.startswith(f"{tmp_path / 'compile_cache.bin'} cannot be read (")
+    assert line.endswith("): compiling afresh")

@@ -31,7 +31,6 @@ from config import (
     FIELDS,
     Use,
     arguments,
-    describe_duration,
     flags_given,
     grad_accum_steps,
     load_config,
@@ -41,7 +40,7 @@ from config import (
 )
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
-from summarizer.clock import COOLDOWN, RunClock, cooldown_lr
+from summarizer.clock import RunClock
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
@@ -74,7 +73,7 @@ from summarizer.runtime import (
     rng_state,
     set_rng_state,
 )
-from summarizer.schedule import learning_rate, sessions_done
+from summarizer.schedule import cooled, decayed, learning_rate, sessions_done
 from summarizer.settings_report import FromRun, check_command, save_config, settings_report
 from summarizer.state import TrainingState
 from summarizer.submission import check_against_sample, predict
@@ -126,12 +125,8 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + stopped_by)
             if stopped_by == OUT_OF_TIME and rt.is_main:
-                left = clock.left()
-                timing = (f"with {left:.0f} s left for what follows" if left > 0 else
-                          f"{-left:.0f} s past the budget (the last step, evaluation and save took longer than "
-                          f"measured)")
                 print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
-                      f"{timing}; {ckpt} holds it; continue with:\n"
+                      f"{clock.ending()}; {ckpt} holds it; continue with:\n"
                       f"  {go_on}\n"
                       f"or in a new session, with this output attached as input, add "
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
@@ -165,21 +160,32 @@ class Trainer:
     that ask the run to stop after a step (else none)."""
 
     def __init__(self, cfg, rt, objective=None, start=None, started=None, signals=None):
-        self.cfg, self.rt = cfg, rt
+        self.cfg, self.rt, self.clock = cfg, rt, None
         self.signals = signals or StopSignals(None, "", rt.distributed)
         Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
         splits, after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
+        if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
+            self.clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
+                                  cfg.eval_interval, min(cfg.rouge_samples, len(self.val_set)), after_summaries,
+                                  int(cfg.evaluate_after) + int(cfg.predict_after),
+                                  step_tokens=cfg.batch_size * float((self.train_set.lengths - 1).mean()))
+        self.starting("building the model")
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model, ckpt = model_to_train(cfg, start)
         self.micro_batch = None  # micro_batch_size=auto: the choice, in words
         if cfg.micro_batch_size == "auto":
+            self.starting("planning memory for micro_batch_size=auto")
             rows, self.micro_batch = choose_micro_batch(cfg, rt, model, self.train_set, self.val_set)
             self.cfg = cfg = replace(cfg, micro_batch_size=rows)
         self.accum_steps = grad_accum_steps(cfg, rt.world_size)
         self.tracker = Tracker(cfg, rt.is_main)  # the one that logs: its hyperparameters are the chosen settings
         base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
+        if self.clock:  # an evaluation before one is timed: its validation loss's tokens and its saves' bytes
+            read = cfg.eval_val_batches * cfg.micro_batch_size or len(self.val_set)
+            self.clock.validation_tokens = float((self.val_set.lengths - 1).sum()) * min(1, read / max(1, len(self.val_set)))
+            self.clock.save_bytes = disk.ckpt + disk.best
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
         # before anything compiles: the compiled work of the run this one continues, starts from or replaces
         start_folder = os.path.dirname(os.path.abspath(resume_path(cfg) if resuming(cfg) else
@@ -212,13 +218,8 @@ class Trainer:
             evaluations * inference.decode_steps(len(self.rouge_prompts), cfg, rt.world_size)
             + inference.decode_steps(after_summaries, cfg, rt.world_size), self.model.config.n_layer)
         self.module, self.compiled, self.compile_seconds = self.step_module()
-        self.clock, self.primed_step = None, None
-        if cfg.max_time is not None:
-            self.clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
-                                  cfg.eval_interval,
-                                  len(self.rouge_prompts), after_summaries,
-                                  int(cfg.evaluate_after) + int(cfg.predict_after))
-            self.primed_step = self.prime_clock(after_summaries)
+        if self.clock:
+            self.prime_clock(after_summaries)
         # max_time's cooldown comes in the last of the sessions the run is planned over
         self.last_session = sessions_done(self.state.schedule) + 1 >= cfg.sessions
         self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
@@ -234,7 +235,7 @@ class Trainer:
         a signal number or OUT_OF_TIME; None at max_iters)."""
         cfg, rt, state, clock = self.cfg, self.rt, self.state, self.clock
         if clock:  # every rank stops with rank 0's verdict
-            rt.stop_if(clock.start_up_problem(self.primed_step) if rt.is_main else None)
+            rt.stop_if(clock.start_up_problem() if rt.is_main else None)
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
         first_step = state.step + 1
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
@@ -245,7 +246,7 @@ class Trainer:
                 done = self.train_step(state.step)
                 seconds = time.perf_counter() - start
                 if clock:
-                    clock.steps.add(seconds)
+                    clock.stepped(seconds, done.batch.tokens)
                 state.step += 1
                 state.skipped_steps += done.skipped
                 bad_steps = 0 if math.isfinite(done.loss) else bad_steps + 1
@@ -253,10 +254,7 @@ class Trainer:
                     raise UserError(f"loss is {done.loss} for {bad_steps} iterations in a row (iter {state.step}); "
                                     f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
                                     f"Lower learning_rate or use dtype=float32/bfloat16")
-                out_of_time = done.steps_left == 0
-                if out_of_time:  # this session ended at its budget; the last one ends the schedule
-                    state.schedule = {**state.schedule, "sessions_done": sessions_done(state.schedule) + 1,
-                                      **({"floor": state.schedule["min_lr"]} if self.last_session else {})}
+                out_of_time = done.steps_left == 0  # this session ended at its budget
                 batch = done.batch
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
@@ -304,7 +302,8 @@ class Trainer:
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / batch.targets
         loss_sum, extra_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        steps_left = self.clock.steps_left(self.primed_step) if self.clock else None
+        steps_left = self.clock.steps_left(step, batch.tokens) if self.clock else None
+        settled = steps_left == 0 or self.clock.settled(step, batch.tokens) if self.clock else True
         for i, micro_batch in enumerate(batch.micro_batches):
             with rt.parallel.no_sync(self.module, sync=i == len(batch.micro_batches) - 1):
                 with rt.autocast():
@@ -314,17 +313,20 @@ class Trainer:
             loss_sum += token_loss.detach().float()
             extra_sum += extra.detach().float()
         # What stops the run travels with the losses, in one reduction and one host sync per step: the steps rank
-        # 0's clock leaves after this one (-1: no budget), and a slot per stop signal that a rank received until
-        # now (during this step too). Filled from Python numbers: kernels, not host syncs.
-        stops = torch.zeros(1 + len(STOP_SIGNALS), device=rt.device)
+        # 0's clock leaves after this one (-1: no budget) and whether its estimate is settled enough to cool down
+        # by, and a slot per stop signal that a rank received until now (during this step too). Filled from Python
+        # numbers: kernels, not host syncs.
+        stops = torch.zeros(2 + len(STOP_SIGNALS), device=rt.device)
         if rt.is_main:
-            stops[0] = -1 if steps_left is None else steps_left
+            stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
         if self.signals.received:
-            stops[1 + STOP_SIGNALS.index(self.signals.received)] = 1
+            stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None], stops])).tolist()
         loss, extra, steps_left = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, int(reduced[2])
-        stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
-        lr = self.learning_rate(step, steps_left)
+        stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[4:], strict=True) if n), None)
+        cooling = steps_left if steps_left >= 0 and reduced[3] else None  # the steps the cooldown goes by
+        lr = learning_rate(step, state.schedule, cooling, self.last_session)
+        state.schedule = cooled(state.schedule, step, cooling, steps_left == 0, self.last_session)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True
@@ -337,15 +339,6 @@ class Trainer:
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=True)
         return StepDone(loss, grad_norm, skipped, extra, stop_signal, steps_left, batch, lr)
-
-    def learning_rate(self, step, steps_left):
-        """The LR of step `step` (0-based): the schedule's, cooled down by max_time's clock when the budget ends the
-        run first (`steps_left`: the steps rank 0's clock leaves after this one; -1: no budget). Decided afresh each
-        step from the time left, so a pace measured better later (a second, warm evaluation) lifts an early guess."""
-        lr = learning_rate(step, self.state.schedule)
-        if steps_left < 0:
-            return lr
-        return cooldown_lr(lr, self.state.schedule["min_lr"], steps_left, step, self.last_session)
 
     @torch.no_grad()
     def validate(self):
@@ -408,6 +401,7 @@ class Trainer:
         module, compiled, seconds = self.objective.module(self.model), "eager", None
         if self.rt.compile_training:
             first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
+            self.starting("compiling the training step")
             start = time.perf_counter()
             with memory_hint(self.cfg, self.rt):
                 module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
@@ -420,24 +414,16 @@ class Trainer:
         return self.rt.parallel.wrap(module), compiled, seconds
 
     def prime_clock(self, after_summaries):
-        """Before step 1 of a run with max_time, what its clock needs to judge the budget: one batch of prompts
-        decoded twice (when the run summarizes) and the first micro-batch's forward and backward twice; the first
-        of each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
-        trained run to max_new_tokens: an upper bound. Returns a step's seconds at the warm pace; leaves no
-        gradients and draws no random numbers."""
-        cfg, rt = self.cfg, self.rt
-        prompts = self.rouge_prompts
-        if after_summaries and not prompts:
-            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
-        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
+        """Before step 1 of a run with max_time, what its clock needs to judge the budget: the first micro-batch's
+        forward and backward twice, then (when the run summarizes) one batch of prompts decoded twice; the first of
+        each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
+        trained run to max_new_tokens: an upper bound. Each is announced, and a budget spent by one stops the run
+        before the next. Leaves no gradients and draws no random numbers."""
+        cfg, rt, clock = self.cfg, self.rt, self.clock
         rng = rng_state()
-        if prompts:
-            model = rouge_model(self.model, cfg, rt)
-            for _ in range(2):
-                start = time.perf_counter()
-                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
-                self.clock.summaries.add(time.perf_counter() - start, len(prompts))
-        first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], rt.device)
+        batch = self.objective.batches(self.state.step)
+        first = self.objective.on_device(batch.micro_batches[0], rt.device)
+        self.starting("timing a training step (its first call pays the one-time costs)")
         with memory_hint(cfg, rt):
             for _ in range(2):
                 start = time.perf_counter()
@@ -445,9 +431,29 @@ class Trainer:
                     token_loss, weighed, _ = self.objective.losses(self.module, first)
                 (token_loss + weighed).backward()
                 seconds = time.perf_counter() - start
+            self.starting("timing a training step (warm)")
         self.state.optimizer.zero_grad(set_to_none=True)
+        clock.primed = seconds * self.accum_steps / batch.tokens  # the first micro-batch is the step's longest
+        prompts = self.rouge_prompts
+        if after_summaries and not prompts:
+            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
+        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
+        if prompts:
+            self.starting(f"timing a batch of {len(prompts)} summaries")
+            model = rouge_model(self.model, cfg, rt)
+            for _ in range(2):
+                start = time.perf_counter()
+                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
+                clock.summaries.add(time.perf_counter() - start, len(prompts))
         set_rng_state(rng)
-        return seconds * self.accum_steps
+
+    def starting(self, what):
+        """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next, and a budget
+        that start-up has spent stops every rank here, in one line."""
+        if self.rt.is_main:
+            print(f"start-up: {what} ...", flush=True)
+        if self.clock:
+            self.rt.stop_if(self.clock.start_up_problem() if self.rt.is_main and self.clock.left() <= 0 else None)
 
     def start_lines(self, disk):
         """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
@@ -464,29 +470,10 @@ class Trainer:
                  *([self.micro_batch] if self.micro_batch else []),
                  f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
         if self.clock:
-            lines.append(self.budget_line())
+            lines.append(self.clock.budget_line(self.state.step, cfg.max_iters,
+                                                decayed(self.state.step, self.state.schedule),
+                                                sessions_done(self.state.schedule) + 1, cfg.sessions))
         return lines
-
-    def budget_line(self):
-        """What max_time buys, before step 1: the steps that fit at the pace measured now, and what the clock does
-        with them."""
-        cfg, clock, step = self.cfg, self.clock, self.state.step
-        fit = 1 + clock.steps_left(self.primed_step)
-        line = (f"max_time={cfg.max_time:g} ({describe_duration(cfg.max_time)}): {clock.left():.0f} s left after "
-                f"start-up buy about {fit} steps ({clock.describe(self.primed_step)}; re-measured every step)")
-        if clock.after_summaries:
-            line += (f", keeping {clock.after_run():.0f} s for the {clock.after_summaries} summaries of "
-                     f"evaluate_after and predict_after")
-        if step + fit >= cfg.max_iters:
-            return line + f": room for the {cfg.max_iters - step} steps to max_iters={cfg.max_iters}"
-        if not self.last_session:
-            return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}; session "
-                    f"{sessions_done(self.state.schedule) + 1} of sessions={cfg.sessions}: the learning rate follows "
-                    f"the schedule to the budget's end, and cools down in the last session")
-        return (line + f", not the {cfg.max_iters - step} to max_iters={cfg.max_iters}: the learning rate cools "
-                f"down over the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
-                + ("; warning: few steps for a run" if fit < 10 else ""))
-
 
 # ---- the command line ------------------------------------------------------------------------------------------
 

@@ -1,15 +1,20 @@
-"""The run's clock under max_time: what the budget has left; what each kind of work costs warm (a training step, an
-evaluation and its save, a summary) apart from its one-time costs (compiling, first calls, the first save); how many
-steps still fit; and from that, when training stops and how far the learning rate has cooled down. train.py's loop
-asks it after each step. Time comes from `now`, which tests replace with a virtual clock."""
+"""The run's clock under max_time: what the budget has left; what each kind of work costs warm (a training token,
+an evaluation and its save, a summary) apart from its one-time costs (compiling, first calls, the first save); how
+many steps still fit, with the margin the pace's own spread asks for; and from that, when training stops and how far
+the learning rate has cooled down (summarizer/schedule.py). train.py's loop asks it before each step. Time comes from
+`now`, which tests replace with a virtual clock."""
 import math
 import statistics
 import time
 from collections import deque
 
+from config import describe_duration
+from summarizer.schedule import COOLDOWN
+
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
-COOLDOWN = 0.2  # the last share of a budget-bound run's steps that decays to min_lr (Hägele et al. 2024)
-UNMEASURED_EVALUATION = 0.05  # of the budget: an evaluation and its save before one was measured
+# Before an evaluation was timed, its validation loss is guessed from the training pace (a forward costs about a
+# third of a forward and backward) and its save from its bytes at a modest disk's speed.
+FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
 
 
 class Rate:
@@ -44,23 +49,40 @@ class Rate:
     def measured(self):
         return self.first is not None
 
+    def spread(self):
+        """How far the slowest recent warm sample lies above the rate, as a share of it (0 to 1)."""
+        if len(self.warm) < 2:
+            return 0.0
+        return min(1.0, max(self.warm) / self.per_unit() - 1)
+
 
 class RunClock:
     """max_time's seconds for this process, from `started` (its start on the command line). The loop feeds it the
-    seconds of each step, of each evaluation with its save apart from its summaries, and of the summaries; it
+    seconds and tokens of each step (steps differ in length: the pace is per token, a step costs the mean tokens of a
+    global batch, `step_tokens`), of each evaluation with its save apart from its summaries, and of the summaries; it
     answers how many more steps fit after the one about to start (steps_left), which decides both the stop and the
-    cooldown (cooldown_lr), so the learning rate reaches min_lr at the last step whatever the pace did."""
+    learning rate's cooldown, so that it reaches min_lr at the last step whatever the pace did."""
 
     def __init__(self, budget, started=None, now=time.monotonic, eval_interval=1, rouge_summaries=0,
-                 after_summaries=0, after_evaluations=0):
+                 after_summaries=0, after_evaluations=0, step_tokens=1):
         self.budget, self.now = budget, now
         self.started = now() if started is None else started
-        self.eval_interval = eval_interval
+        self.eval_interval, self.step_tokens = eval_interval, step_tokens
+        # what an evaluation's validation loss reads and its saves write, for the guess before one is timed
+        self.validation_tokens, self.save_bytes = 0, 0
         self.rouge_summaries = rouge_summaries  # summarized at every evaluation
         self.after_summaries = after_summaries  # by evaluate_after and predict_after
         self.after_evaluations = after_evaluations  # how many of those two run: each loads and writes like one
         self.steps, self.evaluations, self.summaries = Rate(), Rate(), Rate()
+        self.primed = None  # seconds a token, timed before step 1 (warm), until a step is measured
         self.decoding = 0.0  # seconds of summaries decoded in the evaluation in progress
+        self.longest = step_tokens  # the most tokens a step had so far
+        self.last_call = None  # (when steps_left last answered 0, the seconds it expected the rest to take)
+
+    def stepped(self, seconds, tokens):
+        """A training step of `tokens` (every rank's, padding aside) took `seconds`."""
+        self.steps.add(seconds, tokens)
+        self.longest = max(self.longest, tokens)
 
     def summarized(self, seconds, summaries):
         """An evaluation's summaries took `seconds`."""
@@ -78,11 +100,22 @@ class RunClock:
     def left(self):
         return self.budget - self.spent()
 
+    def per_token(self):
+        """A training token's seconds at the warm pace; None before any was timed."""
+        return self.steps.per_unit() if self.steps.measured() else self.primed
+
+    def step(self, tokens=None):
+        """The seconds of a step of `tokens` (the mean length's) at the warm pace; None before any was timed."""
+        per_token = self.per_token()
+        return None if per_token is None else per_token * (tokens or self.step_tokens)
+
     def evaluation(self):
         """The seconds of one evaluation with its save: the rest of one measured warm, its summaries at the warm
-        rate; before one was measured, UNMEASURED_EVALUATION of the budget stands for the rest."""
+        rate; before one was measured, the rest guessed from the training pace and the bytes saved."""
         rest = self.evaluations.per_unit()
-        rest = UNMEASURED_EVALUATION * self.budget if rest is None else rest
+        if rest is None:
+            rest = (FORWARD_SHARE * (self.per_token() or 0.0) * self.validation_tokens
+                    + self.save_bytes / SAVE_BYTES_PER_S)
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
     def after_run(self):
@@ -94,45 +127,86 @@ class RunClock:
         rest = self.evaluations.per_unit() or 0.0
         return self.after_summaries * (self.summaries.per_unit() or 0.0) + self.after_evaluations * rest
 
+    def margin(self):
+        """What the budget keeps for the last step being the longest seen, and for it and the last evaluation
+        running slower than measured: each by how far its kind's slowest recent sample lay above its rate."""
+        longest = self.step(self.longest) or 0.0
+        return (longest - (self.step() or 0.0) + self.steps.spread() * longest
+                + self.evaluations.spread() * self.evaluation())
+
     def reserve(self):
-        """What the budget keeps after the last step: the last evaluation with its save, and the after-run."""
-        return self.evaluation() + self.after_run()
+        """What the budget keeps after the last step: the last evaluation with its save, the after-run and the
+        margin."""
+        return self.evaluation() + self.after_run() + self.margin()
 
-    def steps_left(self, primed=None):
-        """How many steps fit after the one about to start (its own time, the evaluations every eval_interval
-        steps and the reserve counted), at the warm rates measured so far (`primed`: a step's seconds measured
-        before step 1, until a step is); None when neither is known."""
-        step = self.steps.per_unit()
-        step = primed if step is None else step
-        if step is None:
+    def steps_left(self, it, tokens=None):
+        """How many steps fit after step `it` (0-based), the one about to start, of `tokens`: its own time, steps of
+        the mean length after it, each evaluation that falls due on the way and the reserve counted, at the warm
+        rates measured so far; None before a step was timed."""
+        if self.per_token() is None:
             return None
-        per_step = max(step + self.evaluation() / self.eval_interval, 1e-9)
-        return max(0, math.floor((self.left() - step - self.reserve()) / per_step))
+        step, evaluation = self.step(), self.evaluation()
+        room = self.left() - self.step(tokens) - self.reserve()
 
-    def start_up_problem(self, training):
+        def cost(n):  # n more steps, and the evaluations due after this one and them but the last (in the reserve)
+            return n * step + ((it + n) // self.eval_interval - it // self.eval_interval) * evaluation
+        low, high = 0, 1
+        while cost(high) <= room and high < 2**40:  # a step timed at 0 s fits without end
+            low, high = high, 2 * high
+        while high - low > 1:  # cost(low) fits (or low is 0), cost(high) does not
+            middle = (low + high) // 2
+            low, high = (middle, high) if cost(middle) <= room else (low, middle)
+        if low == 0:
+            self.last_call = (self.now(), self.step(tokens) + evaluation + self.after_run())
+        return low
+
+    def settled(self, it, tokens=None):
+        """Whether the steps left before step `it` (0-based, of `tokens`) are an estimate to start a cooldown on,
+        which cannot be undone: it rests on warm rates alone, or no evaluation can come before the end to measure
+        one better (a first evaluation pays its one-time costs; before one, a guess stands for it),
+        even if evaluations cost nothing."""
+        if self.evaluations.warm or self.per_token() is None:
+            return True
+        steps_alone = (self.left() - self.step(tokens) - self.after_run() - self.margin()) / self.step()
+        return self.eval_interval - it % self.eval_interval > steps_alone
+
+    def ending(self):
+        """How the session ended against its budget, in words, for the line of a run stopped by its clock."""
+        left = self.left()
+        if left > 0:
+            return f"with {left:.0f} s left for what follows"
+        line = f"{-left:.1f} s past the budget"
+        if self.last_call:
+            when, expected = self.last_call
+            took = self.now() - when
+            line += (f": the last step, evaluation and save took {took:.1f} s where {expected:.1f} s were measured "
+                     f"(the pace changed by more than the margin its spread asked for)")
+        return line
+
+    def start_up_problem(self):
         """Why the budget cannot train before step 1 (the start-up spent it; a step with the last evaluation and
-        the after-run take what is left), else None. `training`: a step's seconds measured before step 1."""
+        the after-run take what is left), else None."""
         if self.left() <= 0:
             spent = self.spent()
             return (f"max_time={self.budget:g} is used up before the first step: start-up took {spent:.0f} s "
-                    f"(imports, reading the data, building the model): give a budget well above that, e.g. "
-                    f"--max_time={max(60, round(10 * spent, -1)):g}")
-        need = self.reserve() + (training or 0.0)
+                    f"(imports, reading the data, building the model, timing a step): give a budget well above that, "
+                    f"e.g. --max_time={max(60, round(10 * spent, -1)):g}")
+        need = self.reserve() + (self.step() or 0.0)
         if need >= self.left():
             enough = 10 * math.ceil((self.spent() + 2 * need) / 10)
             return (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
                     f"evaluation, its save and the {self.after_summaries} summaries of evaluate_after and "
-                    f"predict_after need about {need:.0f} s ({self.describe(training)}): no training would fit; give "
+                    f"predict_after need about {need:.0f} s ({self.describe()}): no training would fit; give "
                     f"--max_time above {enough:g}, or summarize later (--evaluate_after=False "
                     f"--predict_after=False, then evaluate.py and predict.py)")
         return None
 
-    def describe(self, primed=None):
-        """The rates measured so far, in words (`primed`: a step's seconds measured before step 1)."""
+    def describe(self):
+        """The rates measured so far, in words."""
         parts = []
-        step = self.steps.per_unit() if self.steps.measured() else primed
+        step = self.step()
         if step is not None:
-            parts.append(f"{1000 * step:.0f} ms a step")
+            parts.append(f"{1000 * step:.0f} ms a step of {self.step_tokens:.0f} tokens")
         if self.summaries.measured():
             parts.append(f"{1000 * self.summaries.per_unit():.0f} ms a summary warm"
                          + (f", {self.summaries.one_time():.1f} s to compile the decoding"
@@ -141,16 +215,24 @@ class RunClock:
             parts.append(f"{self.evaluation():.1f} s an evaluation with its save")
         return ", ".join(parts) or "nothing measured yet"
 
-
-def cooldown_lr(lr, min_lr, steps_left, steps_done, last_session=True):
-    """The learning rate of a step under the clock: `lr` as the schedule has it, until the last COOLDOWN of the
-    steps the budget leaves (steps_done before this one, this one, steps_left after it); then a 1-sqrt cooldown
-    (Hägele et al. 2024) driven by the steps left, reaching min_lr at the last step. A session before the last of a
-    run planned over several (--sessions) does not cool down."""
-    if steps_left is None or not last_session:
-        return lr
-    total = steps_done + 1 + steps_left
-    ratio = steps_left / (COOLDOWN * total)
-    if ratio >= 1:
-        return lr
-    return min(lr, min_lr + (lr - min_lr) * (1 - math.sqrt(1 - ratio)))
+    def budget_line(self, step, max_iters, at_min_lr, session, sessions):
+        """What max_time buys, before step `step` + 1 of session `session` (1-based) of `sessions`: the steps that
+        fit at the pace measured now, and what the clock does with them (`at_min_lr`: the run's LR has ended its
+        decay, and stays there)."""
+        fit = 1 + self.steps_left(step)
+        line = (f"max_time={self.budget:g} ({describe_duration(self.budget)}): {self.left():.0f} s left after "
+                f"start-up buy about {fit} steps ({self.describe()}; re-measured every step)")
+        if self.after_summaries:
+            line += (f", keeping {self.after_run():.0f} s for the {self.after_summaries} summaries of "
+                     f"evaluate_after and predict_after")
+        if step + fit >= max_iters:
+            return line + f": room for the {max_iters - step} steps to max_iters={max_iters}"
+        if at_min_lr:
+            return line + f", not the {max_iters - step} to max_iters={max_iters}: the learning rate stays at min_lr"
+        if session < sessions:
+            return (line + f", not the {max_iters - step} to max_iters={max_iters}; session {session} of "
+                    f"sessions={sessions}: the learning rate follows the schedule to the budget's end, and cools down "
+                    f"in the last session")
+        return (line + f", not the {max_iters - step} to max_iters={max_iters}: the learning rate cools down over "
+                f"the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
+                + ("; warning: few steps for a run" if fit < 10 else ""))

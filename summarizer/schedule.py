@@ -1,7 +1,11 @@
-"""The learning-rate schedule: linear warmup, cosine decay to min_lr, and a floor: min_lr once a run's last
-max_time session has cooled down to it (summarizer/clock.py); saved in ckpt.pt with the sessions the run has ended,
-and continued (or reshaped by a changed config) when a run resumes."""
+"""The learning-rate rule, all of it: linear warmup, cosine decay to min_lr, max_time's cooldown to min_lr at the
+last step the budget leaves (the steps left come from summarizer/clock.py), which once started never goes back (a
+faster pace lengthens it, it does not undo it), and the floor: min_lr once a run's last session ended at its budget.
+Saved in ckpt.pt with the cooldown's progress and the sessions the run has ended, and continued (or reshaped by a
+changed config) when a run resumes."""
 import math
+
+COOLDOWN = 0.2  # the last share of a budget-bound run's steps that decays to min_lr (Hägele et al. 2024)
 
 
 def lr_schedule(run_config):
@@ -12,9 +16,47 @@ def lr_schedule(run_config):
             "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
 
 
-def learning_rate(it, schedule):
-    """The LR of step `it` (0-based): the warmup and cosine's, never above the floor."""
-    return min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
+def learning_rate(it, schedule, steps_left=None, last_session=True):
+    """The LR of step `it` (0-based): the warmup and cosine's, never above the floor; under max_time in the last
+    session (`steps_left`: the steps the budget leaves after this one, None while the clock's estimate may still
+    change much), cooled down to min_lr at the last step (cooldown_progress), by 1-sqrt (Hägele et al. 2024); a
+    cooldown already under way is never undone."""
+    lr = min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
+    cooling = steps_left is not None and last_session
+    progress = cooldown_progress(it, schedule, steps_left) if cooling else schedule.get("cooldown", 0.0)
+    if lr <= schedule["min_lr"]:
+        return lr
+    return schedule["min_lr"] + (lr - schedule["min_lr"]) * (1 - math.sqrt(progress))
+
+
+def decayed(it, schedule):
+    """Whether the LR has ended its decay at step `it`: min_lr from there on."""
+    return it >= schedule["warmup_iters"] and learning_rate(it, schedule) <= schedule["min_lr"]
+
+
+def cooldown_progress(it, schedule, steps_left):
+    """How far the cooldown is at step `it`, from 0 (not started) to 1 (min_lr, at the last step): the share of
+    the last COOLDOWN of the run's steps (it before this one, this one, steps_left after it) done. Once started it
+    never goes back: a faster pace (more steps left) spreads what is left of it over the steps left, which with a
+    steady pace is the same step as the formula's, so the learning rate never rises again."""
+    progress = max(0.0, 1 - steps_left / (COOLDOWN * (it + 1 + steps_left)))
+    done = schedule.get("cooldown", 0.0)
+    if done:
+        progress = max(progress, done + (1 - done) / (steps_left + 1))
+    return progress
+
+
+def cooled(schedule, it, steps_left, ended=False, last_session=True):
+    """The schedule after step `it` (`steps_left` as learning_rate had it): the cooldown's progress kept, and a
+    session that ended at its budget (`ended`) counted, the last one of the run leaving the floor at min_lr."""
+    if steps_left is not None and last_session:
+        progress = cooldown_progress(it, schedule, steps_left)
+        if progress:
+            schedule = {**schedule, "cooldown": progress}
+    if ended:
+        schedule = {**schedule, "sessions_done": sessions_done(schedule) + 1,
+                    **({"floor": schedule["min_lr"]} if last_session else {})}
+    return schedule
 
 
 def stepped_rate(it, schedule):
@@ -45,22 +87,32 @@ def resumed_schedule(schedule, saved, cfg, it):
     horizon = cfg.lr_decay_iters or cfg.max_iters
     kept = {"sessions_done": sessions_done(schedule)}  # a changed LR setting lifts the floor, not the sessions
     if warming_up:  # finish the warmup, then decay to the new horizon
-        return {**{k: v for k, v in schedule.items() if k != "floor"}, "peak_lr": cfg.learning_rate,
-                "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
+        kept.update({k: v for k, v in schedule.items() if k not in ("floor", "cooldown")})
+        return {**kept, "peak_lr": cfg.learning_rate, "min_lr": cfg.min_lr, "decay_iters": horizon}
     start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
 
 
-def describe_schedule(schedule, it, max_iters):
+def new_peak_example(learning_rate_setting, min_lr):
+    """A --learning_rate for a hint to decay from again: above min_lr and unlike the run's own learning_rate (which,
+    given again, changes nothing)."""
+    for candidate in (learning_rate_setting / 2, 10 * min_lr, 2 * learning_rate_setting):
+        if candidate > 1.5 * min_lr and not math.isclose(candidate, learning_rate_setting):
+            return candidate
+    return 10 * min_lr  # not reached: 10 * min_lr is above 1.5 * min_lr and unlike one of the others
+
+
+def describe_schedule(schedule, it, max_iters, learning_rate_setting):
     """One line: the LR of step `it` (0-based, so logged as iter it + 1, as metrics.jsonl counts) and what the LR
-    does from there to the last step (logged as iter max_iters)."""
+    does from there to the last step (logged as iter max_iters). `learning_rate_setting`: the run's learning_rate."""
     s, lr, last = schedule, learning_rate(it, schedule), learning_rate(max_iters - 1, schedule)
     decay_end = s["decay_iters"] + 1  # the first logged iter at min_lr
     if max_iters <= s["warmup_iters"]:
         plan = f"warmup: rises to {last:.2e} at iter {max_iters} (the warmup ends at iter {s['warmup_iters'] + 1})"
-    elif lr <= s["min_lr"]:
+    elif decayed(it, s):
+        example = new_peak_example(learning_rate_setting, s["min_lr"])
         plan = (f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters}: the run's decay has ended; "
-                f"--learning_rate=<a peak, e.g. {s['peak_lr']:.0e}> decays from that peak again (under max_time, to "
+                f"--learning_rate=<a peak, e.g. {example:.1e}> decays from that peak again (under max_time, to "
                 f"min_lr at the budget's end; a run planned over several sessions says --sessions=N from its first)")
     else:
         if s["decay_iters"] <= s["warmup_iters"]:

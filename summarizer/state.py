@@ -128,7 +128,7 @@ class TrainingState:
             set_rng_state(ckpt["rng"][rt.rank])
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
         notes.insert(0, f"resuming {path} at iter {self.step}; "
-                     + describe_schedule(self.schedule, self.step, cfg.max_iters))
+                     + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate))
         if ckpt["best_metric"] == cfg.best_metric:
             # best_val_loss: None before format 3, whose ties then go to the next evaluation
             self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]

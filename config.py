@@ -107,13 +107,15 @@ def competition_file(name, fallback):
     return path if os.path.exists(path) else fallback
 
 
-def option(default, help, scope, choices=None, bound=None, parse=None, why=None):
+def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
     """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, allowed values, range rule
-    (a Bound), for a value given as text its parser (text or value -> value, UserError naming the key) and, for
-    what a resume takes from the run whatever the flags (Scope.SHAPE, Scope.TRAINED), why it cannot change."""
+    (a Bound), for a value given as text its parser (text or value -> value, UserError naming the key), for what a
+    resume takes from the run whatever the flags (Scope.SHAPE, Scope.TRAINED) why it cannot change, and whether it
+    is a path (given with ~, from a flag, a preset or a notebook's list, it is expanded as a shell would)."""
     if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
         raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
-    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why}
+    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,
+                "path": path}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -222,8 +224,8 @@ class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
-                            "else data/train.csv", Scope.RUN)
-    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", Scope.RUN)
+                            "else data/train.csv", Scope.RUN, path=True)
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", Scope.RUN, path=True)
     dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", Scope.RUN)
     summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", Scope.RUN)
     id_column: str = option("", "id column; '' = auto (id)", Scope.RUN)
@@ -238,10 +240,10 @@ class Submission:
     """What predict.py summarizes, and the sample submission its ids must match."""
     test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
                            f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv",
-                           Scope.TRAINING)
+                           Scope.TRAINING, path=True)
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
                                         "sample submission whose ids submission.csv must match; '' = no check",
-                                        Scope.TRAINING)
+                                        Scope.TRAINING, path=True)
 
 
 @dataclass
@@ -276,22 +278,23 @@ class RowFormat:
 class Run:
     """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
-                                                "settings)", Scope.COMMAND)
-    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", Scope.COMMAND)
+                                                "settings)", Scope.COMMAND, path=True)
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", Scope.COMMAND, path=True)
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
-                                    "or a local transformers model directory", Scope.COMMAND)
+                                    "or a local transformers model directory", Scope.COMMAND, path=True)
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
-                                  "attached as input; '' = out_dir/ckpt.pt", Scope.COMMAND)
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", Scope.COMMAND)
+                                  "attached as input; '' = out_dir/ckpt.pt", Scope.COMMAND, path=True)
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", Scope.COMMAND,
+                       path=True)
     output_quota_dir: str = option("/kaggle/working", "a folder that keeps at most output_quota_gb as output "
                                                       "(Kaggle's: what is beyond is lost at Save Version); a run "
                                                       "writing under it plans its checkpoints against what the quota "
-                                                      "leaves; '' = none", Scope.COMMAND)
+                                                      "leaves; '' = none", Scope.COMMAND, path=True)
     output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", Scope.COMMAND, bound=POSITIVE)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
                                "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "
-                               "outputs go to out_dir/baseline-<name>/", Scope.COMMAND)
+                               "outputs go to out_dir/baseline-<name>/", Scope.COMMAND, path=True)
 
 
 @dataclass
@@ -402,7 +405,7 @@ class Evaluation:
     wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", Scope.TRAINING)
     compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its "
                               "out_dir or eval_predictions.csv): paired ROUGE differences on stdout and in "
-                              "eval_report.html", Scope.COMMAND)
+                              "eval_report.html", Scope.COMMAND, path=True)
 
     def problems(self):
         problems = []
@@ -526,13 +529,14 @@ class Calibration:
     rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
                                         "sample (temperature 0.7, top-k 50)", Scope.TRAINING, ("beam", "sample"))
     candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt",
-                                  Scope.TRAINING)
+                                  Scope.TRAINING, path=True)
 
 
 @dataclass
 class Export:
     """export.py's output."""
-    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND)
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND,
+                             path=True)
     overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", Scope.COMMAND)
 
 
@@ -553,17 +557,21 @@ class Config(*reversed(GROUPS)):
             raise UserError("; ".join(problems))
 
     def problems(self):
-        """Every rule this config breaks, one message each: each value's choices and range, then each group's rules
-        (written to hold for any value of the right type)."""
-        problems = []
+        """Every rule this config breaks, one message each: each value's choices and range, then the rules of each
+        group whose values keep those (written for values that do: `micro_batch_size` a count or auto)."""
+        problems, broken = [], set()
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
             if choices and value not in choices:
                 yes_no = f" (True and False also as {BOOL_FORMS})" if True in choices else ""
                 problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}")
             elif bound and not bound.ok(value):
-                problems.append(f"{f.name}={value} {bound.text}")
-        return problems + [p for group in GROUPS if hasattr(group, "problems") for p in group.problems(self)]
+                problems.append(f"{f.name}={value!r} {bound.text}")
+            else:
+                continue
+            broken.add(f.name)
+        return problems + [p for group in GROUPS if hasattr(group, "problems") and not broken & set(keys(group))
+                           for p in group.problems(self)]
 
 
 def keys(group, scope=None):
@@ -734,7 +742,7 @@ def typed(key, value, source):
         raise UserError(f"{key}={value!r} is not a yes/no value: write {BOOL_FORMS} (in {source})")
     if type(value) not in kinds:
         raise UserError(f"{key} expects {type_name(f)}, got {value!r} ({type(value).__name__}) in {source}")
-    return value
+    return os.path.expanduser(value) if f.metadata["path"] else value
 
 
 def parse_override(arg):

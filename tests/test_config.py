@@ -153,6 +153,10 @@ def test_missing_preset_and_other_extensions(tmp_path):
     (["--val_fraction=1.0"], "val_fraction"),
     (["--rouge_samples=0"], "best_metric='val_loss'"),
     (["--micro_batch_size=0"], "micro_batch_size=0 must be a number > 0 or auto"),
+    # a key that takes a word or a count: any other text is its one line, not a TypeError of a group's rule
+    (["--micro_batch_size=abc"], "micro_batch_size='abc' must be a number > 0 or auto"),
+    (["--micro_batch_size="], "micro_batch_size='' must be a number > 0 or auto"),
+    (["--micro_batch_size", "eight"], "micro_batch_size='eight' must be a number > 0 or auto"),
 ])
 def test_values_that_cannot_work_are_rejected(argv, expected):
     assert expected in error_of(argv)
@@ -430,6 +434,19 @@ def test_every_problem_of_a_command_is_in_its_one_line():
     for problem in ("n_embd=100 is not a multiple of n_head=12", "block_size=100 must be a multiple of 8",
                     "best_metric='rougeL' needs rouge_samples > 0", "batch_size=7 is not a multiple of"):
         assert problem in message
+
+
+def test_a_path_with_a_tilde_is_expanded_from_every_source(tmp_path, monkeypatch):
+    """As a shell would expand it: the notebook passes its OVERRIDES with no shell, and a preset is read as text
+    (before: a folder named '~' in the working directory, while the settings header printed '~/runs/...')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "p.py").write_text('out_dir = "~/from_py"\n')
+    (tmp_path / "p.json").write_text('{"train_csv": "~/data/train.csv"}')
+    assert load_config(["--out_dir=~/runs"]).out_dir == str(tmp_path / "runs")
+    assert load_config(["--out_dir", "~/runs", "--ckpt=~/best.pt"]).ckpt == str(tmp_path / "best.pt")
+    assert load_config([str(tmp_path / "p.py")]).out_dir == str(tmp_path / "from_py")
+    assert load_config([str(tmp_path / "p.json")]).train_csv == str(tmp_path / "data" / "train.csv")
+    assert load_config(["--init_from=gpt2", "--dialogue_column=~x"]).dialogue_column == "~x"  # not a path
 
 
 def test_values_are_typed_once_as_given():

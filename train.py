@@ -183,7 +183,8 @@ class Trainer:
         base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
         disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
         if self.clock:  # an evaluation before one is timed: its validation loss's tokens and its saves' bytes
-            read = min(1, (cfg.eval_val_batches * cfg.micro_batch_size or len(self.val_set)) / max(1, len(self.val_set)))
+            rows = len(self.val_set)
+            read = min(1, (cfg.eval_val_batches * cfg.micro_batch_size or rows) / max(1, rows))
             self.clock.validation_tokens = float((self.val_set.lengths - 1).sum()) * read
             self.clock.save_bytes = disk.ckpt + disk.best
         rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)

@@ -13,8 +13,13 @@ into --out_dir. Its own settings (the Calibration keys below):
 --rank_decoding (how many candidates per dialogue and how they are drawn), --rank_margin and
 --rank_length_exponent (the loss's shape), --candidates_file (where the candidates are kept).
 """
+from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+
+quiet_start.until_imported(__name__)
 import train
 from summarizer.ranking import Ranking
+
+quiet_start.imported(__name__)
 
 
 def main(argv=None):

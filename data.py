@@ -200,6 +200,11 @@ def read_table(path, key, cfg, test=False):
     summaries = None if test else frame[summary].map(clean_text)
     empty = (dialogues == "") if test else (dialogues == "") | (summaries == "")
     if test:
+        missing = np.flatnonzero(ids.isna() | (ids == ""))
+        if len(missing):
+            lines = ", ".join(str(i + 2) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise UserError(f"{key} {path} has {len(missing)} row(s) with no id (line {lines}): each row needs "
+                            f"its id, since submission.csv has one row per id")
         duplicated = ids[ids.duplicated()].unique()
         if len(duplicated):
             raise UserError(f"{key} {path} has {len(duplicated)} duplicated id(s), e.g. {', '.join(duplicated[:3])}: "

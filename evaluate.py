@@ -12,6 +12,9 @@ command line's settings instead, into out_dir/baseline-<name>/. Writes eval_pred
 and eval_report.html (the page to read in a browser); --compare adds the paired ROUGE differences from
 another evaluation of the same dialogues, on stdout and in the report.
 """
+from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+
+quiet_start.until_imported(__name__)
 import sys
 
 from config import flags_given, load_config
@@ -20,6 +23,8 @@ from summarizer.files import no_empty_folder_left
 from summarizer.inference import output_dir
 from summarizer.launch import one_line_errors
 from summarizer.runtime import Runtime
+
+quiet_start.imported(__name__)
 
 
 def main(argv=None):

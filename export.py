@@ -8,6 +8,9 @@ read from the checkpoint: an explicit --key=value replaces a decoding setting, a
 may only repeat the run's value, which the model card describes. `--init_from=DIR`
 fine-tunes the exported folder further.
 """
+from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+
+quiet_start.until_imported(__name__)
 import os
 import shutil
 import sys
@@ -21,6 +24,8 @@ from model import CONV1D_WEIGHTS
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_run, training_note
 from summarizer.launch import one_line_errors
+
+quiet_start.imported(__name__)
 
 
 def to_transformers(model):

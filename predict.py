@@ -7,6 +7,9 @@ The prompt template and the decoding are the run's, read from the checkpoint; an
 decoding setting (e.g. --num_beams=4), a preset does not. An earlier submission.csv of other weights is moved
 aside, not overwritten.
 """
+from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+
+quiet_start.until_imported(__name__)
 import sys
 
 from config import flags_given, load_config
@@ -15,6 +18,8 @@ from summarizer.inference import output_dir
 from summarizer.launch import one_line_errors
 from summarizer.runtime import Runtime
 from summarizer.submission import predict
+
+quiet_start.imported(__name__)
 
 
 def main(argv=None):

@@ -12,6 +12,9 @@ time budget (--max_time) it stops in time to save and to run evaluate_after/pred
 # at a stop signal (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another
 # step; then what main reads from the command line and what a run is built from (data, the ROUGE model, the
 # objective). The checkpoint's contents are summarizer.state's TrainingState; out_dir is summarizer.run_folder's.
+from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+
+quiet_start.until_imported(__name__)
 import collections
 import contextlib
 import math
@@ -40,6 +43,7 @@ from config import (
 )
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
+from summarizer.checkpoint import intact_in
 from summarizer.clock import RunClock
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
@@ -79,6 +83,8 @@ from summarizer.state import TrainingState
 from summarizer.submission import check_against_sample, predict
 from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix, resumed_history
 
+quiet_start.imported(__name__)
+
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
 OUT_OF_TIME = "max_time"  # fit()'s reason to stop when the run's clock leaves no room for another step
@@ -103,9 +109,8 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                 print(settings_report(argv, config_json, from_run))
             go_on = continue_command(script, argv, rt.world_size)
             ckpt, trainer = os.path.join(cfg.out_dir, run_folder.CKPT), None
-            signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1 if trainer else 1}, then "
-                                          f"saving {ckpt}" if rt.is_main else None,
-                                  f"{ckpt} and best.pt stay as the last save left them", rt.distributed)
+            signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1}, then saving {ckpt}"
+                                  if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
                 cfg = trainer.cfg  # micro_batch_size=auto chosen
@@ -161,7 +166,7 @@ class Trainer:
 
     def __init__(self, cfg, rt, objective=None, start=None, started=None, signals=None):
         self.cfg, self.rt, self.clock = cfg, rt, None
-        self.signals = signals or StopSignals(None, "", rt.distributed)
+        self.signals = signals or StopSignals(None, lambda: "", rt.distributed)
         Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
         splits, after_summaries = datasets(cfg, rt)
         self.train_set, self.val_set = splits.train, splits.val
@@ -240,8 +245,9 @@ class Trainer:
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
         first_step = state.step + 1
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        with self.tracker, memory_hint(cfg, rt), tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main,
-                                                      dynamic_ncols=True, desc="training", unit="it") as bar:
+        bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
+                   desc="training", unit="it")
+        with self.tracker, self.signals.training(), memory_hint(cfg, rt), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)
@@ -252,9 +258,11 @@ class Trainer:
                 state.skipped_steps += done.skipped
                 bad_steps = 0 if math.isfinite(done.loss) else bad_steps + 1
                 if bad_steps >= NAN_PATIENCE:
+                    fix = (f"lower learning_rate (now {cfg.learning_rate:g})" + (
+                        ", or use --dtype=bfloat16 (Ampere or newer) or --dtype=float32" if rt.dtype == "float16"
+                        else ""))
                     raise UserError(f"loss is {done.loss} for {bad_steps} iterations in a row (iter {state.step}); "
-                                    f"stopped. {cfg.out_dir}/best.pt and ckpt.pt are untouched since the last eval. "
-                                    f"Lower learning_rate or use dtype=float32/bfloat16")
+                                    f"stopped: {saved_so_far(cfg.out_dir)}; {fix}")
                 out_of_time = done.steps_left == 0  # this session ended at its budget
                 batch = done.batch
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
@@ -499,6 +507,12 @@ def run_settings(argv, objective, script, usage):
     if problem:
         raise UserError(problem)
     return cfg, start, from_run
+
+
+def saved_so_far(out_dir):
+    """What a run stopped now leaves: its checkpoints that load, or that none was saved yet."""
+    intact = intact_in(out_dir)
+    return f"intact: {', '.join(intact)}" if intact else f"nothing is saved in {out_dir} yet"
 
 
 def notebook_main(argv=(), num_processes=2, port=29500):

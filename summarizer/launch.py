@@ -22,13 +22,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 
 class StopSignals:
     """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
-    stop button) and SIGTERM (a session or job ending) ask the run to stop after its step in progress: the first
-    one is `received`, and notice() says so (the line, or None on ranks that print nothing); a second Ctrl-C in a
-    single process stops at once, saying `at_once` (under torchrun a rank gets copies of one signal)."""
+    stop button) and SIGTERM (a session or job ending) stop the run: during start-up at once (one `interrupted`
+    line: nothing is saved yet); inside training() after its step in progress: the first one is `received`, and
+    notice() says so (the line, or None on ranks that print nothing), and a second Ctrl-C in a single process stops
+    at once, saying at_once() (what is saved; under torchrun a rank gets copies of one signal); after training,
+    quietly (an error that ended the loop says what is intact)."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
-        self.received, self.previous = None, {}
+        self.received, self.previous, self.phase = None, {}, "start-up"
+
+    @contextlib.contextmanager
+    def training(self):
+        self.phase = "training"
+        try:
+            yield
+        finally:
+            self.phase = "ended"
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -40,13 +50,15 @@ class StopSignals:
             signal.signal(s, handler)
 
     def handle(self, signum, frame):
+        if self.phase == "start-up":
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = signum
-            line = self.notice and self.notice()
+            line = self.notice and self.phase == "training" and self.notice()
             if line:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
         elif signum == signal.SIGINT and not self.distributed:
-            print(f"second Ctrl-C: stopping at once; {self.at_once}", file=sys.stderr, flush=True)
+            print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
 
 

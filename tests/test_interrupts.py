@@ -133,3 +133,40 @@ def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_comman
                                timeout=HANG)
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == STEPS
+
+
+def test_a_signal_says_what_happens_at_that_moment(tmp_path, capsys):
+    """During start-up a signal stops at once (nothing is saved yet); in training it asks for a save after the
+    step, and a second Ctrl-C names what is saved, or that nothing is; after training (an error ended the loop) it
+    announces no save that cannot come."""
+    from summarizer.launch import StopSignals
+    from train import saved_so_far
+    signals = StopSignals(lambda: "stopping after iter 3, then saving ckpt.pt", lambda: saved_so_far(str(tmp_path)),
+                          distributed=False)
+    with pytest.raises(KeyboardInterrupt):
+        signals.handle(signal.SIGINT, None)
+    assert signals.received is None and capsys.readouterr().err == ""
+    with signals.training():
+        signals.handle(signal.SIGTERM, None)
+        assert signals.received == signal.SIGTERM
+        assert "SIGTERM: stopping after iter 3, then saving ckpt.pt" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            signals.handle(signal.SIGINT, None)
+        assert f"second Ctrl-C: stopping at once; nothing is saved in {tmp_path} yet" in capsys.readouterr().err
+    ended = StopSignals(lambda: "stopping after iter 3, then saving ckpt.pt", lambda: "", distributed=True)
+    with ended.training():
+        pass
+    ended.handle(signal.SIGTERM, None)
+    assert ended.received == signal.SIGTERM and capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, after", [("train.py", 0.3), ("predict.py", 0.3), ("evaluate.py", 0.3)])
+def test_ctrl_c_while_a_script_imports_is_one_line(script, after):
+    """SIGINT a moment after start, while torch is imported: one line, exit 130, no traceback."""
+    process = subprocess.Popen([sys.executable, script, "--device=cpu"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    time.sleep(after)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=HANG)
+    assert process.returncode == 128 + signal.SIGINT and err.strip() == "interrupted", err[-2000:]

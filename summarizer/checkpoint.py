@@ -166,6 +166,11 @@ def load_checkpoint(path, key="ckpt"):
     so (naming the flag `key` that took the path) and which other checkpoints beside it are intact."""
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
+        training = None if os.path.isdir(path) else run_folder.training_in(os.path.dirname(path) or ".")
+        if training:
+            raise UserError(f"checkpoint {path} does not exist yet: a training run writes into "
+                            f"{os.path.dirname(path) or '.'} ({training}) and has not saved yet: wait for its first "
+                            f"save (after its first evaluation), then run this again")
         raise UserError(f"checkpoint {path} {what}: train first, or pass --{key}=<a best.pt or ckpt.pt>"
                         + run_folder.missing_file_hint(path, f"--{key}"))
     if not_an_archive(path):

@@ -111,3 +111,24 @@ def test_evaluate_on_a_folder_a_training_run_holds_says_so(csvs, tmp_path, capsy
         assert (out / "eval_metrics.json").exists()
     finally:
         holder.kill()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+def test_a_command_on_a_folder_whose_training_has_not_saved_yet_says_to_wait(csvs, tmp_path, capsys, command):
+    """A training run holds out_dir (its lock) and has not written best.pt yet: not 'train first' but who trains
+    there and to wait for its first save."""
+    import evaluate
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from summarizer import run_folder; "
+                               "handle = run_folder.lock(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+                               str(out)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        assert holder.stdout.readline() == "held\n"
+        main = evaluate.main if command == "evaluate" else predict.main
+        err = one_error_line(capsys, main, args(csvs, out))
+        assert f"checkpoint {out / 'best.pt'} does not exist yet: a training run writes into {out} (pid " \
+               f"{holder.pid} on host " in err and "wait for its first save" in err, err
+    finally:
+        holder.communicate("")

@@ -23,6 +23,13 @@ def test_notebook_is_committed_without_outputs():
         "each step needs its line of explanation"
 
 
+def test_the_parameters_cell_holds_the_competitions_data_paths():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    (parameters,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert "\nTRAIN_CSV = " in parameters.source and "\nTEST_CSV = " in parameters.source
+    assert "csv" not in parameters.source.split("OVERRIDES = ", 1)[1].partition("\n")[0]
+
+
 @pytest.mark.slow
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -33,6 +40,8 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
         f"REPO_SOURCE = {REPO!r}",  # the copy-an-attached-folder path, as with a Kaggle dataset
         f"REPO_DIR = {str(tmp_path / 'repo')!r}",
         'PRESET = "config/demo.py"',
+        f"TRAIN_CSV = {os.path.join(REPO, 'data', 'demo', 'train.csv')!r}",  # the data paths: here, not in OVERRIDES
+        'TEST_CSV = ""',  # the preset's
         f"OVERRIDES = {overrides!r}",
         "NUM_PROCESSES = 2",
         f"EXPORT_DIR = {str(tmp_path / 'model')!r}",

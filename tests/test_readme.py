@@ -187,3 +187,11 @@ def test_the_offline_wheels_recipe_is_for_kaggles_python():
         python = re.search(r"[Pp]ython (3\.\d+)", f.read())[1]
     with open(os.path.join(DOCS, "kaggle.md")) as f:
         assert re.findall(r"--python-version (3\.\d+)", f.read()) == [python]
+
+
+def test_requirements_txt_asks_for_the_torch_install_the_readme_runs(readme):
+    """Its header names the command the README's set-up runs, not another pin."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        header = "".join(line for line in f if line.startswith("#"))
+    asked = re.findall(r"`(pip install torch[^`]*)`", header)
+    assert asked and all(command in readme for command in asked), asked

@@ -27,10 +27,12 @@ import time
 
 import torch
 
+import data
 from bench import ROOT, child_environ
-from config import load_config
+from config import load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import run_folder, runtime
+from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors
 from summarizer.loading import trained_shape
@@ -69,8 +71,12 @@ def versions():
     return check("ok", " ".join(f"{k} {v}" for k, v in found.items() if v), **found)
 
 
-def gpus():
+def gpus(cfg):
     if not torch.cuda.is_available():
+        if cfg.device.startswith("cuda"):  # train.py stops at once: so does the notebook, here
+            return check("failed", f"device={cfg.device} but no CUDA GPU is visible: on Kaggle, set the notebook's "
+                                   f"accelerator to GPU T4 x2 (Settings > Accelerator) and run again; on a machine "
+                                   f"without a GPU, add --device=cpu")
         return check(NOT_RUN, "no CUDA GPU")
     count = torch.cuda.device_count()
     listed = [dict(name=torch.cuda.get_device_name(i),
@@ -95,16 +101,41 @@ def shared_memory():
     return check("ok", f"/dev/shm {usage.free // 2**20} MiB free", **figures)
 
 
+def inputs(cfg, named):
+    """The run's CSVs, read as the run reads them: missing or unreadable is a no-go where the command named the file
+    (`named`: the keys a preset or flag set); a default path that is not there is a warning (the checks below train
+    on the demo data instead)."""
+    files = [("train_csv", False), ("validation_csv", False), ("test_csv", True)]
+    said, failed, missing = [], [], []
+    for key, test in files:
+        path = getattr(cfg, key)
+        if not path:
+            continue
+        try:
+            table = data.read_table(path, key, cfg, test=test)
+            said.append(f"{key} {path}: {len(table.ids)} rows")
+        except UserError as e:
+            (failed if key in named or os.path.exists(path) else missing).append(str(e))
+    if failed:
+        return check("failed", "; ".join(failed))
+    if missing:
+        return check("warning", "; ".join(missing) + " (a default path; the checks train on the demo data)")
+    return check("ok", "; ".join(said))
+
+
 def disk(cfg, shape):
-    """The run's checkpoints at their peak against out_dir's room (the output quota counted)."""
+    """The run's checkpoints at their peak against out_dir's room (the output quota counted), for a model of
+    `shape`: the run's."""
     with torch.device("meta"):
         model = GPT(GPTConfig(**shape))
     plan = run_folder.DiskPlan(model, cfg)
     (room, limit), problem = plan.space, plan.problem(resuming=False)
-    figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(room / 1e9, 2), limited_by=limit)
+    figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(room / 1e9, 2), limited_by=limit,
+                   parameters_m=round(model.num_params() / 1e6, 1))
     if problem:
         return check("failed", problem, **figures)
-    return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak; {plan.room()}", **figures)
+    return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak for the run's "
+                       f"{model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
 
 
 def launch(args, nproc, env, timeout, cwd=ROOT):
@@ -317,11 +348,15 @@ def main(argv=None):
                                         torch.cuda.get_device_capability() if cuda else None)
     device = "cuda" if cuda else "cpu"
     nproc = max(torch.cuda.device_count(), 1) if cuda else 2
-    shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"} if cuda else TINY
-    checks = dict(versions=versions(), gpus=gpus(), shared_memory=shared_memory(), disk=disk(cfg, {**shape,
-                  "vocab_size": 50304}))
+    shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"} if cuda else TINY  # trains
+    run_shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"}
+    named = {key for key, _, _ in settings_given(settings)}
+    checks = dict(versions=versions(), gpus=gpus(cfg), inputs=inputs(cfg, named), shared_memory=shared_memory(),
+                  disk=disk(cfg, {**run_shape, "vocab_size": 50304}))
     for name in checks:
         say(name, checks)
+    if any(c["status"] == "failed" for c in checks.values()):  # what the run cannot start with: no GPU time spent
+        return finish(args, cfg, checks, device, nproc)
     env = None
     if nproc > 1:
         checks["collective"], env = collective(cfg, nproc, device, args.collective_timeout)
@@ -346,6 +381,11 @@ def main(argv=None):
                           else check(NOT_RUN, "no GPU: compiled decoding is a GPU check" if not cuda
                                      else "--compile=False"))
     say("decoding", checks)
+    return finish(args, cfg, checks, device, nproc)
+
+
+def finish(args, cfg, checks, device, nproc):
+    """The verdict line, the report written, the exit status."""
     line = verdict(checks)
     report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
     args.report = args.report or os.path.join(cfg.out_dir, run_folder.PREFLIGHT)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from bench import preflight
@@ -77,3 +78,24 @@ def test_the_precision_check_fails_on_an_overflow_and_compares_what_training_cha
     assert moved_less["status"] == "failed" and "float16 training moved the loss" in moved_less["detail"]
     still = preflight.precision([10.83, 10.83, 10.83, 10.83], [10.83] * 4, "float16")
     assert still["status"] == "not run" and "--steps" in still["detail"]
+
+
+@pytest.mark.parametrize("case", ["a CUDA preset without a GPU", "a misspelled CSV"])
+def test_what_the_run_cannot_start_with_is_a_no_go_before_any_training(tmp_path, case):
+    """The Kaggle preset on a machine without a GPU (an accelerator left at None) is a no-go with the line that
+    fixes it, as train.py would stop at once; a CSV the command names that is not there is one too. Nothing trains
+    (the notebook's preflight cell stops there), and the disk line is the run's model's, GPT-2's (num_params: 123.7M without the position table)."""
+    argv = ["config/kaggle_t4x2.py", f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path / 'quota'}"]
+    if case == "a misspelled CSV":
+        argv = ["config/demo.py", "--device=cpu", f"--out_dir={tmp_path / 'out'}", "--train_csv=data/demo/trian.csv"]
+    result = subprocess.run([sys.executable, "-m", "bench.preflight", *argv], cwd=REPO, capture_output=True,
+                            text=True, timeout=HANG, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = json.loads((tmp_path / "out" / "preflight_report.json").read_text())
+    assert said["go"] is False and "training" not in said["checks"], said
+    if case == "a misspelled CSV":
+        assert said["verdict"].startswith("no-go: inputs: train_csv data/demo/trian.csv does not exist"), said
+    else:
+        assert said["verdict"].startswith("no-go: gpus: device=cuda but no CUDA GPU is visible: on Kaggle, set the "
+                                          "notebook's accelerator to GPU T4 x2"), said
+        assert said["checks"]["disk"]["parameters_m"] == 123.7 and said["checks"]["disk"]["peak_gb"] > 2, said

@@ -44,7 +44,7 @@ from config import (
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.clock import RunClock
+from summarizer.clock import RunClock, start_up_deadline
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
@@ -112,7 +112,8 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
             signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1}, then saving {ckpt}"
                                   if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
-                trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
+                with start_up_deadline(cfg.max_time, started, time.monotonic):
+                    trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
                 cfg = trainer.cfg  # micro_batch_size=auto chosen
                 del checkpoint  # its tensors map the file, whose disk space a save must be able to free
                 try:

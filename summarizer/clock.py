@@ -3,12 +3,16 @@ an evaluation and its save, a summary) apart from its one-time costs (compiling,
 many steps still fit, with the margin the pace's own spread asks for; and from that, when training stops and how far
 the learning rate has cooled down (summarizer/schedule.py). train.py's loop asks it before each step. Time comes from
 `now`, which tests replace with a virtual clock."""
+import contextlib
 import math
+import signal
 import statistics
+import threading
 import time
 from collections import deque
 
 from config import describe_duration
+from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
@@ -54,6 +58,30 @@ class Rate:
         if len(self.warm) < 2:
             return 0.0
         return min(1.0, max(self.warm) / self.per_unit() - 1)
+
+
+@contextlib.contextmanager
+def start_up_deadline(budget, started, now=time.monotonic):
+    """While inside, until step 1: a budget of `budget` seconds from `started` that start-up spends (a big model on a
+    CPU can take minutes before its first step) ends the run there, whatever it is doing, in one line; no budget
+    (None), no deadline. A timer (SIGALRM) needs the main thread; elsewhere the checks between the phases stand
+    alone."""
+    if budget is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def spent(signum, frame):
+        took = now() - started
+        raise UserError(f"max_time={budget:g} is used up before the first step: start-up took {took:.0f} s so far "
+                        f"(the last 'start-up:' line says what it was doing): give a budget well above that, e.g. "
+                        f"--max_time={max(60, round(10 * took, -1)):g}, or a smaller model or micro_batch_size")
+    previous = signal.signal(signal.SIGALRM, spent)
+    signal.setitimer(signal.ITIMER_REAL, max(budget - (now() - started), 1e-3))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class RunClock:

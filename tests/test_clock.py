@@ -5,6 +5,7 @@ a run over two sessions cools down in the second only; the estimates before step
 import re
 import signal
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -228,6 +229,17 @@ def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
     assert took / 2 <= need <= 2 * took, (need, took)
     printed = capsys.readouterr().out
     assert "500 ms a summary warm, 38.0 s to compile the decoding" in printed, printed
+
+
+def test_a_budget_that_start_up_spends_ends_the_run_there_in_one_line(run, monkeypatch, capsys, tmp_path):
+    """Building the model takes a minute (a big preset on a CPU): a 2 s budget ends the run inside it, not after, in
+    one line naming a budget ("so far": the deadline, not the check after the minute); nothing is left in out_dir."""
+    build = train.model_to_train
+    monkeypatch.setattr(train, "model_to_train", lambda *args: time.sleep(60) or build(*args))
+    err = one_error_line(capsys, train.main, [*run, "--max_time=2"])
+    assert re.search(r"max_time=2 is used up before the first step: start-up took \d+ s so far .* e\.g\. "
+                     r"--max_time=60", err), err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 @pytest.mark.slow

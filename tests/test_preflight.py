@@ -84,7 +84,8 @@ def test_the_precision_check_fails_on_an_overflow_and_compares_what_training_cha
 def test_what_the_run_cannot_start_with_is_a_no_go_before_any_training(tmp_path, case):
     """The Kaggle preset on a machine without a GPU (an accelerator left at None) is a no-go with the line that
     fixes it, as train.py would stop at once; a CSV the command names that is not there is one too. Nothing trains
-    (the notebook's preflight cell stops there), and the disk line is the run's model's, GPT-2's (num_params: 123.7M without the position table)."""
+    (the notebook's preflight cell stops there), and the disk line is the run's model's: GPT-2's (123.7M
+    parameters as num_params counts them, the position table aside)."""
     argv = ["config/kaggle_t4x2.py", f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path / 'quota'}"]
     if case == "a misspelled CSV":
         argv = ["config/demo.py", "--device=cpu", f"--out_dir={tmp_path / 'out'}", "--train_csv=data/demo/trian.csv"]

@@ -45,6 +45,7 @@ from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora, run_folder
 from summarizer.checkpoint import intact_in
 from summarizer.clock import RunClock, start_up_deadline
+from summarizer.compiling import CompiledModule, compile_model
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
@@ -54,6 +55,7 @@ from summarizer.launch import (
     lost_rank_keeps_checkpoints,
     notebook_launch,
     one_line_errors,
+    out_of_memory_hint,
     process_age,
     rank_error_lines,
 )
@@ -68,20 +70,12 @@ from summarizer.loading import (
 )
 from summarizer.memory import choose_micro_batch
 from summarizer.metrics import rouge
-from summarizer.runtime import (
-    CompiledModule,
-    Runtime,
-    compile_model,
-    out_of_memory_hint,
-    peak_flops,
-    rng_state,
-    set_rng_state,
-)
+from summarizer.runtime import Runtime
 from summarizer.schedule import cooled, decayed, learning_rate, sessions_done
 from summarizer.settings_report import FromRun, check_command, save_config, settings_report
-from summarizer.state import TrainingState
+from summarizer.state import TrainingState, rng_state, set_rng_state
 from summarizer.submission import check_against_sample, predict
-from summarizer.tracking import Tracker, log_row, plot_metrics, progress_postfix, resumed_history
+from summarizer.tracking import Tracker, log_row, peak_flops, plot_metrics, progress_postfix, resumed_history
 
 quiet_start.imported(__name__)
 

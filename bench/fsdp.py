@@ -234,7 +234,7 @@ def bench_fsdp(args=None):
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
     from bench.memory import T4_USABLE_GIB
     from config import read_preset
-    from summarizer.runtime import reduce_once_bytes
+    from summarizer.memory import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         write_rows(os.path.join(tmp, "train.csv"))

@@ -34,9 +34,10 @@ from config import Decoding, load_config, read_preset
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import loading, mbr
+from summarizer.compiling import CompiledDecodeStep
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.runtime import CompiledDecodeStep, Runtime, choose_precision
+from summarizer.runtime import Runtime, choose_precision
 from summarizer.state import configure_optimizer
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),

@@ -31,12 +31,13 @@ import data
 from bench import ROOT, child_environ
 from config import load_config, settings_given
 from model import GPT, GPTConfig
-from summarizer import run_folder, runtime
+from summarizer import compiling, run_folder
+from summarizer.backends import NCCL_SETTINGS, nccl_flags, nccl_in_effect
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors
 from summarizer.loading import trained_shape
-from summarizer.runtime import NCCL_SETTINGS, choose_precision, nccl_flags, nccl_in_effect
+from summarizer.runtime import choose_precision
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=128)  # a CPU's stand-in for the run's model ...
 TINY_DECODING = ["--max_new_tokens=16"]  # ... and its summaries
@@ -187,7 +188,7 @@ def run_collective(argv):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from summarizer.runtime import meet, part
+    from summarizer.backends import meet, part
     meet(cfg, device, int(os.environ["WORLD_SIZE"]))
     data = torch.ones(16 * 2**20, device=device)  # 64 MB of float32
     torch.distributed.all_reduce(data)
@@ -252,7 +253,7 @@ def decoding(cfg, shape, dtype, device):
         model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
     prompts, _ = inference.Summarizer(model, cfg).prompts(data.read_test(cfg).dialogues)
     first, rest = prompts[:cfg.gen_batch_size], prompts[cfg.gen_batch_size:cfg.gen_batch_size * (1 + WARM_BATCHES)]
-    step, seconds, graphs = runtime.CompiledDecodeStep(), [], []
+    step, seconds, graphs = compiling.CompiledDecodeStep(), [], []
     try:
         for batch in (first, rest):
             compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -24,8 +24,8 @@ from config import Config, Decoding, Split, Use, keys, part, resolve
 from generate import generate
 from summarizer import mbr, run_folder
 from summarizer.errors import DiskFull, UserError
+from summarizer.launch import out_of_memory_hint
 from summarizer.loading import build_model, check_shape
-from summarizer.runtime import out_of_memory_hint
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 

@@ -232,3 +232,18 @@ def process_age():
     except (OSError, ValueError, IndexError):
         return 0.0
     return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(doing, settings):
+    """Re-raise a torch.OutOfMemoryError inside as one whose message is one line: what ran out of memory and the
+    settings to lower (entry points print it as `error: ...`)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        if str(e).startswith("out of memory while"):  # already said by an inner hint
+            raise
+        detail = str(e).strip().partition("\n")[0]
+        raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"
+                                     + (f" ({detail})" if detail else "")) from None

@@ -12,7 +12,6 @@ from config import AdamW, keys
 from summarizer import lora, run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
 from summarizer.errors import UserError
-from summarizer.runtime import rng_state, set_rng_state
 from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
 
 
@@ -145,3 +144,19 @@ class TrainingState:
         if changed:
             notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
         return notes
+
+
+
+def rng_state():
+    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

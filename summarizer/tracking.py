@@ -4,6 +4,7 @@ and the run's config goes along as its hyperparameters."""
 import importlib
 import json
 import os
+import re
 from dataclasses import asdict
 
 from summarizer.errors import UserError
@@ -186,3 +187,27 @@ def plot_metrics(jsonl_path, png_path, title=""):
     with atomic_write(png_path, "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+
+def peak_flops(device_name, dtype):
+    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
+    dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
+    for key, table in PEAK_TFLOPS.items():
+        if re.search(rf"\b{key}\b", device_name.upper()):
+            return table[dtype] * 1e12 if dtype in table else None
+    return None
+
+
+# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
+# more specific names first.
+PEAK_TFLOPS = {
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H100 PCIE": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "A10": {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "V100": {"float16": 125.0, "float32": 15.7},
+    "T4": {"float16": 65.0, "float32": 8.1},
+}

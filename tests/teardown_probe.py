@@ -15,7 +15,7 @@ import torch.distributed.fsdp
 from torch.nn.parallel import DistributedDataParallel
 
 from model import GPT
-from summarizer import runtime
+from summarizer import backends
 
 destroy = dist.destroy_process_group
 
@@ -42,6 +42,6 @@ if __name__ == "__main__":
     script, *argv = sys.argv[2:] if hung else sys.argv[1:]
     dist.destroy_process_group = hang if hung else alive_at_teardown
     if hung:
-        runtime.TEARDOWN_SECONDS = 2
+        backends.TEARDOWN_SECONDS = 2
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")

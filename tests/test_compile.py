@@ -16,8 +16,8 @@ from config import Decoding, load_config
 from conftest import tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora, mbr, runtime
-from summarizer.runtime import CompiledModule, compile_model
+from summarizer import compiling, inference, lora, mbr, runtime
+from summarizer.compiling import CompiledModule, compile_model
 
 MAX_NEW = 20
 
@@ -100,7 +100,7 @@ def test_decode_compiles_once_whatever_the_batch_sizes_and_eos(model, prompts, e
     cases = [(batch, decoding, options, generate(model, batch, decoding, eos, **options))
              for decoding, options in settings for batch in batches]
     with counted_compiles() as (counter, breaks):
-        step = runtime.CompiledDecodeStep()
+        step = compiling.CompiledDecodeStep()
         for batch, decoding, options, expected in cases:
             assert generate(model, batch, decoding, eos, decode_step=step, **options) == expected
     assert not step.failed and breaks() == 0 and counter.compilations["decode"] == 1
@@ -202,7 +202,7 @@ def test_nothing_compiles_after_a_bf16_run_ends_its_training(write_csv, tmp_path
                                                                  (20000, False, True), (4000, True, True)])
 def test_compile_auto_decodes_eagerly_where_the_compile_would_not_repay_itself(monkeypatch, dialogues,
                                                                                compiled_work, compiles):
-    """The rule on given costs (runtime.DECODE_COMPILE_S, CACHED_COMPILE_S, SAVED_PER_BLOCK_S), on a 12-block
+    """The rule on given costs (compiling.DECODE_COMPILE_S, CACHED_COMPILE_S, SAVED_PER_BLOCK_S), on a 12-block
     model at gen_batch_size 64 and 128 new tokens: a validation set's or a test set's decoding is too small to
     repay a cold compile; a long job repays it, and so does a mid-sized one where the run's compiled work loads.
     The words say which and why; the process keeps its first choice."""
@@ -211,10 +211,10 @@ def test_compile_auto_decodes_eagerly_where_the_compile_would_not_repay_itself(m
     rt = runtime.Runtime(cfg)
     rt.compiled_work = compiled_work
     steps = inference.decode_steps(dialogues, cfg, world_size=1)
-    pays, _ = runtime.decode_compile_pays(steps, 12, runtime.CACHED_COMPILE_S if compiled_work
-                                          else runtime.DECODE_COMPILE_S)
+    pays, _ = compiling.decode_compile_pays(steps, 12, compiling.CACHED_COMPILE_S if compiled_work
+                                          else compiling.DECODE_COMPILE_S)
     step, words = rt.decoding(steps, 12)
-    assert pays is compiles and isinstance(step, runtime.CompiledDecodeStep) is compiles
+    assert pays is compiles and isinstance(step, compiling.CompiledDecodeStep) is compiles
     assert words.startswith(f"{'torch.compile' if compiles else 'eager'} decoding (compile=auto: {steps} decode steps")
     assert ("more than" if compiles else "less than") in words
     assert rt.decoding(1, 12) == (step, words)
@@ -257,6 +257,6 @@ def test_a_later_process_reuses_the_runs_compiled_work_where_it_was_made(write_c
 
 def test_a_damaged_compile_cache_costs_a_compile_not_the_run(tmp_path):
     (tmp_path / "compile_cache.bin").write_bytes(b"\x00\x01 not a header\nnor artifacts")
-    loaded, line = runtime.load_compile_cache(str(tmp_path), "cpu")
+    loaded, line = compiling.load_compile_cache(str(tmp_path), "cpu")
     assert not loaded and line.startswith(f"{tmp_path / 'compile_cache.bin'} cannot be read (")
     assert line.endswith("): compiling afresh")

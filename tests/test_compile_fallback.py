@@ -8,7 +8,7 @@ import torch
 
 import train
 from conftest import metrics, run, tiny, torchrun
-from summarizer import runtime
+from summarizer import compiling
 
 
 @pytest.fixture
@@ -111,8 +111,8 @@ def test_the_compiled_module_falls_back_to_its_own_weights(capsys, fresh_dynamo)
     model = tiny_gpt()
     x = torch.randint(0, 64, (2, 8))
     with torch._dynamo.config.patch(recompile_limit=1):
-        compiled = runtime.compile_model(model, lambda m: m(x, Targets.of(x))[1], contextlib.nullcontext())
-        assert isinstance(compiled, runtime.CompiledModule) and not compiled.fallback.failed
+        compiled = compiling.compile_model(model, lambda m: m(x, Targets.of(x))[1], contextlib.nullcontext())
+        assert isinstance(compiled, compiling.CompiledModule) and not compiled.fallback.failed
         _, loss = compiled(x[:1], Targets.of(x[:1]))
     assert compiled.fallback.failed and torch.equal(loss, model(x[:1], Targets.of(x[:1]))[1])
     assert list(compiled.parameters()) == list(model.parameters())

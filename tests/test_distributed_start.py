@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import HANG, free_port, run, tiny
-from summarizer.runtime import NCCL_SETTINGS, nccl_in_effect, next_nccl_setting
+from summarizer.backends import NCCL_SETTINGS, nccl_in_effect, next_nccl_setting
 
 
 @pytest.mark.parametrize("environ, expected", [

@@ -14,7 +14,7 @@ from bench import fsdp as bench_fsdp
 from conftest import HANG, REPO, assert_export_matches, tiny, torchrun
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer.checkpoint import load_checkpoint
-from summarizer.runtime import reduce_once_bytes
+from summarizer.memory import reduce_once_bytes
 
 RUN = [*tiny(n_layer=2), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=16",
        "--micro_batch_size=4", "--eval_interval=3", "--lr_decay_iters=6", "--dropout=0.1",

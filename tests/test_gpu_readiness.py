@@ -17,11 +17,13 @@ import train
 from config import Decoding, load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from model import GPT
-from summarizer import inference, runtime
+from summarizer import compiling, inference
 from summarizer.checkpoint import load_checkpoint
+from summarizer.compiling import CompiledModule, use_compile
 from summarizer.errors import UserError
 from summarizer.loading import build_model
-from summarizer.runtime import CompiledModule, Runtime, choose_precision, peak_flops, use_compile
+from summarizer.runtime import Runtime, choose_precision
+from summarizer.tracking import peak_flops
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
 RUN = [*tiny(block_size=64, dtype=None, compile=None), "--log_interval=1", "--warmup_iters=2",
@@ -243,7 +245,7 @@ def test_evaluate_and_predict_compile_the_decode_step_when_compile_applies(compi
     rt = Runtime(cfg)
     run = inference.load_run(cfg, set(), rt, inference.describe_validation)
     step, _ = rt.decoding(inference.decode_steps(100, run.cfg, rt.world_size), run.model.config.n_layer)
-    assert isinstance(step, runtime.CompiledDecodeStep) is compiles
+    assert isinstance(step, compiling.CompiledDecodeStep) is compiles
 
 
 def greedy_case(tiny_hf_dir):
@@ -266,7 +268,7 @@ def test_compiled_decode_gives_the_eager_greedy_output(tiny_hf_dir, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
     assert any(len(row) < 16 for row in eager) and any(len(row) == 16 for row in eager)
-    step = runtime.CompiledDecodeStep()
+    step = compiling.CompiledDecodeStep()
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert "torch.compile failed" not in capfd.readouterr().err
 
@@ -276,7 +278,7 @@ def test_one_compiled_decode_step_decodes_each_model_with_its_own_weights(tiny_h
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": "eager"}))
     model, prompts, eos = greedy_case(tiny_hf_dir)
-    step = runtime.CompiledDecodeStep()
+    step = compiling.CompiledDecodeStep()
     original = generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step)
     twin = copy.deepcopy(model)
     with torch.no_grad():
@@ -318,7 +320,7 @@ def test_failed_training_compile_warns_once_and_trains_eagerly(long_dialogues, e
 def test_failed_decode_compile_warns_once_and_decodes_eagerly(tiny_hf_dir, broken_compiler, capfd):
     model, prompts, eos = greedy_case(tiny_hf_dir)
     eager = generate.generate(model, prompts, Decoding(16), eos_token_id=eos)
-    step = runtime.CompiledDecodeStep()
+    step = compiling.CompiledDecodeStep()
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert generate.generate(model, prompts, Decoding(16), eos_token_id=eos, decode_step=step) == eager
     assert warnings_in(capfd.readouterr().err) == [

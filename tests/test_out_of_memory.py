@@ -8,7 +8,7 @@ import generate
 import train
 from config import Decoding, load_config
 from conftest import tiny
-from summarizer import runtime
+from summarizer import compiling
 from summarizer.runtime import Runtime
 
 
@@ -38,7 +38,7 @@ def test_an_out_of_memory_in_the_compile_warm_up_propagates(args, monkeypatch, c
 def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, capfd):
     from model import GPT
     model = GPT.from_pretrained(tiny_hf_dir).eval()
-    step = runtime.CompiledDecodeStep()
+    step = compiling.CompiledDecodeStep()
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory.")

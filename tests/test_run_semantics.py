@@ -16,8 +16,9 @@ import train
 from config import load_config
 from conftest import metrics, one_error_line, run, tiny
 from summarizer.checkpoint import load_checkpoint
+from summarizer.compiling import use_compile
 from summarizer.errors import UserError
-from summarizer.runtime import Runtime, choose_precision, use_compile
+from summarizer.runtime import Runtime, choose_precision
 from summarizer.schedule import learning_rate, lr_schedule
 from summarizer.state import TrainingState
 

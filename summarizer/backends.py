@@ -1,0 +1,345 @@
+"""The backends: one object each for a single process, torchrun's DDP or FSDP, and Accelerate, that shards, wraps and
+gathers the model its way and saves and restores its optimizer; and the process group's start (meet: NCCL's
+fallbacks on Kaggle's T4s) and its teardown in an order that cannot deadlock (part, with a watchdog)."""
+import contextlib
+import datetime
+import gc
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from summarizer.errors import UserError
+from summarizer.memory import reduce_once_bytes
+
+
+def resolve_backend(requested, environ):
+    """'auto' picks Accelerate under `accelerate launch`, DDP under torchrun, else a single process."""
+    if requested != "auto":
+        return requested
+    if any(key.startswith("ACCELERATE_") for key in environ):
+        return "accelerate"
+    return "ddp" if "RANK" in environ and "WORLD_SIZE" in environ else "none"
+
+
+
+def accelerate_settings(environ):
+    """(mixed_precision, dynamo backend) that `accelerate launch` passes in the environment, lower case; refuses
+    the distributed types this trainer does not implement through Accelerate."""
+    for key, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if environ.get(key, "false").lower() in ("1", "true", "yes"):
+            raise UserError(f"the Accelerate config asks for {what}, which this trainer does not run through "
+                            f"Accelerate: use `accelerate launch --multi_gpu` (DDP) or torchrun with --backend=fsdp")
+    return (environ.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+            environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
+
+
+# ---- the backends ----------------------------------------------------------------------------------------
+
+class SingleProcess:
+    """One process: the model as it is; state dicts as PyTorch writes them."""
+
+    def __init__(self, cfg, want_cuda):
+        self.rank, self.world_size = 0, 1
+        self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if want_cuda else "cpu"))
+
+    def close(self, clean):
+        pass
+
+    def shard(self, model):
+        return model
+
+    def wrap(self, model):
+        return model
+
+    def no_sync(self, wrapped, sync):
+        return contextlib.nullcontext()
+
+    def training_state(self, model, optimizer):
+        """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this."""
+        return model.state_dict(), optimizer.state_dict()
+
+    def load_optimizer_state(self, model, optimizer, state, path):
+        """Load an optimizer state dict saved by training_state."""
+        if any(isinstance(key, str) for key in state["state"]):
+            raise UserError(f"{path} was written by a run with --backend=fsdp, whose optimizer state another "
+                            f"backend cannot load: resume with the backend it was trained with")
+        optimizer.load_state_dict(state)
+        # load_state_dict keeps CPU tensors of the right dtype as they are: views of the checkpoint's mmap'd
+        # pages, which would keep the replaced file's disk space in use until the process ends
+        for per_param in optimizer.state.values():
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    per_param[key] = value.clone()
+
+    def full_weights(self, model):
+        """The model's complete state dict on every rank."""
+        return model.state_dict()
+
+
+
+class DDP(SingleProcess):
+    """torchrun's processes, one per GPU (or gloo on CPU): gradients all-reduced by DistributedDataParallel."""
+
+    def __init__(self, cfg, want_cuda):
+        if "RANK" not in os.environ:
+            raise UserError(f"backend={cfg.backend} needs torchrun: torchrun --nproc_per_node=N --standalone "
+                            f"train.py --backend={cfg.backend}")
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if want_cuda else "cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        meet(cfg, self.device, self.world_size)
+
+    def close(self, clean):
+        if dist.is_initialized():
+            part(self.device, clean, self.rank)
+
+    def wrap(self, model):
+        if self.world_size == 1:
+            return model
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def no_sync(self, wrapped, sync):
+        """Skip the gradient reduction on all but the last micro-step of an accumulation."""
+        if sync or self.world_size == 1:
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
+
+
+# What to set when NCCL's first collective fails, in this order: Kaggle's T4s have no peer access, and NCCL >= 2.24
+# sets up its shared-memory transport with cuMem host buffers, which fails there ("Cuda failure 217 'peer access is
+# not supported'", NVIDIA/nccl#1838); NCCL_CUMEM_HOST_ENABLE=0 takes the older /dev/shm files, NCCL_SHM_DISABLE=1
+# no shared memory at all (a small /dev/shm fails the files too).
+NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
+
+
+
+def nccl_flags(cfg):
+    """The NCCL variables the config's flags ask for (set only where the environment has none)."""
+    return {key: "1" for key, on in (("NCCL_P2P_DISABLE", cfg.nccl_p2p_disable),
+                                     ("NCCL_IB_DISABLE", cfg.nccl_ib_disable)) if on}
+
+
+
+def next_nccl_setting(environ):
+    """The first of NCCL_SETTINGS that `environ` does not already have, or None."""
+    return next((s for s in NCCL_SETTINGS if any(environ.get(k) != v for k, v in s.items())), None)
+
+
+
+def nccl_in_effect(environ):
+    """The NCCL_* variables of `environ`, as KEY=value words."""
+    return " ".join(f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("NCCL_")) or "NCCL's defaults"
+
+
+
+def meet(cfg, device, world_size):
+    """Start the process group and run one collective within dist_start_timeout seconds, so that a rank that
+    never arrives or a transport that fails (NCCL's, at its setup) stops every rank in one line at start-up,
+    naming what to change; later collectives may take dist_timeout seconds each."""
+    nccl = device.type == "cuda"
+    bound = min((cfg.dist_start_timeout, "dist_start_timeout"), (cfg.dist_timeout, "dist_timeout"))
+    start = datetime.timedelta(seconds=bound[0])
+    try:
+        dist.init_process_group("nccl" if nccl else "gloo", device_id=device if nccl else None, timeout=start)
+        dist.all_reduce(torch.ones(1, device=device))
+        if nccl:
+            torch.cuda.synchronize(device)  # NCCL reports a failed setup at the first wait
+    except (RuntimeError, dist.DistError) as e:  # DistStoreError, DistBackendError; NCCL's errors
+        detail = " ".join(str(e).split())[:300]
+        timed_out = "clients joined" in detail or "timed out" in detail.lower()
+        what = (f"the {world_size} processes did not all start and meet within {bound[1]}={bound[0]} s" if timed_out
+                else f"the first collective between the {world_size} processes failed")
+        fix = ""
+        if nccl:
+            setting = next_nccl_setting(os.environ)
+            fix = (f" (NCCL ran with {nccl_in_effect(os.environ)}): set "
+                   + (" ".join(f"{k}={v}" for k, v in setting.items()) + " in the environment and run again "
+                      "(a notebook: os.environ[...] before the training cell); docs/troubleshooting.md"
+                      if setting else "see docs/troubleshooting.md (NCCL settings) and run python -m "
+                                      "bench.preflight"))
+        raise UserError(f"{what} ({detail}){fix}") from None
+    if bound[0] != cfg.dist_timeout:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.dist_timeout))
+
+
+# How long a process may take to end after the ranks' last collective (its outputs are complete by then) before a
+# watchdog ends it: destroying a group takes well under a second.
+TEARDOWN_SECONDS = 60
+
+
+# How long a process may take to end after the ranks' last collective (its outputs are complete by then) before a
+# watchdog ends it: destroying a group takes well under a second.
+TEARDOWN_SECONDS = 60
+WATCHDOG = """
+import os, select, signal, sys
+pipe, parent, seconds, line = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+if not select.select([pipe], [], [], seconds)[0]:  # the pipe is readable (at its end) once the parent has exited
+    print(line, file=sys.stderr, flush=True)
+    os.kill(parent, signal.SIGKILL)
+"""
+
+
+
+def part(device, clean, rank):
+    """End the process group in an order that cannot deadlock. A gloo group's destructor joins its worker threads,
+    and a worker may need the GIL to drop the last reference to a finished collective's tensors: when a C++ holder
+    drops the group's last reference (DDP's Reducer, at the interpreter's exit) the GIL stays held and both wait
+    (pytorch/pytorch#56297, #75097). So: whatever still holds the group (the run's DDP module, FSDP's state) is
+    collected first, while the group's registry keeps it alive; a clean end meets the other ranks in one blocking
+    all-reduce whose tensor stays referenced here until the group is gone (no worker drops its last reference);
+    then destroy_process_group drops the group from Python, which releases the GIL while the workers stop. A
+    watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs.
+    After an error (its frames cleared by Runtime), no collection: under torchrun the launcher stops the other ranks
+    within moments."""
+    if clean:  # no rank tears its connections down while another still uses them
+        gc.collect()  # reference cycles through the model, its hooks and the objective
+        done = torch.ones(1, device=device)
+        dist.all_reduce(done)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    watch_exit(TEARDOWN_SECONDS, f"warning (rank {rank}): the process group's teardown did not end within "
+                                 f"{TEARDOWN_SECONDS} s of the ranks' last collective; the outputs are complete: "
+                                 f"ending the process")
+    dist.destroy_process_group()
+
+
+
+def watch_exit(seconds, line):
+    """Start a watchdog process that writes `line` to stderr and kills this process if it is still alive `seconds`
+    from now. A process, not a thread: a thread needs the GIL, which a hung teardown may hold. It learns of this
+    process's end from a pipe whose only writer is this process (the fd stays open until the process ends)."""
+    read, write = os.pipe()  # not inherited by later children (PEP 446): only this process holds `write`
+    subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
+                     pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    os.close(read)
+
+
+
+class Accelerate(DDP):
+    """`accelerate launch`: Accelerate's process group and DDP wrapper; precision and compile stay ours."""
+
+    def __init__(self, cfg, want_cuda):
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+        # Accelerate must not add an autocast or a torch.compile of its own around the model.
+        self.accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no", dynamo_backend="no",
+                                       kwargs_handlers=[InitProcessGroupKwargs(
+                                           timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
+        self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
+        self.device = self.accelerator.device
+
+    def close(self, clean):
+        self.accelerator.free_memory()  # it keeps the models it prepared: its DDP module holds the group
+        if dist.is_initialized():  # end_training skips the group under notebook_launcher's forked workers
+            part(self.device, clean, self.rank)
+
+    def wrap(self, model):
+        return self.accelerator.prepare_model(model)
+
+
+
+class FSDP(DDP):
+    """torchrun's processes with FSDP2's fully_shard: weights, gradients and optimizer state sharded across ranks."""
+
+    def __init__(self, cfg, want_cuda):
+        if not hasattr(torch.distributed.fsdp, "fully_shard"):
+            raise UserError(f"backend=fsdp needs PyTorch 2.6 or newer (fully_shard), this is {torch.__version__}: "
+                            f"upgrade torch, or use backend=ddp")
+        super().__init__(cfg, want_cuda)
+        self.model = None  # the sharded model, once shard() ran
+
+    def plan(self, reduce_once, dtype, is_main):
+        """fsdp_reduce_once (False without accumulation; 'auto': decided by shard) and the compute dtype."""
+        self.reduce_once, self.dtype, self.is_main = reduce_once, dtype, is_main
+
+    def shard(self, model):
+        """Shard the model in place with fully_shard: one unit per block, then the root (embeddings, ln_f, the tied
+        lm_head). Its parameters become fp32 DTensors (build the optimizer after this); with a 16-bit dtype each
+        unit is all-gathered in that dtype and its gradients are reduce-scattered in fp32. hidden_states is a
+        forward method too (the calibration stage calls it). Decides fsdp_reduce_once='auto'."""
+        if self.reduce_once == "auto":
+            self.reduce_once = self.reduce_once_fits(model)
+        policy = torch.distributed.fsdp.MixedPrecisionPolicy()
+        if self.dtype != "float32":
+            policy = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype),
+                                                                 reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            torch.distributed.fsdp.fully_shard(block, mp_policy=policy)
+        torch.distributed.fsdp.fully_shard(model, mp_policy=policy)
+        torch.distributed.fsdp.register_fsdp_forward_method(model, "hidden_states")
+        self.model = model
+        return model
+
+    def reduce_once_fits(self, model):
+        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per
+        optimizer step holds (reduce_once_bytes); activations are not counted. On the CPU, yes. Rank 0 says why
+        not."""
+        if self.device.type != "cuda":
+            return True
+        held, kept = reduce_once_bytes(model, self.world_size, getattr(torch, self.dtype))
+        total = torch.tensor(torch.cuda.mem_get_info(self.device)[1], device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MIN)  # all ranks decide alike
+        fits = held + kept <= total.item()
+        if not fits and self.is_main:
+            print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
+                  f"hold {held / 2**30:.1f} GiB of gathered {self.dtype} weights and fp32 gradients beside "
+                  f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
+                  f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
+        return fits
+
+    def close(self, clean):
+        self.model = None  # the sharded model holds the group: it goes first
+        super().close(clean)
+
+    def wrap(self, model):
+        return model
+
+    def no_sync(self, wrapped, sync):
+        """FSDP reduce-scatters after every micro-step, unless reduce_once (accumulation)."""
+        return self.accumulation(sync) if self.reduce_once else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def accumulation(self, sync):
+        """One micro-step with reduce_once: the first forward of an optimizer step gathers the weights, which stay
+        gathered until the last backward; gradients accumulate unsharded in fp32 and are reduce-scattered
+        (averaged, as DDP's all-reduce) by the last backward only."""
+        self.model.set_requires_gradient_sync(sync)
+        self.model.set_reshard_after_backward(sync)
+        for block in self.model.transformer.h:  # the root unit is never resharded after forward
+            block.set_reshard_after_forward(False, recurse=False)
+        yield
+        if sync:  # evaluation and generation reshard after each forward again
+            for block in self.model.transformer.h:
+                block.set_reshard_after_forward(True, recurse=False)
+
+    def training_state(self, model, optimizer):
+        """Gathered from the shards onto rank 0's CPU ({} elsewhere), the optimizer's keyed by parameter name."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+    def load_optimizer_state(self, model, optimizer, state, path):
+        """Each rank takes its shards of an optimizer state dict saved by training_state."""
+        if not any(isinstance(key, str) for key in state["state"]):
+            raise UserError(f"{path} was written by a run with another backend, whose optimizer state FSDP cannot "
+                            f"load: resume with the backend it was trained with")
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def full_weights(self, model):
+        """The model's complete state dict on every rank, all-gathered onto each rank's device."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+
+BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accelerate}

@@ -8,10 +8,10 @@
 Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
 time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
-# Reads top to bottom: main, then the Trainer: its set-up and its loop (fit, train_step), which stops at max_iters,
-# at a stop signal (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another
-# step; then what main reads from the command line and what a run is built from (data, the ROUGE model, the
-# objective). The checkpoint's contents are summarizer.state's TrainingState; out_dir is summarizer.run_folder's.
+# Reads top to bottom: main, then the Trainer's loop (fit, train_step), which stops at max_iters, at a stop signal
+# (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another step. What a run
+# is built from is summarizer/preparation.py's (prepare: the one way in); what a step minimizes, an objective's
+# (summarizer/objective.py); what ckpt.pt holds, summarizer/state.py's TrainingState.
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
@@ -23,29 +23,16 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict, replace
 from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
 import data
-from config import (
-    FIELDS,
-    Use,
-    arguments,
-    flags_given,
-    grad_accum_steps,
-    load_config,
-    own_keys,
-    resolve,
-    settings_given,
-)
-from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora, run_folder
+from config import FIELDS, arguments
+from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.clock import RunClock, start_up_deadline
-from summarizer.compiling import CompiledModule, compile_model
+from summarizer.clock import start_up_deadline
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
@@ -55,27 +42,19 @@ from summarizer.launch import (
     lost_rank_keeps_checkpoints,
     notebook_launch,
     one_line_errors,
-    out_of_memory_hint,
     process_age,
     rank_error_lines,
 )
-from summarizer.loading import (
-    check_shape,
-    is_checkpoint,
-    kept_lora_base,
-    model_to_train,
-    resume_path,
-    resuming,
-    start_checkpoint,
-)
-from summarizer.memory import choose_micro_batch
+from summarizer.loading import resume_path, resuming
+from summarizer.memory import memory_hint
 from summarizer.metrics import rouge
+from summarizer.objective import TokenLoss
+from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
-from summarizer.schedule import cooled, decayed, learning_rate, sessions_done
-from summarizer.settings_report import FromRun, check_command, save_config, settings_report
-from summarizer.state import TrainingState, rng_state, set_rng_state
-from summarizer.submission import check_against_sample, predict
-from summarizer.tracking import Tracker, log_row, peak_flops, plot_metrics, progress_postfix, resumed_history
+from summarizer.schedule import cooled, learning_rate
+from summarizer.settings_report import settings_report
+from summarizer.submission import predict
+from summarizer.tracking import log_row, plot_metrics, progress_postfix
 
 quiet_start.imported(__name__)
 
@@ -91,7 +70,8 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, checkpoint, from_run = run_settings(argv, objective or TokenLoss, script, usage)
+        objective = objective or TokenLoss
+        cfg, checkpoint, from_run = run_settings(argv, objective, script, usage)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
@@ -107,7 +87,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
                                   if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(cfg, rt, objective, checkpoint, started, signals)
+                    trainer = Trainer(prepare(cfg, rt, objective, checkpoint, started), rt, signals)
                 cfg = trainer.cfg  # micro_batch_size=auto chosen
                 del checkpoint  # its tensors map the file, whose disk space a save must be able to free
                 try:
@@ -136,7 +116,7 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
             if cfg.predict_after:
                 predict(cfg, set(FIELDS), rt)
 
-# ---- the trainer -------------------------------------------------------------------------------------------
+# ---- the loop ------------------------------------------------------------------------------------------------
 
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
@@ -154,83 +134,17 @@ class StepDone(NamedTuple):
 
 
 class Trainer:
-    """A training run: set up in __init__ (out_dir, data, model, objective, state, compile), then fit() runs the
-    loop. Its TrainingState is what ckpt.pt holds. `start`: the checkpoint train.main loaded to resume or start
-    from (else it is loaded here); `started`: what max_time counts from (else now); `signals`: the StopSignals
-    that ask the run to stop after a step (else none)."""
+    """The loop of a prepared Run (summarizer/preparation.py's prepare, the one way in): fit() trains it. `signals`:
+    the StopSignals that ask the run to stop after a step (else none)."""
 
-    def __init__(self, cfg, rt, objective=None, start=None, started=None, signals=None):
-        self.cfg, self.rt, self.clock = cfg, rt, None
-        self.signals = signals or StopSignals(None, lambda: "", rt.distributed)
-        Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
-        splits, after_summaries = datasets(cfg, rt)
-        self.train_set, self.val_set = splits.train, splits.val
-        if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
-            self.clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
-                                  cfg.eval_interval, min(cfg.rouge_samples, len(self.val_set)), after_summaries,
-                                  int(cfg.evaluate_after) + int(cfg.predict_after),
-                                  step_tokens=cfg.batch_size * float((self.train_set.lengths - 1).mean()))
-        self.starting("building the model")
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model, ckpt = model_to_train(cfg, start)
-        self.micro_batch = None  # micro_batch_size=auto: the choice, in words
-        if cfg.micro_batch_size == "auto":
-            self.starting("planning memory for micro_batch_size=auto")
-            rows, self.micro_batch = choose_micro_batch(cfg, rt, model, self.train_set, self.val_set)
-            self.cfg = cfg = replace(cfg, micro_batch_size=rows)
-        self.accum_steps = grad_accum_steps(cfg, rt.world_size)
-        self.tracker = Tracker(cfg, rt.is_main)  # the one that logs: its hyperparameters are the chosen settings
-        base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
-        disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(self.train_set))
-        if self.clock:  # an evaluation before one is timed: its validation loss's tokens and its saves' bytes
-            rows = len(self.val_set)
-            read = min(1, (cfg.eval_val_batches * cfg.micro_batch_size or rows) / max(1, rows))
-            self.clock.validation_tokens = float((self.val_set.lengths - 1).sum()) * read
-            self.clock.save_bytes = disk.ckpt + disk.best
-        rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
-        # before anything compiles: the compiled work of the run this one continues, starts from or replaces
-        start_folder = os.path.dirname(os.path.abspath(resume_path(cfg) if resuming(cfg) else
-                                                       cfg.init_from if is_checkpoint(cfg.init_from) else
-                                                       os.path.join(cfg.out_dir, run_folder.CKPT)))
-        cached = rt.load_compiled_work(start_folder)
-        # every input is checked: an earlier run's files can go aside
-        moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
-        if moved:
-            print(moved)
-        model.gradient_checkpointing = cfg.gradient_checkpointing
-        model = model.to(rt.device)
-        self.objective = (objective or TokenLoss)(cfg, rt, self.train_set, model, ckpt)
-        self.state = TrainingState.start(rt.parallel.shard(model), cfg, rt,
-                                         train_rows=self.train_set.fingerprints(),
-                                         validation_digest=self.val_set.digest, lora_base=base,
-                                         base=ckpt["config"]["init_from"] if ckpt else cfg.init_from,
-                                         extra=dict(self.objective.checkpoint_keys))
-        torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-        notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
-        if ckpt is not None:
-            notes += self.state.restore(ckpt, cfg, rt, resume_path(cfg))
-            if rt.is_main:
-                notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, self.state.step)])
-        n = min(cfg.rouge_samples, len(self.val_set))
-        self.rouge_prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:n])
-        # compiled or eager: the decoding of every evaluation and of evaluate_after/predict_after, in this process
-        evaluations = (cfg.max_iters - self.state.step) // cfg.eval_interval + 1
-        self.decode_step, self.decoding = rt.decoding(
-            evaluations * inference.decode_steps(len(self.rouge_prompts), cfg, rt.world_size)
-            + inference.decode_steps(after_summaries, cfg, rt.world_size), self.model.config.n_layer)
-        self.module, self.compiled, self.compile_seconds = self.step_module()
-        if self.clock:
-            self.prime_clock(after_summaries)
-        # max_time's cooldown comes in the last of the sessions the run is planned over
-        self.last_session = sessions_done(self.state.schedule) + 1 >= cfg.sessions
-        self.peak = peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None
-        if rt.is_main:
-            if cfg.lora_rank and cfg.init_from == "scratch":
-                print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
-                      f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
-                      f"weight (lora_rank=0)", file=sys.stderr)
-            print("\n".join([*notes, *self.start_lines(disk)]))
-            save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
+    def __init__(self, run, rt, signals=None):
+        self.rt, self.signals = rt, signals or StopSignals(None, lambda: "", rt.distributed)
+        self.cfg, self.state, self.objective, self.module, self.clock = run.cfg, run.state, run.objective, run.module, \
+            run.clock
+        self.compiled_module, self.compile_seconds, self.peak = run.compiled_module, run.compile_seconds, run.peak_flops
+        self.val_set, self.rouge_prompts, self.decode_step = run.val_set, run.rouge_prompts, run.decode_step
+        self.tracker, self.last_session = run.tracker, run.last_session
+
     def fit(self):
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
         a signal number or OUT_OF_TIME; None at max_iters)."""
@@ -354,7 +268,7 @@ class Trainer:
         metrics = {"val_loss": validation_loss(self.model, self.val_set, self.cfg, self.rt)}
         if self.rouge_prompts:
             start = time.perf_counter()
-            model = rouge_model(self.model, self.cfg, self.rt)
+            model = inference.rouge_model(self.model, self.cfg, self.rt)
             predictions = inference.summarize_sharded(model, self.rouge_prompts, self.cfg, self.rt, progress=False,
                                                       decode_step=self.decode_step)
             if self.clock:
@@ -398,111 +312,9 @@ class Trainer:
     @property
     def scaler(self):
         return self.state.scaler
-    def step_module(self):
-        """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
-        micro-batch, on the device) and wrapped by the backend; what runs under torch.compile, in words, for the
-        start line; the seconds the step's compile took, or None)."""
-        module, compiled, seconds = self.objective.module(self.model), "eager", None
-        if self.rt.compile_training:
-            first = self.objective.on_device(self.objective.batches(self.state.step).micro_batches[0], self.rt.device)
-            self.starting("compiling the training step")
-            start = time.perf_counter()
-            with memory_hint(self.cfg, self.rt):
-                module = compile_model(module, lambda m: self.objective.losses(m, first)[0], self.rt.autocast())
-            if isinstance(module, CompiledModule):
-                seconds = time.perf_counter() - start
-                compiled = f"torch.compile (compiled in {seconds:.0f} s)"
-        elif self.rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
-            compiled = f"eager training ({self.rt.backend}), torch.compile decoding"
-        self.compiled_module = module if isinstance(module, CompiledModule) else None
-        return self.rt.parallel.wrap(module), compiled, seconds
 
-    def prime_clock(self, after_summaries):
-        """Before step 1 of a run with max_time, what its clock needs to judge the budget: the first micro-batch's
-        forward and backward twice, then (when the run summarizes) one batch of prompts decoded twice; the first of
-        each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
-        trained run to max_new_tokens: an upper bound. Each is announced, and a budget spent by one stops the run
-        before the next. Leaves no gradients and draws no random numbers."""
-        cfg, rt, clock = self.cfg, self.rt, self.clock
-        rng = rng_state()
-        batch = self.objective.batches(self.state.step)
-        first = self.objective.on_device(batch.micro_batches[0], rt.device)
-        self.starting("timing a training step (its first call pays the one-time costs)")
-        with memory_hint(cfg, rt):
-            for _ in range(2):
-                start = time.perf_counter()
-                with rt.autocast():
-                    token_loss, weighed, _ = self.objective.losses(self.module, first)
-                (token_loss + weighed).backward()
-                seconds = time.perf_counter() - start
-            self.starting("timing a training step (warm)")
-        self.state.optimizer.zero_grad(set_to_none=True)
-        clock.primed = seconds * self.accum_steps / batch.tokens  # the first micro-batch is the step's longest
-        prompts = self.rouge_prompts
-        if after_summaries and not prompts:
-            prompts, _ = inference.Summarizer(self.model, cfg).prompts(self.val_set.dialogues[:cfg.gen_batch_size])
-        prompts = prompts[:cfg.gen_batch_size * rt.world_size]
-        if prompts:
-            self.starting(f"timing a batch of {len(prompts)} summaries")
-            model = rouge_model(self.model, cfg, rt)
-            for _ in range(2):
-                start = time.perf_counter()
-                inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=self.decode_step)
-                clock.summaries.add(time.perf_counter() - start, len(prompts))
-        set_rng_state(rng)
 
-    def starting(self, what):
-        """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next, and a budget
-        that start-up has spent stops every rank here, in one line."""
-        if self.rt.is_main:
-            print(f"start-up: {what} ...", flush=True)
-        if self.clock:
-            self.rt.stop_if(self.clock.start_up_problem() if self.rt.is_main and self.clock.left() <= 0 else None)
-
-    def start_lines(self, disk):
-        """What rank 0 prints before the first step: the line that says what runs, the disk plan."""
-        cfg, rt = self.cfg, self.rt
-        trained = ""
-        if cfg.lora_rank:
-            count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
-        lines = [f"{len(self.train_set)} training and {len(self.val_set)} validation examples; "
-                 f"{cfg.batch_size} sequences per step = {cfg.micro_batch_size} per micro-batch x "
-                 f"{rt.world_size} process(es) x {self.accum_steps} accumulation steps; "
-                 f"{self.model.num_params() / 1e6:.1f}M parameters{trained}; {rt.describe(self.compiled)}; "
-                 f"{self.decoding}",
-                 *([self.micro_batch] if self.micro_batch else []),
-                 f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}"]
-        if self.clock:
-            lines.append(self.clock.budget_line(self.state.step, cfg.max_iters,
-                                                decayed(self.state.step, self.state.schedule),
-                                                sessions_done(self.state.schedule) + 1, cfg.sessions))
-        return lines
-
-# ---- the command line ------------------------------------------------------------------------------------------
-
-def run_settings(argv, objective, script, usage):
-    """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
-    checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
-    before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
-    source's shape, the validation rows the run needs, and what the objective needs. A resume continues the run:
-    only a flag changes it; a new run from the weights is a new run of the run's recipe: a preset changes it too."""
-    cfg, flags = load_config(argv, usage, script), flags_given(argv)
-    check_command(flags, script)
-    path, start = start_checkpoint(cfg)
-    from_run = None
-    if start is not None:
-        use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
-        given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
-        cfg, changed = resolve(cfg, given, start["config"], path, use)
-        from_run = FromRun(path, own_keys(use), changed)
-    check_shape(cfg, flags, cfg.init_from)
-    check_validation(cfg)
-    problem = objective.problem(cfg)
-    if problem:
-        raise UserError(problem)
-    return cfg, start, from_run
-
+# ---- the command line ----------------------------------------------------------------------------------------
 
 def saved_so_far(out_dir):
     """What a run stopped now leaves: its checkpoints that load, or that none was saved yet."""
@@ -523,109 +335,6 @@ def continue_command(script, argv, world_size):
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
     return shlex.join([*launcher, script, *args])
-
-
-# ---- what a run is built from --------------------------------------------------------------------------------
-
-def validation_problem(cfg, rows):
-    """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
-    if rows:
-        return None
-    source = (f"validation_csv={cfg.validation_csv} leaves no validation rows" if cfg.validation_csv else
-              f"val_fraction={cfg.val_fraction:g} of train_csv leaves no validation rows")
-    if cfg.evaluate_after:
-        return (f"{source} for evaluate_after=True to score: pass --validation_csv=<a CSV> or --val_fraction=0.05, "
-                f"or --evaluate_after=False")
-    if cfg.best_metric != "last":
-        return (f"{source} to choose best.pt by best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or "
-                f"--val_fraction=0.05, or --best_metric=last to keep the last save as best.pt")
-    return None
-
-
-def check_validation(cfg):
-    """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
-    split or a CSV leaves are counted by datasets())."""
-    if not cfg.validation_csv and cfg.val_fraction == 0:
-        problem = validation_problem(cfg, 0)
-        if problem:
-            raise UserError(problem)
-
-
-def datasets(cfg, rt):
-    """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
-    predict reads after hours of training are checked now."""
-    splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
-    problem = validation_problem(cfg, len(splits.val))
-    if problem:
-        raise UserError(problem)
-    if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
-        splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
-    after_summaries = len(splits.val) if cfg.evaluate_after else 0
-    if cfg.predict_after:
-        test = data.read_test(cfg)
-        after_summaries += len(test.ids)
-        if cfg.sample_submission_csv:
-            check_against_sample(test.ids, cfg.sample_submission_csv)
-    return splits, after_summaries
-
-
-def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
-    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
-    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
-    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
-    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
-    dtype = getattr(torch, rt.dtype)
-    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
-        return model
-    weights = rt.parallel.full_weights(model)
-    if cfg.lora_rank:
-        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
-    with torch.device("meta"):
-        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
-    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
-    return copy.eval()
-
-
-def memory_hint(cfg, rt):
-    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
-    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
-    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
-                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
-                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
-                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
-                                 "gradients unsharded)" if reduce_once is True else ""))
-
-
-class TokenLoss:
-    """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
-    it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
-    offers the same six things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
-    checkpoint_keys = {}  # what this objective adds to ckpt.pt
-    extra_loss = None  # the metrics.jsonl name of a second loss term, if any
-
-    @staticmethod
-    def problem(cfg):
-        """Why the run's settings cannot train this objective (asked before any work), else None."""
-        return None
-
-    def __init__(self, cfg, rt, train_set, model, ckpt):
-        self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
-
-    def module(self, model):
-        """What a step calls (compiled and wrapped by the backend)."""
-        return model
-
-    def on_device(self, batch, device):
-        x, y = batch
-        return x.to(device, non_blocking=True), Targets.of(y).to(device)
-
-    def losses(self, module, batch):
-        """(token loss summed over the micro-batch's targets, a second term already weighed, its unweighed sum)."""
-        x, found = batch
-        _, loss = module(x, found)
-        zero = torch.zeros((), device=x.device)
-        return loss * len(found.index), zero, zero
 
 
 if __name__ == "__main__":

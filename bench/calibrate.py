@@ -15,6 +15,7 @@ from bench import ROOT
 from config import load_config
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
+from summarizer.preparation import prepare
 from summarizer.ranking import Ranking
 from summarizer.runtime import Runtime
 
@@ -43,7 +44,7 @@ def train_quietly(argv, objective=None):
     the benchmark's; returns the config."""
     cfg = load_config(argv)
     with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(cfg, rt, objective=objective).fit()
+        train.Trainer(prepare(cfg, rt, objective), rt).fit()
     return cfg
 
 

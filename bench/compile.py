@@ -30,6 +30,7 @@ from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr
 from summarizer.evaluation import evaluate
+from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
 
 DEMO = [os.path.join(ROOT, "config", "demo.py"), "--evaluate_after=False", "--predict_after=False",
@@ -223,7 +224,7 @@ def demo_model(folder, steps=60):
                        "--best_metric=val_loss"])
     import train
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), Runtime(cfg) as rt:
-        train.Trainer(cfg, rt).fit()
+        train.Trainer(prepare(cfg, rt), rt).fit()
     return cfg
 
 

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import ROOT, child_environ
+from summarizer.preparation import prepare
 
 GIB = 2**30
 RANKS = 2
@@ -98,7 +99,7 @@ def count_step(args, before):
     try:
         cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
         with Runtime(cfg) as rt:
-            trainer = train.Trainer(cfg, rt)
+            trainer = train.Trainer(prepare(cfg, rt), rt)
             with CollectiveBytes() as counted:
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,

@@ -56,6 +56,16 @@ class SingleProcess:
     def close(self, clean):
         pass
 
+    def barrier(self):
+        pass
+
+    def all_reduce_sum(self, tensor):
+        return tensor
+
+    def all_gather_objects(self, obj):
+        """Every rank's `obj`, in rank order, on every rank."""
+        return [obj]
+
     def shard(self, model):
         return model
 
@@ -100,6 +110,18 @@ class DDP(SingleProcess):
         if want_cuda:
             torch.cuda.set_device(self.device)
         meet(cfg, self.device, self.world_size)
+
+    def barrier(self):
+        dist.barrier()
+
+    def all_reduce_sum(self, tensor):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather_objects(self, obj):
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def close(self, clean):
         if dist.is_initialized():

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from tqdm import tqdm
 import data
 from config import Config, Decoding, Split, Use, keys, part, resolve
 from generate import generate
-from summarizer import mbr, run_folder
+from model import GPT, GPTConfig
+from summarizer import lora, mbr, run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.launch import out_of_memory_hint
 from summarizer.loading import build_model, check_shape
@@ -344,3 +345,21 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
                      decode_step=decode_step)
     shards = rt.all_gather_objects(mine)
     return [next(s for s in column if s is not None) for column in zip(*shards, strict=True)]
+
+
+def rouge_model(model, cfg, rt):
+    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
+    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
+    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
+    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
+    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
+    dtype = getattr(torch, rt.dtype)
+    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
+        return model
+    weights = rt.parallel.full_weights(model)
+    if cfg.lora_rank:
+        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
+    with torch.device("meta"):
+        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
+    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
+    return copy.eval()

@@ -22,6 +22,7 @@ import torch
 from config import Decoding, part
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora
+from summarizer.launch import out_of_memory_hint
 
 PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation
@@ -243,3 +244,13 @@ def reduce_once_bytes(model, world_size, dtype):
     gradients = sum(p.nbytes for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
     held = sum(p.numel() for p in params) * dtype.itemsize + gradients
     return held, (sum(p.nbytes for p in params) + 3 * gradients) / world_size
+
+
+def memory_hint(cfg, rt):
+    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                 "gradients unsharded)" if reduce_once is True else ""))

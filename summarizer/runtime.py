@@ -1,12 +1,12 @@
 """Where the job runs: the Runtime of this process (rank, device, precision, the choices it makes with
 summarizer/compiling.py, its backend from summarizer/backends.py, and the few collectives the trainer uses)."""
 import contextlib
+import functools
 import os
 import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp
 
 from config import grad_accum_steps
@@ -67,9 +67,16 @@ class Runtime:
                                                    else ("no", "no"))
         self.parallel = BACKENDS[self.backend](cfg, want_cuda)
         self.rank, self.world_size, self.device = self.parallel.rank, self.parallel.world_size, self.parallel.device
+        # the collectives are the backend's own (a single process has none): bound here, they run no code of this
+        # module at each step
+        self.barrier, self.all_reduce_sum = self.parallel.barrier, self.parallel.all_reduce_sum
+        self.all_gather_objects = self.parallel.all_gather_objects
         self.is_main = self.rank == 0
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
+        # with rt.autocast(): the dtype's autocast, none in float32
+        self.autocast = (contextlib.nullcontext if self.dtype == "float32" else
+                         functools.partial(torch.autocast, self.device.type, dtype=getattr(torch, self.dtype)))
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
         # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly, its decoding
         # (a gathered copy of the weights) compiles
@@ -138,20 +145,6 @@ class Runtime:
     def distributed(self):
         return self.world_size > 1
 
-    def autocast(self):
-        if self.dtype == "float32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
-
-    def barrier(self):
-        if self.distributed:
-            dist.barrier()
-
-    def all_reduce_sum(self, tensor):
-        if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
     def stop_if(self, problem):
         """Every rank stops together when rank 0 found `problem` (rank 0 ends with it as its one error line; the
         others exit quietly); with None from rank 0 every rank goes on."""
@@ -160,13 +153,3 @@ class Runtime:
             raise UserError(problem)
         if problem:
             sys.exit(2)
-
-    def all_gather_objects(self, obj):
-        """Every rank's `obj`, in rank order, on every rank."""
-        if not self.distributed:
-            return [obj]
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-

@@ -13,8 +13,8 @@ import train
 original_init = train.Trainer.__init__
 
 
-def init_with_overflow(self, cfg, rt, *args):
-    original_init(self, cfg, rt, *args)
+def init_with_overflow(self, run, rt, *args):
+    original_init(self, run, rt, *args)
     unscale = self.scaler.unscale_
 
     def unscale_with_overflow(optimizer):

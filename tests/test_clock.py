@@ -13,6 +13,7 @@ import pytest
 import conftest
 import train
 from conftest import metrics, one_error_line, tiny
+from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import Rate
 from summarizer.schedule import learning_rate
@@ -77,6 +78,7 @@ def virtual(monkeypatch):
             clock.cost("summary", clock.summary * len(prompts), clock.summary * min(len(prompts), GEN_BATCH))
             return summarize(model, prompts, *args, **kwargs)
         monkeypatch.setattr(train, "time", clock)
+        monkeypatch.setattr(preparation, "time", clock)  # start-up: the budget's clock and its priming
         monkeypatch.setattr(train.TokenLoss, "losses", timed_losses)
         monkeypatch.setattr(train.Trainer, "train_step", timed_step)
         monkeypatch.setattr(train.Trainer, "validate", timed_validate)
@@ -234,8 +236,8 @@ def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
 def test_a_budget_that_start_up_spends_ends_the_run_there_in_one_line(run, monkeypatch, capsys, tmp_path):
     """Building the model takes a minute (a big preset on a CPU): a 2 s budget ends the run inside it, not after, in
     one line naming a budget ("so far": the deadline, not the check after the minute); nothing is left in out_dir."""
-    build = train.model_to_train
-    monkeypatch.setattr(train, "model_to_train", lambda *args: time.sleep(60) or build(*args))
+    build = preparation.model_to_train
+    monkeypatch.setattr(preparation, "model_to_train", lambda *args: time.sleep(60) or build(*args))
     err = one_error_line(capsys, train.main, [*run, "--max_time=2"])
     assert re.search(r"max_time=2 is used up before the first step: start-up took \d+ s so far .* e\.g\. "
                      r"--max_time=60", err), err

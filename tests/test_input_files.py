@@ -18,6 +18,7 @@ import data
 import train
 from config import load_config
 from conftest import ONE_STEP, TINY, one_error_line, save_csv, synthetic_rows
+from summarizer import preparation
 
 ROWS = synthetic_rows(7, seed=2)  # 6 training rows and 1 held out
 CSV = pd.DataFrame(ROWS).to_csv(index=False).encode()
@@ -141,13 +142,13 @@ def test_the_note_counts_as_evaluate_does(tmp_path):
     other[1]["id"] = "d0-7"
     val = save_csv(tmp_path / "val.csv", other)
     rt = types.SimpleNamespace(is_main=True, barrier=data.no_op)
-    splits, _ = train.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
+    splits, _ = preparation.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
                                             f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
     assert data.repeated_rows(splits.val, splits.train.fingerprints()).tolist() == [True, True, False, False]
     assert [note for note in splits.notes if "2 of 4 validation rows repeat training rows" in note
             and f"validation_csv {val} shares rows with train_csv {csv}" in note]
     pd.DataFrame([{"dialogue": r["dialogue"], "summary": r["summary"]} for r in other[1:]]).to_csv(val, index=False)
-    splits, _ = train.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
+    splits, _ = preparation.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
                                             f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
     assert not [note for note in splits.notes if "repeat" in note]  # ids count only where both CSVs have them
 

@@ -9,6 +9,7 @@ import train
 from config import Decoding, load_config
 from conftest import tiny
 from summarizer import compiling
+from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
 
 
@@ -26,7 +27,7 @@ def test_an_out_of_memory_in_the_compile_warm_up_propagates(args, monkeypatch, c
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: out_of_memory)
     cfg = load_config(args)
     with pytest.raises(torch.OutOfMemoryError, match="lower --micro_batch_size \\(now 8"):
-        train.Trainer(cfg, Runtime(cfg))
+        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit:
         train.main(args)

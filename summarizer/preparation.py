@@ -25,7 +25,6 @@ from summarizer.loading import (
     start_checkpoint,
 )
 from summarizer.memory import choose_micro_batch, memory_hint
-from summarizer.objective import TokenLoss
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, check_command, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state
@@ -54,8 +53,9 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, objective=TokenLoss, start=None, started=None):
-    """The Run of `cfg` (from run_settings) in `rt`. `start`: the checkpoint run_settings loaded to resume or start
+def prepare(cfg, rt, objective, start=None, started=None):
+    """The Run of `cfg` (from run_settings) in `rt`, training `objective` (a class: train.py's TokenLoss, or a
+    stage's own, e.g. summarizer/ranking.py's Ranking). `start`: the checkpoint run_settings loaded to resume or start
     from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
     does and, before step 1, what runs; a budget that start-up spends stops every rank."""
     Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work

@@ -399,7 +399,7 @@ def test_notebook_worker_failures_add_no_launcher_traceback(monkeypatch, capsys)
 def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, capsys):
     def forked(*args):
         raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, ...")
-    monkeypatch.setattr(train, "Trainer", forked)
+    monkeypatch.setattr(train, "prepare", forked)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
         train.main(NOTEBOOK_ARGS)

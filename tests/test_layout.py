@@ -85,7 +85,7 @@ def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, writ
             "--micro_batch_size=2", "--max_iters=4", "--eval_interval=100", "--log_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", f"--out_dir={tmp_path / 'out'}"]
     cfg = load_config(argv)
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
     forwards, files = [], set()
 
     def profile(frame, event, arg):

@@ -259,7 +259,7 @@ def start_checkpoint(cfg):
     checkpoint file>), else (None, None)."""
     if resuming(cfg):
         path = resume_path(cfg)
-        running = None if cfg.resume_from else run_folder.held_by(cfg.out_dir)
+        running = None if cfg.resume_from else run_folder.training_in(cfg.out_dir)
         if not os.path.isfile(path) and running:
             raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that has "
                             f"not saved a checkpoint ({running}): wait for its first save (every eval_interval "

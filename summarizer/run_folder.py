@@ -100,18 +100,6 @@ def lock(out_dir):
     return handle
 
 
-def held_by(out_dir):
-    """Who holds out_dir's lock (a training run writing into it), or None when no run does."""
-    try:
-        with open(os.path.join(out_dir, LOCK)) as handle:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return holder(out_dir)
-    except OSError:  # no lock file
-        pass
-    return None
-
-
 def holder(out_dir):
     """Who holds out_dir's lock, as its lock file says."""
     try:

@@ -195,6 +195,22 @@ def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_st
     assert decayed[0] == pytest.approx(float(hint[1])) and decayed == sorted(decayed, reverse=True), decayed
 
 
+def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
+    """A resumed run whose last session ended at its budget stays at min_lr: its budget line says so instead of
+    promising a cooldown to it."""
+    from summarizer.clock import RunClock
+    from summarizer.schedule import cooled, decayed, lr_schedule
+    schedule = lr_schedule({"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0,
+                            "max_iters": 100000})
+    assert not decayed(300, schedule)
+    ended = cooled(schedule, 299, steps_left=0, ended=True)
+    assert decayed(300, ended) and learning_rate(300, ended) == MIN_LR
+    clock = RunClock(60, started=0.0, now=lambda: 10.0)
+    clock.primed = 1e-3
+    line = clock.budget_line(300, 100000, decayed(300, ended), 2, 1)
+    assert line.endswith("not the 99700 to max_iters=100000: the learning rate stays at min_lr"), line
+
+
 @pytest.mark.slow
 def test_a_run_over_two_sessions_cools_down_in_the_second_only(run, virtual, tmp_path):
     """docs/kaggle.md's recipe, a virtual minute a session: session 1 trains at the schedule's LR to its budget;

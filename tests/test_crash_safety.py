@@ -170,3 +170,20 @@ def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_
     # the weights before each NaN step are those of iter 4: no NaN step changed them
     assert len(seen["weights"]) == train.NAN_PATIENCE
     assert all(torch.equal(best["model"][k], v) for weights in seen["weights"] for k, v in weights.items())
+
+
+def test_a_nan_stop_before_any_save_says_nothing_is_saved_and_no_dtype_in_float32(write_csv, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """Every loss NaN from step 1 in a float32 run: no checkpoint exists to be 'untouched', and float32 is already
+    the dtype a float16 run would be told to use."""
+    write_csv("train.csv", 40)
+    out = tmp_path / "out"
+    real_forward = GPT.forward
+
+    def nan(model, idx, targets=None):
+        logits, loss = real_forward(model, idx, targets)
+        return logits, loss * float("nan") if model.training else loss
+    monkeypatch.setattr(GPT, "forward", nan)
+    last_line = error_line_of_training(tmp_path, out, capsys, "--max_iters=20", "--eval_interval=10")
+    assert f"(iter {train.NAN_PATIENCE}); stopped: nothing is saved in {out} yet; lower learning_rate (now " \
+           in last_line and "dtype" not in last_line, last_line

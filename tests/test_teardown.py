@@ -1,5 +1,5 @@
 """A finished multi-process run exits: nothing holds the process group when it is destroyed (the order that cannot
-deadlock, summarizer/runtime.py's part), a teardown that hangs anyway ends in one line, and many short runs in a row
+deadlock, summarizer/backends.py's part), a teardown that hangs anyway ends in one line, and many short runs in a row
 all exit. The probe: tests/teardown_probe.py."""
 import concurrent.futures
 import subprocess
@@ -52,12 +52,14 @@ def test_a_teardown_that_hangs_ends_in_one_line_with_the_outputs_complete(csvs, 
     assert (out / "ckpt.pt").is_file() and (out / "best.pt").is_file()
 
 
-RUNS = 50
+# The cause (a holder of the group at its teardown) is checked on every backend by the probe test above, each time;
+# this one shows the consequence under the suite's own load, in ten runs (a minute of CI; fifty took four and a half).
+RUNS = 10
 
 
 @pytest.mark.slow
 @pytest.mark.minutes
-def test_fifty_two_process_runs_in_parallel_pairs_all_exit(csvs, tmp_path):
+def test_many_two_process_runs_in_parallel_pairs_all_exit(csvs, tmp_path):
     """The suite's kind of torchrun job, started RUNS times two at a time: every one exits 0 on its own, its teardown
     within the bound (no watchdog line). Without the teardown order, some hang forever after their last line
     (the watchdog, or here HANG, ends them)."""

@@ -28,9 +28,11 @@ class VirtualClock:
     its padded tokens over per_token), an evaluation and its save `evaluation`, a summary `summary`; the first call
     of each costs COLD times as much."""
 
-    def __init__(self, micro=0.1, evaluation=0.5, summary=0.02, slow_from=None, slow=1.0, pace=None, per_token=None):
+    def __init__(self, micro=0.1, evaluation=0.5, summary=0.02, slow_from=None, slow=1.0, pace=None, per_token=None,
+                 evaluation_pace=None):
         self.now, self.micro, self.evaluation, self.summary = 100.0, micro, evaluation, summary
         self.slow_from, self.slow, self.pace, self.per_token = slow_from, slow, pace, per_token
+        self.evaluation_pace = evaluation_pace  # seconds since the start -> a factor on an evaluation's cost
         self.first = {"micro": True, "evaluation": True, "summary": True}
         self.step = 0  # the loop's step in progress (0-based)
         self.trained = None  # the time the last step ended
@@ -71,7 +73,8 @@ def virtual(monkeypatch):
             return done
 
         def timed_validate(trainer):
-            clock.cost("evaluation", clock.evaluation)
+            pace = clock.evaluation_pace(clock.now - 100.0) if clock.evaluation_pace else 1.0
+            clock.cost("evaluation", clock.evaluation * pace)
             return validate(trainer)
 
         def timed_summaries(model, prompts, *args, **kwargs):
@@ -247,6 +250,20 @@ def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
     assert took / 2 <= need <= 2 * took, (need, took)
     printed = capsys.readouterr().out
     assert "500 ms a summary warm, 38.0 s to compile the decoding" in printed, printed
+
+
+@pytest.mark.slow
+def test_a_run_pushed_past_its_budget_by_a_pace_change_says_by_how_much_and_why(run, virtual, capsys):
+    """The last evaluation takes 20x what every earlier one took (another job took the machine): the run ends
+    past its budget, and its last line says by how much, what the last step, evaluation and save took and what
+    was measured."""
+    clock = virtual(evaluation_pace=lambda seconds: 20.0 if seconds > 36 else 1.0)
+    train.main([*run, "--eval_interval=25", "--max_time=40"])
+    printed = capsys.readouterr().out
+    past = re.search(r"max_time=40: stopped after iter \d+ of 100000 ([\d.]+) s past the budget: the last step, "
+                     r"evaluation and save took ([\d.]+) s where ([\d.]+) s were measured \(the pace changed", printed)
+    assert past, printed[-1500:]
+    assert float(past[1]) == pytest.approx(clock.now - 100.0 - 40, abs=0.1) and float(past[2]) > 5 * float(past[3])
 
 
 def test_a_budget_that_start_up_spends_ends_the_run_there_in_one_line(run, monkeypatch, capsys, tmp_path):

@@ -152,21 +152,22 @@ PACES = {"steady": None, "slows_then_speeds_up": lambda step: 2.0 if 100 <= step
 def test_the_cooldown_never_rises_and_the_estimate_holds_when_steps_alternate_short_and_long(run, virtual, capsys,
                                                                                            tmp_path, pace):
     """A step costs its tokens (short and long steps alternate in length-grouped batches); the pace is steady, or
-    halves, then runs at 2.5x; or speeds up 3x once the cooldown is under way. The learning rate never rises once
-    it leaves the schedule, reaches min_lr at the last step, and the run stops inside its budget; on a steady pace
-    the start line's estimate is within 1.5x of the steps that ran."""
+    halves, then runs at 2.5x; or speeds up 3x once the cooldown is under way. The learning rate never rises after
+    the warmup, reaches min_lr at the last step, and the run stops inside its budget; on a steady pace the start
+    line's estimate is within 1.5x of the steps that ran (450 for 360 here) and the cooldown spans the last tenth
+    of the steps or more."""
     clock = virtual(per_token=4 * 64, pace=PACES[pace])
     train.main([*run, f"--train_csv={varied_csv(tmp_path / 'varied.csv', 60)}", "--eval_interval=25", "--max_time=80"])
     printed = capsys.readouterr().out
     rows = [row for row in metrics(run[-1].split("=", 1)[1]) if "loss" in row]
     lrs = [row["lr"] for row in rows]
-    cooling = next(i for i, lr in enumerate(lrs) if i >= WARMUP and lr < 1e-3 * (1 - 1e-9))
-    assert all(b <= a for a, b in zip(lrs[cooling:-1], lrs[cooling + 1:], strict=True)), lrs[cooling:]
+    assert all(b <= a for a, b in zip(lrs[WARMUP:-1], lrs[WARMUP + 1:], strict=True)), lrs[WARMUP:]
+    cooling = next(i for i, lr in enumerate(lrs) if i >= WARMUP and lr < 0.99e-3)  # the cooldown, not the cosine
     assert lrs[-1] == MIN_LR and lrs[-2] > MIN_LR, lrs[-5:]
     assert f"max_time=80: stopped after iter {len(rows)} of 100000 with " in printed, printed[-2000:]
     assert clock.now - 100.0 <= 80
+    estimate = int(re.search(r"buy about (\d+) steps", printed)[1])
     if pace == "steady":
-        estimate = int(re.search(r"buy about (\d+) steps", printed)[1])
         assert len(rows) / 1.5 <= estimate <= 1.5 * len(rows), (estimate, len(rows))
         assert len(rows) - cooling >= 0.1 * len(rows), (cooling, len(rows))  # a cooldown, not a drop
 

@@ -81,10 +81,9 @@ def prepare(cfg, rt, objective, start=None, started=None):
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(train_set))
     rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
     # before anything compiles: the compiled work of the run this one continues, starts from or replaces
-    start_folder = os.path.dirname(os.path.abspath(resume_path(cfg) if resuming(cfg) else
-                                                   cfg.init_from if is_checkpoint(cfg.init_from) else
-                                                   os.path.join(cfg.out_dir, run_folder.CKPT)))
-    cached = rt.load_compiled_work(start_folder)
+    cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(
+        resume_path(cfg) if resuming(cfg) else cfg.init_from if is_checkpoint(cfg.init_from) else
+        os.path.join(cfg.out_dir, run_folder.CKPT))))
     # every input is checked: an earlier run's files can go aside
     moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
     if moved:
@@ -113,19 +112,17 @@ def prepare(cfg, rt, objective, start=None, started=None):
     accum_steps = grad_accum_steps(cfg, rt.world_size)
     if clock:
         clock.validation_tokens, clock.save_bytes = validation_tokens(cfg, val_set), disk.ckpt + disk.best
+        # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         summaries = prompts or (inference.Summarizer(model, cfg).prompts(val_set.dialogues[:cfg.gen_batch_size])[0]
                                 if after_summaries else [])
-        prime_clock(clock, cfg, rt, objective, state, module, summaries[:cfg.gen_batch_size * rt.world_size],
-                    decode_step, accum_steps, starting)
+        prime_clock(clock, cfg, rt, objective, state, module, summaries, decode_step, accum_steps, starting)
     if rt.is_main:
         if cfg.lora_rank and cfg.init_from == "scratch":
             print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
                   f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
                   f"weight (lora_rank=0)", file=sys.stderr)
-        lines = start_lines(cfg, rt, state, train_set, val_set, accum_steps, f"{rt.describe(compiled)}; {decoding}")
-        print("\n".join([*notes, *lines, *([chosen] if chosen else []),
-                         f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}",
-                         *([budget_line(clock, cfg, state)] if clock else [])]))
+        print("\n".join([*notes, *start_lines(cfg, rt, state, len(train_set), len(val_set), accum_steps,
+                                                f"{rt.describe(compiled)}; {decoding}", chosen, disk, clock)]))
         save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
     # max_time's cooldown comes in the last of the sessions the run is planned over
     return Run(cfg, state, objective, module, compiled_module, seconds, val_set, prompts, decode_step,
@@ -186,6 +183,7 @@ def prime_clock(clock, cfg, rt, objective, state, module, prompts, decode_step, 
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     clock.primed = seconds * accum_steps / batch.tokens  # the first micro-batch is the step's longest
+    prompts = prompts[:cfg.gen_batch_size * rt.world_size]
     if prompts:
         starting(f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
@@ -203,20 +201,20 @@ def validation_tokens(cfg, val_set):
     return float((val_set.lengths - 1).sum()) * read
 
 
-def start_lines(cfg, rt, state, train_set, val_set, accum_steps, runs):
-    """What rank 0 prints of the run before the first step: the rows, the batch, the model, what runs."""
+def start_lines(cfg, rt, state, train_rows, validation_rows, accum_steps, runs, chosen, disk, clock):
+    """What rank 0 prints of the run before the first step: the rows, the batch, the model and what runs; the
+    micro-batch micro_batch_size=auto chose (in words, or None); the disk plan; what max_time buys (clock)."""
     trained = ""
     if cfg.lora_rank:
         count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
         trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
-    return [f"{len(train_set)} training and {len(val_set)} validation examples; {cfg.batch_size} sequences per "
+    return [f"{train_rows} training and {validation_rows} validation examples; {cfg.batch_size} sequences per "
             f"step = {cfg.micro_batch_size} per micro-batch x {rt.world_size} process(es) x {accum_steps} "
-            f"accumulation steps; {state.model.num_params() / 1e6:.1f}M parameters{trained}; {runs}"]
-
-
-def budget_line(clock, cfg, state):
-    return clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
-                             sessions_done(state.schedule) + 1, cfg.sessions)
+            f"accumulation steps; {state.model.num_params() / 1e6:.1f}M parameters{trained}; {runs}",
+            *([chosen] if chosen else []),
+            f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}",
+            *([clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
+                                 sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
 
 
 def run_settings(argv, objective, script, usage):

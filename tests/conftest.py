@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import random
@@ -75,6 +76,21 @@ def one_error_line(capsys, main, argv, code=2):
     lines = [line for line in err.split("\n")[:-1] if "\r" not in line]  # progress bars may come first
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+@contextlib.contextmanager
+def held_by_another_process(folder):
+    """A training run's lock on `folder` (summarizer/run_folder.py's), held by another process until the block
+    ends; that process's pid."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from summarizer import run_folder; "
+                               "handle = run_folder.lock(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+                               str(folder)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.communicate("")
 
 
 def free_port():

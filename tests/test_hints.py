@@ -8,7 +8,7 @@ import pytest
 import evaluate
 import predict
 import train
-from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
+from conftest import ONE_STEP, held_by_another_process, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer import run_folder
 from summarizer.checkpoint import load_checkpoint
 
@@ -116,10 +116,7 @@ def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(train
     folder, args = trained
     out = tmp_path / "out"
     out.mkdir()
-    running = run_folder.lock(str(out))  # a training run holds the folder and has written no ckpt.pt yet
-    try:
+    with held_by_another_process(out) as pid:  # a training run holds the folder and has written no ckpt.pt yet
         err = one_error_line(capsys, train.main, [*args, "--init_from=resume", f"--out_dir={out}"])
-    finally:
-        running.close()
-    assert f"out_dir {out} is in use by a training run that has not saved a checkpoint (pid " in err
+    assert f"out_dir {out} is in use by a training run that has not saved a checkpoint (pid {pid} " in err
     assert "wait for its first save" in err

@@ -12,7 +12,17 @@ import pytest
 
 import predict
 import train
-from conftest import HANG, REPO, metrics, one_error_line, save_csv, synthetic_rows, tiny, torchrun
+from conftest import (
+    HANG,
+    REPO,
+    held_by_another_process,
+    metrics,
+    one_error_line,
+    save_csv,
+    synthetic_rows,
+    tiny,
+    torchrun,
+)
 from summarizer import run_folder
 
 
@@ -120,15 +130,8 @@ def test_a_command_on_a_folder_whose_training_has_not_saved_yet_says_to_wait(csv
     import evaluate
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from summarizer import run_folder; "
-                               "handle = run_folder.lock(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
-                               str(out)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=REPO))
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with held_by_another_process(out) as pid:
         main = evaluate.main if command == "evaluate" else predict.main
         err = one_error_line(capsys, main, args(csvs, out))
-        assert f"checkpoint {out / 'best.pt'} does not exist yet: a training run writes into {out} (pid " \
-               f"{holder.pid} on host " in err and "wait for its first save" in err, err
-    finally:
-        holder.communicate("")
+    assert f"checkpoint {out / 'best.pt'} does not exist yet: a training run writes into {out} (pid " \
+           f"{pid} on host " in err and "wait for its first save" in err, err

@@ -89,7 +89,7 @@ def count_step(args, before):
     """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
     import train
-    from config import load_config
+    from config import grad_accum_steps, load_config
     from summarizer.runtime import Runtime
 
     fsdp = torch.distributed.fsdp
@@ -103,7 +103,8 @@ def count_step(args, before):
             with CollectiveBytes() as counted:
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
-                    "reduce_once": bool(rt.parallel.reduce_once), "micro_steps": trainer.accum_steps}
+                    "reduce_once": bool(rt.parallel.reduce_once),
+                    "micro_steps": grad_accum_steps(trainer.cfg, rt.world_size)}
     finally:
         fsdp.fully_shard = shard
 

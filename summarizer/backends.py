@@ -56,15 +56,23 @@ class SingleProcess:
     def close(self, clean):
         pass
 
+    # The collectives, of every backend: none in one process (nor in a group of one, which Accelerate may not start)
     def barrier(self):
-        pass
+        if self.world_size > 1:
+            dist.barrier()
 
     def all_reduce_sum(self, tensor):
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def all_gather_objects(self, obj):
         """Every rank's `obj`, in rank order, on every rank."""
-        return [obj]
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def shard(self, model):
         return model
@@ -110,18 +118,6 @@ class DDP(SingleProcess):
         if want_cuda:
             torch.cuda.set_device(self.device)
         meet(cfg, self.device, self.world_size)
-
-    def barrier(self):
-        dist.barrier()
-
-    def all_reduce_sum(self, tensor):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def all_gather_objects(self, obj):
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
 
     def close(self, clean):
         if dist.is_initialized():

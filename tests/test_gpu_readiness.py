@@ -17,7 +17,7 @@ import train
 from config import Decoding, load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from model import GPT
-from summarizer import compiling, inference
+from summarizer import compiling, inference, preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.compiling import CompiledModule, use_compile
 from summarizer.errors import UserError
@@ -200,14 +200,14 @@ def compiled_then_eager_then_compiled(long_dialogues):
     the eager run's checkpoint. Returns the metrics and what compile_model returned each time."""
     out = long_dialogues / "mixed"
     returned = []
-    real_compile_model = train.compile_model
-    train.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
+    real_compile_model = preparation.compile_model
+    preparation.compile_model = lambda *args: returned.append(real_compile_model(*args)) or returned[-1]
     try:
         for compile, iters, init in [(True, 2, "scratch"), (False, 4, "resume"), (True, 6, "resume")]:
             train.main([*compile_args(long_dialogues), f"--compile={compile}", f"--max_iters={iters}",
                         f"--init_from={init}", f"--out_dir={out}"])
     finally:
-        train.compile_model = real_compile_model
+        preparation.compile_model = real_compile_model
     return metrics(out), returned, out
 
 

@@ -11,7 +11,7 @@ time budget (--max_time) it stops in time to save and to run evaluate_after/pred
 # Reads top to bottom: main, then the Trainer's loop (fit, train_step), which stops at max_iters, at a stop signal
 # (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another step. What a run
 # is built from is summarizer/preparation.py's (prepare: the one way in); what a step minimizes, an objective's
-# (summarizer/objective.py); what ckpt.pt holds, summarizer/state.py's TrainingState.
+# (TokenLoss below, or a stage's own); what ckpt.pt holds, summarizer/state.py's TrainingState.
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
@@ -139,11 +139,10 @@ class Trainer:
 
     def __init__(self, run, rt, signals=None):
         self.rt, self.signals = rt, signals or StopSignals(None, lambda: "", rt.distributed)
-        self.cfg, self.state, self.objective, self.module, self.clock = run.cfg, run.state, run.objective, run.module, \
-            run.clock
+        self.cfg, self.state, self.objective, self.module = run.cfg, run.state, run.objective, run.module
         self.compiled_module, self.compile_seconds, self.peak = run.compiled_module, run.compile_seconds, run.peak_flops
         self.val_set, self.rouge_prompts, self.decode_step = run.val_set, run.rouge_prompts, run.decode_step
-        self.tracker, self.last_session = run.tracker, run.last_session
+        self.tracker, self.clock, self.last_session = run.tracker, run.clock, run.last_session
 
     def fit(self):
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:

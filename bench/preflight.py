@@ -349,8 +349,8 @@ def main(argv=None):
                                         torch.cuda.get_device_capability() if cuda else None)
     device = "cuda" if cuda else "cpu"
     nproc = max(torch.cuda.device_count(), 1) if cuda else 2
-    shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"} if cuda else TINY  # trains
     run_shape = {key: value for key, value in trained_shape(cfg).items() if key != "bias"}
+    shape = run_shape if cuda else TINY  # what the checks train: on a CPU, a stand-in
     named = {key for key, _, _ in settings_given(settings)}
     checks = dict(versions=versions(), gpus=gpus(cfg), inputs=inputs(cfg, named), shared_memory=shared_memory(),
                   disk=disk(cfg, {**run_shape, "vocab_size": 50304}))

@@ -32,7 +32,6 @@ def resolve_backend(requested, environ):
     return "ddp" if "RANK" in environ and "WORLD_SIZE" in environ else "none"
 
 
-
 def accelerate_settings(environ):
     """(mixed_precision, dynamo backend) that `accelerate launch` passes in the environment, lower case; refuses
     the distributed types this trainer does not implement through Accelerate."""
@@ -105,7 +104,6 @@ class SingleProcess:
         return model.state_dict()
 
 
-
 class DDP(SingleProcess):
     """torchrun's processes, one per GPU (or gloo on CPU): gradients all-reduced by DistributedDataParallel."""
 
@@ -142,12 +140,10 @@ class DDP(SingleProcess):
 NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
 
 
-
 def nccl_flags(cfg):
     """The NCCL variables the config's flags ask for (set only where the environment has none)."""
     return {key: "1" for key, on in (("NCCL_P2P_DISABLE", cfg.nccl_p2p_disable),
                                      ("NCCL_IB_DISABLE", cfg.nccl_ib_disable)) if on}
-
 
 
 def next_nccl_setting(environ):
@@ -155,11 +151,9 @@ def next_nccl_setting(environ):
     return next((s for s in NCCL_SETTINGS if any(environ.get(k) != v for k, v in s.items())), None)
 
 
-
 def nccl_in_effect(environ):
     """The NCCL_* variables of `environ`, as KEY=value words."""
     return " ".join(f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("NCCL_")) or "NCCL's defaults"
-
 
 
 def meet(cfg, device, world_size):
@@ -209,7 +203,6 @@ if not select.select([pipe], [], [], seconds)[0]:  # the pipe is readable (at it
 """
 
 
-
 def part(device, clean, rank):
     """End the process group in an order that cannot deadlock. A gloo group's destructor joins its worker threads,
     and a worker may need the GIL to drop the last reference to a finished collective's tensors: when a C++ holder
@@ -233,7 +226,6 @@ def part(device, clean, rank):
     dist.destroy_process_group()
 
 
-
 def watch_exit(seconds, line):
     """Start a watchdog process that writes `line` to stderr and kills this process if it is still alive `seconds`
     from now. A process, not a thread: a thread needs the GIL, which a hung teardown may hold. It learns of this
@@ -242,7 +234,6 @@ def watch_exit(seconds, line):
     subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
                      pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     os.close(read)
-
 
 
 class Accelerate(DDP):
@@ -265,7 +256,6 @@ class Accelerate(DDP):
 
     def wrap(self, model):
         return self.accelerator.prepare_model(model)
-
 
 
 class FSDP(DDP):
@@ -357,7 +347,6 @@ class FSDP(DDP):
     def full_weights(self, model):
         """The model's complete state dict on every rank, all-gathered onto each rank's device."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
 
 
 BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accelerate}

@@ -60,6 +60,12 @@ class Rate:
         return min(1.0, max(self.warm) / self.per_unit() - 1)
 
 
+def used_up(budget, took, doing):
+    """The line of a budget that start-up spent in `took` seconds (`doing`: what they went on)."""
+    return (f"max_time={budget:g} is used up before the first step: start-up took {took:.0f} s {doing}: give a "
+            f"budget well above that, e.g. --max_time={max(60, round(10 * took, -1)):g}")
+
+
 @contextlib.contextmanager
 def start_up_deadline(budget, started, now=time.monotonic):
     """While inside, until step 1: a budget of `budget` seconds from `started` that start-up spends (a big model on a
@@ -71,10 +77,8 @@ def start_up_deadline(budget, started, now=time.monotonic):
         return
 
     def spent(signum, frame):
-        took = now() - started
-        raise UserError(f"max_time={budget:g} is used up before the first step: start-up took {took:.0f} s so far "
-                        f"(the last 'start-up:' line says what it was doing): give a budget well above that, e.g. "
-                        f"--max_time={max(60, round(10 * took, -1)):g}, or a smaller model or micro_batch_size")
+        raise UserError(used_up(budget, now() - started, "so far (the last 'start-up:' line says what it was doing)")
+                        + ", or a smaller model or micro_batch_size")
     previous = signal.signal(signal.SIGALRM, spent)
     signal.setitimer(signal.ITIMER_REAL, max(budget - (now() - started), 1e-3))
     try:
@@ -215,10 +219,7 @@ class RunClock:
         """Why the budget cannot train before step 1 (the start-up spent it; a step with the last evaluation and
         the after-run take what is left), else None."""
         if self.left() <= 0:
-            spent = self.spent()
-            return (f"max_time={self.budget:g} is used up before the first step: start-up took {spent:.0f} s "
-                    f"(imports, reading the data, building the model, timing a step): give a budget well above that, "
-                    f"e.g. --max_time={max(60, round(10 * spent, -1)):g}")
+            return used_up(self.budget, self.spent(), "(imports, reading the data, building the model, timing a step)")
         need = self.reserve() + (self.step() or 0.0)
         if need >= self.left():
             enough = 10 * math.ceil((self.spent() + 2 * need) / 10)

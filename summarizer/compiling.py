@@ -50,7 +50,6 @@ CACHED_COMPILE_S = 8.0  # with the run's compiled work loaded (compile_cache.bin
 SAVED_PER_BLOCK_S = 2.5e-4  # per decode step and transformer block
 
 
-
 def decode_compile_pays(decode_steps, n_layer, compile_seconds):
     """(whether compiling the decode step repays itself over `decode_steps` steps of an n_layer model, the words
     that say so)."""
@@ -60,7 +59,6 @@ def decode_compile_pays(decode_steps, n_layer, compile_seconds):
                                      f"~{compile_seconds:.0f} s a compile takes")
 
 
-
 def compiled_by():
     """What compiled work is valid for: this torch, Triton and Python."""
     try:
@@ -68,7 +66,6 @@ def compiled_by():
     except importlib.metadata.PackageNotFoundError:  # a CPU build
         triton_version = None
     return {"torch": torch.__version__, "triton": triton_version, "python": ".".join(map(str, sys.version_info[:2]))}
-
 
 
 def load_compile_cache(folder, device_name):
@@ -92,7 +89,6 @@ def load_compile_cache(folder, device_name):
     return count > 0, f"compiled work: {count} artifact(s) from {path}"
 
 
-
 def save_compile_cache(folder, device_name):
     """Write what this process compiled (inductor's kernels, AOTAutograd's graphs, autotuning) to
     folder/compile_cache.bin, with what it is valid for; nothing when nothing was compiled."""
@@ -101,7 +97,6 @@ def save_compile_cache(folder, device_name):
         with atomic_write(os.path.join(folder, COMPILE_CACHE), "wb") as f:
             f.write(json.dumps({**compiled_by(), "device": device_name}).encode() + b"\n")
             f.write(saved[0])
-
 
 
 def compiler_error(error):
@@ -123,7 +118,6 @@ def compiler_error(error):
     return isinstance(error, (torch._dynamo.exc.TorchDynamoException, *compiler, *recompiles))
 
 
-
 def warn_compile_failed(error, fallback):
     """One stderr line for a torch.compile failure: the compiler's own error and what runs instead; returns the
     error, in one line."""
@@ -134,7 +128,6 @@ def warn_compile_failed(error, fallback):
     return why
 
 
-
 def backward_compiled_in_forward():
     """AOTAutograd compiles the backward graph at the forward, not lazily at the first backward: a compiler error
     there meets CompiledModule's fallback."""
@@ -142,7 +135,6 @@ def backward_compiled_in_forward():
     if hasattr(config, "force_non_lazy_backward_lowering"):
         return config.patch(force_non_lazy_backward_lowering=True)
     return contextlib.nullcontext()
-
 
 
 class EagerFallback:
@@ -167,7 +159,6 @@ class EagerFallback:
         return self.eager(*args)
 
 
-
 class CompiledModule(torch.nn.Module):
     """`module` under torch.compile, eager after a compiler failure (EagerFallback). Its parameters are `module`'s,
     so a backend's wrapper (DDP) and the optimizer see the same tensors either way."""
@@ -188,7 +179,6 @@ class CompiledModule(torch.nn.Module):
         return self.fallback(*args)
 
 
-
 class CompiledDecodeStep(EagerFallback):
     """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure. A
     process has one at most (Runtime.decoding): training's ROUGE decoding, evaluate_after and predict_after run
@@ -199,10 +189,8 @@ class CompiledDecodeStep(EagerFallback):
         super().__init__(compiled, eager_decode_step, "decoding eagerly")
 
 
-
 def eager_decode_step(model, *args):
     return eager_step(model.lm_head.weight.device)(model, *args)
-
 
 
 def compile_model(module, trial, autocast):

@@ -234,7 +234,6 @@ def process_age():
     return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-
 @contextlib.contextmanager
 def out_of_memory_hint(doing, settings):
     """Re-raise a torch.OutOfMemoryError inside as one whose message is one line: what ran out of memory and the

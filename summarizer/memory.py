@@ -235,7 +235,6 @@ def largest_micro_batch(run, budget, rates):
     return rows, plan(run, rows, rates, budget)
 
 
-
 def reduce_once_bytes(model, world_size, dtype):
     """(held, kept): bytes per rank that reducing gradients once per optimizer step holds between FSDP's
     micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps

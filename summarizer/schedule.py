@@ -22,10 +22,10 @@ def learning_rate(it, schedule, steps_left=None, last_session=True):
     change much), cooled down to min_lr at the last step (cooldown_progress), by 1-sqrt (Hägele et al. 2024); a
     cooldown already under way is never undone."""
     lr = min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
-    cooling = steps_left is not None and last_session
-    progress = cooldown_progress(it, schedule, steps_left) if cooling else schedule.get("cooldown", 0.0)
     if lr <= schedule["min_lr"]:
         return lr
+    cooling = steps_left is not None and last_session
+    progress = cooldown_progress(it, schedule, steps_left) if cooling else schedule.get("cooldown", 0.0)
     return schedule["min_lr"] + (lr - schedule["min_lr"]) * (1 - math.sqrt(progress))
 
 
@@ -96,10 +96,9 @@ def resumed_schedule(schedule, saved, cfg, it):
 def new_peak_example(learning_rate_setting, min_lr):
     """A --learning_rate for a hint to decay from again: above min_lr and unlike the run's own learning_rate (which,
     given again, changes nothing)."""
-    for candidate in (learning_rate_setting / 2, 10 * min_lr, 2 * learning_rate_setting):
-        if candidate > 1.5 * min_lr and not math.isclose(candidate, learning_rate_setting):
-            return candidate
-    return 10 * min_lr  # not reached: 10 * min_lr is above 1.5 * min_lr and unlike one of the others
+    # 10 * min_lr is above 1.5 * min_lr, and where it is the run's learning_rate, twice that is not: one fits
+    return next(candidate for candidate in (learning_rate_setting / 2, 10 * min_lr, 2 * learning_rate_setting)
+                if candidate > 1.5 * min_lr and not math.isclose(candidate, learning_rate_setting))
 
 
 def describe_schedule(schedule, it, max_iters, learning_rate_setting):

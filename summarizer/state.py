@@ -146,14 +146,12 @@ class TrainingState:
         return notes
 
 
-
 def rng_state():
     """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
 
 
 def set_rng_state(state):

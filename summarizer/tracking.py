@@ -189,16 +189,6 @@ def plot_metrics(jsonl_path, png_path, title=""):
     plt.close(fig)
 
 
-
-def peak_flops(device_name, dtype):
-    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
-    dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
-    for key, table in PEAK_TFLOPS.items():
-        if re.search(rf"\b{key}\b", device_name.upper()):
-            return table[dtype] * 1e12 if dtype in table else None
-    return None
-
-
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
 # more specific names first.
 PEAK_TFLOPS = {
@@ -211,3 +201,12 @@ PEAK_TFLOPS = {
     "V100": {"float16": 125.0, "float32": 15.7},
     "T4": {"float16": 65.0, "float32": 8.1},
 }
+
+
+def peak_flops(device_name, dtype):
+    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
+    dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
+    for key, table in PEAK_TFLOPS.items():
+        if re.search(rf"\b{key}\b", device_name.upper()):
+            return table[dtype] * 1e12 if dtype in table else None
+    return None

@@ -627,11 +627,13 @@ def resolve(cfg, given, saved, path, use):
     is no change; one given against a value the command must take from the run stops in one line."""
     values, changed = {}, []
     for key, f in FIELDS.items():
-        take, mine, theirs = TAKES[f.metadata["scope"]][use], getattr(cfg, key), saved[key]
-        differs = key in given and mine != theirs
-        if take is Take.OWN:
+        take, mine = TAKES[f.metadata["scope"]][use], getattr(cfg, key)
+        if take is Take.OWN:  # read before anything saved: a run's file need not hold a command's own keys
             values[key] = mine
-        elif take is Take.RUN and differs:
+            continue
+        theirs = saved[key]
+        differs = key in given and mine != theirs
+        if take is Take.RUN and differs:
             why = f"resume with --{key}={theirs!r} ({f.metadata['why']} cannot change when resuming)" \
                 if use is Use.RESUME else REFUSED[use]
             raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "

@@ -18,7 +18,7 @@ from summarizer.files import atomic_write
 # ---- the record --------------------------------------------------------------------------------------------
 
 # What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change of what a checkpoint's
-# contents mean bumps it (a new setting only needs its entry in ABSENT), with its upgrade step (UPGRADES, ADDED) and a
+# contents mean bumps it (a new setting only needs its entry in ABSENT), with its upgrade step (UPGRADES) and a
 # fixture written by the last commit of the format before (tests/fixtures/checkpoints/make.sh):
 # tests/test_checkpoint_formats.py reads every fixture.
 FORMAT = 5
@@ -30,7 +30,7 @@ class Record(TypedDict):
     """What every checkpoint says of its run, and its weights (best.pt holds no more)."""
     format: int
     model_args: dict  # the model's GPTConfig
-    config: dict  # every setting of the run, config.Config's keys and types (the shape keys: the model's)
+    config: dict  # the run's settings, config.Config's types (the shape keys: the model's); a command's own may lack
     tokenizer: str  # data.TOKENIZER_ID of the BPE its token ids mean
     iter_num: int  # optimizer steps done
     best_metric: str
@@ -64,24 +64,17 @@ def format_of(ckpt):
     return 3 if "best_val_loss" in ckpt else 2 if "tokenizer" in ckpt else 1
 
 
-# Settings added in each format, with the value a run of the format before had in effect: a checkpoint's config
-# gets them as it is upgraded (format 1 lacked every key of ADDED[2], ...). Where a setting's absence meant "off"
-# or "none", that is the value.
-ADDED = {
-    2: {"resume_from": "", "max_time": "", "fsdp_reduce_once": False, "gen_memory_gb": 0.0, "rank_weight": 0.0,
-        "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8, "rank_decoding": "beam",
-        "candidates_file": ""},  # nccl_ib_disable: see upgrade_1
-    3: {"compare": ""},
-    4: {"output_quota_dir": "", "output_quota_gb": 20.0},  # no quota was counted
-    5: {"dist_start_timeout": 1800},  # the ranks met within dist_timeout (its default)
-}
-
+# A setting a later command takes from a run (config.TAKES) that an older format lacks gets, as the file is
+# upgraded, the value that run had in effect; a command's own settings are never read from a run (resolve), so a
+# file may lack them.
 
 def upgrade_1(ckpt):
     """Format 1 (2026-11-23) -> 2: GPT-2's BPE was the only tokenizer, so its ids are today's; best_score was kept
     negated for val_loss (higher was better), best_metric only in the config; no fingerprints of the training and
-    validation rows; one flag, nccl_p2p_disable, also set NCCL_IB_DISABLE."""
-    config = {**ADDED[2], "nccl_ib_disable": ckpt["config"]["nccl_p2p_disable"], **ckpt["config"]}
+    validation rows; no reranking (rank_weight 0), so its settings had no effect."""
+    ranking = {"rank_weight": 0.0, "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8,
+               "rank_decoding": "beam", "candidates_file": ""}
+    config = {**ranking, **ckpt["config"]}
     metric, score = config["best_metric"], ckpt["best_score"]
     return {**ckpt, "format": 2, "config": config, "tokenizer": data.TOKENIZER_ID, "best_metric": metric,
             "best_score": -score if metric == "val_loss" and score is not None else score,
@@ -91,7 +84,7 @@ def upgrade_1(ckpt):
 def upgrade_2(ckpt):
     """Format 2 (2026-11-24) -> 3: no best_val_loss (a ROUGE tie went to the later evaluation); every ckpt.pt had a
     `candidates` key, None outside the calibration stage."""
-    upgraded = {**ckpt, "format": 3, "config": {**ADDED[3], **ckpt["config"]}, "best_val_loss": None}
+    upgraded = {**ckpt, "format": 3, "best_val_loss": None}
     if upgraded.get("candidates", 0) is None:
         del upgraded["candidates"]
     return upgraded
@@ -101,20 +94,22 @@ def upgrade_3(ckpt):
     """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple,
     sweep a mapping), and the shape keys of the config are the model's (a pretrained model's config kept the
     defaults of init_from=scratch)."""
-    config = {**ADDED[4], **ckpt["config"], **shape_settings(ckpt["model_args"])}
+    config = {**ckpt["config"], **shape_settings(ckpt["model_args"])}
     return {**ckpt, "format": 4, "config": {key: typed(key, value, "the checkpoint's config")
                                              for key, value in config.items() if key in FIELDS}}
 
 
 def upgrade_4(ckpt):
-    """Format 4 (2026-11-26, up to f63e9be) -> 5: no dist_start_timeout."""
-    return {**ckpt, "format": 5, "config": {**ADDED[5], **ckpt["config"]}}
+    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents (format 5 marked a new command setting, which
+    a run's file need not hold)."""
+    return {**ckpt, "format": 5}
 
 
 UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 
-# Settings added since format 5, with the value in effect before each existed: a checkpoint that lacks one gets it
-# as it loads. A new setting needs no new format; a format changes when a meaning does.
+# Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
+# checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
+# does.
 ABSENT = {"sessions": 1}
 
 

@@ -58,7 +58,7 @@ def prepare(cfg, rt, objective, start=None, started=None):
     stage's own, e.g. summarizer/ranking.py's Ranking). `start`: the checkpoint run_settings loaded to resume or start
     from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
     does and, before step 1, what runs; a budget that start-up spends stops every rank."""
-    Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
+    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     splits, after_summaries = datasets(cfg, rt)
     train_set, val_set = splits.train, splits.val
     clock = None
@@ -76,7 +76,7 @@ def prepare(cfg, rt, objective, start=None, started=None):
         starting("planning memory for micro_batch_size=auto")
         rows, chosen = choose_micro_batch(cfg, rt, model, train_set, val_set)
         cfg = replace(cfg, micro_batch_size=rows)
-    tracker = Tracker(cfg, rt.is_main)  # the one that logs: its hyperparameters are the chosen settings
+        tracker.cfg = cfg  # the hyperparameters it logs are the chosen settings
     base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(train_set))
     rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)

@@ -1,7 +1,7 @@
-"""The files train.py is given as CSVs (issue 37): a file that is not a CSV (JSON, Parquet, Excel, an archive of
-several files...) is one line saying what it is and how to make a CSV of it; a compressed CSV (gzip, bzip2, xz, a
-zip of one CSV) is read as the CSV inside; validation rows that repeat training rows (evaluate.py's rule: same
-dialogue, or same id) and ids on more than one row are noted at start-up."""
+"""The files train.py is given as CSVs (issues 37, 56): a file that is not a CSV (JSON, Parquet, Excel, an archive
+of several files...) is one line saying what its first bytes mean and how to make a CSV of it; a compressed CSV
+(gzip, bzip2, xz, a zip of one CSV) is read as the CSV inside; validation rows that repeat training rows
+(evaluate.py's rule: same dialogue, or same id) and ids on more than one row are noted at start-up."""
 import bz2
 import gzip
 import io
@@ -50,19 +50,21 @@ NOT_CSVS = [
      r"is a zip archive of 2 files \(train\.csv, test\.csv\), not a CSV: unzip it \(unzip -d \S+ \S+train\.zip\)"),
     ("train.json", json.dumps(ROWS).encode(),
      r"is JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json'\)\.to_csv\('\S+train\.csv', index=False\), "
-     r"then pass --train_csv=\S+train\.csv$"),
-    ("train.jsonl", "\n".join(map(json.dumps, ROWS)).encode(), r"is JSON Lines, not a CSV: .*lines=True"),
+     r"then pass --train_csv=\S+train\.csv"),
+    ("train.jsonl", "\n".join(map(json.dumps, ROWS)).encode(), r"is JSON, not a CSV: .*lines=True for one record"),
     ("train.parquet", b"PAR1" + bytes(64) + b"PAR1", r"is a Parquet file, not a CSV: convert it: pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
      r"is an Excel workbook \(\.xlsx\), not a CSV: convert it: pandas\.read_excel"),
     ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>", r"is an HTML page"),
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
-     r"is a gzip-compressed file holding JSON, not a CSV: decompress it: gunzip -c \S+train\.json\.gz > "
-     r"\S+train\.json, then convert it: pandas\.read_json"),
-    ("train.csv.gz", gzip.compress(CSV)[:-8], r"is a damaged gzip file"),
+     r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
+     r"\.to_csv\('\S+train\.csv'"),
+    ("train.csv.gz", gzip.compress(CSV)[:-8], r"is a damaged or unreadable gzip file \(.+\): unpack it yourself"),
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
-     r"is a gzip-compressed file holding a tar archive, not a CSV: extract it: tar -xf \S+train\.tar\.gz"),
-    ("train.csv", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n", r"is a Git LFS pointer file"),
+     r"is a gzip-compressed file holding a tar archive, not a CSV: unpack it and pass the \.csv inside as "
+     r"--train_csv=<it>$"),
+    ("train.csv", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n",
+     r"is a Git LFS pointer file, not a CSV: fetch the file it points to"),
 ]
 
 

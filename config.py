@@ -1,33 +1,18 @@
 """Every setting of train.py, calibrate.py, evaluate.py, predict.py and export.py, declared once with its type,
-default, rules and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and how
-a command line becomes them (COMMAND_LINE says it to users). Each group's rules check its own values and Config
-reports every problem of a command in one line. This module imports nothing from summarizer/: the rest of the
-program imports it.
+default, rules and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the
+values a command line gives them (command_line.py reads its words). Each group's rules check its own values and
+Config reports every problem of a command in one line. This module imports nothing from summarizer/: the rest of
+the program imports it.
 """
-import ast
 import difflib
 import enum
-import json
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field, fields
 
-COMMAND_LINE = """\
-Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
-(also written --key value) in its order: a flag beats any preset, whether it comes before or after it
-(`--device=cpu config/kaggle_t4x2.py` runs on the CPU). Values are Python literals (`--learning_rate=3e-4`,
-`--prompt_template='"..."'`); for a text field a bare word is taken as it is (`--init_from=gpt2-medium`,
-`--device=cuda:1`). A yes/no key takes true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`,
-`--compile=False`). max_time takes seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its
-unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are read, never run: only top-level
-`name = <literal>` lines.
-
-A command that uses a trained run (a resume, a new run from a checkpoint, evaluate.py, predict.py, export.py)
-takes the run's settings where they matter to it (the model's shape, its prompt template, its decoding): a flag
-changes what may change, and one that contradicts what training fixed stops in one line. docs/config.md has the
-table of what each command takes."""
+import command_line
+from command_line import UserError
 
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
@@ -36,11 +21,6 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line. It is
-    defined here, below everything that raises it: a setting is the first thing a user can get wrong."""
 
 
 class Scope(enum.Enum):
@@ -657,43 +637,36 @@ def load_config(argv, usage=None, command="train.py"):
     any preset whatever the order; --help prints the command's usage, how a command line is read and the keys the
     command reads, and exits."""
     if "-h" in argv or "--help" in argv:
-        print_help(usage, command)
+        command_line.print_help(usage, help_text(command))
         raise SystemExit(0)
     return Config(**{key: value for key, value, _ in settings_given(argv)})
-
-
-def arguments(argv):
-    """(the presets, the flags as '--key=value') of a command line, which may also give a flag as two words:
-    `--max_iters 5` is `--max_iters=5`, whatever the word after the key looks like (a preset's path too)."""
-    presets, flags, words, two_words = [], [], list(argv), None
-    while words:
-        word = words.pop(0)
-        if not word.startswith("--"):
-            if two_words and not os.path.isfile(word):  # `--max_time 1h 30m`: the shell split one value in two
-                raise UserError(f"{word!r} follows {two_words[0]} {two_words[1]}: a value with a space must be one "
-                                f"word: {two_words[0]}='{two_words[1]} {word}'")
-            presets.append(word)
-        elif "=" not in word and word not in ("-h", "--help") and words and not words[0].startswith("--"):
-            two_words = (word, words.pop(0))
-            flags.append(f"{word}={two_words[1]}")
-            continue
-        else:
-            flags.append(word)
-        two_words = None
-    return presets, flags
 
 
 def settings_given(argv):
     """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
     flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
-    presets, flags = arguments(argv)
+    presets, flags = command_line.arguments(argv)
     given = [(key, value, path) for path in presets for key, value in read_preset(path).items()]
     return given + [(*parse_override(arg), "command line") for arg in flags]
 
 
 def flags_given(argv):
     """{key: value} of the --key=value flags (not what a preset sets): what a command asks for in so many words."""
-    return dict(parse_override(arg) for arg in arguments(argv)[1] if arg not in ("-h", "--help"))
+    return dict(parse_override(arg) for arg in command_line.arguments(argv)[1] if arg not in ("-h", "--help"))
+
+
+def parse_override(arg):
+    """'--key=value' -> (key, value): the value as a Python literal, or as text for a text field."""
+    key, text = command_line.flag(arg)
+    source = f"--{key}={text}"
+    check_key(key, source)
+    value = command_line.literal(text)
+    return key, typed(key, text if FIELDS[key].type is str and not isinstance(value, str) else value, source)
+
+
+def read_preset(path):
+    """{key: value} from a preset file, each value typed."""
+    return {key: typed(key, value, source) for key, value, source in command_line.preset(path)}
 
 
 def check_key(key, source):
@@ -745,89 +718,6 @@ def typed(key, value, source):
     if type(value) not in kinds:
         raise UserError(f"{key} expects {type_name(f)}, got {value!r} ({type(value).__name__}) in {source}")
     return os.path.expanduser(value) if f.metadata["path"] else value
-
-
-def parse_override(arg):
-    """'--key=value' -> (key, value) with the value as a Python literal, or as text for a text field."""
-    key, eq, text = arg[2:].partition("=")
-    if not arg.startswith("--") or not eq:
-        raise UserError(f"cannot read argument {arg!r}: use --key=value (or --key value), or a preset .py/.json file")
-    source = f"--{key}={text}"
-    check_key(key, source)
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = text
-    if FIELDS[key].type is str and not isinstance(value, str):
-        value = text
-    return key, typed(key, value, source)
-
-
-def read_preset(path):
-    """{key: value} from a preset: a .json object, or a .py file of top-level `name = <literal>` lines."""
-    if not os.path.isfile(path):
-        near = near_preset(path)
-        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path
-                else "pass an existing .py or .json file (the presets are in config/)")
-        raise UserError(f"preset {path}: no such preset; {hint}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"preset {path} is not valid JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise UserError(f"preset {path} must hold a JSON object of key: value")
-        return {key: typed(key, value, path) for key, value in values.items()}
-    if not path.endswith(".py"):
-        raise UserError(f"preset {path} must end in .py or .json")
-    try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as e:
-        raise UserError(f"preset {path} line {e.lineno}: syntax error: {e.msg}") from None
-    values = {}
-    for node in tree.body:
-        source = f"{path} line {node.lineno}"
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            continue  # a docstring
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise UserError(f"{source}: only `name = <literal>` lines are allowed in a preset, got "
-                            f"{ast.get_source_segment(text, node)!r}")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise UserError(f"{source}: {ast.get_source_segment(text, node.value)!r} is not a literal "
-                            f"(write the value itself, e.g. 256, not 8 * 32)") from None
-        values[node.targets[0].id] = typed(node.targets[0].id, value, source)
-    return values
-
-
-def near_preset(path):
-    """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
-    name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
-    for ext in (".py", ".json"):
-        if os.path.isfile(path + ext):
-            return path + ext
-    shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
-    files = {}  # name: its path, the path's own folder first
-    for folder in dict.fromkeys([os.path.dirname(path), shipped]):
-        if folder and os.path.isdir(folder):
-            for name in sorted(os.listdir(folder)):
-                if name.endswith((".py", ".json")):
-                    files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
-    wanted = os.path.basename(path if path.endswith((".py", ".json")) else path + ".py")
-    close = difflib.get_close_matches(wanted, files, n=1)
-    return files[close[0]] if close else None
-
-
-def print_help(usage, command):
-    """The command's usage, how a command line is read, and the keys the command reads; a reader that stops early
-    (`--help | head`) is not an error."""
-    try:
-        print("\n\n".join(text.strip() for text in (usage, COMMAND_LINE, help_text(command)) if text), flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 
 
 def help_text(command):

@@ -1,7 +1,7 @@
 """Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
 padded batches: read_table/load_datasets/read_test, prompt_format (the one truncation rule), TrainBatches,
 eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
-something else, named in one line. It imports config.py alone of this project: everything above reads its data
+something else, named in one line. It imports command_line.py alone of this project: everything above reads its data
 through it."""
 import bz2
 import codecs
@@ -25,7 +25,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from config import UserError
+from command_line import UserError
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256

@@ -29,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import FIELDS, arguments
+from command_line import arguments
+from config import FIELDS
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in

@@ -1,6 +1,6 @@
-"""The exceptions for mistakes a user can fix: UserError (config.py's, where the first of them, a setting, is
-caught; every module takes it from here) and DiskFull."""
-from config import UserError
+"""The exceptions for mistakes a user can fix: UserError (command_line.py's, the lowest module, since a command
+line is the first thing a user can get wrong; every module takes it from here) and DiskFull."""
+from command_line import UserError
 
 __all__ = ["UserError", "DiskFull"]
 

@@ -117,7 +117,7 @@ def test_model_needs_torch_alone_and_generate_the_model_alone():
 
 
 # The layers, lowest first: a module imports from its own layer or one below, never above
-LAYERS = (("config", "model", "data"), ("generate",), ("summarizer",),
+LAYERS = (("command_line", "config", "model", "data"), ("generate",), ("summarizer",),
           ("train", "calibrate", "evaluate", "predict", "export"), ("bench",))
 
 

@@ -1,0 +1,132 @@
+"""A command line in words: which words are presets and which are --key=value flags, what a preset file says, what
+a flag's text is as a value, and the text --help prints about it. It knows no setting: config.py, which imports
+it, types each key's value and checks it. UserError is defined here, the lowest module of all: a command line is
+the first thing a user can get wrong."""
+import ast
+import difflib
+import json
+import os
+import sys
+
+COMMAND_LINE = """\
+Presets are applied first, in their order (a later preset wins over an earlier one), then every --key=value flag
+(also written --key value) in its order: a flag beats any preset, whether it comes before or after it
+(`--device=cpu config/kaggle_t4x2.py` runs on the CPU). Values are Python literals (`--learning_rate=3e-4`,
+`--prompt_template='"..."'`); for a text field a bare word is taken as it is (`--init_from=gpt2-medium`,
+`--device=cuda:1`). A yes/no key takes true/false, yes/no, on/off or 1/0 in any case (`--evaluate_after=true`,
+`--compile=False`). max_time takes seconds (`5400`, `5400s`) or hours, minutes and seconds, each number with its
+unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are read, never run: only top-level
+`name = <literal>` lines.
+
+A command that uses a trained run (a resume, a new run from a checkpoint, evaluate.py, predict.py, export.py)
+takes the run's settings where they matter to it (the model's shape, its prompt template, its decoding): a flag
+changes what may change, and one that contradicts what training fixed stops in one line. docs/config.md has the
+table of what each command takes."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
+
+
+def arguments(argv):
+    """(the presets, the flags as '--key=value') of a command line, which may also give a flag as two words:
+    `--max_iters 5` is `--max_iters=5`, whatever the word after the key looks like (a preset's path too)."""
+    presets, flags, words, two_words = [], [], list(argv), None
+    while words:
+        word = words.pop(0)
+        if not word.startswith("--"):
+            if two_words and not os.path.isfile(word):  # `--max_time 1h 30m`: the shell split one value in two
+                raise UserError(f"{word!r} follows {two_words[0]} {two_words[1]}: a value with a space must be one "
+                                f"word: {two_words[0]}='{two_words[1]} {word}'")
+            presets.append(word)
+        elif "=" not in word and word not in ("-h", "--help") and words and not words[0].startswith("--"):
+            two_words = (word, words.pop(0))
+            flags.append(f"{word}={two_words[1]}")
+            continue
+        else:
+            flags.append(word)
+        two_words = None
+    return presets, flags
+
+
+def flag(arg):
+    """'--key=value' -> (key, the value's text)."""
+    key, eq, text = arg[2:].partition("=")
+    if not arg.startswith("--") or not eq:
+        raise UserError(f"cannot read argument {arg!r}: use --key=value (or --key value), or a preset .py/.json file")
+    return key, text
+
+
+def literal(text):
+    """A flag's text as the Python literal it writes, else as the text itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def preset(path):
+    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of top-level `name = <literal>`
+    lines."""
+    if not os.path.isfile(path):
+        near = near_preset(path)
+        hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path
+                else "pass an existing .py or .json file (the presets are in config/)")
+        raise UserError(f"preset {path}: no such preset; {hint}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"preset {path} is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"preset {path} must hold a JSON object of key: value")
+        return [(key, value, path) for key, value in values.items()]
+    if not path.endswith(".py"):
+        raise UserError(f"preset {path} must end in .py or .json")
+    try:
+        tree = ast.parse(text, filename=path)
+    except SyntaxError as e:
+        raise UserError(f"preset {path} line {e.lineno}: syntax error: {e.msg}") from None
+    values = []
+    for node in tree.body:
+        source = f"{path} line {node.lineno}"
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise UserError(f"{source}: only `name = <literal>` lines are allowed in a preset, got "
+                            f"{ast.get_source_segment(text, node)!r}")
+        try:
+            values.append((node.targets[0].id, ast.literal_eval(node.value), source))
+        except ValueError:
+            raise UserError(f"{source}: {ast.get_source_segment(text, node.value)!r} is not a literal "
+                            f"(write the value itself, e.g. 256, not 8 * 32)") from None
+    return values
+
+
+def near_preset(path):
+    """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
+    name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
+    for ext in (".py", ".json"):
+        if os.path.isfile(path + ext):
+            return path + ext
+    shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
+    files = {}  # name: its path, the path's own folder first
+    for folder in dict.fromkeys([os.path.dirname(path), shipped]):
+        if folder and os.path.isdir(folder):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith((".py", ".json")):
+                    files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
+    wanted = os.path.basename(path if path.endswith((".py", ".json")) else path + ".py")
+    close = difflib.get_close_matches(wanted, files, n=1)
+    return files[close[0]] if close else None
+
+
+def print_help(usage, settings):
+    """A command's usage, how a command line is read, and `settings` (the keys it reads); a reader that stops early
+    (`--help | head`) is not an error."""
+    try:
+        print("\n\n".join(text.strip() for text in (usage, COMMAND_LINE, settings) if text), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again

@@ -1,8 +1,8 @@
 """Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
 padded batches: read_table/load_datasets/read_test, prompt_format (the one truncation rule), TrainBatches,
 eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
-something else, named in one line. It imports command_line.py alone of this project: everything above reads its data
-through it."""
+something else, named in one line. Of this project it imports command_line.py alone (UserError): everything
+above reads its data through it."""
 import bz2
 import codecs
 import functools

@@ -42,13 +42,13 @@ from summarizer.launch import (
     StopSignals,
     full_disk_keeps_checkpoints,
     lost_rank_keeps_checkpoints,
+    memory_hint,
     notebook_launch,
     one_line_errors,
     process_age,
     rank_error_lines,
 )
 from summarizer.loading import resume_path, resuming
-from summarizer.memory import memory_hint
 from summarizer.metrics import rouge
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime

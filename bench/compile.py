@@ -28,7 +28,7 @@ import model as model_module
 from bench import ROOT, SAMSUM_CSV, child_environ
 from config import Decoding, load_config, part
 from generate import LogitsProcessors, generate
-from summarizer import inference, mbr
+from summarizer import inference, mbr, memory
 from summarizer.evaluation import evaluate
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
@@ -171,11 +171,11 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
     """(host syncs per decoding step, weight casts per decoding step, KV bytes copied / read) of summarizing
     `prompts` in evaluate.py's batches, eagerly, with generate()'s GPU rule for dropping ended rows by default."""
     weight = model.lm_head.weight
-    memory = inference.generation_memory(cfg, weight.device)
+    room = memory.generation_memory(cfg, weight.device)
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
         decoding = part(cfg, Decoding)
-        for batch in inference.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory,
-                                                  weight.dtype):
+        for batch in memory.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, room,
+                                               weight.dtype):
             generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID, seed=cfg.seed,
                      mbr_pick=mbr.pick, compact_below=compact_below)
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]

@@ -182,10 +182,10 @@ def case(args, dtype, compile, device, capability, folder, csv, prompts, eager):
 # ---- the presets' memory ----------------------------------------------------------------------------------------
 
 def predicted_gib(name, mode, x, y):
-    """python -m bench --section=memory's GiB per GPU of model `name` in `mode`, for micro-batch (x, y)."""
-    shape = PRETRAINED[name]
-    states = {"full": bench_memory.state_bytes(shape, False), "lora": bench_memory.state_bytes(shape, True)}
-    return sum(bench_memory.per_rank(mode, states, bench_memory.activation_bytes(shape, x, y))) / GIB
+    """python -m bench --section=memory's GiB per GPU of model `name` training in `mode`, for micro-batch (x, y)."""
+    preset = load_config([bench_memory.PRESETS[0]])
+    plan, _ = bench_memory.mode_plan(name, mode, x, y, preset, preset.block_size - preset.max_new_tokens)
+    return plan.training / GIB
 
 
 def peak_training_gib(cfg, x, y, device, capability, steps=2):

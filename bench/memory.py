@@ -1,20 +1,12 @@
 """python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
 
-Weights, gradients and optimizer state are the bytes of real tensors: the model of each shape is built on the meta
-device (no memory), with LoRA adapters where the mode has them, given a gradient per trainable parameter, and
-stepped once by AdamW, whose state is then counted. FSDP2 shards every parameter on dim 0 (padded to a multiple
-of the world size); a rank also holds, while it computes, the all-gathered fp32 root unit (embeddings, ln_f),
-two all-gathered blocks (the one computing and the one prefetched) and their unsharded gradients.
-
-Activations are measured: a forward pass of the longest micro-batch of a SAMSum epoch under fp16 autocast on the
-CPU, with torch.autograd.graph.saved_tensors_hooks counting the bytes of every distinct storage autograd keeps
-for backward (parameters excluded; autocast's fp16 weight copies included, as they are kept too). It runs on a
-one-block model of the real width, and each storage is credited to the block or to the rest (embeddings, ln_f,
-lm_head, the loss) by who saved it first; the total is rest + n_layer x block (a 1- vs 2-block difference gives
-the same figures, and so does the whole-depth gpt2, --memory_measured). With gradient checkpointing autograd
-keeps each block's input only, and backward recomputes one block at a time, so one block's activations are
-added. Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context. On CPU, like on a
-T4, scaled_dot_product_attention keeps O(T) state (no T x T attention matrix).
+The figures are summarizer/memory.py's plan, the one micro_batch_size=auto chooses by, asked as a run asks it: the
+weights, gradients and AdamW state of each model's real tensors (built on the meta device, with LoRA adapters where
+the mode has them; FSDP2 shards on FSDP_RANKS ranks, plus the units a rank gathers while computing); activations
+from the rates a one-block model of the real width keeps for backward under fp16 autocast (measured with
+torch.autograd.graph.saved_tensors_hooks), at the longest micro-batch of a SAMSum epoch; the evaluation's and the
+save's peaks. --memory_measured runs the whole-depth model instead, no extrapolation, beside the plan's figure.
+Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context.
 """
 import dataclasses
 import glob
@@ -25,9 +17,9 @@ import torch
 
 import data
 from bench import ROOT
-from config import PROMPT_TEMPLATE, Config, Decoding, load_config, part
+from config import PROMPT_TEMPLATE, Config, load_config
 from model import GPT, PRETRAINED, GPTConfig, Targets
-from summarizer import inference, lora, memory
+from summarizer import lora, memory
 
 GIB = 2**30
 T4_USABLE_GIB = 15.0
@@ -68,73 +60,33 @@ def build(shape, n_layer, with_lora, device):
     return model
 
 
-def state_bytes(shape, with_lora):
-    """{"single": (weights, gradients, AdamW state), "fsdp2": the same for one of FSDP_RANKS ranks} in bytes,
-    counted from the real (meta) tensors of the whole model, as the run's own plan counts them."""
-    model = build(shape, shape["n_layer"], with_lora, "meta")
-    return {"single": memory.state_bytes(model, "none", 1), "fsdp2": memory.state_bytes(model, "fsdp", FSDP_RANKS)}
+def mode_plan(name, mode, x, y, preset, prompt_tokens):
+    """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y) (its
+    rows as long as x's), one GPU (FSDP_RANKS under FSDP) with a T4's usable memory, at `preset`'s decoding for
+    prompts of `prompt_tokens` tokens: the plan micro_batch_size=auto chooses by, asked as the run asks it."""
+    shape, rows = PRETRAINED[name], x.shape[0]
+    cfg = dataclasses.replace(preset, lora_rank=LORA_RANK if mode.startswith("lora") else 0, micro_batch_size=rows,
+                              batch_size=rows, gradient_checkpointing=mode.endswith("checkpointing"))
+    fsdp = mode.startswith("fsdp2")
+    model = build(shape, shape["n_layer"], bool(cfg.lora_rank), "meta")
+    run = memory.Run(model, cfg, "fsdp" if fsdp else "none", FSDP_RANKS if fsdp else 1, torch.float16,
+                     longest_row=x.shape[1], most_targets=int((y >= 0).sum(1).max()), longest_prompt=prompt_tokens)
+    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+    return memory.plan(run, rows, rates, T4_USABLE_GIB * GIB), rates
 
 
-def saved_bytes(model, x, y):
-    """memory.saved_bytes under fp16 autocast on the CPU."""
-    return memory.saved_bytes(model, x, Targets.of(y), torch.autocast("cpu", dtype=torch.float16))
-
-
-def activation_bytes(shape, x, y):
-    """{mode: bytes} of activations for the whole model, from one-block models of the real width: one block's
-    bytes x n_layer + the rest. A checkpointed block keeps only its input (the residual stream)."""
-    torch.manual_seed(0)
-    n = shape["n_layer"]
-    full = saved_bytes(build(shape, 1, False, "cpu"), x, y)
-    block_lora = saved_bytes(build(shape, 1, True, "cpu"), x, y)["block"]
-    checkpointed = full["rest"] + n * full["input"]
-    return {"full": full["rest"] + n * full["block"], "full+checkpointing": checkpointed + full["block"],
-            "lora+checkpointing": checkpointed + block_lora, "fsdp2+checkpointing": checkpointed + full["block"],
-            "block": full["block"]}
-
-
-def measured_activation_bytes(shape, x, y, blocks):
-    """{mode: bytes} from whole-depth models, no extrapolation; the checkpointed mode adds the recompute of one
-    block in backward (measured by activation_bytes)."""
+def measured_activation_bytes(shape, x, y, one_block):
+    """{mode: bytes} that autograd keeps in a forward of (x, y) under fp16 autocast through whole-depth models, no
+    extrapolation; the checkpointed mode adds the recompute of `one_block` bytes in backward."""
     torch.manual_seed(0)
     model = build(shape, shape["n_layer"], False, "cpu")
-    saved = saved_bytes(model, x, y)
+    autocast = torch.autocast("cpu", dtype=torch.float16)
+    saved = memory.saved_bytes(model, x, Targets.of(y), autocast)
     result = {"full": saved["block"] + saved["rest"]}
     model.gradient_checkpointing = True
-    saved = saved_bytes(model, x, y)
-    result["full+checkpointing"] = saved["block"] + saved["rest"] + blocks["block"]
+    saved = memory.saved_bytes(model, x, Targets.of(y), autocast)
+    result["full+checkpointing"] = saved["block"] + saved["rest"] + one_block
     return result
-
-
-def per_rank(mode, states, activations):
-    """(weights, gradients, optimizer, activations) bytes on one GPU in `mode`."""
-    if mode.startswith("fsdp2"):
-        return (*states["full"]["fsdp2"], activations[mode])
-    return (*states["lora" if mode.startswith("lora") else "full"]["single"], activations[mode])
-
-
-def after_training(shape, mode, parts, full_weights, preset, length):
-    """(evaluation, save) bytes on one GPU after the steps: the ROUGE evaluation holds the weights and AdamW's state
-    (gradients freed) and decodes with a KV cache and logits in the half of the free memory generation_memory
-    takes (under FSDP from a gathered copy of the `full_weights`, train.rouge_model), at `preset`'s decoding and
-    prompts of `length` tokens; a LoRA run's save builds, on rank 0, the merged fp32 copy of every adapted weight
-    (W + B @ A)."""
-    weights, _, optimizer, _ = parts
-    held = weights + optimizer + (full_weights if mode.startswith("fsdp2") else 0)
-    config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-    room = max(T4_USABLE_GIB * GIB - held, 0) / 2
-    prompts = [[0] * length] * min(preset.rouge_samples, preset.gen_batch_size)
-    decoding = part(preset, Decoding)
-    batch = len(inference.generation_batches(prompts, decoding, preset.gen_batch_size, config, room,
-                                             torch.float16)[0])
-    kv = inference.kv_cache_bytes(config, batch * inference.cache_rows_per_prompt(decoding),
-                                  length + preset.max_new_tokens, torch.float16)
-    evaluation = held + kv + memory.LOGITS_COPIES * batch * config.vocab_size * 4
-    merged = 0
-    if mode.startswith("lora"):
-        model = build(shape, shape["n_layer"], True, "meta")
-        merged = memory.nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
-    return evaluation, held + merged
 
 
 def t4_micro_batch(name, preset):
@@ -152,25 +104,20 @@ def t4_micro_batch(name, preset):
 
 def bench_memory(args, samsum_csv):
     x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
-    names = args.memory_models.split(",")
     preset = load_config([PRESETS[0]])  # the evaluation's decoding during training
     length = longest_prompt(samsum_csv, preset)
     rows = []
-    for name in names:
-        shape = dict(PRETRAINED[name])
-        states = {"full": state_bytes(shape, False), "lora": state_bytes(shape, True)}
-        activations = activation_bytes(shape, x, y)
-        measured = (measured_activation_bytes(shape, x, y, activations) if name in args.memory_measured.split(",")
-                    else {})
-        for mode in MODES:
-            parts = per_rank(mode, states, activations)
-            total = sum(parts) / GIB
-            evaluation, save = after_training(shape, mode, parts, states["full"]["single"][0], preset, length)
-            peak = max(total, evaluation / GIB, save / GIB)
-            row = dict(section="memory", figure=f"{name}:{mode}:gib_per_rank", value=total,
-                       weights_gib=parts[0] / GIB, grads_gib=parts[1] / GIB, optimizer_gib=parts[2] / GIB,
-                       activations_gib=parts[3] / GIB, evaluation_gib=evaluation / GIB, save_gib=save / GIB,
-                       peak_gib=peak, fits_t4=peak <= T4_USABLE_GIB)
+    for name in args.memory_models.split(","):
+        plans = {mode: mode_plan(name, mode, x, y, preset, length) for mode in MODES}
+        measured = {}
+        if name in args.memory_measured.split(","):
+            rates = plans["full"][1]
+            measured = measured_activation_bytes(PRETRAINED[name], x, y, rates.block_fixed + x.numel() * rates.block)
+        for mode, (plan, _) in plans.items():
+            row = dict(section="memory", figure=f"{name}:{mode}:gib_per_rank", value=plan.training / GIB,
+                       weights_gib=plan.weights / GIB, grads_gib=plan.grads / GIB, optimizer_gib=plan.optimizer / GIB,
+                       activations_gib=plan.activations / GIB, evaluation_gib=plan.evaluation / GIB,
+                       save_gib=plan.save / GIB, peak_gib=plan.peak / GIB, fits_t4=plan.peak <= T4_USABLE_GIB * GIB)
             if mode in measured:
                 row["measured_activations_gib"] = measured[mode] / GIB
             rows.append(row)
@@ -212,13 +159,7 @@ def generation_rows(samsum_csv):
         length = longest_prompt(samsum_csv, base)
         for decoding, options in DECODINGS.items():
             cfg = dataclasses.replace(base, **options)
-            settings = part(cfg, Decoding)
-            prompts = [[0] * length] * cfg.gen_batch_size
-            batch = len(inference.generation_batches(prompts, settings, cfg.gen_batch_size, config, room,
-                                                     torch.float16)[0])
-            per_prompt = inference.cache_rows_per_prompt(settings)
-            kv = inference.kv_cache_bytes(config, batch * per_prompt, length + cfg.max_new_tokens, torch.float16)
-            logits = memory.LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * config.vocab_size * 4
+            batch, kv, logits = memory.decoding_bytes(cfg, config, torch.float16, cfg.gen_batch_size, length, room)
             total = (weights + kv + logits) / GIB
             rows.append(dict(section="memory", figure=f"{base.init_from}:generate:{decoding}:gib", value=total,
                              weights_gib=weights / GIB, kv_cache_gib=kv / GIB, logits_gib=logits / GIB,

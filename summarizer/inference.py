@@ -27,6 +27,7 @@ from summarizer import lora, mbr, run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.launch import out_of_memory_hint
 from summarizer.loading import build_model, check_shape
+from summarizer.memory import generation_batches, generation_memory
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
@@ -227,54 +228,6 @@ def cut_line(run, cut, total):
 
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
-
-CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
-
-
-def generation_memory(cfg, device):
-    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (the
-    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB. Free counts what PyTorch's
-    caching allocator holds unused (e.g. a training step's activations, freed before an evaluation)."""
-    if cfg.gen_memory_gb:
-        return cfg.gen_memory_gb * 2**30
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return (torch.cuda.mem_get_info(device)[0] + cached) / 2
-    return CPU_GEN_MEMORY_GB * 2**30
-
-
-def cache_rows_per_prompt(decoding):
-    """KV-cache rows one prompt holds at the peak of generate(): greedy 2 (its row, and the copy that drops
-    ended rows), beam search num_beams + 1 (its prefill row and the beams, reordered in place), MBR its prefill
-    row and, at a split, two copies of its mbr_samples rows (or the beam's, if more)."""
-    d = decoding
-    rows = d.num_beams + 1 if d.num_beams > 1 else 2
-    if d.mbr_samples:
-        rows = max(rows if d.mbr_include_beam else 0, 1 + 2 * d.mbr_samples)
-    return rows
-
-
-def kv_cache_bytes(model_config, rows, length, dtype):
-    """Bytes of keys and values for `rows` rows of `length` slots: 2 x layers x width x rows x length."""
-    return 2 * model_config.n_layer * model_config.n_embd * rows * length * dtype.itemsize
-
-
-def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
-    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most batch_size
-    prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt + max_new_tokens slots) fits
-    `memory` bytes (one prompt at least), and every world_size-th of them."""
-    rows = cache_rows_per_prompt(decoding)
-    batches = []
-    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        length = len(prompts[i]) + decoding.max_new_tokens  # the longest so far: lengths ascend
-        batch = batches[-1] if batches else []
-        if batch and len(batch) < batch_size and \
-                kv_cache_bytes(model_config, rows * (len(batch) + 1), length, dtype) <= memory:
-            batch.append(i)
-        else:
-            batches.append([i])
-    return batches[rank::world_size]
-
 
 def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, decode_step=None):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in

@@ -246,3 +246,13 @@ def out_of_memory_hint(doing, settings):
         detail = str(e).strip().partition("\n")[0]
         raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"
                                      + (f" ({detail})" if detail else "")) from None
+
+
+def memory_hint(cfg, rt):
+    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
+    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
+                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
+                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
+                                 "gradients unsharded)" if reduce_once is True else ""))

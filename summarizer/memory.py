@@ -21,8 +21,7 @@ import torch
 
 from config import Decoding, part
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora
-from summarizer.launch import out_of_memory_hint
+from summarizer import lora
 
 PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation
@@ -30,8 +29,16 @@ LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per r
 CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may fill
 
 
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
+def nbytes(tensors, per_tensor=0):
+    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
+    the one count of tensor bytes, which the run folder's disk plan and bench ask too."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes + per_tensor
+    return total
 
 
 def shard_bytes(tensors, world_size):
@@ -178,7 +185,7 @@ class Run:
 def plan(run, rows, rates, budget):
     """The Plan of `run` at micro-batches of `rows` (each as long as its longest row), with ActivationRates, on a
     GPU whose plan may fill `budget` bytes (the evaluation's generation batches take half of what the rest leaves,
-    as inference.generation_memory sizes them)."""
+    as generation_memory sizes them)."""
     cfg, model = run.cfg, run.model
     weights, grads, optimizer = state_bytes(model, run.backend, run.world_size)
     activations = rates.bytes(rows, run.longest_row, rows * run.most_targets, model.config.n_layer,
@@ -186,19 +193,26 @@ def plan(run, rows, rates, budget):
     full = nbytes(model.parameters())
     plain = run.backend != "fsdp" and not cfg.lora_rank and run.dtype == torch.float32
     copy = 0 if plain else full // 4 * run.dtype.itemsize + (full if run.backend == "fsdp" else 0)
-    decoding, held = part(cfg, Decoding), weights + optimizer + copy
-    memory = cfg.gen_memory_gb * 2**30 or max(budget - held, 0) / 2
-    prompts = [[0] * run.longest_prompt] * min(cfg.rouge_samples, cfg.gen_batch_size)
-    batch = len(inference.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory,
-                                             run.dtype)[0]) if prompts else 0
-    kv = inference.kv_cache_bytes(model.config, batch * inference.cache_rows_per_prompt(decoding),
-                                  run.longest_prompt + cfg.max_new_tokens, run.dtype)
-    logits = LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * model.config.vocab_size * 4
+    held = weights + optimizer + copy
+    room = cfg.gen_memory_gb * 2**30 or max(budget - held, 0) / 2
+    batch, kv, logits = decoding_bytes(cfg, model.config, run.dtype, min(cfg.rouge_samples, cfg.gen_batch_size),
+                                       run.longest_prompt, room)
     evaluation = held + kv + logits if batch else weights + optimizer
     merged = 0
     if cfg.lora_rank:
         merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
     return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merged)
+
+
+def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
+    """(prompts in the first generation batch, its KV cache's bytes, its logits' bytes) when `prompts` prompts of
+    `prompt_tokens` tokens are summarized at cfg's decoding in `dtype`, in batches of `room` bytes of KV cache."""
+    decoding = part(cfg, Decoding)
+    batch = len(generation_batches([[0] * prompt_tokens] * prompts, decoding, cfg.gen_batch_size, model_config, room,
+                                   dtype)[0]) if prompts else 0
+    kv = kv_cache_bytes(model_config, batch * cache_rows_per_prompt(decoding), prompt_tokens + cfg.max_new_tokens,
+                        dtype)
+    return batch, kv, LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * model_config.vocab_size * 4
 
 
 def device_memory(device):
@@ -245,11 +259,51 @@ def reduce_once_bytes(model, world_size, dtype):
     return held, (sum(p.nbytes for p in params) + 3 * gradients) / world_size
 
 
-def memory_hint(cfg, rt):
-    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
-    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
-    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
-                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
-                              + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
-                              + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
-                                 "gradients unsharded)" if reduce_once is True else ""))
+# ---- a generation's batches -----------------------------------------------------------------------------------
+
+CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
+
+
+def generation_memory(cfg, device):
+    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (the
+    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB. Free counts what PyTorch's
+    caching allocator holds unused (e.g. a training step's activations, freed before an evaluation)."""
+    if cfg.gen_memory_gb:
+        return cfg.gen_memory_gb * 2**30
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (torch.cuda.mem_get_info(device)[0] + cached) / 2
+    return CPU_GEN_MEMORY_GB * 2**30
+
+
+def cache_rows_per_prompt(decoding):
+    """KV-cache rows one prompt holds at the peak of generate(): greedy 2 (its row, and the copy that drops
+    ended rows), beam search num_beams + 1 (its prefill row and the beams, reordered in place), MBR its prefill
+    row and, at a split, two copies of its mbr_samples rows (or the beam's, if more)."""
+    d = decoding
+    rows = d.num_beams + 1 if d.num_beams > 1 else 2
+    if d.mbr_samples:
+        rows = max(rows if d.mbr_include_beam else 0, 1 + 2 * d.mbr_samples)
+    return rows
+
+
+def kv_cache_bytes(model_config, rows, length, dtype):
+    """Bytes of keys and values for `rows` rows of `length` slots: 2 x layers x width x rows x length."""
+    return 2 * model_config.n_layer * model_config.n_embd * rows * length * dtype.itemsize
+
+
+def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
+    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most batch_size
+    prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt + max_new_tokens slots) fits
+    `memory` bytes (one prompt at least), and every world_size-th of them."""
+    rows = cache_rows_per_prompt(decoding)
+    batches = []
+    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+        length = len(prompts[i]) + decoding.max_new_tokens  # the longest so far: lengths ascend
+        batch = batches[-1] if batches else []
+        if batch and len(batch) < batch_size and \
+                kv_cache_bytes(model_config, rows * (len(batch) + 1), length, dtype) <= memory:
+            batch.append(i)
+        else:
+            batches.append([i])
+    return batches[rank::world_size]

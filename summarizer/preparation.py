@@ -15,6 +15,7 @@ from summarizer import inference, run_folder
 from summarizer.clock import RunClock
 from summarizer.compiling import CompiledModule, compile_model
 from summarizer.errors import UserError
+from summarizer.launch import memory_hint
 from summarizer.loading import (
     check_shape,
     is_checkpoint,
@@ -24,7 +25,7 @@ from summarizer.loading import (
     resuming,
     start_checkpoint,
 )
-from summarizer.memory import choose_micro_batch, memory_hint
+from summarizer.memory import choose_micro_batch
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, check_command, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state

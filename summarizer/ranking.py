@@ -25,8 +25,8 @@ from summarizer import lora
 from summarizer.checkpoint import not_an_archive
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.inference import generation_batches, generation_memory
 from summarizer.loading import weights_digest
+from summarizer.memory import generation_batches, generation_memory
 from summarizer.metrics import rouge_per_example
 
 QUALITY = ("rouge1", "rouge2", "rougeL")  # a candidate's quality: the mean of these F1 against the reference

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from summarizer.errors import UserError
+from summarizer.memory import nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
@@ -268,17 +269,6 @@ def gb(n):
     return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
 
 
-def tensors_bytes(tensors):
-    """Bytes of distinct tensors (tied weights count once), as a checkpoint stores them."""
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.nbytes + ZIP_BYTES_PER_TENSOR
-    return total
-
-
 def state_bytes(state):
     """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
     tensors = []
@@ -293,7 +283,7 @@ def state_bytes(state):
             for value in obj:
                 collect(value)
     collect(state)
-    return tensors_bytes(tensors) + ZIP_BYTES_FIXED
+    return nbytes(tensors, ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
 
 
 class DiskPlan:
@@ -307,10 +297,10 @@ class DiskPlan:
         trained = [p for p in params.values() if p.requires_grad]
         base = [p for name, p in params.items() if ".lora_" not in name]
         fixed = ZIP_BYTES_FIXED + ROW_BYTES * train_rows
-        self.best = tensors_bytes(base) + fixed
+        self.best = nbytes(base, ZIP_BYTES_PER_TENSOR) + fixed
         kept = trained if small_lora else list(params.values())
-        self.ckpt = tensors_bytes(kept) + 2 * tensors_bytes(trained) + fixed
-        self.export = tensors_bytes(base) if cfg.export_dir else 0
+        self.ckpt = nbytes(kept, ZIP_BYTES_PER_TENSOR) + 2 * nbytes(trained, ZIP_BYTES_PER_TENSOR) + fixed
+        self.export = nbytes(base, ZIP_BYTES_PER_TENSOR) if cfg.export_dir else 0
         self.cfg = cfg
         self.space = room(cfg.out_dir, Quota.of(cfg))  # (bytes, what limits them): the quota's folder walked once
 

@@ -19,7 +19,7 @@ import train
 from config import Decoding, load_config, parse_duration, part
 from conftest import REPO, TINY, metrics, one_error_line
 from model import GPT
-from summarizer import inference, loading, run_folder
+from summarizer import inference, loading, memory, run_folder
 from summarizer.checkpoint import load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 from summarizer.files import disk_full
@@ -227,10 +227,10 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
     prompts = [[rng.randrange(50257) for _ in range(rng.randint(3, 60))] for _ in range(24)]
     cfg = load_config(["--gen_batch_size=24", "--max_new_tokens=12", "--device=cpu", *options])
     decoding = part(cfg, Decoding)
-    rows = inference.cache_rows_per_prompt(decoding)
-    small = inference.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
-    assert len(inference.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
-    assert len(inference.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
+    rows = memory.cache_rows_per_prompt(decoding)
+    small = memory.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
+    assert len(memory.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
+    assert len(memory.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
     whole = inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
     assert inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=small) == whole
     if "--seed=3" in options:  # the seed matters
@@ -242,14 +242,14 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
     model = GPT.from_pretrained(tiny_hf_dir).eval()
     prompts = [[1] * 50] * 40
     for options, rows in (([], 2), (["--num_beams=4"], 5), (["--temperature=0.7", "--mbr_samples=16"], 33)):
-        per_prompt = inference.kv_cache_bytes(model.config, rows, 50 + 20, torch.float32)
+        per_prompt = memory.kv_cache_bytes(model.config, rows, 50 + 20, torch.float32)
         cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
                            *options])
         decoding = part(cfg, Decoding)
-        assert inference.cache_rows_per_prompt(decoding) == rows
-        memory = inference.generation_memory(cfg, torch.device("cpu"))
-        sizes = [len(b) for b in inference.generation_batches(prompts, decoding, 64, model.config, memory,
-                                                              torch.float32)]
+        assert memory.cache_rows_per_prompt(decoding) == rows
+        room = memory.generation_memory(cfg, torch.device("cpu"))
+        sizes = [len(b) for b in memory.generation_batches(prompts, decoding, 64, model.config, room,
+                                                           torch.float32)]
         assert sizes == [10, 10, 10, 10], (options, sizes)
 
 

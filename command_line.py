@@ -19,9 +19,8 @@ unit (`1.5h`, `45m`, `11h30m`, `1h30m15s`). Preset .py files are read, never run
 `name = <literal>` lines.
 
 A command that uses a trained run (a resume, a new run from a checkpoint, evaluate.py, predict.py, export.py)
-takes the run's settings where they matter to it (the model's shape, its prompt template, its decoding): a flag
-changes what may change, and one that contradicts what training fixed stops in one line. docs/config.md has the
-table of what each command takes."""
+takes from it what each key's scope says (the table in docs/config.md); a flag that contradicts what training
+fixed stops in one line."""
 
 
 class UserError(Exception):

@@ -23,22 +23,32 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
 
 
-class Scope(enum.Enum):
+class Described(enum.Enum):
+    """An enum whose members are a name (their value) and what it means, in the words docs/config.md's table and
+    --help quote."""
+
+    def __new__(cls, value, meaning):
+        member = object.__new__(cls)
+        member._value_, member.meaning = value, meaning
+        return member
+
+
+class Scope(Described):
     """What a setting is to the commands that use a run's checkpoint: its row of TAKES."""
-    SHAPE = "shape"  # the model's shape
-    TRAINED = "trained"  # what training fixed but a new run from the weights may change: rows, batch, warmup, adapters
-    TRAINING = "training"  # how the run trains and what it does when it ends
-    RUN = "run"  # the run's data and seed
-    DECODING = "decoding"  # how the run's summaries are decoded
-    COMMAND = "command"  # where and how this command runs
+    SHAPE = "shape", "the model's shape"
+    TRAINED = "trained", "what training fixed: the row format, `batch_size`, `warmup_iters`, the adapters"
+    TRAINING = "training", "how the run trains, what it does at its end, the test CSV"
+    RUN = "run", "the data, its split and `seed`, `micro_batch_size`"
+    DECODING = "decoding", "how summaries are decoded"
+    COMMAND = "command", "where and how this command runs: paths, device, precision, budget"
 
 
-class Use(enum.Enum):
+class Use(Described):
     """What a command does with a run's checkpoint: a column of TAKES."""
-    RESUME = "resume"  # train.py/calibrate.py --init_from=resume: continue the run
-    WEIGHTS = "weights"  # train.py/calibrate.py --init_from=<a checkpoint>: a new run from its weights
-    INFERENCE = "inference"  # evaluate.py, predict.py: decode with the run's model
-    EXPORT = "export"  # export.py: the run's model, its decoding and a card that describes the run
+    RESUME = "resume", "a resume (`--init_from=resume`): continues the run"
+    WEIGHTS = "weights", "a new run from its weights (`--init_from=<a checkpoint>`, calibrate.py): the same recipe"
+    INFERENCE = "inference", "evaluate.py, predict.py: decode the run's model on its data"
+    EXPORT = "export", "export.py: the run's model, and a card that describes the run"
 
 
 class Take(enum.Enum):
@@ -48,11 +58,9 @@ class Take(enum.Enum):
     RUN = "the run's (a flag against it is refused)"  # a flag that contradicts it stops in one line
 
 
-# The contract between a run and every later command, one row per scope: resolve() reads it, --help and
-# docs/config.md print it. A resume continues the run (a preset does not change it: only a flag); a new run from
-# the weights is a new run of the same recipe (a preset or a flag changes what is not the shape); evaluate.py and
-# predict.py decode the run's model on the run's data; export's card describes the run, so only its decoding may
-# change.
+# The contract between a run and every later command, one row per scope, the only statement of it: resolve() reads
+# it, docs/config.md prints it (settings_report.scope_table) and --help points there. A resume changes only what a
+# flag gives, since a preset would silently change a run it continues.
 TAKES = {
     Scope.SHAPE: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN, Use.INFERENCE: Take.RUN, Use.EXPORT: Take.RUN},
     Scope.TRAINED: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN,

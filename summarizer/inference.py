@@ -1,12 +1,8 @@
 """The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
 evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
 
-A checkpoint keeps the config it was trained with, and config.resolve decides from each setting's
-scope what this command takes from it: what training fixed (the prompt template, block_size, the shape) comes from
-it, and a --key=value that contradicts it stops in one line; decoding and data settings (config.Decoding and the
-sampling seed, config.Split) default to the run's, and an explicit --key=value replaces them. Presets never replace
-the run's settings: they say where and how to run (out_dir, ckpt, test_csv, device, gen_batch_size). A
---baseline has no run: the command line is its config.
+A checkpoint keeps the config it was trained with, and config.resolve takes from it what each setting's scope says
+(config.TAKES, Use.INFERENCE or Use.EXPORT). A --baseline has no run: the command line is its config.
 """
 import contextlib
 import dataclasses

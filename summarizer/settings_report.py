@@ -14,7 +14,6 @@ from config import (
     READ_ONLY_BY,
     TAKES,
     Config,
-    Scope,
     Use,
     describe_duration,
     keys,
@@ -144,18 +143,10 @@ def setting_text(key, value):
 # ---- help and the reference -------------------------------------------------------------------------------
 
 
-SCOPES = {Scope.SHAPE: "the model's shape", Scope.TRAINED: "what training fixed: the row format, `batch_size`, "
-          "`warmup_iters`, the adapters", Scope.TRAINING: "how the run trains, what it does at its end, the test CSV",
-          Scope.RUN: "the data, its split and `seed`, `micro_batch_size`", Scope.DECODING: "how summaries are decoded",
-          Scope.COMMAND: "where and how this command runs: paths, device, precision, budget"}
-USES = {Use.RESUME: "a resume (`--init_from=resume`)", Use.WEIGHTS: "a new run from its weights (`--init_from=<a "
-        "checkpoint>`, calibrate.py)", Use.INFERENCE: "evaluate.py, predict.py", Use.EXPORT: "export.py"}
-
-
 def scope_table():
     """config.TAKES as a Markdown table: what each command takes from a run's checkpoint, by scope."""
-    rows = ["| scope | what | " + " | ".join(USES.values()) + " |", "| --- " * (len(USES) + 2) + "|"]
-    rows += [f"| `{scope.value}` | {SCOPES[scope]} | " + " | ".join(take.value for take in uses.values()) + " |"
+    rows = ["| scope | what | " + " | ".join(use.meaning for use in Use) + " |", "| --- " * (len(Use) + 2) + "|"]
+    rows += [f"| `{scope.value}` | {scope.meaning} | " + " | ".join(uses[use].value for use in Use) + " |"
              for scope, uses in TAKES.items()]
     return "\n".join(rows)
 
@@ -164,8 +155,8 @@ def markdown_reference():
     """docs/config.md's reference: what a command takes from a run by each scope, then a table of keys per group of
     settings."""
     defaults = Config()
-    sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (a run's checkpoints "
-                "keep every key; \"given\": a flag, and for a new run from the weights a preset too):\n\n"
+    sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
+                "and for a new run from the weights a preset too):\n\n"
                 + scope_table()]
     for group in GROUPS:
         rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | scope | meaning |",

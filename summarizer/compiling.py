@@ -196,20 +196,17 @@ def eager_decode_step(model, *args):
 def compile_model(module, trial, autocast):
     """A CompiledModule of `module` (a GPT, or a stage's module around it), tried now on trial(compiled) -> a loss,
     forward and backward, because compiling happens lazily at the first call; the eager module, with one warning
-    line, if the compiler fails there. Any other error (out of memory included) propagates. Leaves no gradients
-    behind and draws no random numbers."""
-    rng = rng_state()
-    try:
-        compiled = CompiledModule(module)
+    line (EagerFallback's), if the compiler fails there. Leaves no gradients behind and draws no random numbers."""
+    rng, compiled = rng_state(), CompiledModule(module)
+
+    def forward_backward():
         with autocast:
             loss = trial(compiled.compiled)
         loss.sum().backward()
-        return compiled
-    except Exception as e:  # compiler support varies by platform, GPU, C++ compiler and torch build
-        if not compiler_error(e):
-            raise  # e.g. out of memory: eager needs more, not less
-        warn_compile_failed(e, "training eagerly")
-        return module
+    tried = EagerFallback(forward_backward, lambda: None, "training eagerly")
+    try:
+        tried()
+        return module if tried.failed else compiled
     finally:
         module.zero_grad(set_to_none=True)
         set_rng_state(rng)

@@ -78,6 +78,16 @@ def one_error_line(capsys, main, argv, code=2):
     return lines[0]
 
 
+def config_error(argv):
+    """The one line of the UserError that load_config(argv) raises."""
+    from config import UserError, load_config
+    with pytest.raises(UserError) as info:
+        load_config(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
 @contextlib.contextmanager
 def held_by_another_process(folder):
     """A training run's lock on `folder` (summarizer/run_folder.py's), held by another process until the block

@@ -9,18 +9,8 @@ import sys
 import pytest
 
 from config import FIELDS, Decoding, keys, load_config
-from conftest import HANG, REPO, one_error_line
-from summarizer.errors import UserError
+from conftest import HANG, REPO, config_error, one_error_line
 from summarizer.settings_report import changed_settings
-
-
-def error_of(argv):
-    with pytest.raises(UserError) as info:
-        load_config(argv)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
 
 SCRIPTS = ("train", "calibrate", "evaluate", "predict", "export")
 
@@ -53,7 +43,7 @@ def test_py_preset_is_read_not_executed_and_flags_win(tmp_path):
 def test_bad_py_preset(tmp_path, body, expected):
     preset = tmp_path / "bad.py"
     preset.write_text(body)
-    message = error_of([str(preset)])
+    message = config_error([str(preset)])
     assert str(preset) in message and expected in message
 
 
@@ -64,13 +54,13 @@ def test_bad_py_preset(tmp_path, body, expected):
 def test_bad_json_preset(tmp_path, text, expected):
     preset = tmp_path / "p.json"
     preset.write_text(text)
-    assert expected in error_of([str(preset)])
+    assert expected in config_error([str(preset)])
 
 
 def test_missing_preset_and_other_extensions(tmp_path):
-    assert "nope.py: no such preset; pass an existing .py or .json file" in error_of([str(tmp_path / "nope.py")])
+    assert "nope.py: no such preset; pass an existing .py or .json file" in config_error([str(tmp_path / "nope.py")])
     (tmp_path / "p.yaml").write_text("a: 1\n")
-    assert ".py or .json" in error_of([str(tmp_path / "p.yaml")])
+    assert ".py or .json" in config_error([str(tmp_path / "p.yaml")])
 
 
 def test_each_scripts_help_lists_the_keys_it_reads_and_together_every_key(capsys):
@@ -137,9 +127,9 @@ def test_a_missing_preset_suggests_the_near_one(capsys, given, near):
 
 def test_a_preset_beside_the_path_is_suggested(tmp_path):
     (tmp_path / "mine.json").write_text("{}")
-    assert error_of([str(tmp_path / "mine")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
-    assert error_of([str(tmp_path / "mien.json")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
-    assert "to set a key, write --batch_size=4" in error_of(["batch_size=4"])
+    assert config_error([str(tmp_path / "mine")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
+    assert config_error([str(tmp_path / "mien.json")]).endswith(f"did you mean {tmp_path / 'mine.json'}?")
+    assert "to set a key, write --batch_size=4" in config_error(["batch_size=4"])
 
 
 def test_a_flag_and_its_value_may_be_two_words():
@@ -147,7 +137,7 @@ def test_a_flag_and_its_value_may_be_two_words():
     cfg = load_config(["--max_iters", "5", "config/demo.py", "--out_dir", "config/kaggle_t4x2.py"])
     assert (cfg.max_iters, cfg.out_dir, cfg.n_layer, cfg.nccl_p2p_disable) == (5, "config/kaggle_t4x2.py", 2, False)
     assert load_config(["--min_lr", "-1"] + ["--min_lr=0"]).min_lr == 0  # a negative number is a value too
-    assert "--key value" in error_of(["--compile"])
+    assert "--key value" in config_error(["--compile"])
 
 
 def test_calibrate_help_says_what_it_needs(capsys):

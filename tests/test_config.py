@@ -18,7 +18,7 @@ from config import (
     parse_sweep,
     sweep_settings,
 )
-from conftest import one_error_line, tiny
+from conftest import config_error, one_error_line, tiny
 from summarizer.errors import UserError
 from summarizer.settings_report import (
     SETTINGS_WIDTH,
@@ -27,14 +27,6 @@ from summarizer.settings_report import (
     save_config,
     settings_report,
 )
-
-
-def error_of(argv):
-    with pytest.raises(UserError) as info:
-        load_config(argv)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def test_defaults_reproduce_the_competition_setup():
@@ -72,7 +64,7 @@ def test_overrides_are_literals_typed_by_field():
     ("--compile", "--key=value"),
 ])
 def test_bad_overrides_are_one_line_naming_the_key(arg, expected):
-    assert expected in error_of([arg])
+    assert expected in config_error([arg])
 
 
 def test_json_preset_and_save_config_round_trip(tmp_path):
@@ -113,7 +105,7 @@ def test_json_preset_and_save_config_round_trip(tmp_path):
     (["--micro_batch_size", "eight"], "micro_batch_size='eight' must be a number > 0 or auto"),
 ])
 def test_values_that_cannot_work_are_rejected(argv, expected):
-    assert expected in error_of(argv)
+    assert expected in config_error(argv)
 
 
 def test_decoding_contradictions_are_the_decoding_group_s_own_rule():
@@ -121,7 +113,7 @@ def test_decoding_contradictions_are_the_decoding_group_s_own_rule():
     cases = [(["--num_beams=4", "--temperature=0.7"], Decoding(num_beams=4, temperature=0.7)),
              (["--mbr_samples=8"], Decoding(mbr_samples=8)), (["--min_new_tokens=129"], Decoding(min_new_tokens=129))]
     for argv, decoding in cases:
-        assert error_of(argv) == decoding.contradiction()
+        assert config_error(argv) == decoding.contradiction()
     assert Decoding().contradiction() == ""
 
 
@@ -200,7 +192,7 @@ def test_a_number_without_its_unit_after_another_is_ambiguous(capsys, text, mean
 
 @pytest.mark.parametrize("text", ["30m1h", "1h1h", "1s30", "1.5.5h", "1d"])
 def test_units_out_of_order_or_unknown_are_not_durations(text):
-    assert f"max_time={text!r} is not a positive duration" in error_of([f"--max_time={text}"])
+    assert f"max_time={text!r} is not a positive duration" in config_error([f"--max_time={text}"])
 
 
 def test_the_budget_is_shown_in_hours_minutes_and_seconds():
@@ -300,11 +292,11 @@ def test_config_imports_nothing_from_the_summarizer_package():
 
 
 def test_every_problem_of_a_command_is_in_its_one_line():
-    message = error_of(["--n_layer=0", "--dtype=fp16", "--top_p=2", "--rouge_samples=0"])
+    message = config_error(["--n_layer=0", "--dtype=fp16", "--top_p=2", "--rouge_samples=0"])
     for problem in ("n_layer=0 must be > 0", "dtype='fp16' is not one of", "top_p=2.0 must be in (0, 1]",
                     "best_metric='rougeL' needs rouge_samples > 0"):
         assert problem in message
-    message = error_of(["--n_embd=100", "--n_head=12", "--block_size=100", "--rouge_samples=0", "--batch_size=7"])
+    message = config_error(["--n_embd=100", "--n_head=12", "--block_size=100", "--rouge_samples=0", "--batch_size=7"])
     for problem in ("n_embd=100 is not a multiple of n_head=12", "block_size=100 must be a multiple of 8",
                     "best_metric='rougeL' needs rouge_samples > 0", "batch_size=7 is not a multiple of"):
         assert problem in message
@@ -330,7 +322,7 @@ def test_values_are_typed_once_as_given():
 
 
 def test_sweeping_max_new_tokens_says_why_it_cannot_be_swept():
-    message = error_of(["--sweep=max_new_tokens=32,64"])
+    message = config_error(["--sweep=max_new_tokens=32,64"])
     assert "max_new_tokens cannot be swept" in message and "--max_new_tokens=N" in message
 
 

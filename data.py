@@ -708,8 +708,8 @@ def csv_content(raw, path, key):
                                 f"you mean as --{key}=<it>") from None
             except (OSError, EOFError, ValueError, RuntimeError, NotImplementedError, lzma.LZMAError, zlib.error,
                     zipfile.BadZipFile) as e:  # damaged, encrypted, or a method the standard library cannot read
-                raise UserError(f"{key} {path} is a damaged or unreadable {what.split()[1].split('-')[0]} file "
-                                f"({e}): unpack it yourself, or download it again") from None
+                raise UserError(f"{key} {path} is {what} that cannot be unpacked ({e}): unpack it yourself, or "
+                                f"download it again") from None
             break
     head = raw[:512].removeprefix(codecs.BOM_UTF8).lstrip().lower()
     found = next(((what, hint) for magic, what, hint in NOT_CSV if head.startswith(magic.lower())), None)

@@ -59,7 +59,8 @@ NOT_CSVS = [
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
      r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
      r"\.to_csv\('\S+train\.csv'"),
-    ("train.csv.gz", gzip.compress(CSV)[:-8], r"is a damaged or unreadable gzip file \(.+\): unpack it yourself"),
+    ("train.csv.gz", gzip.compress(CSV)[:-8],
+     r"is a gzip-compressed file that cannot be unpacked \(.+\): unpack it yourself"),
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
      r"is a gzip-compressed file holding a tar archive, not a CSV: unpack it and pass the \.csv inside as "
      r"--train_csv=<it>$"),

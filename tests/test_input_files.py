@@ -78,6 +78,14 @@ def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, p
     assert "\n" not in message and message.startswith(f"train_csv {path} ") and re.search(pattern, message), message
 
 
+@pytest.mark.parametrize("magic, what, hint", data.NOT_CSV, ids=[what for _, what, _ in data.NOT_CSV])
+def test_every_kind_the_table_of_first_bytes_names_is_one_line(magic, what, hint, tmp_path):
+    path = write(tmp_path, "train.csv", b"\n " + magic + b"id,dialogue,summary\n1,a,b\n")  # blank space first
+    with pytest.raises(data.UserError) as info:
+        data.read_table(path, "train_csv", load_config([]))
+    assert str(info.value).startswith(f"train_csv {path} is {what}, not a CSV: ") and "\n" not in str(info.value)
+
+
 COMPRESSED = {
     "train.csv.gz": gzip.compress(CSV), "train.csv.bz2": bz2.compress(CSV), "train.csv.xz": lzma.compress(CSV),
     "train.zip": zipped({"train.csv": CSV, "__MACOSX/._train.csv": b"\0"}),

@@ -56,13 +56,6 @@ def changed_values(given):
     return [(key, getattr(cfg, key), source[key]) for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
 
 
-def changed_settings(argv):
-    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': the keys whose value differs from the
-    default, and the preset or command line whose value holds, in one line."""
-    changed = changed_values(settings_given(argv))
-    return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in changed)
-
-
 SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
 
 

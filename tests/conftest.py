@@ -78,6 +78,15 @@ def one_error_line(capsys, main, argv, code=2):
     return lines[0]
 
 
+def changed_settings(argv):
+    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': what settings_report.changed_values says of
+    argv, the keys whose value differs from the default with the preset or command line whose value holds."""
+    from config import settings_given
+    from summarizer.settings_report import changed_values, setting_text
+    return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in
+                     changed_values(settings_given(argv)))
+
+
 def config_error(argv):
     """The one line of the UserError that load_config(argv) raises."""
     from config import UserError, load_config

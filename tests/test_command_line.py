@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from config import FIELDS, Decoding, keys, load_config
-from conftest import HANG, REPO, config_error, one_error_line
-from summarizer.settings_report import changed_settings
+from conftest import HANG, REPO, changed_settings, config_error, one_error_line
 
 SCRIPTS = ("train", "calibrate", "evaluate", "predict", "export")
 

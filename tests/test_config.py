@@ -18,11 +18,10 @@ from config import (
     parse_sweep,
     sweep_settings,
 )
-from conftest import config_error, one_error_line, tiny
+from conftest import changed_settings, config_error, one_error_line, tiny
 from summarizer.errors import UserError
 from summarizer.settings_report import (
     SETTINGS_WIDTH,
-    changed_settings,
     markdown_reference,
     save_config,
     settings_report,

@@ -60,18 +60,23 @@ def build(shape, n_layer, with_lora, device):
     return model
 
 
+def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
+    """(memory.Run, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16: what a run
+    asks the memory plan with."""
+    model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
+    run = memory.Run(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
+    return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+
+
 def mode_plan(name, mode, x, y, preset, prompt_tokens):
     """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y) (its
     rows as long as x's), one GPU (FSDP_RANKS under FSDP) with a T4's usable memory, at `preset`'s decoding for
     prompts of `prompt_tokens` tokens: the plan micro_batch_size=auto chooses by, asked as the run asks it."""
-    shape, rows = PRETRAINED[name], x.shape[0]
+    rows, fsdp = x.shape[0], mode.startswith("fsdp2")
     cfg = dataclasses.replace(preset, lora_rank=LORA_RANK if mode.startswith("lora") else 0, micro_batch_size=rows,
                               batch_size=rows, gradient_checkpointing=mode.endswith("checkpointing"))
-    fsdp = mode.startswith("fsdp2")
-    model = build(shape, shape["n_layer"], bool(cfg.lora_rank), "meta")
-    run = memory.Run(model, cfg, "fsdp" if fsdp else "none", FSDP_RANKS if fsdp else 1, torch.float16,
-                     longest_row=x.shape[1], most_targets=int((y >= 0).sum(1).max()), longest_prompt=prompt_tokens)
-    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+    run, rates = planned_run(name, cfg, "fsdp" if fsdp else "none", FSDP_RANKS if fsdp else 1, x.shape[1],
+                             int((y >= 0).sum(1).max()), prompt_tokens)
     return memory.plan(run, rows, rates, T4_USABLE_GIB * GIB), rates
 
 
@@ -95,10 +100,8 @@ def t4_micro_batch(name, preset):
     cfg = Config(**preset)
     if cfg.micro_batch_size != "auto":
         return cfg.micro_batch_size
-    model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
-    run = memory.Run(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", FSDP_RANKS, torch.float16,
-                     cfg.block_size, cfg.max_new_tokens, cfg.block_size - cfg.max_new_tokens)
-    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
+    run, rates = planned_run(name, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", FSDP_RANKS, cfg.block_size,
+                             cfg.max_new_tokens, cfg.block_size - cfg.max_new_tokens)
     return memory.largest_micro_batch(run, T4_USABLE_GIB * GIB * memory.HEADROOM, rates)[0]
 
 

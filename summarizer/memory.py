@@ -254,9 +254,9 @@ def reduce_once_bytes(model, world_size, dtype):
     micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps
     anyway (its shards of the fp32 weights and gradients, and AdamW's two moments), from the unsharded model."""
     params = list(model.parameters())  # tied weights once
-    gradients = sum(p.nbytes for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
+    gradients = nbytes(p for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
     held = sum(p.numel() for p in params) * dtype.itemsize + gradients
-    return held, (sum(p.nbytes for p in params) + 3 * gradients) / world_size
+    return held, (nbytes(params) + 3 * gradients) / world_size
 
 
 # ---- a generation's batches -----------------------------------------------------------------------------------

@@ -189,11 +189,6 @@ def meet(cfg, device, world_size):
 # How long a process may take to end after the ranks' last collective (its outputs are complete by then) before a
 # watchdog ends it: destroying a group takes well under a second.
 TEARDOWN_SECONDS = 60
-
-
-# How long a process may take to end after the ranks' last collective (its outputs are complete by then) before a
-# watchdog ends it: destroying a group takes well under a second.
-TEARDOWN_SECONDS = 60
 WATCHDOG = """
 import os, select, signal, sys
 pipe, parent, seconds, line = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]

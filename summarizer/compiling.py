@@ -37,15 +37,6 @@ def use_compile(requested, device_type, accelerate_dynamo="no"):
 # steps it will run save more than the compile takes (decode_compile_pays). Python's and the kernel launches' time
 # per module call is what a compiled step saves; a GPT-2 block is about ten module calls.
 DECODE_COMPILE_S = 30.0  # a cold compile of the decode step (the first H100 run's first batch: 35-45 s with it)
-
-
-# What compiling generate's decode step costs and saves on a GPU: compile=auto compiles a command's decoding when the
-# steps it will run save more than the compile takes (decode_compile_pays). Python's and the kernel launches' time
-# per module call is what a compiled step saves; a GPT-2 block is about ten module calls.
-DECODE_COMPILE_S = 30.0  # a cold compile of the decode step (the first H100 run's first batch: 35-45 s with it)
-CACHED_COMPILE_S = 8.0  # with the run's compiled work loaded (compile_cache.bin): Dynamo traces again, no more
-
-
 CACHED_COMPILE_S = 8.0  # with the run's compiled work loaded (compile_cache.bin): Dynamo traces again, no more
 SAVED_PER_BLOCK_S = 2.5e-4  # per decode step and transformer block
 

@@ -1,6 +1,6 @@
-"""Every setting of train.py, calibrate.py, evaluate.py, predict.py and export.py, declared once with its type,
-default, rules and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the
-values a command line gives them (command_line.py reads its words). Each group's rules check its own values and
+"""Every setting of train.py, evaluate.py, predict.py and export.py, declared once with its type, default, rules
+and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the values a
+command line gives them (command_line.py reads its words). Each group's rules check its own values and
 Config reports every problem of a command in one line. This module imports nothing from summarizer/: the rest of
 the program imports it.
 """
@@ -46,7 +46,7 @@ class Scope(Described):
 class Use(Described):
     """What a command does with a run's checkpoint: a column of TAKES."""
     RESUME = "resume", "a resume (`--init_from=resume`): continues the run"
-    WEIGHTS = "weights", "a new run from its weights (`--init_from=<a checkpoint>`, calibrate.py): the same recipe"
+    WEIGHTS = "weights", "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe"
     INFERENCE = "inference", "evaluate.py, predict.py: decode the run's model on its data"
     EXPORT = "export", "export.py: the run's model, and a card that describes the run"
 
@@ -500,27 +500,6 @@ class Summarizing:
 
 
 @dataclass
-class Calibration:
-    """The calibration stage: a ranking loss on candidate summaries (docs/calibration.md)."""
-    rank_weight: float = option(0.0, "calibrate.py (start it from a trained run, --init_from=out/best.pt), > 0: "
-                                     "candidate summaries of every training dialogue are generated first, and this "
-                                     "weighs a ranking loss on them (better ROUGE, higher score) added to the token "
-                                     "loss", Scope.TRAINING, bound=NON_NEGATIVE)
-    rank_margin: float = option(0.01, "calibration: the ranking loss's margin per rank of difference between two "
-                                      "candidates' length-normalised log-probabilities",
-                                      Scope.TRAINING, bound=NON_NEGATIVE)
-    rank_length_exponent: float = option(1.0, "calibration: a candidate's score is its summed token log-probability "
-                                              "/ its length ** this", Scope.TRAINING, bound=NON_NEGATIVE)
-    rank_candidates: int = option(8, "calibration: candidate summaries drawn per training dialogue "
-                                     "(distinct ones kept)", Scope.TRAINING,
-                                  bound=Bound(lambda v: v >= 2, "must be >= 2: the ranking loss compares candidates"))
-    rank_decoding: str = option("beam", "calibration: how candidates are drawn: beam (beam search's n-best list) or "
-                                        "sample (temperature 0.7, top-k 50)", Scope.TRAINING, ("beam", "sample"))
-    candidates_file: str = option("", "calibration: where the candidates are kept; '' = out_dir/candidates.pt",
-                                  Scope.TRAINING, path=True)
-
-
-@dataclass
 class Export:
     """export.py's output."""
     export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND,
@@ -530,8 +509,7 @@ class Export:
 
 # in the order of --help and the reference
 GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
-          Summarizing, Calibration, Export)
-READ_ONLY_BY = {Calibration: "calibrate.py"}  # groups one command alone reads: another refuses them
+          Summarizing, Export)
 
 
 @dataclass
@@ -595,14 +573,12 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 # The settings each command reads, which its --help lists (any command accepts every key, so that one preset serves
 # them all). evaluate.py and predict.py read the shape and the row format for a --baseline, which has no run.
-TRAINING_KEYS = tuple(key for key in FIELDS if key not in (*keys(Calibration), *keys(Export), "ckpt", "baseline",
-                                                            "compare", "sweep"))
+TRAINING_KEYS = tuple(key for key in FIELDS if key not in (*keys(Export), "ckpt", "baseline", "compare", "sweep"))
 DECODING_KEYS = (*keys(RowFormat), *keys(ModelShape), "out_dir", "ckpt", "baseline", "seed", "device", "dtype",
                  "compile", "nccl_p2p_disable", "dist_timeout", "dist_start_timeout", *keys(Decoding),
                  "gen_batch_size", "gen_memory_gb")
-READS = {"train.py": TRAINING_KEYS, "calibrate.py": (*TRAINING_KEYS, *keys(Calibration)),
-         "evaluate.py": (*keys(Split), "data_cache_dir", "compare", "sweep",
-                         *DECODING_KEYS),
+READS = {"train.py": TRAINING_KEYS,
+         "evaluate.py": (*keys(Split), "data_cache_dir", "compare", "sweep", *DECODING_KEYS),
          "predict.py": (*keys(Submission), *DECODING_KEYS),
          "export.py": ("out_dir", "ckpt", *keys(Decoding), *keys(Export))}
 

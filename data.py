@@ -607,12 +607,9 @@ class TrainBatches:
     def __call__(self, step):
         indices = self.sampler.global_batch(step)
         inputs = self.examples.lengths[indices] - 1
-        return GlobalBatch([self.collate(part) for part in self.sampler.split(indices, self.rank, self.world_size)],
+        return GlobalBatch([collate(self.examples, part, self.train_on_prompt)
+                            for part in self.sampler.split(indices, self.rank, self.world_size)],
                            int(inputs.sum()), int(self.targets[indices].sum()), int((inputs ** 2).sum()))
-
-    def collate(self, indices):
-        """A micro-batch of the examples at `indices`."""
-        return collate(self.examples, indices, self.train_on_prompt)
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):

@@ -107,9 +107,9 @@ class CausalSelfAttention(nn.Module):
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
                            for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)],
                           dim=2)
-        elif kv_cache is None:  # training: causal, or as a mask says
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training
-                                               else 0.0, is_causal=mask is None)
+        elif kv_cache is None:  # training: causal
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
         else:
             k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -193,30 +193,21 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        x = self.transform(idx, torch.arange(T, device=idx.device))
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; its activations are recomputed (same dropout masks) in backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
         y, index = targets if isinstance(targets, Targets) else Targets.of(targets)
         logits = self.lm_head(x.flatten(0, 1).index_select(0, index))
         loss = F.cross_entropy(logits.float(), y.view(-1).index_select(0, index), reduction="sum")
         return None, loss / max(index.numel(), 1)
-
-    def hidden_states(self, idx, positions, mask):
-        """The final hidden states (B, T, C) of idx at `positions` (B, T), attending where the boolean `mask`
-        (B, 1, T, T) allows: rows that pack several sequences (the calibration stage's). A forward method of its
-        own, which FSDP gathers the weights for (backends.FSDP.shard)."""
-        return self.transform(idx, positions, mask)
-
-    def transform(self, idx, positions, mask=None):
-        """The transformer from embeddings to ln_f: hidden states (B, T, C), attending causally or as `mask` says."""
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
-        for block in self.transformer.h:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; its activations are recomputed (same dropout masks) in backward
-                x = checkpoint(block, x, None, None, mask, use_reentrant=False)
-            else:
-                x = block(x, mask=mask)
-        return self.transformer.ln_f(x)
 
     def forward_cached(self, idx, positions, input_pos, kv_caches, mask, head=True):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots

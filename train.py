@@ -10,8 +10,8 @@ time budget (--max_time) it stops in time to save and to run evaluate_after/pred
 """
 # Reads top to bottom: main, then the Trainer's loop (fit, train_step), which stops at max_iters, at a stop signal
 # (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another step. What a run
-# is built from is summarizer/preparation.py's (prepare: the one way in); what a step minimizes, an objective's
-# (TokenLoss below, or a stage's own); what ckpt.pt holds, summarizer/state.py's TrainingState.
+# is built from is summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's
+# TrainingState.
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
@@ -64,15 +64,13 @@ SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP
 OUT_OF_TIME = "max_time"  # fit()'s reason to stop when the run's clock leaves no room for another step
 
 
-def main(argv=None, objective=None, script="train.py", usage=__doc__):
+def main(argv=None):
     """Entry point for the command line and for the notebook launcher; errors end in one line. From the command
-    line, max_time counts from the process's start (imports and set-up included). `objective`: what a step
-    minimizes, TokenLoss unless a stage built on this loop (`script`, whose --help prints `usage`) brings its own."""
+    line, max_time counts from the process's start (imports and set-up included)."""
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        objective = objective or TokenLoss
-        cfg, checkpoint, from_run = run_settings(argv, objective, script, usage)
+        cfg, checkpoint, from_run = run_settings(argv, __doc__)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
@@ -82,13 +80,13 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
             if rt.is_main:
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
                 print(settings_report(argv, config_json, from_run))
-            go_on = continue_command(script, argv, rt.world_size)
+            go_on = continue_command(argv, rt.world_size)
             ckpt, trainer = os.path.join(cfg.out_dir, run_folder.CKPT), None
             signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1}, then saving {ckpt}"
                                   if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(prepare(cfg, rt, objective, checkpoint, started), rt, signals)
+                    trainer = Trainer(prepare(cfg, rt, checkpoint, started), rt, signals)
                 cfg = trainer.cfg  # micro_batch_size=auto chosen
                 del checkpoint  # its tensors map the file, whose disk space a save must be able to free
                 try:
@@ -121,13 +119,12 @@ def main(argv=None, objective=None, script="train.py", usage=__doc__):
 
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
-    skipped (an fp16 overflow or a non-finite loss), the objective's second loss term per dialogue, the stop
-    signal some rank received (or None), the steps max_time leaves after it by rank 0's clock (-1: no budget),
-    the GlobalBatch it trained on, and its learning rate."""
+    skipped (an fp16 overflow or a non-finite loss), the stop signal some rank received (or None), the steps
+    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, and its learning
+    rate."""
     loss: float
     grad_norm: float
     skipped: bool
-    extra: float
     stop_signal: int | None
     steps_left: int
     batch: data.GlobalBatch
@@ -140,7 +137,7 @@ class Trainer:
 
     def __init__(self, run, rt, signals=None):
         self.rt, self.signals = rt, signals or StopSignals(None, lambda: "", rt.distributed)
-        self.cfg, self.state, self.objective, self.module = run.cfg, run.state, run.objective, run.module
+        self.cfg, self.state, self.batches, self.module = run.cfg, run.state, run.batches, run.module
         self.compiled_module, self.compile_seconds, self.peak = run.compiled_module, run.compile_seconds, run.peak_flops
         self.val_set, self.rouge_prompts, self.decode_step = run.val_set, run.rouge_prompts, run.decode_step
         self.tracker, self.clock, self.last_session = run.tracker, run.clock, run.last_session
@@ -176,8 +173,6 @@ class Trainer:
                 batch = done.batch
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
-                if self.objective.extra_loss:
-                    stats[self.objective.extra_loss] = done.extra
                 if self.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
                         stats["compile_s"] = self.compile_seconds
@@ -214,22 +209,22 @@ class Trainer:
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""
         cfg, rt, state = self.cfg, self.rt, self.state
-        batch = self.objective.batches(step)
+        batch = self.batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / batch.targets
-        loss_sum, extra_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+        loss_sum = torch.zeros((), device=rt.device)
         steps_left = self.clock.steps_left(step, batch.tokens) if self.clock else None
         settled = steps_left == 0 or self.clock.settled(step, batch.tokens) if self.clock else True
-        for i, micro_batch in enumerate(batch.micro_batches):
+        for i, (x, y) in enumerate(batch.micro_batches):
+            x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
             with rt.parallel.no_sync(self.module, sync=i == len(batch.micro_batches) - 1):
                 with rt.autocast():
-                    token_loss, weighed, extra = self.objective.losses(
-                        self.module, self.objective.on_device(micro_batch, rt.device))
-                state.scaler.scale(token_loss * scale + weighed).backward()
-            loss_sum += token_loss.detach().float()
-            extra_sum += extra.detach().float()
+                    _, loss = self.module(x, found)
+                loss = loss * len(found.index)  # summed over the micro-batch's targets
+                state.scaler.scale(loss * scale).backward()
+            loss_sum += loss.detach().float()
         # What stops the run travels with the losses, in one reduction and one host sync per step: the steps rank
         # 0's clock leaves after this one (-1: no budget) and whether its estimate is settled enough to cool down
         # by, and a slot per stop signal that a rank received until now (during this step too). Filled from Python
@@ -239,10 +234,10 @@ class Trainer:
             stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
         if self.signals.received:
             stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
-        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], extra_sum[None], stops])).tolist()
-        loss, extra, steps_left = reduced[0] * scale / rt.world_size, reduced[1] / cfg.batch_size, int(reduced[2])
-        stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[4:], strict=True) if n), None)
-        cooling = steps_left if steps_left >= 0 and reduced[3] else None  # the steps the cooldown goes by
+        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
+        loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
+        stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
+        cooling = steps_left if steps_left >= 0 and reduced[2] else None  # the steps the cooldown goes by
         lr = learning_rate(step, state.schedule, cooling, self.last_session)
         state.schedule = cooled(state.schedule, step, cooling, steps_left == 0, self.last_session)
         for group in state.optimizer.param_groups:
@@ -256,7 +251,7 @@ class Trainer:
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=True)
-        return StepDone(loss, grad_norm, skipped, extra, stop_signal, steps_left, batch, lr)
+        return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
 
     @torch.no_grad()
     def validate(self):
@@ -314,37 +309,6 @@ class Trainer:
         return self.state.scaler
 
 
-class TokenLoss:
-    """What a step minimizes: the cross-entropy of the summary tokens, summed over a micro-batch (the loop divides
-    it by the global batch's targets). A stage built on this loop replaces it with an objective of its own that
-    offers the same six things; `extra_loss` is its second term, summed over a micro-batch's dialogues."""
-    checkpoint_keys = {}  # what this objective adds to ckpt.pt
-    extra_loss = None  # the metrics.jsonl name of a second loss term, if any
-
-    @staticmethod
-    def problem(cfg):
-        """Why the run's settings cannot train this objective (asked before any work), else None."""
-        return None
-
-    def __init__(self, cfg, rt, train_set, model, ckpt):
-        self.batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
-
-    def module(self, model):
-        """What a step calls (compiled and wrapped by the backend)."""
-        return model
-
-    def on_device(self, batch, device):
-        x, y = batch
-        return x.to(device, non_blocking=True), Targets.of(y).to(device)
-
-    def losses(self, module, batch):
-        """(token loss summed over the micro-batch's targets, a second term already weighed, its unweighed sum)."""
-        x, found = batch
-        _, loss = module(x, found)
-        zero = torch.zeros((), device=x.device)
-        return loss * len(found.index), zero, zero
-
-
 # ---- the command line ----------------------------------------------------------------------------------------
 
 def saved_so_far(out_dir):
@@ -358,14 +322,14 @@ def notebook_main(argv=(), num_processes=2, port=29500):
     notebook_launch(main, list(argv), num_processes, port)
 
 
-def continue_command(script, argv, world_size):
+def continue_command(argv, world_size):
     """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
     torchrun when the run had several processes."""
     presets, flags = arguments(argv)
     args = [*presets, *(f for f in flags if not f.startswith(("--init_from=", "--resume_from="))), "--init_from=resume"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
-    return shlex.join([*launcher, script, *args])
+    return shlex.join([*launcher, "train.py", *args])
 
 
 if __name__ == "__main__":

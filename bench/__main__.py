@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python -m bench [--section=data|train|generate|decode|memory|compile|calibrate|all] [--model=small|gpt2] [--json]
+python -m bench [--section=data|train|generate|decode|memory|compile|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -21,11 +22,10 @@ import numpy as np
 import torch
 
 import data
+import train
 from bench import ROOT, SAMSUM_CSV
-from bench import calibrate as bench_calibrate
 from bench import compile as bench_compile
 from bench import memory as bench_memory
-from bench.calibrate import SAMSUM_TINY, demo_arguments, train_quietly
 from bench.compile import summary_end_token
 from config import PROMPT_TEMPLATE, Decoding, load_config
 from data import EOT_ID
@@ -33,6 +33,8 @@ from generate import generate
 from model import GPT
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
+from summarizer.preparation import prepare
+from summarizer.runtime import Runtime
 
 MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 
@@ -323,6 +325,26 @@ MBR_SAMPLING = dict(temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=Tr
 DECODINGS = {"greedy": {}, "beam4": dict(num_beams=4), "mbr8": dict(mbr_samples=8, **MBR_SAMPLING),
              "mbr16": dict(mbr_samples=16, **MBR_SAMPLING)}
 
+# A tiny model trained from scratch on the SAMSum rows that are not held out (val_fraction of them are)
+SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv=", "--block_size=256",
+               "--max_new_tokens=48", "--batch_size=16", "--micro_batch_size=16", "--max_iters=300",
+               "--eval_interval=300", "--rouge_samples=0", "--best_metric=val_loss"]
+
+
+def demo_arguments(tmp, device):
+    """config/demo.py on its own CSVs, caching tokens in `tmp`, nothing run after training."""
+    argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
+            "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
+    return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
+                   for split in ("train", "validation", "test")]
+
+
+def train_quietly(argv):
+    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
+    cfg = load_config(argv)
+    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
+        train.Trainer(prepare(cfg, rt), rt).fit()
+    return cfg
 
 
 def bench_decode(args, device):
@@ -404,8 +426,7 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
 
 SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
-            "compile": bench_compile.bench_compile,
-            "calibrate": lambda args, device: bench_calibrate.bench_calibrate(args, device, args.samsum_csv)}
+            "compile": bench_compile.bench_compile}
 
 
 def main():
@@ -427,7 +448,6 @@ def main():
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
     parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
     parser.add_argument("--compile_steps", type=int, default=50, help="training steps whose compilations are counted")
-    parser.add_argument("--calibrate_steps", type=int, default=100, help="steps of stage 2, (a) and (b) alike")
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()

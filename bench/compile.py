@@ -224,7 +224,7 @@ def demo_model(folder, steps=60):
                        "--best_metric=val_loss"])
     import train
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), Runtime(cfg) as rt:
-        train.Trainer(prepare(cfg, rt, train.TokenLoss), rt).fit()
+        train.Trainer(prepare(cfg, rt), rt).fit()
     return cfg
 
 

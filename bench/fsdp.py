@@ -99,7 +99,7 @@ def count_step(args, before):
     try:
         cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
         with Runtime(cfg) as rt:
-            trainer = train.Trainer(prepare(cfg, rt, train.TokenLoss), rt)
+            trainer = train.Trainer(prepare(cfg, rt), rt)
             with CollectiveBytes() as counted:
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,

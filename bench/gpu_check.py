@@ -89,7 +89,7 @@ def train_case(args, dtype, compile, folder, csv):
     fresh_compiles()
     # The Trainer's printout and progress bar would bury the table; a compile fallback shows in the row's note.
     with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        trainer = train.Trainer(prepare(cfg, rt, train.TokenLoss), rt)
+        trainer = train.Trainer(prepare(cfg, rt), rt)
         trainer.fit()
     breaks, graphs = compile_counts()
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:

@@ -210,7 +210,7 @@ def part(device, clean, rank):
     After an error (its frames cleared by Runtime), no collection: under torchrun the launcher stops the other ranks
     within moments."""
     if clean:  # no rank tears its connections down while another still uses them
-        gc.collect()  # reference cycles through the model, its hooks and the objective
+        gc.collect()  # reference cycles through the model and its hooks
         done = torch.ones(1, device=device)
         dist.all_reduce(done)
         if device.type == "cuda":
@@ -270,8 +270,8 @@ class FSDP(DDP):
     def shard(self, model):
         """Shard the model in place with fully_shard: one unit per block, then the root (embeddings, ln_f, the tied
         lm_head). Its parameters become fp32 DTensors (build the optimizer after this); with a 16-bit dtype each
-        unit is all-gathered in that dtype and its gradients are reduce-scattered in fp32. hidden_states is a
-        forward method too (the calibration stage calls it). Decides fsdp_reduce_once='auto'."""
+        unit is all-gathered in that dtype and its gradients are reduce-scattered in fp32. Decides
+        fsdp_reduce_once='auto'."""
         if self.reduce_once == "auto":
             self.reduce_once = self.reduce_once_fits(model)
         policy = torch.distributed.fsdp.MixedPrecisionPolicy()
@@ -281,7 +281,6 @@ class FSDP(DDP):
         for block in model.transformer.h:
             torch.distributed.fsdp.fully_shard(block, mp_policy=policy)
         torch.distributed.fsdp.fully_shard(model, mp_policy=policy)
-        torch.distributed.fsdp.register_fsdp_forward_method(model, "hidden_states")
         self.model = model
         return model
 

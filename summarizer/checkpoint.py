@@ -43,7 +43,8 @@ class Record(TypedDict):
 
 
 class Checkpoint(Record, total=False):
-    """ckpt.pt: the record, what a resume needs, and a stage's own keys (calibration's `candidates`)."""
+    """ckpt.pt: the record and what a resume needs. A calibration run's also holds `candidates` (the key of its
+    candidate summaries): the stage was retired after 605acfc, and such a file is refused a resume."""
     lora_base: dict | None  # a LoRA run: where its frozen base comes from and its hash, instead of its weights
     optimizer: dict
     scaler: dict  # {} without fp16
@@ -71,12 +72,9 @@ def format_of(ckpt):
 def upgrade_1(ckpt):
     """Format 1 (2026-11-23) -> 2: GPT-2's BPE was the only tokenizer, so its ids are today's; best_score was kept
     negated for val_loss (higher was better), best_metric only in the config; no fingerprints of the training and
-    validation rows; no reranking (rank_weight 0), so its settings had no effect."""
-    ranking = {"rank_weight": 0.0, "rank_margin": 0.01, "rank_length_exponent": 1.0, "rank_candidates": 8,
-               "rank_decoding": "beam", "candidates_file": ""}
-    config = {**ranking, **ckpt["config"]}
-    metric, score = config["best_metric"], ckpt["best_score"]
-    return {**ckpt, "format": 2, "config": config, "tokenizer": data.TOKENIZER_ID, "best_metric": metric,
+    validation rows."""
+    metric, score = ckpt["config"]["best_metric"], ckpt["best_score"]
+    return {**ckpt, "format": 2, "tokenizer": data.TOKENIZER_ID, "best_metric": metric,
             "best_score": -score if metric == "val_loss" and score is not None else score,
             "train_rows": None, "validation_digest": None}
 
@@ -111,6 +109,9 @@ UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
 # does.
 ABSENT = {"sessions": 1}
+# The settings of the calibration stage (retired after 605acfc), which the files written before keep: dropped as a
+# checkpoint loads.
+RETIRED = ("rank_weight", "rank_margin", "rank_length_exponent", "rank_candidates", "rank_decoding", "candidates_file")
 
 
 def upgraded(ckpt, path):
@@ -124,7 +125,8 @@ def upgraded(ckpt, path):
         while version < FORMAT:
             ckpt = UPGRADES[version](ckpt)
             version += 1
-        ckpt = {**ckpt, "config": {**ABSENT, **ckpt["config"]}}
+        kept = {key: value for key, value in ckpt["config"].items() if key not in RETIRED}
+        ckpt = {**ckpt, "config": {**ABSENT, **kept}}
     except (KeyError, TypeError, UserError) as e:
         raise UserError(f"{path} is a checkpoint of format {written} ({FORMATS[written]}) that cannot be upgraded "
                         f"to format {FORMAT}: {type(e).__name__} {e}; read it with that version, or train "

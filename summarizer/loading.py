@@ -272,7 +272,13 @@ def start_checkpoint(cfg):
         path = cfg.init_from
     else:
         return None, None
-    return path, load_checkpoint(path, "resume_from" if resuming(cfg) else "init_from")
+    ckpt = load_checkpoint(path, "resume_from" if resuming(cfg) else "init_from")
+    if resuming(cfg) and "candidates" in ckpt:
+        raise UserError(f"{path} is a run of the calibration stage, which was retired after commit 605acfc: it "
+                        f"cannot be resumed; evaluate.py, predict.py and export.py read it, and a new run trains on "
+                        f"from its weights: --init_from={os.path.join(os.path.dirname(path), run_folder.BEST)} "
+                        f"--out_dir=<a new folder>")
+    return path, ckpt
 
 
 def lora_base_moved_to(cfg):

@@ -11,6 +11,7 @@ import torch
 
 import data
 from config import Use, flags_given, grad_accum_steps, load_config, own_keys, resolve, settings_given
+from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import RunClock
 from summarizer.compiling import CompiledModule, compile_model
@@ -27,7 +28,7 @@ from summarizer.loading import (
 )
 from summarizer.memory import choose_micro_batch
 from summarizer.schedule import decayed, sessions_done
-from summarizer.settings_report import FromRun, check_command, save_config
+from summarizer.settings_report import FromRun, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
@@ -36,12 +37,12 @@ from summarizer.tracking import Tracker, peak_flops, resumed_history
 @dataclass
 class Run:
     """What the loop needs of a prepared run: its settings (micro_batch_size chosen), the training state (what
-    ckpt.pt holds), the objective and the module a step calls (compiled and wrapped), the validation rows and the
+    ckpt.pt holds), its batches and the module a step calls (compiled and wrapped), the validation rows and the
     prompts its ROUGE decodes with `decode_step`, the tracker, max_time's clock (or None) and whether this is the
     last session the run is planned over."""
     cfg: object
     state: TrainingState
-    objective: object
+    batches: data.TrainBatches
     module: torch.nn.Module
     compiled_module: CompiledModule | None
     compile_seconds: float | None
@@ -54,9 +55,8 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, objective, start=None, started=None):
-    """The Run of `cfg` (from run_settings) in `rt`, training `objective` (a class: train.py's TokenLoss, or a
-    stage's own, e.g. summarizer/ranking.py's Ranking). `start`: the checkpoint run_settings loaded to resume or start
+def prepare(cfg, rt, start=None, started=None):
+    """The Run of `cfg` (from run_settings) in `rt`. `start`: the checkpoint run_settings loaded to resume or start
     from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
     does and, before step 1, what runs; a budget that start-up spends stops every rank."""
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
@@ -91,11 +91,10 @@ def prepare(cfg, rt, objective, start=None, started=None):
         print(moved)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model = model.to(rt.device)
-    objective = objective(cfg, rt, train_set, model, ckpt)
+    batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
     state = TrainingState.start(rt.parallel.shard(model), cfg, rt, train_rows=train_set.fingerprints(),
                                 validation_digest=val_set.digest, lora_base=base,
-                                base=ckpt["config"]["init_from"] if ckpt else cfg.init_from,
-                                extra=dict(objective.checkpoint_keys))
+                                base=ckpt["config"]["init_from"] if ckpt else cfg.init_from)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
     notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
     if ckpt is not None:
@@ -109,14 +108,14 @@ def prepare(cfg, rt, objective, start=None, started=None):
     decode_step, decoding = rt.decoding(evaluations * inference.decode_steps(len(prompts), cfg, rt.world_size)
                                         + inference.decode_steps(after_summaries, cfg, rt.world_size),
                                         model.config.n_layer)
-    module, compiled_module, compiled, seconds = step_module(cfg, rt, objective, state, starting)
+    module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state, starting)
     accum_steps = grad_accum_steps(cfg, rt.world_size)
     if clock:
         clock.validation_tokens, clock.save_bytes = validation_tokens(cfg, val_set), disk.ckpt + disk.best
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         summaries = prompts or (inference.Summarizer(model, cfg).prompts(val_set.dialogues[:cfg.gen_batch_size])[0]
                                 if after_summaries else [])
-        prime_clock(clock, cfg, rt, objective, state, module, summaries, decode_step, accum_steps, starting)
+        prime_clock(clock, cfg, rt, batches, state, module, summaries, decode_step, accum_steps, starting)
     if rt.is_main:
         if cfg.lora_rank and cfg.init_from == "scratch":
             print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
@@ -126,7 +125,7 @@ def prepare(cfg, rt, objective, start=None, started=None):
                                                 f"{rt.describe(compiled)}; {decoding}", chosen, disk, clock)]))
         save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
     # max_time's cooldown comes in the last of the sessions the run is planned over
-    return Run(cfg, state, objective, module, compiled_module, seconds, val_set, prompts, decode_step,
+    return Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step,
                tracker, clock, sessions_done(state.schedule) + 1 >= cfg.sessions,
                peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
 
@@ -145,17 +144,17 @@ class Starting:
             self.rt.stop_if(self.clock.start_up_problem() if self.rt.is_main and self.clock.left() <= 0 else None)
 
 
-def step_module(cfg, rt, objective, state, starting):
-    """(what a step calls: the objective's module, compiled when the runtime compiles (tried on the first
-    micro-batch, on the device) and wrapped by the backend; the CompiledModule in it, or None; what runs under
-    torch.compile, in words, for the start line; the seconds the step's compile took, or None)."""
-    module, compiled, seconds = objective.module(state.model), "eager", None
+def step_module(cfg, rt, batches, state, starting):
+    """(what a step calls: the model, compiled when the runtime compiles (tried on the first micro-batch, on the
+    device) and wrapped by the backend; the CompiledModule in it, or None; what runs under torch.compile, in
+    words, for the start line; the seconds the step's compile took, or None)."""
+    module, compiled, seconds = state.model, "eager", None
     if rt.compile_training:
-        first = objective.on_device(objective.batches(state.step).micro_batches[0], rt.device)
+        x, found = first_micro_batch(batches, state.step, rt.device)
         starting("compiling the training step")
         start = time.perf_counter()
         with memory_hint(cfg, rt):
-            module = compile_model(module, lambda m: objective.losses(m, first)[0], rt.autocast())
+            module = compile_model(module, lambda m: m(x, found)[1], rt.autocast())
         if isinstance(module, CompiledModule):
             seconds = time.perf_counter() - start
             compiled = f"torch.compile (compiled in {seconds:.0f} s)"
@@ -164,26 +163,25 @@ def step_module(cfg, rt, objective, state, starting):
     return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled, seconds
 
 
-def prime_clock(clock, cfg, rt, objective, state, module, prompts, decode_step, accum_steps, starting):
+def prime_clock(clock, cfg, rt, batches, state, module, prompts, decode_step, accum_steps, starting):
     """Before step 1 of a run with max_time, what its clock needs to judge the budget: the first micro-batch's
     forward and backward twice, then (when the run summarizes) a batch of `prompts` decoded twice; the first of
     each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
     trained run to max_new_tokens: an upper bound. Each is announced, and a budget spent by one stops the run
     before the next. Leaves no gradients and draws no random numbers."""
     rng = rng_state()
-    batch = objective.batches(state.step)
-    first = objective.on_device(batch.micro_batches[0], rt.device)
+    x, found = first_micro_batch(batches, state.step, rt.device)
     starting("timing a training step (its first call pays the one-time costs)")
     with memory_hint(cfg, rt):
         for _ in range(2):
             start = time.perf_counter()
             with rt.autocast():
-                token_loss, weighed, _ = objective.losses(module, first)
-            (token_loss + weighed).backward()
+                _, loss = module(x, found)
+            loss.backward()
             seconds = time.perf_counter() - start
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
-    clock.primed = seconds * accum_steps / batch.tokens  # the first micro-batch is the step's longest
+    clock.primed = seconds * accum_steps / batches(state.step).tokens  # the first micro-batch is the step's longest
     prompts = prompts[:cfg.gen_batch_size * rt.world_size]
     if prompts:
         starting(f"timing a batch of {len(prompts)} summaries")
@@ -193,6 +191,12 @@ def prime_clock(clock, cfg, rt, objective, state, module, prompts, decode_step, 
             inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=decode_step)
             clock.summaries.add(time.perf_counter() - start, len(prompts))
     set_rng_state(rng)
+
+
+def first_micro_batch(batches, step, device):
+    """(x, its Targets) of this rank's first micro-batch of step `step`, on `device`: the step's longest."""
+    x, y = batches(step).micro_batches[0]
+    return x.to(device, non_blocking=True), Targets.of(y).to(device)
 
 
 def validation_tokens(cfg, val_set):
@@ -218,14 +222,13 @@ def start_lines(cfg, rt, state, train_rows, validation_rows, accum_steps, runs, 
                                  sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
 
 
-def run_settings(argv, objective, script, usage):
+def run_settings(argv, usage=None):
     """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
     checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
     before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
-    source's shape, the validation rows the run needs, and what the objective needs. A resume continues the run:
-    only a flag changes it; a new run from the weights is a new run of the run's recipe: a preset changes it too."""
-    cfg, flags = load_config(argv, usage, script), flags_given(argv)
-    check_command(flags, script)
+    source's shape and the validation rows the run needs. A resume continues the run: only a flag changes it; a
+    new run from the weights is a new run of the run's recipe: a preset changes it too."""
+    cfg, flags = load_config(argv, usage), flags_given(argv)
     path, start = start_checkpoint(cfg)
     from_run = None
     if start is not None:
@@ -235,9 +238,6 @@ def run_settings(argv, objective, script, usage):
         from_run = FromRun(path, own_keys(use), changed)
     check_shape(cfg, flags, cfg.init_from)
     check_validation(cfg)
-    problem = objective.problem(cfg)
-    if problem:
-        raise UserError(problem)
     return cfg, start, from_run
 
 

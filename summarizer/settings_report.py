@@ -1,7 +1,6 @@
 """What a command says of its settings: the block train.py prints at start-up (the keys changed from the defaults,
-and where each value came from), config.json, the one line for a key another command reads, and the Markdown
-reference of every key (`python -m summarizer.settings_report` prints docs/config.md's table). Reading a command
-line into settings is config.py's.
+and where each value came from), config.json, and the Markdown reference of every key (`python -m
+summarizer.settings_report` prints docs/config.md's table). Reading a command line into settings is config.py's.
 """
 import dataclasses
 import json
@@ -11,7 +10,6 @@ from typing import NamedTuple
 from config import (
     FIELDS,
     GROUPS,
-    READ_ONLY_BY,
     TAKES,
     Config,
     Use,
@@ -20,7 +18,6 @@ from config import (
     settings_given,
     type_name,
 )
-from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
 
@@ -35,16 +32,6 @@ def save_config(cfg, path):
     with atomic_write(path) as f:
         json.dump(as_json(cfg), f, indent=2)
         f.write("\n")
-
-
-def check_command(flags, command):
-    """One line when the command's --key=value `flags` give `command` a key that only another command reads
-    (config.READ_ONLY_BY), instead of ignoring it."""
-    for group, reader in READ_ONLY_BY.items():
-        given = sorted(set(flags) & set(keys(group)))
-        if given and reader != command:
-            raise UserError(f"--{given[0]} is read by {reader}, not {command}: run python {reader} with it "
-                            f"(docs/config.md)")
 
 
 def changed_values(given):

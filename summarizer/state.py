@@ -3,7 +3,7 @@ model as the backend shards it, AdamW, the fp16 GradScaler, the LR schedule, the
 RNG), and the optimizer it starts with. The checkpoint's record and file are summarizer.checkpoint's."""
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,7 +31,7 @@ class TrainingState:
     steps fp16 skipped, and each rank's RNG. The sampler needs no state of its own: a step's batch is a function
     of the step. What every checkpoint says of the run: where its weights started (`base`: its first session's
     init_from, kept through resumes as the config's), the training rows (inference refuses to score them), the
-    validation split's digest, a LoRA base's reference, and `extra`, a stage's own keys."""
+    validation split's digest and a LoRA base's reference."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -40,7 +40,6 @@ class TrainingState:
     validation_digest: str
     lora_base: dict | None = None
     base: str | None = None  # None: this run's init_from
-    extra: dict = field(default_factory=dict)
     step: int = 0
     best_score: float | None = None
     best_val_loss: float | None = None  # the best evaluation's: it breaks a tie of best_metric
@@ -88,7 +87,7 @@ class TrainingState:
             trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
                        if self.lora_base else {"model": model_state})
             writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
-                           {**record, **trained, **self.extra, "optimizer": optimizer_state,
+                           {**record, **trained, "optimizer": optimizer_state,
                             "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
                             "skipped_steps": self.skipped_steps}))
             if best:

@@ -141,13 +141,10 @@ def log_row(out_dir, row, tracker):
 
 
 def progress_postfix(stats, skipped=None):
-    """The progress bar's figures of a step: loss (and ranking loss), LR, tokens/s, ms/it, MFU and peak memory
-    where measured, and with fp16 the skipped steps."""
-    postfix = {"loss": f"{stats['loss']:.4f}"}
-    if "rank_loss" in stats:
-        postfix["rank"] = f"{stats['rank_loss']:.4f}"
-    postfix.update({"lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
-                    "ms/it": f"{stats['ms_per_iter']:.0f}"})
+    """The progress bar's figures of a step: loss, LR, tokens/s, ms/it, MFU and peak memory where measured, and
+    with fp16 the skipped steps."""
+    postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
+               "ms/it": f"{stats['ms_per_iter']:.0f}"}
     if "mfu" in stats:
         postfix["mfu"] = f"{100 * stats['mfu']:.1f}%"
     if "peak_mem_gb" in stats:

@@ -1,4 +1,4 @@
-"""A script (train.py, calibrate.py, evaluate.py, predict.py) under torchrun, that reports on stderr what is alive
+"""A script (train.py, evaluate.py, predict.py) under torchrun, that reports on stderr what is alive
 when its process group is destroyed: after a garbage collection, the DDP modules, FSDP-sharded modules and GPTs
 (tests/test_teardown.py). With --hang, the group's destruction never returns instead, and the teardown's bound
 is 2 s.

@@ -1,7 +1,8 @@
 """Every checkpoint this project ever wrote still works. tests/fixtures/checkpoints/<date>/ holds a ckpt.pt and a
 best.pt written by the last commit of that day with its own train.py (make.sh remakes them; command.txt says how):
 each is upgraded step by step to today's format, and predict, evaluate, export and resume take it. A file of a
-newer format, or one that cannot be upgraded, is one line that says which version wrote it and what to do."""
+newer format, or one that cannot be upgraded, is one line that says which version wrote it and what to do. A run of
+the calibration stage (retired after 605acfc) is read as any other, and its resume is one line."""
 import json
 import os
 
@@ -71,12 +72,11 @@ def test_format_1_gets_the_settings_that_version_ran_with():
     upgraded = upgrade_1(raw)
     assert upgraded["format"] == 2 and upgraded["train_rows"] is None and upgraded["validation_digest"] is None
     config = upgraded["config"]
-    assert config["rank_weight"] == 0.0  # no reranking then: a resume takes the run's recipe
     assert "fsdp_reduce_once" not in config and "max_time" not in config  # a command's own keys need no patch
     command = load_config(["--fsdp_reduce_once=true"])
     resumed, _ = resolve(command, {"fsdp_reduce_once"}, checkpoint.upgraded(upgraded, "ckpt.pt")["config"],
                          "ckpt.pt", Use.RESUME)
-    assert resumed.fsdp_reduce_once is True and resumed.max_time is None and resumed.rank_weight == 0.0
+    assert resumed.fsdp_reduce_once is True and resumed.max_time is None
 
 
 def test_predict_writes_the_submission_with_the_runs_decoding(written, cache, tmp_path, capsys):
@@ -129,3 +129,42 @@ def test_a_file_that_cannot_be_upgraded_says_which_version_wrote_it(tmp_path):
     save_checkpoint(raw, str(tmp_path / "best.pt"))
     with pytest.raises(UserError, match=r"format 1 \(the version of 2026-11-23\) that cannot be upgraded"):
         load_checkpoint(str(tmp_path / "best.pt"))
+
+
+# ---- a run of the calibration stage, retired after 605acfc ----------------------------------------------------
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """The folder of ckpt.pt and best.pt as 605acfc's calibrate.py wrote them (format 5, whose contents the
+    2026-11-26 files have: checked against a file that commit wrote): its settings, rank_* and candidates_file
+    among them, and in ckpt.pt the key of its candidate summaries. Built here: a real one is 3 MB."""
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "out-calibrated"
+    folder.mkdir()
+    for name in ("ckpt.pt", "best.pt"):
+        raw = torch.load(os.path.join(FIXTURES, "2026-11-26", name), weights_only=True, map_location="cpu")
+        raw["format"] = 5
+        raw["config"].update(init_from="out/best.pt", rank_weight=1.0, rank_candidates=2, candidates_file="")
+        if name == "ckpt.pt":
+            raw["candidates"] = {"weights": "54e6490f", "rows": "88085fa1", "decoding": "beam", "candidates": 2,
+                                 "max_new_tokens": 16, "seed": 1337}
+        save_checkpoint(raw, str(folder / name))
+    return folder
+
+
+def test_a_calibration_run_predicts_evaluates_and_exports(calibrated, cache, tmp_path):
+    predict.main([f"--ckpt={calibrated}/best.pt", f"--out_dir={tmp_path}", f"--test_csv={DEMO}/test.csv",
+                  f"--sample_submission_csv={DEMO}/sample_submission.csv", cache])
+    assert list(pd.read_csv(tmp_path / "submission.csv")["id"]) == list(pd.read_csv(f"{DEMO}/test.csv")["id"])
+    evaluate.main([f"--ckpt={calibrated}/ckpt.pt", f"--out_dir={tmp_path}", cache])
+    assert json.loads((tmp_path / "eval_metrics.json").read_text())["step"] == 2
+    assert_export_matches(str(calibrated / "best.pt"), str(tmp_path / "export"))
+
+
+def test_a_calibration_runs_resume_is_one_line_that_says_what_still_works(calibrated, cache, tmp_path, capsys):
+    err = one_error_line(capsys, train.main, [f"--resume_from={calibrated}/ckpt.pt", f"--out_dir={tmp_path}", cache])
+    assert f"{calibrated}/ckpt.pt is a run of the calibration stage, which was retired after commit 605acfc" in err
+    assert "evaluate.py, predict.py and export.py read it" in err
+    assert f"--init_from={calibrated}/best.pt --out_dir=<a new folder>" in err
+    train.main([f"--init_from={calibrated}/best.pt", f"--out_dir={tmp_path / 'new'}", cache])  # as the line says
+    assert load_checkpoint(str(tmp_path / "new" / "ckpt.pt"))["iter_num"] == 2

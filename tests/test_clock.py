@@ -13,6 +13,7 @@ import pytest
 import conftest
 import train
 from conftest import metrics, one_error_line, tiny
+from model import GPT
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import Rate
@@ -54,15 +55,16 @@ def virtual(monkeypatch):
     received in step N (0-based) as Ctrl-C would."""
     def install(stop_at=None, **costs):
         clock = VirtualClock(**costs)
-        losses, step, validate = train.TokenLoss.losses, train.Trainer.train_step, train.Trainer.validate
+        forward, step, validate = GPT.forward, train.Trainer.train_step, train.Trainer.validate
         summarize = train.inference.summarize_sharded
 
-        def timed_losses(objective, module, batch):
-            slow = clock.slow if clock.slow_from is not None and clock.step >= clock.slow_from else 1.0
-            slow *= clock.pace(clock.step) if clock.pace else 1.0
-            slow *= batch[0].numel() / clock.per_token if clock.per_token else 1.0
-            clock.cost("micro", clock.micro * slow)
-            return losses(objective, module, batch)
+        def timed_forward(model, x, targets=None):  # a training micro-batch's forward (and its backward)
+            if model.training:
+                slow = clock.slow if clock.slow_from is not None and clock.step >= clock.slow_from else 1.0
+                slow *= clock.pace(clock.step) if clock.pace else 1.0
+                slow *= x.numel() / clock.per_token if clock.per_token else 1.0
+                clock.cost("micro", clock.micro * slow)
+            return forward(model, x, targets)
 
         def timed_step(trainer, it):
             clock.step = it
@@ -82,7 +84,7 @@ def virtual(monkeypatch):
             return summarize(model, prompts, *args, **kwargs)
         monkeypatch.setattr(train, "time", clock)
         monkeypatch.setattr(preparation, "time", clock)  # start-up: the budget's clock and its priming
-        monkeypatch.setattr(train.TokenLoss, "losses", timed_losses)
+        monkeypatch.setattr(GPT, "forward", timed_forward)
         monkeypatch.setattr(train.Trainer, "train_step", timed_step)
         monkeypatch.setattr(train.Trainer, "validate", timed_validate)
         monkeypatch.setattr(train.inference, "summarize_sharded", timed_summaries)

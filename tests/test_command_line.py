@@ -11,7 +11,7 @@ import pytest
 from config import FIELDS, Decoding, keys, load_config
 from conftest import HANG, REPO, changed_settings, config_error, one_error_line
 
-SCRIPTS = ("train", "calibrate", "evaluate", "predict", "export")
+SCRIPTS = ("train", "evaluate", "predict", "export")
 
 
 def help_of(capsys, script):
@@ -65,10 +65,8 @@ def test_missing_preset_and_other_extensions(tmp_path):
 def test_each_scripts_help_lists_the_keys_it_reads_and_together_every_key(capsys):
     listed = {script: set(re.findall(r"^--(\w+)=", help_of(capsys, script), re.M)) for script in SCRIPTS}
     assert set().union(*listed.values()) == set(FIELDS)
-    assert listed["calibrate"] - listed["train"] == {"rank_weight", "rank_margin", "rank_length_exponent",
-                                                     "rank_candidates", "rank_decoding", "candidates_file"}
     assert {"test_csv", "ckpt", "num_beams", "gen_batch_size", "device"} <= listed["predict"]
-    assert not {"rank_weight", "fsdp_reduce_once", "nccl_ib_disable", "learning_rate", "sweep", "export_dir",
+    assert not {"fsdp_reduce_once", "nccl_ib_disable", "learning_rate", "sweep", "export_dir",
                 "init_from"} & listed["predict"]
     assert {"sweep", "compare", "validation_csv"} <= listed["evaluate"] and "test_csv" not in listed["evaluate"]
     assert listed["export"] == {"out_dir", "ckpt", "export_dir", "overwrite", *keys(Decoding)}
@@ -137,13 +135,3 @@ def test_a_flag_and_its_value_may_be_two_words():
     assert (cfg.max_iters, cfg.out_dir, cfg.n_layer, cfg.nccl_p2p_disable) == (5, "config/kaggle_t4x2.py", 2, False)
     assert load_config(["--min_lr", "-1"] + ["--min_lr=0"]).min_lr == 0  # a negative number is a value too
     assert "--key value" in config_error(["--compile"])
-
-
-def test_calibrate_help_says_what_it_needs(capsys):
-    import calibrate
-    with pytest.raises(SystemExit):
-        calibrate.main(["--help"])
-    head = capsys.readouterr().out.split("--train_csv=")[0]  # its usage, before the keys
-    assert head.startswith("The calibration stage") and "python calibrate.py" in head
-    assert "--rank_weight (> 0, needed" in head and "--init_from names the trained run's checkpoint" in head
-

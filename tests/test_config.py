@@ -165,12 +165,6 @@ def test_start_up_names_the_changed_keys_and_where_they_came_from(tmp_path):
     assert "micro_batch_size=4 (command line)" in line and line.count("=") == 3
 
 
-def test_a_key_only_another_command_reads_is_one_line(capsys):
-    import train
-    err = one_error_line(capsys, train.main, [*tiny(), "--rank_weight=1.0"])
-    assert "--rank_weight" in err and "calibrate.py" in err
-
-
 # ---- issue 37: durations, yes/no values, flags before presets, missing presets, the settings block --------------
 
 

@@ -29,7 +29,7 @@ def args(write_csv, tmp_path):
 def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(args, tmp_path, capsys):
     cfg = load_config([*args, "--max_iters=8", "--eval_interval=8"])
     rt = Runtime(cfg)
-    trainer = train.Trainer(prepare(cfg, rt, train.TokenLoss), rt)
+    trainer = train.Trainer(prepare(cfg, rt), rt)
     assert rt.use_scaler and trainer.scaler.is_enabled()
     with rt.autocast():
         assert trainer.model.lm_head(torch.zeros(1, 32)).dtype == torch.float16
@@ -61,11 +61,11 @@ def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(a
 def test_checkpoint_carries_the_scaler_state_into_a_resumed_run(args):
     cfg = load_config([*args, "--max_iters=2"])
     rt = Runtime(cfg)
-    trainer = train.Trainer(prepare(cfg, rt, train.TokenLoss), rt)
+    trainer = train.Trainer(prepare(cfg, rt), rt)
     trainer.scaler.load_state_dict(dict(trainer.scaler.state_dict(), scale=2.0**7, growth_interval=11))
     trainer.fit()
     saved = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"))["scaler"]
     assert (saved["scale"], saved["growth_interval"]) == (2.0**7, 11)
     resumed_cfg = load_config([*args, "--init_from=resume", "--max_iters=3"])
-    resumed = train.Trainer(prepare(resumed_cfg, rt, train.TokenLoss), rt)
+    resumed = train.Trainer(prepare(resumed_cfg, rt), rt)
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()

@@ -1,7 +1,7 @@
 """The layout shows the architecture: at most 10 Python files at the root, the machinery in summarizer/, the
 benchmarks in bench/; each concept one owner (no module named like another plus a suffix, the trainer taken by no
-function outside train.py, the calibration stage outside train.py); one training step runs code in at most six
-project files; imports run one way (model needs torch alone, generate the model alone)."""
+function outside train.py); one training step runs code in at most six project files; imports run one way (model
+needs torch alone, generate the model alone)."""
 import ast
 import os
 import subprocess
@@ -65,13 +65,6 @@ def test_no_function_outside_train_py_takes_the_trainer():
     assert not takers, takers
 
 
-def test_train_py_does_not_mention_the_calibration_stage():
-    with open(os.path.join(REPO, "train.py"), encoding="utf-8") as f:
-        text = f.read().lower()
-    for word in ("calibrat", "rank_weight", "rankbatch", "candidates", "ranking"):
-        assert word not in text, word
-
-
 def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, write_csv):
     """Profiled between the second and the third forward of a one-process run (eager, fp32): the files whose
     functions ran, logging a metrics.jsonl row and the progress bar included."""
@@ -85,7 +78,7 @@ def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, writ
             "--micro_batch_size=2", "--max_iters=4", "--eval_interval=100", "--log_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", f"--out_dir={tmp_path / 'out'}"]
     cfg = load_config(argv)
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     forwards, files = [], set()
 
     def profile(frame, event, arg):
@@ -118,7 +111,7 @@ def test_model_needs_torch_alone_and_generate_the_model_alone():
 
 # The layers, lowest first: a module imports from its own layer or one below, never above
 LAYERS = (("command_line", "config", "model", "data"), ("generate",), ("summarizer",),
-          ("train", "calibrate", "evaluate", "predict", "export"), ("bench",))
+          ("train", "evaluate", "predict", "export"), ("bench",))
 
 
 def layer(module):

@@ -27,7 +27,7 @@ def test_an_out_of_memory_in_the_compile_warm_up_propagates(args, monkeypatch, c
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: out_of_memory)
     cfg = load_config(args)
     with pytest.raises(torch.OutOfMemoryError, match="lower --micro_batch_size \\(now 8"):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit:
         train.main(args)

@@ -72,8 +72,8 @@ def test_a_flag_that_contradicts_what_training_fixed_is_one_line_naming_it_and_t
 
 
 def test_a_new_run_from_a_checkpoints_weights_takes_its_template_and_decoding(run, tmp_path):
-    """init_from=<best.pt> (calibrate.py's start) takes the row format, decoding and data of the run; a flag
-    changes any of them but the shape."""
+    """init_from=<best.pt> takes the row format, decoding and data of the run; a flag changes any of them but the
+    shape."""
     folder, out, cache = run
     train.main([f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", "--max_iters=1", "--num_beams=1", cache])
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -104,7 +104,7 @@ def settings_taken(use, out, cache, argv):
     if use in ("resume", "weights"):
         start = ["--init_from=resume", f"--out_dir={out}"] if use == "resume" else \
             [f"--init_from={out / 'best.pt'}", f"--out_dir={out}-new"]
-        return train.run_settings([*start, cache, *argv], train.TokenLoss, "train.py", "")[0]
+        return train.run_settings([*start, cache, *argv])[0]
     args = [f"--ckpt={out / 'best.pt'}", f"--out_dir={out}", *argv]
     return open_run(load_config(args), flags_given(args), Use.EXPORT if use == "export" else Use.INFERENCE).cfg
 
@@ -169,10 +169,8 @@ def test_a_new_run_from_the_weights_takes_a_presets_values_and_names_them(run, t
     preset = tmp_path / "recipe.py"
     preset.write_text("learning_rate = 5e-4\n")
     capsys.readouterr()
-    cfg, _, _ = train.run_settings([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", cache],
-                                   train.TokenLoss, "train.py", "")
-    resumed, _, _ = train.run_settings([str(preset), "--init_from=resume", f"--out_dir={out}", cache],
-                                       train.TokenLoss, "train.py", "")
+    cfg, _, _ = train.run_settings([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", cache])
+    resumed, _, _ = train.run_settings([str(preset), "--init_from=resume", f"--out_dir={out}", cache])
     assert (cfg.learning_rate, resumed.learning_rate) == (5e-4, 1e-3)
     train.main([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path / 'new'}", cache])
     assert f"changed from the run's by {preset}: learning_rate=0.001 -> 0.0005" in capsys.readouterr().out

@@ -193,7 +193,7 @@ def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, caps
     before = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]["state"]
     resume = [*args, "--max_iters=4", "--eval_interval=4", "--init_from=resume"]
     cfg = load_config([*resume, "--weight_decay=0", "--grad_clip=0.5", "--beta2=0.9", "--dropout=0.25"])
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     assert "changed since the checkpoint, applied from iter 3: weight_decay 0.1 -> 0.0, beta2 0.95 -> 0.9, " \
            "dropout 0.0 -> 0.25, grad_clip 1.0 -> 0.5" in capsys.readouterr().out
     trainer.fit()
@@ -218,7 +218,7 @@ def test_what_a_resumed_run_cannot_change_stops_it_with_one_line(args, change, m
     train.main([*args, "--max_iters=2", "--eval_interval=2"])
     cfg = load_config([*args, "--max_iters=4", "--init_from=resume", change])
     with pytest.raises(UserError, match=message):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
 
 
 # ---- out_dir: a fresh run never loses or mixes with an earlier one ----------------------------------------
@@ -280,16 +280,16 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     os.replace(out / "best.pt", out / "ckpt.pt")
     cfg = load_config([*args, "--max_iters=3", "--init_from=resume"])
     with pytest.raises(UserError, match="holds weights only"):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
 
 
 # ---- the gradient norm -----------------------------------------------------------------------------------
 
 def test_grad_norm_is_the_norm_before_clipping(args):
     cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg), train.TokenLoss), rt)
+    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     reference = copy.deepcopy(trainer.model)
-    batch = trainer.objective.batches(0)
+    batch = trainer.batches(0)
     scale = 1 / batch.targets
     for x, y in batch.micro_batches:
         _, loss = reference(x, y)

@@ -263,7 +263,7 @@ class RowFormat:
 
 
 @dataclass
-class Run:
+class Paths:
     """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
                                                 "settings)", Scope.COMMAND, path=True)
@@ -508,7 +508,7 @@ class Export:
 
 
 # in the order of --help and the reference
-GROUPS = (Split, Submission, RowFormat, Run, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
+GROUPS = (Split, Submission, RowFormat, Paths, ModelShape, Training, AdamW, Lora, Evaluation, System, Decoding,
           Summarizing, Export)
 
 

@@ -70,7 +70,7 @@ def main(argv=None):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, checkpoint, from_run = run_settings(argv, __doc__)
+        cfg, start_ckpt, from_run = run_settings(argv, __doc__)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
@@ -82,16 +82,16 @@ def main(argv=None):
                 print(settings_report(argv, config_json, from_run))
             go_on = continue_command(argv, rt.world_size)
             ckpt, trainer = os.path.join(cfg.out_dir, run_folder.CKPT), None
-            signals = StopSignals(lambda: f"stopping after iter {trainer.state.step + 1}, then saving {ckpt}"
+            signals = StopSignals(lambda: f"stopping after iter {trainer.run.state.step + 1}, then saving {ckpt}"
                                   if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(prepare(cfg, rt, checkpoint, started), rt, signals)
-                cfg = trainer.cfg  # micro_batch_size=auto chosen
-                del checkpoint  # its tensors map the file, whose disk space a save must be able to free
+                    trainer = Trainer(prepare(cfg, rt, start_ckpt, started), rt, signals)
+                cfg = trainer.run.cfg  # micro_batch_size=auto chosen
+                del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
                 try:
                     stopped_by = trainer.fit()
-                    step, clock = trainer.state.step, trainer.clock
+                    step, clock = trainer.run.state.step, trainer.run.clock
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
                     trainer = None
             # the compiled work is a cache: a folder that cannot keep it costs later commands a compile, no more
@@ -136,16 +136,12 @@ class Trainer:
     the StopSignals that ask the run to stop after a step (else none)."""
 
     def __init__(self, run, rt, signals=None):
-        self.rt, self.signals = rt, signals or StopSignals(None, lambda: "", rt.distributed)
-        self.cfg, self.state, self.batches, self.module = run.cfg, run.state, run.batches, run.module
-        self.compiled_module, self.compile_seconds, self.peak = run.compiled_module, run.compile_seconds, run.peak_flops
-        self.val_set, self.rouge_prompts, self.decode_step = run.val_set, run.rouge_prompts, run.decode_step
-        self.tracker, self.clock, self.last_session = run.tracker, run.clock, run.last_session
+        self.run, self.rt, self.signals = run, rt, signals or StopSignals(None, lambda: "", rt.distributed)
 
     def fit(self):
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
         a signal number or OUT_OF_TIME; None at max_iters)."""
-        cfg, rt, state, clock = self.cfg, self.rt, self.state, self.clock
+        cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
         if clock:  # every rank stops with rank 0's verdict
             rt.stop_if(clock.start_up_problem() if rt.is_main else None)
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
@@ -153,7 +149,7 @@ class Trainer:
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
-        with self.tracker, self.signals.training(), memory_hint(cfg, rt), bar:
+        with self.run.tracker, self.signals.training(), memory_hint(cfg, rt), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)
@@ -173,20 +169,20 @@ class Trainer:
                 batch = done.batch
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                          "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
-                if self.compiled_module:  # what compiling cost, and whether the steps still run compiled
+                if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
-                        stats["compile_s"] = self.compile_seconds
-                    if self.compiled_module.fallback.failed:
-                        stats["compile_fallback"] = self.compiled_module.fallback.why
+                        stats["compile_s"] = self.run.compile_seconds
+                    if self.run.compiled_module.fallback.failed:
+                        stats["compile_fallback"] = self.run.compiled_module.fallback.why
                 if state.scaler.is_enabled():
                     stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
-                if self.peak:
+                if self.run.peak_flops:
                     flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
-                    stats["mfu"] = flops / seconds / rt.world_size / self.peak
+                    stats["mfu"] = flops / seconds / rt.world_size / self.run.peak_flops
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
                     start = time.perf_counter()
                     stats.update(self.validate())
-                    self.checkpoint(stats)
+                    self.save(stats)
                     if clock:
                         clock.evaluated(time.perf_counter() - start)
                 elif done.stop_signal:
@@ -208,20 +204,20 @@ class Trainer:
 
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""
-        cfg, rt, state = self.cfg, self.rt, self.state
-        batch = self.batches(step)
+        cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
+        batch = self.run.batches(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
         scale = rt.world_size / batch.targets
         loss_sum = torch.zeros((), device=rt.device)
-        steps_left = self.clock.steps_left(step, batch.tokens) if self.clock else None
-        settled = steps_left == 0 or self.clock.settled(step, batch.tokens) if self.clock else True
+        steps_left = clock.steps_left(step, batch.tokens) if clock else None
+        settled = steps_left == 0 or clock.settled(step, batch.tokens) if clock else True
         for i, (x, y) in enumerate(batch.micro_batches):
             x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
-            with rt.parallel.no_sync(self.module, sync=i == len(batch.micro_batches) - 1):
+            with rt.parallel.no_sync(self.run.module, sync=i == len(batch.micro_batches) - 1):
                 with rt.autocast():
-                    _, loss = self.module(x, found)
+                    _, loss = self.run.module(x, found)
                 loss = loss * len(found.index)  # summed over the micro-batch's targets
                 state.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach().float()
@@ -238,8 +234,8 @@ class Trainer:
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
         cooling = steps_left if steps_left >= 0 and reduced[2] else None  # the steps the cooldown goes by
-        lr = learning_rate(step, state.schedule, cooling, self.last_session)
-        state.schedule = cooled(state.schedule, step, cooling, steps_left == 0, self.last_session)
+        lr = learning_rate(step, state.schedule, cooling, self.run.last_session)
+        state.schedule = cooled(state.schedule, step, cooling, steps_left == 0, self.run.last_session)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True
@@ -257,42 +253,44 @@ class Trainer:
     def validate(self):
         """Validation loss and ROUGE on a fixed validation subset, summarized in the same batches as one process
         would; every rank returns the same numbers."""
-        if not len(self.val_set):  # best_metric=last without validation rows: nothing to measure
+        run, rt = self.run, self.rt
+        if not len(run.val_set):  # best_metric=last without validation rows: nothing to measure
             return {}
         self.model.eval()
-        metrics = {"val_loss": validation_loss(self.model, self.val_set, self.cfg, self.rt)}
-        if self.rouge_prompts:
+        metrics = {"val_loss": validation_loss(self.model, run.val_set, run.cfg, rt)}
+        if run.rouge_prompts:
             start = time.perf_counter()
-            model = inference.rouge_model(self.model, self.cfg, self.rt)
-            predictions = inference.summarize_sharded(model, self.rouge_prompts, self.cfg, self.rt, progress=False,
-                                                      decode_step=self.decode_step)
-            if self.clock:
-                self.clock.summarized(time.perf_counter() - start, len(predictions))
-            metrics.update(rouge(predictions, self.val_set.summaries[:len(predictions)]))
+            model = inference.rouge_model(self.model, run.cfg, rt)
+            predictions = inference.summarize_sharded(model, run.rouge_prompts, run.cfg, rt, progress=False,
+                                                      decode_step=run.decode_step)
+            if run.clock:
+                run.clock.summarized(time.perf_counter() - start, len(predictions))
+            metrics.update(rouge(predictions, run.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
 
-    def checkpoint(self, stats):
+    def save(self, stats):
         """After an evaluation: ckpt.pt, and best.pt when the configured metric improved; diverged weights are not
         worth resuming from, so a non-finite val_loss keeps the previous checkpoints."""
+        cfg, state = self.run.cfg, self.run.state
         if not math.isfinite(stats.get("val_loss", 0.0)):
             if self.rt.is_main:
-                print(f"warning: val_loss is {stats['val_loss']} at iter {self.state.step}; keeping the previous "
+                print(f"warning: val_loss is {stats['val_loss']} at iter {state.step}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
-        self.state.save(self.cfg, self.rt, stats, best=self.state.improved(stats, self.cfg.best_metric))
+        state.save(cfg, self.rt, stats, best=state.improved(stats, cfg.best_metric))
 
     def log(self, stats, bar):
         """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar, and the
         plot after an evaluation."""
-        cfg, step = self.cfg, self.state.step
-        if step % cfg.log_interval == 0 or "val_loss" in stats:
-            log_row(cfg.out_dir, stats, self.tracker)
-        bar.set_postfix(progress_postfix(stats, self.state.skipped_steps if self.scaler.is_enabled() else None))
+        cfg, state = self.run.cfg, self.run.state
+        if state.step % cfg.log_interval == 0 or "val_loss" in stats:
+            log_row(cfg.out_dir, stats, self.run.tracker)
+        bar.set_postfix(progress_postfix(stats, state.skipped_steps if state.scaler.is_enabled() else None))
         bar.update(1)
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
-            bar.write(f"iter {step}: {scores}")
+            bar.write(f"iter {state.step}: {scores}")
             try:  # the plot is a view of metrics.jsonl: a full disk skips it, the run goes on
                 plot_metrics(os.path.join(cfg.out_dir, run_folder.METRICS),
                              os.path.join(cfg.out_dir, run_folder.PLOT),
@@ -302,11 +300,11 @@ class Trainer:
 
     @property
     def model(self):
-        return self.state.model
+        return self.run.state.model
 
     @property
     def scaler(self):
-        return self.state.scaler
+        return self.run.state.scaler
 
 
 # ---- the command line ----------------------------------------------------------------------------------------

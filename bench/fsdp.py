@@ -104,7 +104,7 @@ def count_step(args, before):
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
                     "reduce_once": bool(rt.parallel.reduce_once),
-                    "micro_steps": grad_accum_steps(trainer.cfg, rt.world_size)}
+                    "micro_steps": grad_accum_steps(trainer.run.cfg, rt.world_size)}
     finally:
         fsdp.fully_shard = shard
 

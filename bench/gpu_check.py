@@ -96,7 +96,7 @@ def train_case(args, dtype, compile, folder, csv):
         steps = [json.loads(line) for line in f][args.iters // 3:]
     row = {f"train_{key}": statistics.median(s[key] for s in steps) if key in steps[0] else None
            for key in ("tokens_per_s", "mfu", "ms_per_iter", "peak_mem_gb")}
-    row.update(loss=steps[-1]["loss"], train_compiled=trainer.module is not trainer.model)
+    row.update(loss=steps[-1]["loss"], train_compiled=trainer.run.module is not trainer.model)
     return dict(row, train_graph_breaks=breaks, train_compilations=graphs) if compile else row
 
 

@@ -61,10 +61,10 @@ def build(shape, n_layer, with_lora, device):
 
 
 def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
-    """(memory.Run, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16: what a run
-    asks the memory plan with."""
+    """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16: what a
+    run asks the memory plan with."""
     model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
-    run = memory.Run(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
+    run = memory.Workload(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
     return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
 
 

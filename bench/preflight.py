@@ -188,12 +188,12 @@ def run_collective(argv):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from summarizer.backends import meet, part
+    from summarizer.backends import end_process_group, meet
     meet(cfg, device, int(os.environ["WORLD_SIZE"]))
     data = torch.ones(16 * 2**20, device=device)  # 64 MB of float32
     torch.distributed.all_reduce(data)
     assert data[0].item() == int(os.environ["WORLD_SIZE"])
-    part(device, clean=True, rank=int(os.environ["RANK"]))
+    end_process_group(device, clean=True, rank=int(os.environ["RANK"]))
 
 
 def training(argv, shape, cfg, nproc, env, args, folder, dtype, compile):

@@ -1,6 +1,6 @@
 """The backends: one object each for a single process, torchrun's DDP or FSDP, and Accelerate, that shards, wraps and
 gathers the model its way and saves and restores its optimizer; and the process group's start (meet: NCCL's
-fallbacks on Kaggle's T4s) and its teardown in an order that cannot deadlock (part, with a watchdog)."""
+fallbacks on Kaggle's T4s) and its teardown in an order that cannot deadlock (end_process_group, with a watchdog)."""
 import contextlib
 import datetime
 import gc
@@ -119,7 +119,7 @@ class DDP(SingleProcess):
 
     def close(self, clean):
         if dist.is_initialized():
-            part(self.device, clean, self.rank)
+            end_process_group(self.device, clean, self.rank)
 
     def wrap(self, model):
         if self.world_size == 1:
@@ -198,7 +198,7 @@ if not select.select([pipe], [], [], seconds)[0]:  # the pipe is readable (at it
 """
 
 
-def part(device, clean, rank):
+def end_process_group(device, clean, rank):
     """End the process group in an order that cannot deadlock. A gloo group's destructor joins its worker threads,
     and a worker may need the GIL to drop the last reference to a finished collective's tensors: when a C++ holder
     drops the group's last reference (DDP's Reducer, at the interpreter's exit) the GIL stays held and both wait
@@ -247,7 +247,7 @@ class Accelerate(DDP):
     def close(self, clean):
         self.accelerator.free_memory()  # it keeps the models it prepared: its DDP module holds the group
         if dist.is_initialized():  # end_training skips the group under notebook_launcher's forked workers
-            part(self.device, clean, self.rank)
+            end_process_group(self.device, clean, self.rank)
 
     def wrap(self, model):
         return self.accelerator.prepare_model(model)

@@ -152,7 +152,7 @@ def save_checkpoint(state, path):
 
 def not_an_archive(path):
     """Whether the file at `path` has content and is no torch.save archive (a zip file, which begins so): another
-    file given where a checkpoint or candidates file was meant. An empty file is a truncated archive."""
+    file given where a checkpoint was meant. An empty file is a truncated archive."""
     with open(path, "rb") as f:
         return os.path.getsize(path) > 0 and f.read(4) != b"PK\x03\x04"
 

@@ -96,12 +96,12 @@ class RunClock:
     learning rate's cooldown, so that it reaches min_lr at the last step whatever the pace did."""
 
     def __init__(self, budget, started=None, now=time.monotonic, eval_interval=1, rouge_summaries=0,
-                 after_summaries=0, after_evaluations=0, step_tokens=1):
+                 after_summaries=0, after_evaluations=0, step_tokens=1, validation_tokens=0, save_bytes=0):
         self.budget, self.now = budget, now
         self.started = now() if started is None else started
         self.eval_interval, self.step_tokens = eval_interval, step_tokens
         # what an evaluation's validation loss reads and its saves write, for the guess before one is timed
-        self.validation_tokens, self.save_bytes = 0, 0
+        self.validation_tokens, self.save_bytes = validation_tokens, save_bytes
         self.rouge_summaries = rouge_summaries  # summarized at every evaluation
         self.after_summaries = after_summaries  # by evaluate_after and predict_after
         self.after_evaluations = after_evaluations  # how many of those two run: each loads and writes like one
@@ -110,6 +110,14 @@ class RunClock:
         self.decoding = 0.0  # seconds of summaries decoded in the evaluation in progress
         self.longest = step_tokens  # the most tokens a step had so far
         self.last_call = None  # (when steps_left last answered 0, the seconds it expected the rest to take)
+
+    def prime(self, step_seconds, tokens, decodings=()):
+        """Before step 1: a warm training step took `step_seconds` for `tokens` tokens (the pace until a step is
+        measured), and each of `decodings`, (seconds, summaries), a batch of summaries, the first paying the
+        one-time costs."""
+        self.primed = step_seconds / tokens
+        for seconds, summaries in decodings:
+            self.summaries.add(seconds, summaries)
 
     def stepped(self, seconds, tokens):
         """A training step of `tokens` (every rank's, padding aside) took `seconds`."""

@@ -12,7 +12,7 @@ import urllib.parse
 
 import torch
 
-from config import FIELDS, ModelShape, Use, keys, resolve
+from config import ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, run_folder
@@ -286,20 +286,19 @@ def lora_base_moved_to(cfg):
     return cfg.init_from if cfg.init_from != "resume" else None
 
 
-def model_to_train(cfg, start=None):
+def model_to_train(cfg, start_ckpt=None):
     """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
-    transformers directory, a checkpoint file, or 'resume' (resume_path), which must not change what the run
-    fixed; with LoRA adapters (base frozen) when lora_rank > 0. `start`: that checkpoint, if loaded already."""
+    transformers directory, a checkpoint file, or 'resume' (resume_path); with LoRA adapters (base frozen) when
+    lora_rank > 0. `start_ckpt`: the checkpoint run_settings loaded and resolved cfg against (else loaded here)."""
     if not resuming(cfg):
-        model, _ = build_model(cfg.init_from, cfg, ckpt=start)
+        model, _ = build_model(cfg.init_from, cfg, ckpt=start_ckpt)
         if cfg.lora_rank:
             lora.add_adapters(model, **lora.settings(cfg))
         return model, None
-    path, start = start_checkpoint(cfg) if start is None else (resume_path(cfg), start)
-    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start)
+    path = resume_path(cfg)
+    model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start_ckpt)
     if "optimizer" not in ckpt:
         raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
-    resolve(cfg, FIELDS, ckpt["config"], path, Use.RESUME)  # train.main resolved cfg: this stops any contradiction
     return model, ckpt
 
 

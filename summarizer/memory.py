@@ -169,7 +169,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Run:
+class Workload:
     """What a plan needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
     decodes in, and its longest training row, the most targets a row has, and its longest prompt (tokens)."""
     model: torch.nn.Module
@@ -227,7 +227,7 @@ def choose_micro_batch(cfg, rt, model, train_set, val_set):
     plan of this run on the smallest budget of its ranks (device_memory)."""
     budget = min(rt.all_gather_objects(device_memory(rt.device)))
     dtype = getattr(torch, rt.dtype)
-    run = Run(model, cfg, rt.backend, rt.world_size, dtype, longest_row=int(train_set.lengths.max()),
+    run = Workload(model, cfg, rt.backend, rt.world_size, dtype, longest_row=int(train_set.lengths.max()),
               most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
               longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0)
     rows, chosen = largest_micro_batch(run, budget, ActivationRates.measure(model.config, lora.settings(cfg), dtype))

@@ -1,7 +1,7 @@
 """Preparing a training run, the one way into the Trainer (train.py): from the command line's settings (run_settings:
 resolved against the checkpoint a run continues or starts from, checked before any work) to what the loop needs
 (prepare: data, the model and its state, the disk plan, an earlier run set aside, the compiled step, the clock primed
-for the budget, the start lines and config.json)."""
+for the budget), which rank 0 then announces (announce: the notes, the start lines and config.json)."""
 import os
 import sys
 import time
@@ -13,7 +13,7 @@ import data
 from config import Use, flags_given, grad_accum_steps, load_config, own_keys, resolve, settings_given
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.clock import RunClock
+from summarizer.clock import RunClock, used_up
 from summarizer.compiling import CompiledModule, compile_model
 from summarizer.errors import UserError
 from summarizer.launch import memory_hint
@@ -38,8 +38,8 @@ from summarizer.tracking import Tracker, peak_flops, resumed_history
 class Run:
     """What the loop needs of a prepared run: its settings (micro_batch_size chosen), the training state (what
     ckpt.pt holds), its batches and the module a step calls (compiled and wrapped), the validation rows and the
-    prompts its ROUGE decodes with `decode_step`, the tracker, max_time's clock (or None) and whether this is the
-    last session the run is planned over."""
+    prompts its ROUGE decodes with `decode_step`, the tracker, max_time's clock (or None), whether this is the
+    last session the run is planned over, and the GPU's peak FLOPS (for mfu; None on a CPU)."""
     cfg: object
     state: TrainingState
     batches: data.TrainBatches
@@ -55,93 +55,124 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, start=None, started=None):
-    """The Run of `cfg` (from run_settings) in `rt`. `start`: the checkpoint run_settings loaded to resume or start
-    from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
-    does and, before step 1, what runs; a budget that start-up spends stops every rank."""
+def prepare(cfg, rt, start_ckpt=None, started=None):
+    """The Run of `cfg` in `rt`, both from run_settings: `start_ckpt` the checkpoint the run continues or starts
+    from (None: from scratch or GPT-2; a resume without it loads it here), `started` what max_time counts from
+    (else now). Rank 0 says what start-up does, a budget that start-up spends stops every rank, and the run is
+    announced before step 1."""
+    started = time.monotonic() if started is None else started
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     splits, after_summaries = datasets(cfg, rt)
-    train_set, val_set = splits.train, splits.val
-    clock = None
-    if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
-        clock = RunClock(cfg.max_time, time.monotonic() if started is None else started, time.monotonic,
-                         cfg.eval_interval, min(cfg.rouge_samples, len(val_set)), after_summaries,
-                         int(cfg.evaluate_after) + int(cfg.predict_after),
-                         step_tokens=cfg.batch_size * float((train_set.lengths - 1).mean()))
-    starting = Starting(rt, clock)
+    starting = Starting(rt, cfg.max_time, started)
     starting("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model, ckpt = model_to_train(cfg, start)
+    model, resumed = model_to_train(cfg, start_ckpt)
     chosen = None  # micro_batch_size=auto: the choice, in words
     if cfg.micro_batch_size == "auto":
         starting("planning memory for micro_batch_size=auto")
-        rows, chosen = choose_micro_batch(cfg, rt, model, train_set, val_set)
-        cfg = replace(cfg, micro_batch_size=rows)
-        tracker.cfg = cfg  # the hyperparameters it logs are the chosen settings
-    base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
-    disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(train_set))
-    rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
-    # before anything compiles: the compiled work of the run this one continues, starts from or replaces
-    cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(
-        resume_path(cfg) if resuming(cfg) else cfg.init_from if is_checkpoint(cfg.init_from) else
-        os.path.join(cfg.out_dir, run_folder.CKPT))))
-    # every input is checked: an earlier run's files can go aside
-    moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
-    if moved:
-        print(moved)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    model = model.to(rt.device)
-    batches = data.TrainBatches(train_set, cfg, rt.rank, rt.world_size)
-    state = TrainingState.start(rt.parallel.shard(model), cfg, rt, train_rows=train_set.fingerprints(),
-                                validation_digest=val_set.digest, lora_base=base,
-                                base=ckpt["config"]["init_from"] if ckpt else cfg.init_from)
-    torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-    notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
-    if ckpt is not None:
-        notes += state.restore(ckpt, cfg, rt, resume_path(cfg))
-        if rt.is_main:
-            notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, state.step)])
-    model = state.model
-    prompts, _ = inference.Summarizer(model, cfg).prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    # compiled or eager: the decoding of every evaluation and of evaluate_after/predict_after, in this process
-    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
-    decode_step, decoding = rt.decoding(evaluations * inference.decode_steps(len(prompts), cfg, rt.world_size)
-                                        + inference.decode_steps(after_summaries, cfg, rt.world_size),
-                                        model.config.n_layer)
+        rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
+        cfg = tracker.cfg = replace(cfg, micro_batch_size=rows)  # the tracker logs the chosen settings
+    state, disk, notes = training_state(cfg, rt, model, resumed, splits)
+    batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
+    summarizer = inference.Summarizer(state.model, cfg)
+    prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
+    decode_step, decoding = run_decoding(cfg, rt, state, len(prompts), after_summaries)
     module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state, starting)
-    accum_steps = grad_accum_steps(cfg, rt.world_size)
-    if clock:
-        clock.validation_tokens, clock.save_bytes = validation_tokens(cfg, val_set), disk.ckpt + disk.best
+    clock = None
+    if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
+        clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after_summaries,
+                         int(cfg.evaluate_after) + int(cfg.predict_after),
+                         step_tokens=cfg.batch_size * float((splits.train.lengths - 1).mean()),
+                         validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
-        summaries = prompts or (inference.Summarizer(model, cfg).prompts(val_set.dialogues[:cfg.gen_batch_size])[0]
-                                if after_summaries else [])
-        prime_clock(clock, cfg, rt, batches, state, module, summaries, decode_step, accum_steps, starting)
-    if rt.is_main:
-        if cfg.lora_rank and cfg.init_from == "scratch":
-            print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
-                  f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
-                  f"weight (lora_rank=0)", file=sys.stderr)
-        print("\n".join([*notes, *start_lines(cfg, rt, state, len(train_set), len(val_set), accum_steps,
-                                                f"{rt.describe(compiled)}; {decoding}", chosen, disk, clock)]))
-        save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
+        timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
+        clock.prime(*time_step(cfg, rt, batches, state, module, starting),
+                    time_decoding(cfg, rt, state, timed, decode_step, starting))
     # max_time's cooldown comes in the last of the sessions the run is planned over
-    return Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step,
-               tracker, clock, sessions_done(state.schedule) + 1 >= cfg.sessions,
-               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
+    run = Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step, tracker, clock,
+              sessions_done(state.schedule) + 1 >= cfg.sessions,
+              peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
+    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
+    return run
+
+
+def announce(run, rt, notes, train_rows, runs, chosen, disk):
+    """Rank 0, before step 1: the notes of start-up, then the rows, the batch, the model and what runs (`runs`, in
+    words), the micro-batch micro_batch_size=auto chose (in words, or None), the disk plan and what max_time buys;
+    config.json. LoRA on random weights is warned of."""
+    if not rt.is_main:
+        return
+    cfg, state, clock = run.cfg, run.state, run.clock
+    trained = ""
+    if cfg.lora_rank:
+        count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+        trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
+    if cfg.lora_rank and cfg.init_from == "scratch":
+        print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
+              f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
+              f"weight (lora_rank=0)", file=sys.stderr)
+    lines = [f"{train_rows} training and {len(run.val_set)} validation examples; {cfg.batch_size} sequences per "
+             f"step = {cfg.micro_batch_size} per micro-batch x {rt.world_size} process(es) x "
+             f"{grad_accum_steps(cfg, rt.world_size)} accumulation steps; {state.model.num_params() / 1e6:.1f}M "
+             f"parameters{trained}; {runs}",
+             *([chosen] if chosen else []),
+             f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}",
+             *([clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
+                                  sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
+    print("\n".join([*notes, *lines]))
+    save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
 
 
 class Starting:
     """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next, and a budget
-    that start-up has spent stops every rank there, in one line."""
+    (max_time, counted from `started`) that start-up has spent stops every rank there, in one line."""
 
-    def __init__(self, rt, clock):
-        self.rt, self.clock = rt, clock
+    def __init__(self, rt, budget, started):
+        self.rt, self.budget, self.started = rt, budget, started
 
     def __call__(self, what):
         if self.rt.is_main:
             print(f"start-up: {what} ...", flush=True)
-        if self.clock:
-            self.rt.stop_if(self.clock.start_up_problem() if self.rt.is_main and self.clock.left() <= 0 else None)
+        if self.budget is not None:
+            spent = time.monotonic() - self.started
+            self.rt.stop_if(used_up(self.budget, spent, "(imports, reading the data, building the model, timing a "
+                                                        "step)") if self.rt.is_main and spent >= self.budget else None)
+
+
+def training_state(cfg, rt, model, resumed, splits):
+    """(the TrainingState of `model` on this rank's device, continuing ckpt.pt's `resumed` if given; the disk plan,
+    checked before any work; the notes of what start-up found). Loads the compiled work of the run this one
+    continues, starts from or replaces, and sets aside an earlier run's files in out_dir."""
+    base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
+    disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
+    rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
+    path = resume_path(cfg) if resumed else None
+    # before anything compiles
+    cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(path or (
+        cfg.init_from if is_checkpoint(cfg.init_from) else os.path.join(cfg.out_dir, run_folder.CKPT)))))
+    # every input is checked: an earlier run's files can go aside
+    moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resumed else None
+    if moved:
+        print(moved)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    state = TrainingState.start(rt.parallel.shard(model.to(rt.device)), cfg, rt,
+                                train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
+                                lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)
+    torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
+    notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
+    if resumed:
+        notes += state.restore(resumed, cfg, rt, path)
+        if rt.is_main:
+            notes += filter(None, [resumed_history(path, cfg.out_dir, state.step)])
+    return state, disk, notes
+
+
+def run_decoding(cfg, rt, state, rouge_summaries, after_summaries):
+    """(the decode step of every evaluation's `rouge_summaries` summaries and of evaluate_after/predict_after's, in
+    this process: compiled or eager; what it is, in words)."""
+    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
+    return rt.decoding(evaluations * inference.decode_steps(rouge_summaries, cfg, rt.world_size)
+                       + inference.decode_steps(after_summaries, cfg, rt.world_size), state.model.config.n_layer)
 
 
 def step_module(cfg, rt, batches, state, starting):
@@ -163,12 +194,10 @@ def step_module(cfg, rt, batches, state, starting):
     return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled, seconds
 
 
-def prime_clock(clock, cfg, rt, batches, state, module, prompts, decode_step, accum_steps, starting):
-    """Before step 1 of a run with max_time, what its clock needs to judge the budget: the first micro-batch's
-    forward and backward twice, then (when the run summarizes) a batch of `prompts` decoded twice; the first of
-    each pays the one-time costs (compiling, first calls), the second runs warm. Summaries of weights not yet
-    trained run to max_new_tokens: an upper bound. Each is announced, and a budget spent by one stops the run
-    before the next. Leaves no gradients and draws no random numbers."""
+def time_step(cfg, rt, batches, state, module, starting):
+    """Before step 1 of a run with max_time: (the seconds of a warm step, its tokens), from the first micro-batch
+    (the step's longest) run forward and backward twice, the first paying the one-time costs (compiling, first
+    calls). Announced, and a budget spent stops the run; leaves no gradients and draws no random numbers."""
     rng = rng_state()
     x, found = first_micro_batch(batches, state.step, rt.device)
     starting("timing a training step (its first call pays the one-time costs)")
@@ -181,16 +210,25 @@ def prime_clock(clock, cfg, rt, batches, state, module, prompts, decode_step, ac
             seconds = time.perf_counter() - start
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
-    clock.primed = seconds * accum_steps / batches(state.step).tokens  # the first micro-batch is the step's longest
-    prompts = prompts[:cfg.gen_batch_size * rt.world_size]
+    set_rng_state(rng)
+    return seconds * grad_accum_steps(cfg, rt.world_size), batches(state.step).tokens
+
+
+def time_decoding(cfg, rt, state, prompts, decode_step, starting):
+    """Before step 1 of a run with max_time that summarizes: [(seconds, summaries)] of a batch of `prompts`
+    decoded twice, the first paying the one-time costs; weights not yet trained run to max_new_tokens (an upper
+    bound). Announced, and a budget spent stops the run; draws no random numbers."""
+    prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
+        rng = rng_state()
         starting(f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(2):
             start = time.perf_counter()
             inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=decode_step)
-            clock.summaries.add(time.perf_counter() - start, len(prompts))
-    set_rng_state(rng)
+            timed.append((time.perf_counter() - start, len(prompts)))
+        set_rng_state(rng)
+    return timed
 
 
 def first_micro_batch(batches, step, device):
@@ -206,22 +244,6 @@ def validation_tokens(cfg, val_set):
     return float((val_set.lengths - 1).sum()) * read
 
 
-def start_lines(cfg, rt, state, train_rows, validation_rows, accum_steps, runs, chosen, disk, clock):
-    """What rank 0 prints of the run before the first step: the rows, the batch, the model and what runs; the
-    micro-batch micro_batch_size=auto chose (in words, or None); the disk plan; what max_time buys (clock)."""
-    trained = ""
-    if cfg.lora_rank:
-        count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
-        trained = f" ({count / 1e6:.2f}M trained: LoRA rank {cfg.lora_rank} on {','.join(cfg.lora_targets)})"
-    return [f"{train_rows} training and {validation_rows} validation examples; {cfg.batch_size} sequences per "
-            f"step = {cfg.micro_batch_size} per micro-batch x {rt.world_size} process(es) x {accum_steps} "
-            f"accumulation steps; {state.model.num_params() / 1e6:.1f}M parameters{trained}; {runs}",
-            *([chosen] if chosen else []),
-            f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}",
-            *([clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
-                                 sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
-
-
 def run_settings(argv, usage=None):
     """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
     checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
@@ -229,16 +251,16 @@ def run_settings(argv, usage=None):
     source's shape and the validation rows the run needs. A resume continues the run: only a flag changes it; a
     new run from the weights is a new run of the run's recipe: a preset changes it too."""
     cfg, flags = load_config(argv, usage), flags_given(argv)
-    path, start = start_checkpoint(cfg)
+    path, start_ckpt = start_checkpoint(cfg)
     from_run = None
-    if start is not None:
+    if start_ckpt is not None:
         use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
         given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
-        cfg, changed = resolve(cfg, given, start["config"], path, use)
+        cfg, changed = resolve(cfg, given, start_ckpt["config"], path, use)
         from_run = FromRun(path, own_keys(use), changed)
     check_shape(cfg, flags, cfg.init_from)
     check_validation(cfg)
-    return cfg, start, from_run
+    return cfg, start_ckpt, from_run
 
 
 def validation_problem(cfg, rows):

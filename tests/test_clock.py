@@ -212,7 +212,7 @@ def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
     ended = cooled(schedule, 299, steps_left=0, ended=True)
     assert decayed(300, ended) and learning_rate(300, ended) == MIN_LR
     clock = RunClock(60, started=0.0, now=lambda: 10.0)
-    clock.primed = 1e-3
+    clock.prime(1e-3, tokens=1)
     line = clock.budget_line(300, 100000, decayed(300, ended), 2, 1)
     assert line.endswith("not the 99700 to max_iters=100000: the learning rate stays at min_lr"), line
 

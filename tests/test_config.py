@@ -253,11 +253,11 @@ def test_the_settings_block_is_grouped_wrapped_and_says_where_each_value_came_fr
     assert sections["config/kaggle_t4x2.py"] == ("Training: micro_batch_size='auto' | System: device='cuda' "
                                                  "nccl_p2p_disable=True Summarizing: gen_batch_size=64")
     command_line = sections["command line"]
-    for text in ("RowFormat: prompt_template=", f"Run: out_dir='{out}'",
+    for text in ("RowFormat: prompt_template=", f"Paths: out_dir='{out}'",
                  "Training: max_time=41400.0 [11h 30m = 41400 s]",
                  "Evaluation: evaluate_after=True log_to='tensorboard'"):
         assert text in command_line
-    assert command_line.index("RowFormat:") < command_line.index("Run:") < command_line.index("Training:")
+    assert command_line.index("RowFormat:") < command_line.index("Paths:") < command_line.index("Training:")
     assert settings_report([], "out/config.json") == ("settings: the defaults; every key in out/config.json before "
                                                       "step 1")
 

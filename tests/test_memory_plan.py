@@ -30,7 +30,7 @@ def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
         model = GPT(GPTConfig(**PRETRAINED[cfg.init_from]))
     if cfg.lora_rank:
         lora.add_adapters(model, **lora.settings(cfg))
-    run = memory.Run(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", RANKS, torch.float16,
+    run = memory.Workload(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", RANKS, torch.float16,
                      longest_row=cfg.block_size, most_targets=cfg.max_new_tokens,
                      longest_prompt=cfg.block_size - cfg.max_new_tokens)
     rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)

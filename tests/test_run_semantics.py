@@ -216,9 +216,8 @@ def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, caps
 ])
 def test_what_a_resumed_run_cannot_change_stops_it_with_one_line(args, change, message):
     train.main([*args, "--max_iters=2", "--eval_interval=2"])
-    cfg = load_config([*args, "--max_iters=4", "--init_from=resume", change])
-    with pytest.raises(UserError, match=message):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+    with pytest.raises(UserError, match=message):  # the settings are resolved against the run once, before any work
+        train.run_settings([*args, "--max_iters=4", "--init_from=resume", change])
 
 
 # ---- out_dir: a fresh run never loses or mixes with an earlier one ----------------------------------------
@@ -289,7 +288,7 @@ def test_grad_norm_is_the_norm_before_clipping(args):
     cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
     trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
     reference = copy.deepcopy(trainer.model)
-    batch = trainer.batches(0)
+    batch = trainer.run.batches(0)
     scale = 1 / batch.targets
     for x, y in batch.micro_batches:
         _, loss = reference(x, y)

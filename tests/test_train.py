@@ -175,6 +175,6 @@ def test_the_demo_says_what_runs_in_a_few_lines_before_it_trains(tmp_path):
             source, _, text = line.strip().partition(": ")
             sources[source] = text
     assert list(sources) == ["config/demo.py", "command line"]
-    assert "Run: init_from='scratch'" in sources["config/demo.py"] and "max_iters" not in sources["config/demo.py"]
+    assert "Paths: init_from='scratch'" in sources["config/demo.py"] and "max_iters" not in sources["config/demo.py"]
     assert "Training: max_iters=1" in sources["command line"]
     assert not any(line.startswith("learning_rate ") for line in lines[:first])  # no key-per-line listing

@@ -1,7 +1,7 @@
 """A script (train.py, evaluate.py, predict.py) under torchrun, that reports on stderr what is alive
 when its process group is destroyed: after a garbage collection, the DDP modules, FSDP-sharded modules and GPTs
-(tests/test_teardown.py). With --hang, the group's destruction never returns instead, and the teardown's bound
-is 2 s.
+(tests/test_train.py's launcher-parity runs). With --hang, the group's destruction never returns instead, and the
+teardown's bound is 2 s (tests/test_teardown.py).
 
     torchrun --nproc_per_node=2 --standalone tests/teardown_probe.py [--hang] SCRIPT [its arguments]
 """

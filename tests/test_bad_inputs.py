@@ -22,7 +22,7 @@ import data
 import evaluate
 import predict
 import train
-from conftest import HANG, ONE_STEP, REPO, TINY, free_port, one_error_line, run, save_csv, synthetic_rows, tiny
+from conftest import HANG, ONE_STEP, REPO, TINY, free_port, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 
@@ -327,10 +327,10 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("script", ["predict", "train", pytest.param("evaluate.py", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("script", ["predict", "train", "evaluate"])
 def test_checkpoint_whose_pickle_runs_code_is_refused(script, trained, tmp_path, capsys):
-    """load_checkpoint refuses it (weights_only), and so do predict.py, train.py resuming from it and evaluate.py as a
-    process, in one line; the code never runs."""
+    """load_checkpoint refuses it (weights_only), and so do predict.py, train.py resuming from it and evaluate.py, in
+    one line; the code never runs."""
     marker = tmp_path / "pwned"
     out = tmp_path / "out"
     out.mkdir()
@@ -339,18 +339,19 @@ def test_checkpoint_whose_pickle_runs_code_is_refused(script, trained, tmp_path,
     with pytest.raises(UserError, match="weights_only"):
         load_checkpoint(str(out / "ckpt.pt"))
     assert not marker.exists()
-    if script == "evaluate.py":
-        result = run([sys.executable, "evaluate.py", f"--ckpt={out / 'ckpt.pt'}", f"--out_dir={tmp_path}",
-                      "--device=cpu"])
-        assert result.returncode != 0 and result.stderr.strip().count("\n") == 0
-        line = error_line(result.stderr)
+    f = Inputs(tmp_path, trained)
+    if script == "evaluate":
+        args = [f"--ckpt={out / 'ckpt.pt'}", f"--out_dir={tmp_path}", "--device=cpu"]
+    elif script == "predict":
+        args = f.predict(f"--ckpt={out / 'ckpt.pt'}")
     else:
-        f = Inputs(tmp_path, trained)
-        args = f.predict(f"--ckpt={out / 'ckpt.pt'}") if script == "predict" else f.train(
-            str(trained / "train.csv"), "--init_from=resume")
-        capsys.readouterr()
-        assert run_main(script, args) == ERROR
-        line = error_line(capsys.readouterr().err)
+        args = f.train(str(trained / "train.csv"), "--init_from=resume")
+    capsys.readouterr()
+    assert run_main(script, args) == ERROR
+    err = capsys.readouterr().err
+    line = error_line(err)
+    if script == "evaluate":
+        assert err.strip().count("\n") == 0
     assert re.search(r"\S+ckpt\.pt .*weights_only", line)
     assert not marker.exists()
 

@@ -4,11 +4,11 @@ communication), and an fp16 overflow in one rank's shard skipping the step on ev
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import evaluate
 import train
 from bench import fsdp as bench_fsdp
 from conftest import HANG, REPO, assert_export_matches, tiny, torchrun
@@ -61,7 +61,7 @@ def test_fsdp_resume_is_bit_identical_and_best_pt_scores_the_same_on_one_process
     # best.pt: one file, plain tensors, that evaluate.py scores on one process as the FSDP run did
     best = load_checkpoint(str(straight / "best.pt"))
     assert set(best["model"]) == set(GPT(GPTConfig(**best["model_args"])).state_dict())
-    run([sys.executable, "evaluate.py", *args, f"--out_dir={straight}"])
+    evaluate.main([*args, f"--out_dir={straight}"])
     with open(straight / "eval_metrics.json") as f:
         report = json.load(f)
     assert report["n"] == 4

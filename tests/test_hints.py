@@ -112,6 +112,7 @@ def test_a_resume_into_an_unwritable_out_dir_names_the_checkpoint_it_reads(train
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 2
 
 
+@pytest.mark.slow  # held_by_another_process starts a process
 def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(trained, tmp_path, capsys):
     folder, args = trained
     out = tmp_path / "out"

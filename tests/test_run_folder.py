@@ -123,6 +123,7 @@ def test_evaluate_on_a_folder_a_training_run_holds_says_so(csvs, tmp_path, capsy
         holder.kill()
 
 
+@pytest.mark.slow  # held_by_another_process starts a process
 @pytest.mark.parametrize("command", ["evaluate", "predict"])
 def test_a_command_on_a_folder_whose_training_has_not_saved_yet_says_to_wait(csvs, tmp_path, capsys, command):
     """A training run holds out_dir (its lock) and has not written best.pt yet: not 'train first' but who trains

@@ -1,5 +1,6 @@
-"""train.py: every launcher trains the same model, resume is bit-identical, checkpoints are complete, the pipeline
-learns its training set, and the demo says what runs before it trains. A SIGKILL mid-write: tests/test_crash_safety.py;
+"""train.py: every launcher trains the same model (and under torchrun leaves nothing holding the process group at its
+teardown), resume is bit-identical, checkpoints are complete, the pipeline learns its training set, and the demo says
+what runs before it trains. A SIGKILL mid-write: tests/test_crash_safety.py;
 a checkpoint whose pickle runs code: tests/test_bad_inputs.py."""
 import os
 import subprocess
@@ -30,6 +31,7 @@ def assert_same_losses(got, expected, rel=1e-4):
 def parity_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("parity")
     save_csv(folder / "train.csv", synthetic_rows(120, seed=1))
+    save_csv(folder / "test.csv", synthetic_rows(6, seed=2), test=True)
     return folder
 
 
@@ -41,15 +43,16 @@ def single_process(parity_data):
     return metrics(out)
 
 
+# torchrun's launches run train.py under tests/teardown_probe.py, which reports what is alive as each rank destroys
+# its process group; DDP's also evaluates and predicts after training (what evaluate.py and predict.py run)
+PROBED = ("--nproc_per_node=2", "--standalone", "tests/teardown_probe.py", "train.py")
 LAUNCHES = {
     "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
-    "torchrun_ddp": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
-                                          "--micro_batch_size=4"),
-    "torchrun_fsdp_checkpointing": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
-                                                         "--micro_batch_size=4", "--backend=fsdp",
+    "torchrun_ddp": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--evaluate_after=True",
+                                          "--predict_after=True"),
+    "torchrun_fsdp_checkpointing": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--backend=fsdp",
                                                          "--gradient_checkpointing=True"),
-    "torchrun_accelerate": lambda args: torchrun("--nproc_per_node=2", "--standalone", "train.py", *args,
-                                                 "--micro_batch_size=4", "--backend=accelerate"),
+    "torchrun_accelerate": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--backend=accelerate"),
     "notebook_launcher": lambda args: [sys.executable, "-c", textwrap.dedent(f"""
         import train
         train.notebook_main({[*args, "--micro_batch_size=2"]!r}, num_processes=2, port={free_port()})
@@ -61,13 +64,20 @@ LAUNCHES = {
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_every_launcher_trains_the_same_model(parity_data, single_process, launch):
     """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
-    ranks == notebook_launcher, loss for loss."""
+    ranks == notebook_launcher, loss for loss. Under torchrun, each rank's DDP or FSDP module, and every model, is
+    gone when its process group is destroyed (a gloo group whose last holder is DDP's Reducer can deadlock at the
+    interpreter's exit; tests/test_teardown.py)."""
     out = parity_data / launch
-    args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--data_cache_dir={parity_data / 'cache'}",
-            f"--out_dir={out}"]
+    args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--test_csv={parity_data / 'test.csv'}",
+            f"--data_cache_dir={parity_data / 'cache'}", f"--out_dir={out}"]
     result = run(LAUNCHES[launch](args))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_losses(metrics(out), single_process)
+    if launch.startswith("torchrun"):
+        reports = [line for line in result.stderr.splitlines() if line.startswith("alive at teardown:")]
+        assert reports == ["alive at teardown: ddp=0 fsdp=0 gpt=0"] * 2, result.stderr[-3000:]
+    if launch == "torchrun_ddp":  # the after-run ran before the teardown it reported on
+        assert (out / "eval_metrics.json").is_file() and (out / "submission.csv").is_file()
     if launch == "notebook_launcher":  # on the CPU, Accelerate's "Launching training on 2 CUDAs." is said right
         assert "Launching training on 2 processes on the CPU (no CUDA GPU is visible)." in result.stdout
         assert "CUDA" not in result.stdout.replace("no CUDA GPU", "")

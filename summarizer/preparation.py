@@ -18,6 +18,7 @@ from summarizer.errors import UserError
 from summarizer.launch import memory_hint
 from summarizer.loading import (
     check_shape,
+    from_hub_cache,
     is_checkpoint,
     kept_lora_base,
     model_to_train,
@@ -59,8 +60,7 @@ def prepare(cfg, rt, objective, start=None, started=None):
     stage's own, e.g. summarizer/ranking.py's Ranking). `start`: the checkpoint run_settings loaded to resume or start
     from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
     does and, before step 1, what runs; a budget that start-up spends stops every rank."""
-    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
-    splits, after_summaries = datasets(cfg, rt)
+    tracker, splits, after_summaries = checked_start(cfg, rt)
     train_set, val_set = splits.train, splits.val
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
@@ -263,6 +263,20 @@ def check_validation(cfg):
         problem = validation_problem(cfg, 0)
         if problem:
             raise UserError(problem)
+
+
+def checked_start(cfg, rt):
+    """What a run checks before it builds its model, train.py's start and bench/preflight.py's alike, each problem in
+    its one line: the batch's split over rt's ranks (micro_batch_size=auto's is checked as it is chosen), the loggers
+    log_to names, the weights init_from names (reachable, or in the hub's cache), the inputs and the sample
+    submission (datasets). (the Tracker, the train/validation Splits, the dialogues summarized after the run)."""
+    if cfg.micro_batch_size != "auto":
+        grad_accum_steps(cfg, rt.world_size)
+    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
+    if not resuming(cfg):
+        from_hub_cache(cfg.init_from)
+    splits, after_summaries = datasets(cfg, rt)
+    return tracker, splits, after_summaries
 
 
 def datasets(cfg, rt):

@@ -2,8 +2,10 @@
 precision (fp32, fp16 + GradScaler, bf16) with torch.compile off and on: the real Trainer's tokens/s, MFU and peak
 memory; the batched generator's greedy tokens/s and MBR-16 summaries/s with rows ending at an EOS, and whether
 compiled greedy output equals eager; inductor's graph breaks and compilations in training and in decoding, and
-decoding's host syncs per step. Then, for the Kaggle presets that run in one process and fit the GPU, the peak
-torch.cuda.max_memory_allocated of a few training steps next to python -m bench --section=memory's prediction. Random
+decoding's host syncs per step. Then the run's trials: each 16-bit row's losses against float32's, and the Kaggle
+preset's decoding of real dialogues, compiled. Then, for the Kaggle presets that run in one process and fit the GPU,
+the peak torch.cuda.max_memory_allocated of two Trainer steps of the run prepare() builds next to python -m bench
+--section=memory's prediction. Random
 weights; SAMSum's validation dialogues when ../shared has them, else random ones: nothing to download. Exit
 status 1 if any check fails.
 

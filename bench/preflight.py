@@ -1,4 +1,4 @@
-"""The hardware preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
+"""The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
 before the GPU hours. It judges the run as it will be launched (as many processes as the GPUs it finds, one on a CPU;
 --nproc_per_node=N says otherwise) with the run's own settings (a preset and --key=value flags), by checks alone:
 what train.py checks before its first step, through the same code and in the same lines (the settings; the batch's

@@ -185,7 +185,8 @@ def preset_row(name, device, total_gib, folder, csv):
                        f"--device={device}", "--compile=False", f"--micro_batch_size={micro}",
                        f"--batch_size={2 * micro}", f"--train_csv={csv}", "--validation_csv=", "--val_fraction=0.05",
                        f"--out_dir={folder}/{name}", f"--data_cache_dir={folder}/cache", "--max_time=",
-                       "--rouge_samples=0", "--evaluate_after=False", "--predict_after=False", "--log_to="])
+                       "--rouge_samples=0", "--best_metric=val_loss", "--evaluate_after=False", "--predict_after=False",
+                       "--log_to="])
     mode = ("fsdp2" if cfg.backend == "fsdp" else "lora" if cfg.lora_rank else "full") + (
         "+checkpointing" if cfg.gradient_checkpointing else "")
     row = dict(preset=PRESETS[name], model=name, mode=mode, micro_batch_size=cfg.micro_batch_size, note="")

@@ -23,7 +23,7 @@ import torch
 
 import data
 import train
-from bench import ROOT, SAMSUM_CSV
+from bench import MODELS, ROOT, SAMSUM_CSV, timed
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import summary_end_token
@@ -35,8 +35,6 @@ from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
-
-MODELS = {"small": dict(n_layer=6, n_head=6, n_embd=384), "gpt2": dict(n_layer=12, n_head=12, n_embd=768)}
 
 
 def samsum_examples(n, samsum_csv, seed=0):
@@ -63,12 +61,13 @@ def samsum_prompts(n, samsum_csv, seed=0):
     return [prompt for prompt, _ in examples], source
 
 
-def make_models(shape, device):
+def make_models(name, device):
     """A random-weight GPT2LMHeadModel and our GPT loaded from it through the real from_pretrained path.
     initializer_range 0.1 keeps logits apart so greedy comparisons are not decided by float ties."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    config = GPT2Config(n_positions=1024, initializer_range=0.1, **MODELS[shape])
+    shape = dict(MODELS[name])
+    config = GPT2Config(n_positions=shape.pop("block_size"), initializer_range=0.1, **shape)
     hf = GPT2LMHeadModel(config).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
@@ -113,16 +112,6 @@ class PeakMemory:
         else:
             self._done.set()
             self._thread.join()
-
-
-def timed(fn, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
 
 
 def interleaved(candidates, device, repeats):

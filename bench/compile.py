@@ -54,20 +54,35 @@ class CompileCounter:
         return count
 
 
+def fresh_compiles():
+    """Forget compiled code and dynamo's counters: what follows is counted from its first compilation."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def graph_breaks():
+    """Graph breaks since fresh_compiles(), as dynamo counts them."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def graphs_compiled():
+    """Graphs compiled since fresh_compiles(), as dynamo counts them on the real backend."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 @contextlib.contextmanager
 def counted_compiles():
     """torch.compile, while inside, compiles with a CompileCounter backend: training's model under 'train', the
     decode step under 'decode'. Yields (counter, graph breaks so far: a function)."""
     counter, real = CompileCounter(), torch.compile
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    fresh_compiles()
 
     def compile(fn, **options):
         options.pop("backend", None)
         return real(fn, backend=counter.backend("train" if isinstance(fn, torch.nn.Module) else "decode"), **options)
     torch.compile = compile
     try:
-        yield counter, lambda: sum(torch._dynamo.utils.counters["graph_break"].values())
+        yield counter, graph_breaks
     finally:
         torch.compile = real
 

@@ -28,13 +28,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import ROOT, child_environ
+from bench import GIB, PRESETS, ROOT, child_environ
 from summarizer.preparation import prepare
 
-GIB = 2**30
 RANKS = 2
-PRESETS = {"gpt2": "config/kaggle_t4x2.py", "gpt2-medium": "config/kaggle_t4x2_gpt2-medium.py",
-           "gpt2-large": "config/kaggle_t4x2_gpt2-large.py", "gpt2-xl": "config/kaggle_t4x2_gpt2-xl.py"}
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
         "--device=cpu", "--compile=False", "--backend=fsdp", "--micro_batch_size=1", "--max_iters=1",
         "--rouge_samples=0", "--best_metric=val_loss", "--sample_submission_csv=", "--dropout=0.0",

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# First the hardware preflight (python -m bench.preflight config/kaggle_t4x2.py: versions, GPUs and peer access,
-# /dev/shm, disk and output quota, the NCCL collective, compiled steps through an evaluation and a save, fp16 against
-# fp32; its report beside gpu_check's, preflight_report.json). Then:
+# First the preflight (python -m bench.preflight config/kaggle_t4x2.py: train.py's own checks, versions, GPUs and peer
+# access, /dev/shm, the NCCL collective; its report beside gpu_check's, preflight_report.json). Then:
 # On a machine with one CUDA GPU (a Kaggle T4 is enough): fp16 + GradScaler, bf16 (refused on GPUs before Ampere),
 # torch.compile off and on at GPT-2 (124M) shapes: training MFU, greedy and MBR-16 decoding speed with a real EOS,
-# graph breaks, compilations and host syncs against their targets, and the Kaggle presets' peak training memory
-# against python -m bench --section=memory; one JSON report (gpu_check_report.json here, or --report=PATH) to attach to an
+# graph breaks, compilations and host syncs against their targets, 16-bit losses against float32's, the Kaggle
+# preset's compiled decoding of real dialogues, and the Kaggle presets' peak training memory against
+# python -m bench --section=memory; one JSON report (gpu_check_report.json here, or --report=PATH) to attach to an
 # issue. Then python -m bench's side-by-side figures (ours vs transformers) at the same shapes. About 10 minutes on a T4,
 # mostly compiling, and a few more for the presets' memory (--presets= leaves it out).
 #     bash bench/gpu_check.sh [--iters=30 --report=PATH ...]      extra flags go to bench/gpu_check.py

@@ -9,19 +9,17 @@ save's peaks. --memory_measured runs the whole-depth model instead, no extrapola
 Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context.
 """
 import dataclasses
-import glob
 import math
 import os
 
 import torch
 
 import data
-from bench import ROOT
+from bench import GIB, PRESETS, ROOT
 from config import PROMPT_TEMPLATE, Config, load_config
 from model import GPT, PRETRAINED, GPTConfig, Targets
 from summarizer import lora, memory
 
-GIB = 2**30
 T4_USABLE_GIB = 15.0
 MICRO_BATCH = 8
 FALLBACK_LENGTH = 1024  # no SAMSum file: assume the worst micro-batch, every row at block_size
@@ -107,7 +105,7 @@ def t4_micro_batch(name, preset):
 
 def bench_memory(args, samsum_csv):
     x, y, batch = longest_micro_batch(samsum_csv, args.memory_micro_batch)
-    preset = load_config([PRESETS[0]])  # the evaluation's decoding during training
+    preset = load_config([os.path.join(ROOT, PRESETS["gpt2"])])  # the evaluation's decoding during training
     length = longest_prompt(samsum_csv, preset)
     rows = []
     for name in args.memory_models.split(","):
@@ -133,7 +131,6 @@ def bench_memory(args, samsum_csv):
 
 # ---- generation: weights, KV cache and logits of one generate() call on a T4 --------------------------------------
 
-PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "kaggle_t4x2*.py")))
 DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
              "mbr16": dict(temperature=0.7, mbr_samples=16, mbr_include_beam=True)}
 
@@ -153,8 +150,8 @@ def generation_rows(samsum_csv):
     logits of a batch of SAMSum's longest prompt, as generation_batches sizes it in the auto budget of a T4 (half
     of what the weights leave free)."""
     rows = []
-    for preset in PRESETS:
-        base = load_config([preset])
+    for preset in PRESETS.values():
+        base = load_config([os.path.join(ROOT, preset)])
         shape = PRETRAINED[base.init_from]
         config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
         weights = memory.nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16

@@ -49,12 +49,7 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
                              dropout=cfg.dropout, bias=cfg.bias)), None
     check_folder(source, key)
     check_shape(cfg, (), source, key)
-    offline = source in PRETRAINED and not hub_reachable()
-    if offline and not in_hub_cache(source):
-        raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
-                        f"internet; on Kaggle: Settings > Internet): attach the weights as a folder, e.g. a Kaggle "
-                        f"dataset, and pass --{key}=/kaggle/input/<folder> (config.json and model.safetensors as "
-                        f"save_pretrained writes them), or train from --{key}=scratch")
+    offline = from_hub_cache(source, key)
     try:
         model = GPT.from_pretrained(source, dropout=cfg.dropout if cfg else 0.0, local_files_only=offline)
     except FileNotFoundError as e:
@@ -132,6 +127,18 @@ def check_shape(cfg, explicit, source, key="init_from"):
         if name in explicit and getattr(cfg, name) != shape[name]:
             raise UserError(f"--{name}={getattr(cfg, name)!r} contradicts {key}={source}: that model has "
                             f"{name}={shape[name]!r}: drop the flag (shape flags are for init_from=scratch)")
+
+
+def from_hub_cache(source, key="init_from"):
+    """Whether GPT-2 `source` loads from the hub's cache alone (the hub cannot be reached); one line when it is not
+    there either. False for any other source."""
+    offline = source in PRETRAINED and not hub_reachable()
+    if offline and not in_hub_cache(source):
+        raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
+                        f"internet; on Kaggle: Settings > Internet): attach the weights as a folder, e.g. a Kaggle "
+                        f"dataset, and pass --{key}=/kaggle/input/<folder> (config.json and model.safetensors as "
+                        f"save_pretrained writes them), or train from --{key}=scratch")
+    return offline
 
 
 def hub_endpoint():

@@ -47,7 +47,7 @@ def shard_bytes(tensors, world_size):
                else t.element_size() for t in tensors)
 
 
-def state_bytes(model, backend, world_size):
+def parameter_bytes(model, backend, world_size):
     """(weights, gradients, AdamW's state) bytes on one GPU, from the model's tensors (meta ones will do): the
     tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter."""
     params = list(model.parameters())
@@ -187,7 +187,7 @@ def plan(run, rows, rates, budget):
     GPU whose plan may fill `budget` bytes (the evaluation's generation batches take half of what the rest leaves,
     as generation_memory sizes them)."""
     cfg, model = run.cfg, run.model
-    weights, grads, optimizer = state_bytes(model, run.backend, run.world_size)
+    weights, grads, optimizer = parameter_bytes(model, run.backend, run.world_size)
     activations = rates.bytes(rows, run.longest_row, rows * run.most_targets, model.config.n_layer,
                               cfg.gradient_checkpointing)
     full = nbytes(model.parameters())

@@ -19,6 +19,7 @@ from summarizer.errors import UserError
 from summarizer.launch import memory_hint
 from summarizer.loading import (
     check_shape,
+    from_hub_cache,
     is_checkpoint,
     kept_lora_base,
     model_to_train,
@@ -61,8 +62,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None):
     (else now). Rank 0 says what start-up does, a budget that start-up spends stops every rank, and the run is
     announced before step 1."""
     started = time.monotonic() if started is None else started
-    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
-    splits, after_summaries = datasets(cfg, rt)
+    tracker, splits, after_summaries = checked_start(cfg, rt)
     starting = Starting(rt, cfg.max_time, started)
     starting("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -285,6 +285,20 @@ def check_validation(cfg):
         problem = validation_problem(cfg, 0)
         if problem:
             raise UserError(problem)
+
+
+def checked_start(cfg, rt):
+    """What a run checks before it builds its model, train.py's start and bench/preflight.py's alike, each problem in
+    its one line: the batch's split over rt's ranks (micro_batch_size=auto's is checked as it is chosen), the loggers
+    log_to names, the weights init_from names (reachable, or in the hub's cache), the inputs and the sample
+    submission (datasets). (the Tracker, the train/validation Splits, the dialogues summarized after the run)."""
+    if cfg.micro_batch_size != "auto":
+        grad_accum_steps(cfg, rt.world_size)
+    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
+    if not resuming(cfg):
+        from_hub_cache(cfg.init_from)
+    splits, after_summaries = datasets(cfg, rt)
+    return tracker, splits, after_summaries
 
 
 def datasets(cfg, rt):

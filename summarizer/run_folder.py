@@ -269,7 +269,7 @@ def gb(n):
     return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
 
 
-def state_bytes(state):
+def checkpoint_bytes(state):
     """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
     tensors = []
 
@@ -352,7 +352,7 @@ def save_problem(writes, iter_num, quota):
     cannot and what is kept. Nothing is written or removed."""
     free, limit = room(writes[0][0], quota)
     for path, state in writes:
-        need = state_bytes(state)
+        need = checkpoint_bytes(state)
         if need > free:
             folder = os.path.dirname(os.path.abspath(path))
             kept = [name for name in (CKPT, BEST) if os.path.exists(os.path.join(folder, name))]

@@ -262,8 +262,8 @@ def test_generation_memory_of_every_kaggle_preset_fits_a_t4(tmp_path):
     assert names == {f"{model}:generate:{decoding}:gib" for model in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
                      for decoding in ("greedy", "beam4", "mbr16")}
     for row in rows:
-        preset = next(path for path in bench_memory.PRESETS if os.path.basename(path) == row["preset"])
-        cfg = dataclasses.replace(load_config([preset]),
+        preset = next(path for path in bench_memory.PRESETS.values() if os.path.basename(path) == row["preset"])
+        cfg = dataclasses.replace(load_config([os.path.join(REPO, preset)]),
                                   **bench_memory.DECODINGS[row["figure"].split(":")[2]])
         assert row["prompt_tokens"] == cfg.block_size - cfg.max_new_tokens
         assert 1 <= row["prompts_per_batch"] <= cfg.gen_batch_size

@@ -1,8 +1,10 @@
 """The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
 proven on CPU: precision from faked device properties, torch.compile (inductor) against eager, the compile
-fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check. fp16's GradScaler: tests/test_fp16.py."""
+fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check and its trials of a run (fp16 against
+fp32, the run's compiled decoding). fp16's GradScaler: tests/test_fp16.py."""
 import copy
 import json
+import math
 import os
 import socket
 import subprocess
@@ -427,3 +429,31 @@ def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
         assert row["dtype"] == dtype and row["compile"] is False and row["train_tokens_per_s"] > 0
         assert row["train_mfu"] is None and row["mbr16_summaries_per_s"] > 0  # no MFU on CPU
         assert row["decode_host_syncs_per_step"] == 1 and ("GradScaler" in row["note"]) == (dtype == "float16")
+
+
+def test_the_precision_trial_fails_on_an_overflow_and_compares_what_training_changed():
+    """fp16 losses that overflowed fail; losses compared by how far each moved from the first (what training did),
+    not by their size, which random weights make ln(vocab) whatever the precision."""
+    from bench import gpu_check
+    reference = [10.8, 10.2, 9.5, 8.9]
+    assert gpu_check.precision([10.8, math.inf, math.nan, 8.9], reference, "float16")["status"] == "failed"
+    assert gpu_check.precision([10.8, 10.2, 9.49, 8.91], reference, "float16")["status"] == "ok"
+    moved_less = gpu_check.precision([10.8, 10.6, 10.4, 10.2], reference, "float16")
+    assert moved_less["status"] == "failed" and "float16 training moved the loss" in moved_less["detail"]
+    still = gpu_check.precision([10.83, 10.83, 10.83, 10.83], [10.83] * 4, "float16")
+    assert still["status"] == "not run" and "--iters" in still["detail"]
+
+
+def test_the_decoding_trial_compiles_the_runs_decoding_at_its_shapes(fresh_dynamo):
+    """What the GPU runs, here on the CPU at a tiny shape: real dialogues (the demo's test.csv) through predict.py's
+    summarize, in generation_batches' batches; the first batch's compile apart from the warm rate."""
+    from bench import gpu_check
+    cfg = load_config(["--block_size=256", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu",
+                       "--mbr_samples=2", "--temperature=0.7", "--test_csv=data/demo/test.csv"])  # MBR's choice too
+    tiny_shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=256)
+    said = gpu_check.decoding(cfg, tiny_shape, "float32", torch.device("cpu"))
+    assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3 * (1 + gpu_check.WARM_BATCHES), said
+    low, high = said["prompt_tokens"]
+    assert low < high <= 256 - 8  # real lengths, cut to fit block_size
+    assert said["graphs_first_batch"] >= 1 and said["summaries_per_s"] > 0
+    assert said["detail"].startswith(f"15 real dialogues ({low}-{high} prompt tokens, up to 8 new): compiled in ")

@@ -154,7 +154,8 @@ def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
     (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
     naming the file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, an archive
-    of several files...) is named as what it is (csv_content)."""
+    of several files, binary data) is named as what it is (csv_content), a text of one column (a web page, a Git
+    LFS pointer) as not a CSV of rows."""
     if os.path.isdir(path):
         csvs = sorted(name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip")))
         inside = f" (it holds {', '.join(csvs[:5])})" if csvs else " (it holds no CSV)"
@@ -181,6 +182,10 @@ def read_frame(path, key, missing_hint=None):
     if frame.shape[1] == 1 and any(sep in frame.columns[0] for sep in ";\t|"):
         raise UserError(f"{key} {path} is not comma-separated (its header {frame.columns[0]!r} reads as one "
                         f"column): save it as CSV with ',' between fields")
+    if frame.shape[1] == 1:  # no key's CSV has fewer than two columns: a web page, a Git LFS pointer...
+        header = ",".join(dict.fromkeys(["id"] + [group[0] for group in NEEDED_COLUMNS[key]]))
+        raise UserError(f"{key} {path} is not a CSV of rows: its first line {frame.columns[0]!r} reads as one "
+                        f"column: pass --{key}=<a CSV with a header row, e.g. {header}>")
     return raw, frame
 
 
@@ -663,31 +668,19 @@ COMPRESSED = ((b"\x1f\x8b", "a gzip-compressed file", gzip.decompress),
               (b"BZh", "a bzip2-compressed file", bz2.decompress),
               (b"\xfd7zXZ\x00", "an xz-compressed file", lzma.decompress),
               (b"PK\x03\x04", "a zip archive", one_file))
-# Any other file that is not a CSV is named in one line: (first bytes, in any case after a BOM and blank space; what
-# the file is; how to make a CSV of it, where {src} is the file, {dst} a CSV beside it, {key} the setting).
+# The few other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
+# space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a CSV beside it, {key} the setting).
 CONVERT = "convert it: pandas.{}({{src!r}}).to_csv({{dst!r}}, index=False), then pass --{{key}}={{dst}}"
 UNPACK = "unpack it and pass the .csv inside as --{key}=<it>"
-DOWNLOAD = "download the CSV file itself and pass --{key}=<it>"
-SAVE = "save its rows as a CSV with a header row and pass --{key}=<it>"
 NOT_CSV = (
     (b"PAR1", "a Parquet file", CONVERT.format("read_parquet")),
-    (b"ARROW1", "an Arrow (Feather) file", CONVERT.format("read_feather")),
     (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an Excel workbook (.xls)", CONVERT.format("read_excel")),
-    (b"\x89HDF\r\n\x1a\n", "an HDF5 file", CONVERT.format("read_hdf")),
     (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)"),
     (b"[", "JSON", CONVERT.format("read_json")),
-    (b"<?xml", "an XML file", CONVERT.format("read_xml")),
-    (b"SQLite format 3\x00", "an SQLite database", SAVE),
-    (b"\x93NUMPY", "a NumPy array (.npy)", SAVE),
-    (b"PK\x05\x06", "an empty zip archive", "pass the CSV itself as --{key}=<it>"),
-    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", UNPACK),
-    (b"7z\xbc\xaf\x27\x1c", "a 7z archive", UNPACK),
-    (b"Rar!\x1a\x07", "a RAR archive", UNPACK),
-    (b"%PDF-", "a PDF document", DOWNLOAD),
-    (b"<!doctype html", "an HTML page (a download that saved the web page instead of the file?)", DOWNLOAD),
-    (b"<html", "an HTML page (a download that saved the web page instead of the file?)", DOWNLOAD),
-    (b"version https://git-lfs", "a Git LFS pointer file", "fetch the file it points to (git lfs pull)"),
 )
+# Bytes no text file holds: a file with one in its first 512 is another format, named by its first bytes (a PNG's
+# 89 50 4e 47, a 7z's 37 7a bc af, an SQLite database's "SQLite format 3").
+BINARY = frozenset(range(32)) - frozenset(b"\t\n\r\f")
 
 
 def csv_content(raw, path, key):
@@ -717,6 +710,11 @@ def csv_content(raw, path, key):
         found = "a tar archive", UNPACK
     if found:
         raise UserError(f"{key} {path} is {container}{found[0]}, not a CSV: {fill(found[1], path, key)}")
+    if BINARY.intersection(raw[:512]) and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        first = raw[:8]
+        shown = "".join(chr(b) if 32 <= b < 127 else "." for b in first)
+        raise UserError(f"{key} {path} is {container}binary data, not a CSV: it starts with bytes {first.hex(' ')} "
+                        f"({shown}); save its rows as a CSV with a header row and pass --{key}=<it>")
     return raw
 
 

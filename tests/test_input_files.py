@@ -55,7 +55,12 @@ NOT_CSVS = [
     ("train.parquet", b"PAR1" + bytes(64) + b"PAR1", r"is a Parquet file, not a CSV: convert it: pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
      r"is an Excel workbook \(\.xlsx\), not a CSV: convert it: pandas\.read_excel"),
-    ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>", r"is an HTML page"),
+    ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>",
+     r"is not a CSV of rows: its first line '<!DOCTYPE html>' reads as one column: pass --train_csv=<a CSV with a "
+     r"header row, e.g. id,dialogue,summary>$"),
+    ("train.csv", b"\x89PNG\r\n\x1a\n" + bytes(8) + b"IHDR",
+     r"is binary data, not a CSV: it starts with bytes 89 50 4e 47 0d 0a 1a 0a \(\.PNG\.\.\.\.\); save its rows as a "
+     r"CSV with a header row and pass --train_csv=<it>$"),
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
      r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
      r"\.to_csv\('\S+train\.csv'"),
@@ -64,8 +69,6 @@ NOT_CSVS = [
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
      r"is a gzip-compressed file holding a tar archive, not a CSV: unpack it and pass the \.csv inside as "
      r"--train_csv=<it>$"),
-    ("train.csv", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n",
-     r"is a Git LFS pointer file, not a CSV: fetch the file it points to"),
 ]
 
 

@@ -128,6 +128,7 @@ class Table:
     empty: int
     digest: str  # sha256 of the file's bytes and the columns read
     has_ids: bool  # False: the CSV has no id column, and ids are row numbers
+    no_id: str | None  # rows_with_no_id's words: a note for training data (test data stops on them)
 
 
 # The columns (one of each group, any case) a CSV given as each key must have.
@@ -190,13 +191,14 @@ def read_frame(path, key, missing_hint=None):
 
 
 def read_table(path, key, cfg, test=False):
-    """A CSV as a Table, or UserError naming the file, the config key and what to do."""
+    """A CSV as a Table, or UserError naming the file, the config key and what to do. Test data's columns are
+    test_dialogue_column and test_id_column where set (a test CSV may name its columns unlike the training CSV)."""
     raw, frame = read_frame(path, key)
     if frame.empty:
         raise UserError(f"{key} {path} has a header but no data rows")
-    dialogue = find_column(frame, cfg.dialogue_column, DIALOGUE_COLUMNS, "dialogue", key, path)
-    summary = None if test else find_column(frame, cfg.summary_column, SUMMARY_COLUMNS, "summary", key, path)
-    id_column = find_column(frame, cfg.id_column, ID_COLUMNS, "id", key, path, required=test)
+    dialogue = find_column(frame, cfg, "dialogue", DIALOGUE_COLUMNS, key, path, test)
+    summary = None if test else find_column(frame, cfg, "summary", SUMMARY_COLUMNS, key, path)
+    id_column = find_column(frame, cfg, "id", ID_COLUMNS, key, path, test, required=test)
     clash = next((role for role, column in (("dialogue", dialogue), ("id", id_column)) if summary == column), None)
     if clash:  # the model would learn to copy the dialogue, or to write the id
         raise UserError(f"{key} {path}: the summary column {summary!r} is also the {clash} column: pass "
@@ -206,12 +208,10 @@ def read_table(path, key, cfg, test=False):
     dialogues = frame[dialogue].map(clean_text)
     summaries = None if test else frame[summary].map(clean_text)
     empty = (dialogues == "") if test else (dialogues == "") | (summaries == "")
+    no_id = rows_with_no_id(frame, ids, key, path)
     if test:
-        missing = np.flatnonzero(ids.isna() | (ids == ""))
-        if len(missing):
-            lines = ", ".join(str(i + 2) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise UserError(f"{key} {path} has {len(missing)} row(s) with no id (line {lines}): each row needs "
-                            f"its id, since submission.csv has one row per id")
+        if no_id:
+            raise UserError(f"{no_id}: each row needs its id, since submission.csv has one row per id")
         duplicated = ids[ids.duplicated()].unique()
         if len(duplicated):
             raise UserError(f"{key} {path} has {len(duplicated)} duplicated id(s), e.g. {', '.join(duplicated[:3])}: "
@@ -222,11 +222,14 @@ def read_table(path, key, cfg, test=False):
             raise UserError(f"{key} {path}: every row has an empty dialogue or summary")
     digest = hashlib.sha256(raw + repr((dialogue, summary, id_column)).encode()).hexdigest()
     return Table(path, ids.tolist(), dialogues.tolist(), None if test else summaries.tolist(), int(empty.sum()),
-                 digest, bool(id_column))
+                 digest, bool(id_column), no_id)
 
 
-def find_column(frame, wanted, candidates, role, key, path, required=True):
-    """The column named `wanted`, else the first of `candidates` present (any case); '' if optional and absent."""
+def find_column(frame, cfg, role, candidates, key, path, test=False, required=True):
+    """The column the setting of `role` names (test data: test_<role>_column where set, else <role>_column), else
+    the first of `candidates` present (any case); '' if optional and absent."""
+    setting = f"test_{role}_column" if test else f"{role}_column"  # test data's leaves the training data's alone
+    wanted = getattr(cfg, setting) or getattr(cfg, f"{role}_column")
     if wanted and wanted in frame.columns:
         return wanted
     if not wanted:
@@ -236,7 +239,19 @@ def find_column(frame, wanted, candidates, role, key, path, required=True):
             return found
     looked_for = repr(wanted) if wanted else f"any of {', '.join(candidates)}"
     raise UserError(f"{key} {path} has no {role} column ({looked_for}); columns found: "
-                    f"{', '.join(map(repr, frame.columns))}: rename the column or pass --{role}_column=NAME")
+                    f"{', '.join(map(repr, frame.columns))}: rename the column or pass --{setting}=NAME")
+
+
+def rows_with_no_id(frame, ids, key, path):
+    """'<key> <path> has 2 row(s) with no id (line 2, 8)', by the line of the file each row starts on (a quoted
+    dialogue spans several), the one wording of rows with no id in any CSV; None when every row has one."""
+    missing = np.flatnonzero(ids.isna() | (ids == ""))
+    if not len(missing):
+        return None
+    breaks = frame.apply(lambda column: column.str.count("\r\n|\r|\n")).fillna(0).sum(axis=1).astype(int)
+    starts = 2 + np.concatenate([[0], np.cumsum(breaks.to_numpy() + 1)[:-1]])  # the header is line 1
+    lines = ", ".join(str(starts[i]) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+    return f"{key} {path} has {len(missing)} row(s) with no id (line {lines})"
 
 
 def split_rows(n, val_fraction, seed):
@@ -430,8 +445,8 @@ def repeated_rows(val, trained):
     row's dialogue (whitespace-normalised), or its id where both CSVs have ids, is one of `trained`'s
     (Examples.fingerprints() of the training rows, as a checkpoint keeps them)."""
     seen = np.isin(text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
-    if val.has_ids and trained["ids"] is not None:
-        seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy())
+    if val.has_ids and trained["ids"] is not None:  # a row with no id is no id's repeat
+        seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy()) & (np.array(val.ids) != "")
     return seen
 
 
@@ -454,18 +469,19 @@ def repeats_note(cfg, train, val):
             f"{'id' if val.has_ids else 'row'} {first}): validation loss and ROUGE will be inflated; {why}")
 
 
-def duplicate_ids_note(table, key):
-    """The note that says `table` has ids on more than one row (what it means: nothing is dropped); None if not."""
-    if not table.has_ids:
-        return None
+def id_notes(table, key):
+    """The notes that say `table` has rows with no id, or ids on more than one row (what they mean: nothing is
+    dropped)."""
+    kept = "every row is kept, since ids only identify rows"
+    notes = [f"note: {table.no_id}: {kept}"] if table.no_id else []
     ids = pd.Series(table.ids)
-    repeated = ids[ids.duplicated(keep=False)]
-    if repeated.empty:
-        return None
-    first = repeated.iloc[0]
-    return (f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
-            f"{int((repeated == first).sum())} rows): every row is kept, since ids only identify rows (a validation "
-            f"row that shares its id with a training row counts as a repeat of it)")
+    repeated = ids[ids.duplicated(keep=False) & (ids != "")] if table.has_ids else ids[:0]
+    if not repeated.empty:
+        first = repeated.iloc[0]
+        notes.append(f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
+                     f"{int((repeated == first).sum())} rows): {kept} (a validation row that shares its id with a "
+                     f"training row counts as a repeat of it)")
+    return notes
 
 
 @dataclass
@@ -482,12 +498,12 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     if table.empty:
         notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
-    notes += filter(None, [duplicate_ids_note(table, "train_csv")])
+    notes += id_notes(table, "train_csv")
     if cfg.validation_csv:
         val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
-            notes += filter(None, [duplicate_ids_note(val_table, "validation_csv")])
+            notes += id_notes(val_table, "validation_csv")
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
         if val_table.empty:
             notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")

@@ -120,3 +120,22 @@ def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(train
         err = one_error_line(capsys, train.main, [*args, "--init_from=resume", f"--out_dir={out}"])
     assert f"out_dir {out} is in use by a training run that has not saved a checkpoint (pid {pid} " in err
     assert "wait for its first save" in err
+
+
+@pytest.mark.parametrize("role, renamed", [("dialogue", {"dialogue": "conversation"}), ("id", {"id": "key"})])
+def test_a_test_csv_whose_columns_differ_from_train_csvs_names_a_setting_of_its_own(role, renamed, trained, tmp_path,
+                                                                                    capsys):
+    """--dialogue_column would rename train.csv's column too: with predict_after, train.py could not follow it."""
+    folder, args = trained
+    rows = pd.DataFrame(synthetic_rows(3, seed=7)).drop(columns="summary").rename(columns=renamed)
+    test = save_csv(tmp_path / "test.csv", rows)
+    run = [*args, "--predict_after=True", f"--test_csv={test}", "--sample_submission_csv=", f"--out_dir={tmp_path}"]
+    err = one_error_line(capsys, train.main, run)
+    hinted = re.search(r"rename the column or pass (--\w+)=NAME$", err)[1] + f"={renamed[role]}"
+    assert hinted == f"--test_{role}_column={renamed[role]}"
+    train.main([*run, hinted])
+    assert len(pd.read_csv(tmp_path / "submission.csv")) == 3
+    (tmp_path / "submission.csv").unlink()
+    predict.main([*tiny(init_from=None), f"--out_dir={tmp_path}", f"--test_csv={test}", "--sample_submission_csv=",
+                  hinted])  # the run's own checkpoint, as predict.py reads it later
+    assert len(pd.read_csv(tmp_path / "submission.csv")) == 3

@@ -181,6 +181,23 @@ def test_duplicate_ids_are_noted_and_every_row_is_kept(tmp_path, capsys):
     assert start_up_notes(tmp_path, capsys, save_csv(tmp_path / "unique.csv", synthetic_rows(20, seed=3)))[0] == []
 
 
+def test_rows_with_no_id_are_named_alike_in_training_and_test_data(tmp_path, capsys):
+    """By the line of the file each row starts on (every dialogue here spans 3); in training data they are kept and
+    are no id's duplicates or repeats, in test data they stop the command."""
+    rows = [{**row, "id": "" if i in (1, 3) else row["id"]} for i, row in enumerate(synthetic_rows(20, seed=3))]
+    csv = save_csv(tmp_path / "train.csv", rows)
+    no_id = [{**row, "id": ""} for row in synthetic_rows(2, seed=4)]
+    notes, examples = start_up_notes(tmp_path, capsys, csv, f"--validation_csv={save_csv(tmp_path / 'val.csv', no_id)}")
+    assert notes[0] == (f"note: train_csv {csv} has 2 row(s) with no id (line 5, 11): every row is kept, since ids "
+                        f"only identify rows"), notes
+    assert not [note for note in notes if "duplicate" in note or "repeat training rows" in note], notes
+    assert examples.startswith("20 training and 2 validation examples")
+    test = save_csv(tmp_path / "test.csv", rows, test=True)
+    with pytest.raises(data.UserError, match=re.escape(f"test_csv {test} has 2 row(s) with no id (line 5, 11): each "
+                                                       f"row needs its id")):
+        data.read_test(load_config([f"--test_csv={test}"]))
+
+
 @pytest.mark.parametrize("column", ["dialogue", "id"])
 def test_a_summary_column_that_is_the_dialogue_or_id_column_is_one_line(column, tmp_path, capsys):
     """The model would learn to copy the dialogue, or to write the id."""

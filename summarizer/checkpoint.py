@@ -110,7 +110,7 @@ UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 # Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
 # does.
-ABSENT = {"sessions": 1}
+ABSENT = {"sessions": 1, "test_dialogue_column": "", "test_id_column": ""}
 
 
 def upgraded(ckpt, path):

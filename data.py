@@ -238,8 +238,12 @@ def find_column(frame, cfg, role, candidates, key, path, test=False, required=Tr
         if found or not required:
             return found
     looked_for = repr(wanted) if wanted else f"any of {', '.join(candidates)}"
+    fix = f"rename the column or pass --{setting}=NAME"
+    if key == "validation_csv":
+        target = repr(wanted) if wanted else f"one of {', '.join(candidates)}"
+        fix = f"rename its {role} column to {target} (--{setting} names train_csv's column too)"
     raise UserError(f"{key} {path} has no {role} column ({looked_for}); columns found: "
-                    f"{', '.join(map(repr, frame.columns))}: rename the column or pass --{setting}=NAME")
+                    f"{', '.join(map(repr, frame.columns))}: {fix}")
 
 
 def rows_with_no_id(frame, ids, key, path):
@@ -511,7 +515,8 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
         train_rows, val_rows = split_rows(len(table.ids), cfg.val_fraction, cfg.split_seed)
         if not len(train_rows):
             raise UserError(f"train_csv {table.path} has {len(table.ids)} usable row(s), all held out for "
-                            f"validation: add rows, lower val_fraction or pass --validation_csv")
+                            f"validation (val_fraction={cfg.val_fraction:g} holds out one at least): add rows, or pass "
+                            f"--validation_csv=<a CSV of validation rows> to train on every row")
         train, val = Examples.from_rows(table, arrays, train_rows), Examples.from_rows(table, arrays, val_rows)
     for name, examples in (("train", train), ("validation", val)):
         if examples.cut:

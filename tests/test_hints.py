@@ -139,3 +139,26 @@ def test_a_test_csv_whose_columns_differ_from_train_csvs_names_a_setting_of_its_
     predict.main([*tiny(init_from=None), f"--out_dir={tmp_path}", f"--test_csv={test}", "--sample_submission_csv=",
                   hinted])  # the run's own checkpoint, as predict.py reads it later
     assert len(pd.read_csv(tmp_path / "submission.csv")) == 3
+
+
+def test_a_validation_csv_whose_dialogue_column_differs_is_told_to_rename_it(trained, tmp_path, capsys):
+    """--dialogue_column would rename train.csv's column too: the way out is the validation CSV's own column."""
+    folder, args = trained
+    val = tmp_path / "val.csv"
+    pd.DataFrame(synthetic_rows(4, seed=8)).rename(columns={"dialogue": "conversation"}).to_csv(val, index=False)
+    run = [*args, f"--validation_csv={val}", f"--out_dir={tmp_path / 'out'}"]
+    err = one_error_line(capsys, train.main, run)
+    column = re.search(r"rename its dialogue column to one of (\w+)", err)[1]
+    pd.read_csv(val).rename(columns={"conversation": column}).to_csv(val, index=False)
+    train.main(run)
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_training_csv_all_held_out_names_a_validation_csv(trained, tmp_path, capsys):
+    folder, args = trained
+    run = [*args, f"--train_csv={save_csv(tmp_path / 'one.csv', synthetic_rows(1, seed=9))}",
+           f"--out_dir={tmp_path / 'out'}"]
+    err = one_error_line(capsys, train.main, run)
+    hinted = re.search(r"or pass (--validation_csv=)<a CSV of validation rows>", err)[1]
+    train.main([*run, hinted + save_csv(tmp_path / "val.csv", synthetic_rows(4, seed=8))])
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1

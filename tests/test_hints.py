@@ -162,3 +162,16 @@ def test_a_training_csv_all_held_out_names_a_validation_csv(trained, tmp_path, c
     hinted = re.search(r"or pass (--validation_csv=)<a CSV of validation rows>", err)[1]
     train.main([*run, hinted + save_csv(tmp_path / "val.csv", synthetic_rows(4, seed=8))])
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+@pytest.mark.parametrize("sample", [{"id": ["other"], "summary": [""]}, {"ID": ["d7-0"], "summary": [""]}])
+def test_a_sample_submission_unlike_test_csv_names_the_way_to_skip_its_check(sample, trained, tmp_path, capsys):
+    folder, _ = trained
+    path = tmp_path / "sample_submission.csv"
+    pd.DataFrame(sample).to_csv(path, index=False)
+    scoring = [*tiny(init_from=None), f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={tmp_path / 'out'}",
+               f"--test_csv={save_csv(tmp_path / 'test.csv', synthetic_rows(3, seed=7), test=True)}"]
+    err = one_error_line(capsys, predict.main, [*scoring, f"--sample_submission_csv={path}"])
+    hinted = re.search(r"\((--sample_submission_csv)='' skips the check\)$", err)[1] + "="  # '' as the shell passes it
+    predict.main([*scoring, hinted])
+    assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3

@@ -478,8 +478,8 @@ def id_notes(table, key):
     dropped)."""
     kept = "every row is kept, since ids only identify rows"
     notes = [f"note: {table.no_id}: {kept}"] if table.no_id else []
-    ids = pd.Series(table.ids)
-    repeated = ids[ids.duplicated(keep=False) & (ids != "")] if table.has_ids else ids[:0]
+    ids = pd.Series(table.ids if table.has_ids else [], dtype=str)
+    repeated = ids[ids.duplicated(keep=False) & (ids != "")]
     if not repeated.empty:
         first = repeated.iloc[0]
         notes.append(f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
@@ -699,9 +699,10 @@ NOT_CSV = (
     (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)"),
     (b"[", "JSON", CONVERT.format("read_json")),
 )
-# Bytes no text file holds: a file with one in its first 512 is another format, named by its first bytes (a PNG's
-# 89 50 4e 47, a 7z's 37 7a bc af, an SQLite database's "SQLite format 3").
-BINARY = frozenset(range(32)) - frozenset(b"\t\n\r\f")
+# Control bytes no text file holds (Word's line break \v and DOS's end of file \x1a aside): a file with one in its
+# first 512 is another format, named by its first bytes (a PNG's 89 50 4e 47, a 7z's 37 7a bc af, an SQLite
+# database's "SQLite format 3").
+BINARY = frozenset(range(32)) - frozenset(b"\t\n\v\f\r\x1a")
 
 
 def csv_content(raw, path, key):

@@ -125,7 +125,8 @@ def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(train
 @pytest.mark.parametrize("role, renamed", [("dialogue", {"dialogue": "conversation"}), ("id", {"id": "key"})])
 def test_a_test_csv_whose_columns_differ_from_train_csvs_names_a_setting_of_its_own(role, renamed, trained, tmp_path,
                                                                                     capsys):
-    """--dialogue_column would rename train.csv's column too: with predict_after, train.py could not follow it."""
+    """--dialogue_column (--id_column) would rename train.csv's column too: with predict_after, train.py could not
+    follow it; test_csv's own setting leaves train.csv's alone."""
     folder, args = trained
     rows = pd.DataFrame(synthetic_rows(3, seed=7)).drop(columns="summary").rename(columns=renamed)
     test = save_csv(tmp_path / "test.csv", rows)

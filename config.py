@@ -232,6 +232,10 @@ class Submission:
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
                                         "sample submission whose ids submission.csv must match; '' = no check",
                                         Scope.TRAINING, path=True)
+    test_dialogue_column: str = option("", "test_csv's dialogue column, where it differs from train_csv's; '' = "
+                                           "dialogue_column", Scope.TRAINING)
+    test_id_column: str = option("", "test_csv's id column, where it differs from train_csv's; '' = id_column",
+                                 Scope.TRAINING)
 
 
 @dataclass

@@ -128,6 +128,7 @@ class Table:
     empty: int
     digest: str  # sha256 of the file's bytes and the columns read
     has_ids: bool  # False: the CSV has no id column, and ids are row numbers
+    no_id: str | None  # rows_with_no_id's words: a note for training data (test data stops on them)
 
 
 # The columns (one of each group, any case) a CSV given as each key must have.
@@ -154,7 +155,8 @@ def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
     (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
     naming the file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, an archive
-    of several files...) is named as what it is (csv_content)."""
+    of several files, binary data) is named as what it is (csv_content), a text of one column (a web page, a Git
+    LFS pointer) as not a CSV of rows."""
     if os.path.isdir(path):
         csvs = sorted(name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip")))
         inside = f" (it holds {', '.join(csvs[:5])})" if csvs else " (it holds no CSV)"
@@ -181,17 +183,22 @@ def read_frame(path, key, missing_hint=None):
     if frame.shape[1] == 1 and any(sep in frame.columns[0] for sep in ";\t|"):
         raise UserError(f"{key} {path} is not comma-separated (its header {frame.columns[0]!r} reads as one "
                         f"column): save it as CSV with ',' between fields")
+    if frame.shape[1] == 1:  # no key's CSV has fewer than two columns: a web page, a Git LFS pointer...
+        header = ",".join(dict.fromkeys(["id"] + [group[0] for group in NEEDED_COLUMNS[key]]))
+        raise UserError(f"{key} {path} is not a CSV of rows: its first line {frame.columns[0]!r} reads as one "
+                        f"column: pass --{key}=<a CSV with a header row, e.g. {header}>")
     return raw, frame
 
 
 def read_table(path, key, cfg, test=False):
-    """A CSV as a Table, or UserError naming the file, the config key and what to do."""
+    """A CSV as a Table, or UserError naming the file, the config key and what to do. Test data's columns are
+    test_dialogue_column and test_id_column where set (a test CSV may name its columns unlike the training CSV)."""
     raw, frame = read_frame(path, key)
     if frame.empty:
         raise UserError(f"{key} {path} has a header but no data rows")
-    dialogue = find_column(frame, cfg.dialogue_column, DIALOGUE_COLUMNS, "dialogue", key, path)
-    summary = None if test else find_column(frame, cfg.summary_column, SUMMARY_COLUMNS, "summary", key, path)
-    id_column = find_column(frame, cfg.id_column, ID_COLUMNS, "id", key, path, required=test)
+    dialogue = find_column(frame, cfg, "dialogue", DIALOGUE_COLUMNS, key, path, test)
+    summary = None if test else find_column(frame, cfg, "summary", SUMMARY_COLUMNS, key, path)
+    id_column = find_column(frame, cfg, "id", ID_COLUMNS, key, path, test, required=test)
     clash = next((role for role, column in (("dialogue", dialogue), ("id", id_column)) if summary == column), None)
     if clash:  # the model would learn to copy the dialogue, or to write the id
         raise UserError(f"{key} {path}: the summary column {summary!r} is also the {clash} column: pass "
@@ -201,12 +208,10 @@ def read_table(path, key, cfg, test=False):
     dialogues = frame[dialogue].map(clean_text)
     summaries = None if test else frame[summary].map(clean_text)
     empty = (dialogues == "") if test else (dialogues == "") | (summaries == "")
+    no_id = rows_with_no_id(frame, ids, key, path)
     if test:
-        missing = np.flatnonzero(ids.isna() | (ids == ""))
-        if len(missing):
-            lines = ", ".join(str(i + 2) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise UserError(f"{key} {path} has {len(missing)} row(s) with no id (line {lines}): each row needs "
-                            f"its id, since submission.csv has one row per id")
+        if no_id:
+            raise UserError(f"{no_id}: each row needs its id, since submission.csv has one row per id")
         duplicated = ids[ids.duplicated()].unique()
         if len(duplicated):
             raise UserError(f"{key} {path} has {len(duplicated)} duplicated id(s), e.g. {', '.join(duplicated[:3])}: "
@@ -217,11 +222,14 @@ def read_table(path, key, cfg, test=False):
             raise UserError(f"{key} {path}: every row has an empty dialogue or summary")
     digest = hashlib.sha256(raw + repr((dialogue, summary, id_column)).encode()).hexdigest()
     return Table(path, ids.tolist(), dialogues.tolist(), None if test else summaries.tolist(), int(empty.sum()),
-                 digest, bool(id_column))
+                 digest, bool(id_column), no_id)
 
 
-def find_column(frame, wanted, candidates, role, key, path, required=True):
-    """The column named `wanted`, else the first of `candidates` present (any case); '' if optional and absent."""
+def find_column(frame, cfg, role, candidates, key, path, test=False, required=True):
+    """The column the setting of `role` names (test data: test_<role>_column where set, else <role>_column), else
+    the first of `candidates` present (any case); '' if optional and absent."""
+    setting = f"test_{role}_column" if test else f"{role}_column"  # test data's leaves the training data's alone
+    wanted = getattr(cfg, setting) or getattr(cfg, f"{role}_column")
     if wanted and wanted in frame.columns:
         return wanted
     if not wanted:
@@ -230,8 +238,24 @@ def find_column(frame, wanted, candidates, role, key, path, required=True):
         if found or not required:
             return found
     looked_for = repr(wanted) if wanted else f"any of {', '.join(candidates)}"
+    fix = f"rename the column or pass --{setting}=NAME"
+    if key == "validation_csv":
+        target = repr(wanted) if wanted else f"one of {', '.join(candidates)}"
+        fix = f"rename its {role} column to {target} (--{setting} names train_csv's column too)"
     raise UserError(f"{key} {path} has no {role} column ({looked_for}); columns found: "
-                    f"{', '.join(map(repr, frame.columns))}: rename the column or pass --{role}_column=NAME")
+                    f"{', '.join(map(repr, frame.columns))}: {fix}")
+
+
+def rows_with_no_id(frame, ids, key, path):
+    """'<key> <path> has 2 row(s) with no id (line 2, 8)', by the line of the file each row starts on (a quoted
+    dialogue spans several), the one wording of rows with no id in any CSV; None when every row has one."""
+    missing = np.flatnonzero(ids.isna() | (ids == ""))
+    if not len(missing):
+        return None
+    breaks = frame.apply(lambda column: column.str.count("\r\n|\r|\n")).fillna(0).sum(axis=1).astype(int)
+    starts = 2 + np.concatenate([[0], np.cumsum(breaks.to_numpy() + 1)[:-1]])  # the header is line 1
+    lines = ", ".join(str(starts[i]) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+    return f"{key} {path} has {len(missing)} row(s) with no id (line {lines})"
 
 
 def split_rows(n, val_fraction, seed):
@@ -425,8 +449,8 @@ def repeated_rows(val, trained):
     row's dialogue (whitespace-normalised), or its id where both CSVs have ids, is one of `trained`'s
     (Examples.fingerprints() of the training rows, as a checkpoint keeps them)."""
     seen = np.isin(text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
-    if val.has_ids and trained["ids"] is not None:
-        seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy())
+    if val.has_ids and trained["ids"] is not None:  # a row with no id is no id's repeat
+        seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy()) & (np.array(val.ids) != "")
     return seen
 
 
@@ -449,18 +473,19 @@ def repeats_note(cfg, train, val):
             f"{'id' if val.has_ids else 'row'} {first}): validation loss and ROUGE will be inflated; {why}")
 
 
-def duplicate_ids_note(table, key):
-    """The note that says `table` has ids on more than one row (what it means: nothing is dropped); None if not."""
-    if not table.has_ids:
-        return None
-    ids = pd.Series(table.ids)
-    repeated = ids[ids.duplicated(keep=False)]
-    if repeated.empty:
-        return None
-    first = repeated.iloc[0]
-    return (f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
-            f"{int((repeated == first).sum())} rows): every row is kept, since ids only identify rows (a validation "
-            f"row that shares its id with a training row counts as a repeat of it)")
+def id_notes(table, key):
+    """The notes that say `table` has rows with no id, or ids on more than one row (what they mean: nothing is
+    dropped)."""
+    kept = "every row is kept, since ids only identify rows"
+    notes = [f"note: {table.no_id}: {kept}"] if table.no_id else []
+    ids = pd.Series(table.ids if table.has_ids else [], dtype=str)
+    repeated = ids[ids.duplicated(keep=False) & (ids != "")]
+    if not repeated.empty:
+        first = repeated.iloc[0]
+        notes.append(f"note: {key} {table.path} has {repeated.nunique()} duplicate id(s) (e.g. id {first}, on "
+                     f"{int((repeated == first).sum())} rows): {kept} (a validation row that shares its id with a "
+                     f"training row counts as a repeat of it)")
+    return notes
 
 
 @dataclass
@@ -477,12 +502,12 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     if table.empty:
         notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
-    notes += filter(None, [duplicate_ids_note(table, "train_csv")])
+    notes += id_notes(table, "train_csv")
     if cfg.validation_csv:
         val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
-            notes += filter(None, [duplicate_ids_note(val_table, "validation_csv")])
+            notes += id_notes(val_table, "validation_csv")
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
         if val_table.empty:
             notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")
@@ -490,7 +515,8 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
         train_rows, val_rows = split_rows(len(table.ids), cfg.val_fraction, cfg.split_seed)
         if not len(train_rows):
             raise UserError(f"train_csv {table.path} has {len(table.ids)} usable row(s), all held out for "
-                            f"validation: add rows, lower val_fraction or pass --validation_csv")
+                            f"validation (val_fraction={cfg.val_fraction:g} holds out one at least): add rows, or pass "
+                            f"--validation_csv=<a CSV of validation rows> to train on every row")
         train, val = Examples.from_rows(table, arrays, train_rows), Examples.from_rows(table, arrays, val_rows)
     for name, examples in (("train", train), ("validation", val)):
         if examples.cut:
@@ -660,31 +686,20 @@ COMPRESSED = ((b"\x1f\x8b", "a gzip-compressed file", gzip.decompress),
               (b"BZh", "a bzip2-compressed file", bz2.decompress),
               (b"\xfd7zXZ\x00", "an xz-compressed file", lzma.decompress),
               (b"PK\x03\x04", "a zip archive", one_file))
-# Any other file that is not a CSV is named in one line: (first bytes, in any case after a BOM and blank space; what
-# the file is; how to make a CSV of it, where {src} is the file, {dst} a CSV beside it, {key} the setting).
+# The few other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
+# space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a CSV beside it, {key} the setting).
 CONVERT = "convert it: pandas.{}({{src!r}}).to_csv({{dst!r}}, index=False), then pass --{{key}}={{dst}}"
 UNPACK = "unpack it and pass the .csv inside as --{key}=<it>"
-DOWNLOAD = "download the CSV file itself and pass --{key}=<it>"
-SAVE = "save its rows as a CSV with a header row and pass --{key}=<it>"
 NOT_CSV = (
     (b"PAR1", "a Parquet file", CONVERT.format("read_parquet")),
-    (b"ARROW1", "an Arrow (Feather) file", CONVERT.format("read_feather")),
     (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an Excel workbook (.xls)", CONVERT.format("read_excel")),
-    (b"\x89HDF\r\n\x1a\n", "an HDF5 file", CONVERT.format("read_hdf")),
     (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)"),
     (b"[", "JSON", CONVERT.format("read_json")),
-    (b"<?xml", "an XML file", CONVERT.format("read_xml")),
-    (b"SQLite format 3\x00", "an SQLite database", SAVE),
-    (b"\x93NUMPY", "a NumPy array (.npy)", SAVE),
-    (b"PK\x05\x06", "an empty zip archive", "pass the CSV itself as --{key}=<it>"),
-    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", UNPACK),
-    (b"7z\xbc\xaf\x27\x1c", "a 7z archive", UNPACK),
-    (b"Rar!\x1a\x07", "a RAR archive", UNPACK),
-    (b"%PDF-", "a PDF document", DOWNLOAD),
-    (b"<!doctype html", "an HTML page (a download that saved the web page instead of the file?)", DOWNLOAD),
-    (b"<html", "an HTML page (a download that saved the web page instead of the file?)", DOWNLOAD),
-    (b"version https://git-lfs", "a Git LFS pointer file", "fetch the file it points to (git lfs pull)"),
 )
+# Control bytes no text file holds (Word's line break \v and DOS's end of file \x1a aside): a file with one in its
+# first 512 is another format, named by its first bytes (a PNG's 89 50 4e 47, a 7z's 37 7a bc af, an SQLite
+# database's "SQLite format 3").
+BINARY = frozenset(range(32)) - frozenset(b"\t\n\v\f\r\x1a")
 
 
 def csv_content(raw, path, key):
@@ -714,6 +729,11 @@ def csv_content(raw, path, key):
         found = "a tar archive", UNPACK
     if found:
         raise UserError(f"{key} {path} is {container}{found[0]}, not a CSV: {fill(found[1], path, key)}")
+    if BINARY.intersection(raw[:512]) and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        first = raw[:8]
+        shown = "".join(chr(b) if 32 <= b < 127 else "." for b in first)
+        raise UserError(f"{key} {path} is {container}binary data, not a CSV: it starts with bytes {first.hex(' ')} "
+                        f"({shown}); save its rows as a CSV with a header row and pass --{key}=<it>")
     return raw
 
 

@@ -108,7 +108,7 @@ UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
 # Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
 # does.
-ABSENT = {"sessions": 1}
+ABSENT = {"sessions": 1, "test_dialogue_column": "", "test_id_column": ""}
 # The settings of the calibration stage (retired after 605acfc), which the files written before keep: dropped as a
 # checkpoint loads.
 RETIRED = ("rank_weight", "rank_margin", "rank_length_exponent", "rank_candidates", "rank_decoding", "candidates_file")

@@ -1,8 +1,10 @@
 """The one way this project writes a file: into a temp file next to it, fsync'd, then renamed over it, so a crash
-or a full disk never leaves a half-written file under the real name; and a failed command's empty folders."""
+or a full disk never leaves a half-written file under the real name (and a temp file a killed process left is told
+by its name); and a failed command's empty folders."""
 import contextlib
 import errno
 import os
+import re
 import shutil
 
 from summarizer.errors import DiskFull
@@ -22,7 +24,7 @@ def disk_full(path, error):
 def atomic_write(path, mode="w"):
     """`with atomic_write(path) as f:` writes f to `path` atomically; on any error the temp file is removed and
     `path` keeps what it held. Text mode is UTF-8 with newlines written as given (CSV writers pick their own)."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{os.getpid()}"  # the writer's pid: see left_by_a_dead_process
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
         with open(tmp, mode, **text) as f:
@@ -37,6 +39,21 @@ def atomic_write(path, mode="w"):
         if full:
             raise full from None
         raise
+
+
+def left_by_a_dead_process(name):
+    """The file an atomic_write temp file named `name` was to become, when the process that wrote it is gone (killed
+    while saving: nothing will rename or remove it); None for any other name, or a live process's temp file."""
+    match = re.fullmatch(r"(.+)\.tmp(\d+)", name)
+    if not match:
+        return None
+    try:
+        os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return match[1]
+    except (PermissionError, OverflowError, ValueError):  # another user's process; a number no pid is
+        return None
+    return None
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from summarizer.errors import UserError
+from summarizer.files import left_by_a_dead_process
 from summarizer.memory import nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
@@ -32,9 +33,10 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and check that a file can be written there, before any work whose results would be lost.
-    `reads`: the flag naming the checkpoint the command takes from out_dir (--ckpt=<its best.pt>, a resume's
-    --resume_from=<its ckpt.pt>), which a command with another out_dir must then give."""
+    """Create the folder and check that a file can be written there, before any work whose results would be lost;
+    print what remove_left_temp_files removed. `reads`: the flag naming the checkpoint the command takes from
+    out_dir (--ckpt=<its best.pt>, a resume's --resume_from=<its ckpt.pt>), which a command with another out_dir
+    must then give."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -44,6 +46,28 @@ def make(path, reads=None):
         keep = f" and keep reading {reads.partition('=')[2]} with {reads}" if reads else ""
         raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=<a writable "
                         f"folder>{keep}") from None
+    removed = remove_left_temp_files(path)
+    if removed:
+        print(removed)
+
+
+def remove_left_temp_files(folder):
+    """Remove the temp files of the folder's files (RUN_FILES, PREFLIGHT) that a process killed while saving left (a
+    0-byte plot, a half-written checkpoint of gigabytes: Kaggle keeps 20 GB); a live process's are its own. The line
+    that says what went and how many bytes, or None."""
+    removed, freed = [], 0
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if left_by_a_dead_process(name) in (*RUN_FILES, PREFLIGHT) and os.path.isfile(path):
+            with contextlib.suppress(OSError):
+                size = os.path.getsize(path)
+                os.remove(path)
+                removed.append(name)
+                freed += size
+    if not removed:
+        return None
+    return (f"removed {len(removed)} file(s) that a process killed while saving left in {folder}: "
+            f"{', '.join(removed)} ({freed:,} bytes)")
 
 
 @contextlib.contextmanager

@@ -22,15 +22,18 @@ def check_against_sample(ids, path):
     """UserError unless the sample submission has the columns id,summary and exactly the test ids."""
     _, sample = data.read_frame(path, "sample_submission_csv",
                                 "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
+    skip = "--sample_submission_csv='' skips the check"
     if list(sample.columns) != ["id", "summary"]:
-        raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary']")
+        raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary'] "
+                        f"(submission.csv's): pass the sample submission of test_csv's competition ({skip})")
     sample_ids = set(sample["id"].str.strip())
     missing, extra = sample_ids - set(ids), set(ids) - sample_ids
     if missing or extra:  # examples from both sides: 0.0 against 0 shows only side by side
         examples = "; ".join(f"{label} {sorted(ids)[:3]}" for label, ids in
                              (("e.g. the sample's", missing), ("e.g. test_csv's", extra)) if ids)
         raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
-                        f"in test_csv, {len(extra)} test ids are not in it ({examples})")
+                        f"in test_csv, {len(extra)} test ids are not in it ({examples}): pass the test_csv and "
+                        f"sample_submission_csv of one competition ({skip})")
 
 
 def predict(cfg, explicit, rt):

@@ -225,7 +225,7 @@ CASES = [
     ("duplicate test ids", "predict", lambda f: f.predict(rows=rows_to_summarize({2: {"id": "d1-0"}})), ERROR,
      r"test_csv \S+ has 1 duplicated id\(s\), e\.g\. d1-0"),
     ("empty test ids", "predict", lambda f: f.predict(rows=rows_to_summarize({0: {"id": ""}, 2: {"id": " "}})), ERROR,
-     r"test_csv \S+ has 2 row\(s\) with no id \(line 2, 4\): each row needs its id"),
+     r"test_csv \S+ has 2 row\(s\) with no id \(line 2, 8\): each row needs its id"),  # 3 lines a dialogue
     ("test.csv without id column", "predict",
      lambda f: f.predict(rows=[{"key": r["id"], "dialogue": r["dialogue"]} for r in rows_to_summarize()]), ERROR,
      r"test_csv \S+ has no id column"),

@@ -121,3 +121,59 @@ def test_a_resume_into_a_folder_whose_run_has_not_saved_yet_names_that_run(train
         err = one_error_line(capsys, train.main, [*args, "--init_from=resume", f"--out_dir={out}"])
     assert f"out_dir {out} is in use by a training run that has not saved a checkpoint (pid {pid} " in err
     assert "wait for its first save" in err
+
+
+@pytest.mark.parametrize("role, renamed", [("dialogue", {"dialogue": "conversation"}), ("id", {"id": "key"})])
+def test_a_test_csv_whose_columns_differ_from_train_csvs_names_a_setting_of_its_own(role, renamed, trained, tmp_path,
+                                                                                    capsys):
+    """--dialogue_column (--id_column) would rename train.csv's column too: with predict_after, train.py could not
+    follow it; test_csv's own setting leaves train.csv's alone."""
+    folder, args = trained
+    rows = pd.DataFrame(synthetic_rows(3, seed=7)).drop(columns="summary").rename(columns=renamed)
+    test = save_csv(tmp_path / "test.csv", rows)
+    run = [*args, "--predict_after=True", f"--test_csv={test}", "--sample_submission_csv=", f"--out_dir={tmp_path}"]
+    err = one_error_line(capsys, train.main, run)
+    hinted = re.search(r"rename the column or pass (--\w+)=NAME$", err)[1] + f"={renamed[role]}"
+    assert hinted == f"--test_{role}_column={renamed[role]}"
+    train.main([*run, hinted])
+    assert len(pd.read_csv(tmp_path / "submission.csv")) == 3
+    (tmp_path / "submission.csv").unlink()
+    predict.main([*tiny(init_from=None), f"--out_dir={tmp_path}", f"--test_csv={test}", "--sample_submission_csv=",
+                  hinted])  # the run's own checkpoint, as predict.py reads it later
+    assert len(pd.read_csv(tmp_path / "submission.csv")) == 3
+
+
+def test_a_validation_csv_whose_dialogue_column_differs_is_told_to_rename_it(trained, tmp_path, capsys):
+    """--dialogue_column would rename train.csv's column too: the way out is the validation CSV's own column."""
+    folder, args = trained
+    val = tmp_path / "val.csv"
+    pd.DataFrame(synthetic_rows(4, seed=8)).rename(columns={"dialogue": "conversation"}).to_csv(val, index=False)
+    run = [*args, f"--validation_csv={val}", f"--out_dir={tmp_path / 'out'}"]
+    err = one_error_line(capsys, train.main, run)
+    column = re.search(r"rename its dialogue column to one of (\w+)", err)[1]
+    pd.read_csv(val).rename(columns={"conversation": column}).to_csv(val, index=False)
+    train.main(run)
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_training_csv_all_held_out_names_a_validation_csv(trained, tmp_path, capsys):
+    folder, args = trained
+    run = [*args, f"--train_csv={save_csv(tmp_path / 'one.csv', synthetic_rows(1, seed=9))}",
+           f"--out_dir={tmp_path / 'out'}"]
+    err = one_error_line(capsys, train.main, run)
+    hinted = re.search(r"or pass (--validation_csv=)<a CSV of validation rows>", err)[1]
+    train.main([*run, hinted + save_csv(tmp_path / "val.csv", synthetic_rows(4, seed=8))])
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+@pytest.mark.parametrize("sample", [{"id": ["other"], "summary": [""]}, {"ID": ["d7-0"], "summary": [""]}])
+def test_a_sample_submission_unlike_test_csv_names_the_way_to_skip_its_check(sample, trained, tmp_path, capsys):
+    folder, _ = trained
+    path = tmp_path / "sample_submission.csv"
+    pd.DataFrame(sample).to_csv(path, index=False)
+    scoring = [*tiny(init_from=None), f"--ckpt={folder / 'out' / 'best.pt'}", f"--out_dir={tmp_path / 'out'}",
+               f"--test_csv={save_csv(tmp_path / 'test.csv', synthetic_rows(3, seed=7), test=True)}"]
+    err = one_error_line(capsys, predict.main, [*scoring, f"--sample_submission_csv={path}"])
+    hinted = re.search(r"\((--sample_submission_csv)='' skips the check\)$", err)[1] + "="  # '' as the shell passes it
+    predict.main([*scoring, hinted])
+    assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3

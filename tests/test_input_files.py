@@ -55,7 +55,12 @@ NOT_CSVS = [
     ("train.parquet", b"PAR1" + bytes(64) + b"PAR1", r"is a Parquet file, not a CSV: convert it: pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
      r"is an Excel workbook \(\.xlsx\), not a CSV: convert it: pandas\.read_excel"),
-    ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>", r"is an HTML page"),
+    ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>",
+     r"is not a CSV of rows: its first line '<!DOCTYPE html>' reads as one column: pass --train_csv=<a CSV with a "
+     r"header row, e.g. id,dialogue,summary>$"),
+    ("train.csv", b"\x89PNG\r\n\x1a\n" + bytes(8) + b"IHDR",
+     r"is binary data, not a CSV: it starts with bytes 89 50 4e 47 0d 0a 1a 0a \(\.PNG\.\.\.\.\); save its rows as a "
+     r"CSV with a header row and pass --train_csv=<it>$"),
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
      r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
      r"\.to_csv\('\S+train\.csv'"),
@@ -64,8 +69,6 @@ NOT_CSVS = [
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
      r"is a gzip-compressed file holding a tar archive, not a CSV: unpack it and pass the \.csv inside as "
      r"--train_csv=<it>$"),
-    ("train.csv", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n",
-     r"is a Git LFS pointer file, not a CSV: fetch the file it points to"),
 ]
 
 
@@ -176,6 +179,23 @@ def test_duplicate_ids_are_noted_and_every_row_is_kept(tmp_path, capsys):
                         f"row counts as a repeat of it)"), notes
     assert examples.startswith("19 training and 1 validation examples")
     assert start_up_notes(tmp_path, capsys, save_csv(tmp_path / "unique.csv", synthetic_rows(20, seed=3)))[0] == []
+
+
+def test_rows_with_no_id_are_named_alike_in_training_and_test_data(tmp_path, capsys):
+    """By the line of the file each row starts on (every dialogue here spans 3); in training data they are kept and
+    are no id's duplicates or repeats, in test data they stop the command."""
+    rows = [{**row, "id": "" if i in (1, 3) else row["id"]} for i, row in enumerate(synthetic_rows(20, seed=3))]
+    csv = save_csv(tmp_path / "train.csv", rows)
+    no_id = [{**row, "id": ""} for row in synthetic_rows(2, seed=4)]
+    notes, examples = start_up_notes(tmp_path, capsys, csv, f"--validation_csv={save_csv(tmp_path / 'val.csv', no_id)}")
+    assert notes[0] == (f"note: train_csv {csv} has 2 row(s) with no id (line 5, 11): every row is kept, since ids "
+                        f"only identify rows"), notes
+    assert not [note for note in notes if "duplicate" in note or "repeat training rows" in note], notes
+    assert examples.startswith("20 training and 2 validation examples")
+    test = save_csv(tmp_path / "test.csv", rows, test=True)
+    with pytest.raises(data.UserError, match=re.escape(f"test_csv {test} has 2 row(s) with no id (line 5, 11): each "
+                                                       f"row needs its id")):
+        data.read_test(load_config([f"--test_csv={test}"]))
 
 
 @pytest.mark.parametrize("column", ["dialogue", "id"])

@@ -160,6 +160,18 @@ def test_a_signal_says_what_happens_at_that_moment(tmp_path, capsys):
     assert ended.received == signal.SIGTERM and capsys.readouterr().err == ""
 
 
+def test_the_docs_say_what_a_stop_does_before_the_first_step_and_after_a_killed_rank():
+    """What the tests above show, as the docs tell it: a signal in start-up stops at once with `interrupted`; a
+    killed rank's line comes before torchrun's own ChildFailedError report."""
+    def section(page, title):
+        with open(os.path.join(REPO, "docs", page), encoding="utf-8") as f:
+            return f.read().split(title, 1)[1].split("\n#", 1)[0]
+    stopping = section("kaggle.md", "## Stopping and continuing")
+    assert "`interrupted`" in stopping and "after the first step" not in stopping, stopping
+    killed = section("troubleshooting.md", "### A killed run")
+    assert "ChildFailedError" in killed and "`error (rank N)` line above it is the one to act on" in killed, killed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script, after", [("train.py", 0.3), ("predict.py", 0.3), ("evaluate.py", 0.3)])
 def test_ctrl_c_while_a_script_imports_is_one_line(script, after):

@@ -1,6 +1,6 @@
 """The run folder (summarizer/run_folder.py): one training run at a time holds out_dir; a fresh run moves an earlier
 run aside only once its inputs are checked; commands that miss a file name the earlier run's copy; evaluate.py on
-a folder a training run holds says so."""
+a folder a training run holds says so; what a process killed while saving left goes at the next command."""
 import json
 import os
 import signal
@@ -100,6 +100,29 @@ def test_commands_that_miss_a_checkpoint_name_the_earlier_runs_copy(csvs, tmp_pa
     assert str(earlier / "best.pt") in err and "--ckpt=" in err
     err = one_error_line(capsys, train.main, args(csvs, out, "--max_iters=8", "--init_from=resume"))
     assert str(earlier / "ckpt.pt") in err and "--resume_from=" in err
+
+
+def test_what_a_process_killed_while_saving_left_goes_at_the_next_command(csvs, tmp_path, capsys):
+    """<file>.tmp<pid> (a ckpt.pt's can be gigabytes) is removed by the next command in the folder when its process
+    is gone; a live process's temp file and a file that is not the run's stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (out / f"ckpt.pt.tmp{dead}").write_bytes(bytes(1000))
+    (out / f"metrics.png.tmp{dead}").write_bytes(b"")
+    kept = [f"best.pt.tmp{os.getppid()}", f"notes.txt.tmp{dead}"]  # a live process's; not a file of the run's
+    for name in kept:
+        (out / name).write_bytes(b"x")
+    train.main(args(csvs, out, "--max_iters=1"))
+    assert (f"removed 2 file(s) that a process killed while saving left in {out}: ckpt.pt.tmp{dead}, "
+            f"metrics.png.tmp{dead} (1,000 bytes)") in capsys.readouterr().out.splitlines()
+    assert sorted(path.name for path in out.glob("*.tmp*")) == kept
+    (out / f"submission.csv.tmp{dead}").write_bytes(b"id,summary\n")
+    predict.main(args(csvs, out))
+    assert f"removed 1 file(s) that a process killed while saving left in {out}: submission.csv.tmp{dead} (11 bytes)" \
+        in capsys.readouterr().out.splitlines()
+    assert sorted(path.name for path in out.glob("*.tmp*")) == kept
 
 
 @pytest.mark.slow

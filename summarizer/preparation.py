@@ -54,11 +54,12 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, objective, start=None, started=None):
+def prepare(cfg, rt, objective, start=None, started=None, given=()):
     """The Run of `cfg` (from run_settings) in `rt`, training `objective` (a class: train.py's TokenLoss, or a
     stage's own, e.g. summarizer/ranking.py's Ranking). `start`: the checkpoint run_settings loaded to resume or start
-    from (else it is loaded here); `started`: what max_time counts from (else now). Rank 0 prints what start-up
-    does and, before step 1, what runs; a budget that start-up spends stops every rank."""
+    from (else it is loaded here); `started`: what max_time counts from (else now); `given`: the keys the command
+    line gave (summarizer/schedule.py's resumed_schedule reads them). Rank 0 prints what start-up does and, before
+    step 1, what runs; a budget that start-up spends stops every rank."""
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     splits, after_summaries = datasets(cfg, rt)
     train_set, val_set = splits.train, splits.val
@@ -99,7 +100,7 @@ def prepare(cfg, rt, objective, start=None, started=None):
     torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
     notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
     if ckpt is not None:
-        notes += state.restore(ckpt, cfg, rt, resume_path(cfg))
+        notes += state.restore(ckpt, cfg, rt, resume_path(cfg), given)
         if rt.is_main:
             notes += filter(None, [resumed_history(resume_path(cfg), cfg.out_dir, state.step)])
     model = state.model

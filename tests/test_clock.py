@@ -186,7 +186,9 @@ def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_st
     schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
     assert schedule["floor"] == MIN_LR and schedule["sessions_done"] == 1
     capsys.readouterr()
-    train.main([*run, "--eval_interval=25", f"--max_iters={len(rows) + 3}", "--init_from=resume"])
+    # continued as its continue command says: without --learning_rate, which would decay from that peak again
+    continued = [arg for arg in run if not arg.startswith("--learning_rate=")]
+    train.main([*continued, "--eval_interval=25", f"--max_iters={len(rows) + 3}", "--init_from=resume"])
     hint = re.search(f"stays at min_lr {MIN_LR:.2e} until iter {len(rows) + 3}: the run's decay has ended; "
                      r"--learning_rate=<a peak, e.g. (\S+)> decays from that peak again", capsys.readouterr().out)
     assert hint
@@ -203,11 +205,11 @@ def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
     """A resumed run whose last session ended at its budget stays at min_lr: its budget line says so instead of
     promising a cooldown to it."""
     from summarizer.clock import RunClock
-    from summarizer.schedule import cooled, decayed, lr_schedule
+    from summarizer.schedule import advance, decayed, lr_schedule
     schedule = lr_schedule({"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0,
                             "max_iters": 100000})
     assert not decayed(300, schedule)
-    ended = cooled(schedule, 299, steps_left=0, ended=True)
+    _, ended = advance(schedule, 299, steps_left=0, ended=True)
     assert decayed(300, ended) and learning_rate(300, ended) == MIN_LR
     clock = RunClock(60, started=0.0, now=lambda: 10.0)
     clock.primed = 1e-3

@@ -69,16 +69,17 @@ def cooldown_progress(it, schedule, steps_left):
 
 def cut_short(schedule, steps):
     """The line of a session that ended after `steps` steps with a cooldown shorter than 1/STEEPEST of its shape's
-    (the pace slowed near the budget's end by more than its steps could spread), else None."""
+    (the steps left fell near the budget's end by more than it could spread), else None."""
     began = schedule.get("cooldown_from")
     if began is None:
         return None
     ran, length = steps - began, cooldown_length(steps - 1, schedule, 0)
     if ran >= length / STEEPEST:
         return None
-    return (f"note: the learning rate's cooldown was cut short: {ran} steps, not the last {COOLDOWN:.0%} of the "
-            f"{steps - schedule['start']} steps of its decay (about {length:.0f}): the pace slowed near the budget's "
-            f"end, and the last step dropped to min_lr {schedule['min_lr']:.2e}")
+    return (f"note: the learning rate's cooldown was cut short after {ran} of its about {length:.0f} steps (the last "
+            f"{COOLDOWN:.0%} of the {steps - schedule['start']} steps of its decay): the steps the budget leaves fell "
+            f"faster than it could follow (a slower pace or evaluation near the end), and the last step dropped to "
+            f"min_lr {schedule['min_lr']:.2e}")
 
 
 def stepped_rate(it, schedule):

@@ -32,7 +32,7 @@ def advance(schedule, it, steps_left=None, ended=False, last_session=True):
     change much) the cooldown moves on, reaching min_lr at the last step, and the schedule keeps how far it came and
     where it began; a session that ended at its budget (`ended`) is counted, the last one of the run leaving the
     floor at min_lr."""
-    if steps_left is not None and last_session:
+    if steps_left is not None and last_session and not decayed(it, schedule):  # at min_lr, nothing cools down
         progress = cooldown_progress(it, schedule, steps_left)
         if progress:
             schedule = {**schedule, "cooldown": progress, "cooldown_from": schedule.get("cooldown_from", it)}

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import data
 from command_line import arguments
-from config import FIELDS
+from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
@@ -52,7 +52,7 @@ from summarizer.loading import resume_path, resuming
 from summarizer.metrics import rouge
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
-from summarizer.schedule import cooled, learning_rate
+from summarizer.schedule import advance, cut_short
 from summarizer.settings_report import settings_report
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
@@ -86,12 +86,12 @@ def main(argv=None):
                                   if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(prepare(cfg, rt, start_ckpt, started), rt, signals)
+                    trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
                 cfg = trainer.run.cfg  # micro_batch_size=auto chosen
                 del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
                 try:
                     stopped_by = trainer.fit()
-                    step, clock = trainer.run.state.step, trainer.run.clock
+                    step, clock, schedule = trainer.run.state.step, trainer.run.clock, trainer.run.state.schedule
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
                     trainer = None
             # the compiled work is a cache: a folder that cannot keep it costs later commands a compile, no more
@@ -104,16 +104,23 @@ def main(argv=None):
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + stopped_by)
             if stopped_by == OUT_OF_TIME and rt.is_main:
+                short = cut_short(schedule, step)
+                if short:
+                    print(short)
                 print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
                       f"{clock.ending()}; {ckpt} holds it; continue with:\n"
                       f"  {go_on}\n"
                       f"or in a new session, with this output attached as input, add "
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
             # this run's config is the contract: every key counts as given
-            if cfg.evaluate_after:
-                evaluate(cfg, set(FIELDS), rt)
-            if cfg.predict_after:
-                predict(cfg, set(FIELDS), rt)
+            took = {}  # the after-run's seconds, for max_time's last word
+            for key, after in (("evaluate_after", evaluate), ("predict_after", predict)):
+                if getattr(cfg, key):
+                    began = time.monotonic()
+                    after(cfg, set(FIELDS), rt)
+                    took[key] = time.monotonic() - began
+            if clock and took and clock.left() < 0 and rt.is_main:
+                print(clock.after_run_ending(took))
 
 # ---- the loop ------------------------------------------------------------------------------------------------
 
@@ -191,7 +198,7 @@ class Trainer:
                     stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
                 skips.append(done.skipped)
                 if rt.is_main:
-                    self.log(stats, bar)
+                    self.log(stats, bar, done.steps_left)
                     if sum(skips) > SKIP_WARN and state.step - warned_at >= SKIP_WINDOW:
                         warned_at = state.step
                         bar.write(f"warning: the fp16 GradScaler skipped {sum(skips)} of the last {SKIP_WINDOW} "
@@ -234,8 +241,7 @@ class Trainer:
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
         cooling = steps_left if steps_left >= 0 and reduced[2] else None  # the steps the cooldown goes by
-        lr = learning_rate(step, state.schedule, cooling, self.run.last_session)
-        state.schedule = cooled(state.schedule, step, cooling, steps_left == 0, self.run.last_session)
+        lr, state.schedule = advance(state.schedule, step, cooling, steps_left == 0, self.run.last_session)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True
@@ -280,13 +286,15 @@ class Trainer:
             return
         state.save(cfg, self.rt, stats, best=state.improved(stats, cfg.best_metric))
 
-    def log(self, stats, bar):
-        """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar, and the
-        plot after an evaluation."""
+    def log(self, stats, bar, steps_left):
+        """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar (with the
+        `steps_left` that max_time leaves), and the plot after an evaluation."""
         cfg, state = self.run.cfg, self.run.state
         if state.step % cfg.log_interval == 0 or "val_loss" in stats:
             log_row(cfg.out_dir, stats, self.run.tracker)
-        bar.set_postfix(progress_postfix(stats, state.skipped_steps if state.scaler.is_enabled() else None))
+        clock = self.run.clock
+        bar.set_postfix(progress_postfix(stats, state.skipped_steps if state.scaler.is_enabled() else None,
+                                         (clock.left(), steps_left) if clock else None))
         bar.update(1)
         if "val_loss" in stats:
             scores = " ".join(f"{k} {stats[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in stats)
@@ -324,7 +332,9 @@ def continue_command(argv, world_size):
     """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
     torchrun when the run had several processes."""
     presets, flags = arguments(argv)
-    args = [*presets, *(f for f in flags if not f.startswith(("--init_from=", "--resume_from="))), "--init_from=resume"]
+    # a learning_rate given to a resume restarts a decay that has ended: continuing leaves it out (ckpt.pt has it)
+    kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=")))
+    args = [*presets, *kept, "--init_from=resume"]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
     return shlex.join([*launcher, "train.py", *args])

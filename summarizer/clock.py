@@ -223,6 +223,15 @@ class RunClock:
                      f"(the pace changed by more than the margin its spread asked for)")
         return line
 
+    def after_run_ending(self, took):
+        """The line of an after-run that ended past the budget (`took`: {'evaluate_after' or 'predict_after':
+        seconds}): by how much, what each took, and what the budget had left and measured for them."""
+        left_then = self.left() + sum(took.values())
+        spent = " and ".join(f"{name} took {seconds:.1f} s" for name, seconds in took.items())
+        return (f"max_time={self.budget:g}: the run ended {-self.left():.1f} s past the budget: {spent}, where "
+                f"{max(0.0, left_then):.1f} s were left for them ({self.after_run():.1f} s measured for their "
+                f"{self.after_summaries} summaries, loading best.pt and writing)")
+
     def start_up_problem(self):
         """Why the budget cannot train before step 1 (the start-up spent it; a step with the last evaluation and
         the after-run take what is left), else None."""

@@ -56,10 +56,11 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, start_ckpt=None, started=None):
+def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
     """The Run of `cfg` in `rt`, both from run_settings: `start_ckpt` the checkpoint the run continues or starts
     from (None: from scratch or GPT-2; a resume without it loads it here), `started` what max_time counts from
-    (else now). Rank 0 says what start-up does, a budget that start-up spends stops every rank, and the run is
+    (else now), `given` the keys the command line gave (a peak given again restarts a decay: resumed_schedule).
+    Rank 0 says what start-up does, a budget that start-up spends stops every rank, and the run is
     announced before step 1."""
     started = time.monotonic() if started is None else started
     tracker, splits, after_summaries = checked_start(cfg, rt)
@@ -72,7 +73,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None):
         starting("planning memory for micro_batch_size=auto")
         rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
         cfg = tracker.cfg = replace(cfg, micro_batch_size=rows)  # the tracker logs the chosen settings
-    state, disk, notes = training_state(cfg, rt, model, resumed, splits)
+    state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
@@ -139,7 +140,7 @@ class Starting:
                                                         "step)") if self.rt.is_main and spent >= self.budget else None)
 
 
-def training_state(cfg, rt, model, resumed, splits):
+def training_state(cfg, rt, model, resumed, splits, given):
     """(the TrainingState of `model` on this rank's device, continuing ckpt.pt's `resumed` if given; the disk plan,
     checked before any work; the notes of what start-up found). Loads the compiled work of the run this one
     continues, starts from or replaces, and sets aside an earlier run's files in out_dir."""
@@ -161,7 +162,7 @@ def training_state(cfg, rt, model, resumed, splits):
     torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
     notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
     if resumed:
-        notes += state.restore(resumed, cfg, rt, path)
+        notes += state.restore(resumed, cfg, rt, path, given)
         if rt.is_main:
             notes += filter(None, [resumed_history(path, cfg.out_dir, state.step)])
     return state, disk, notes

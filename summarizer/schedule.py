@@ -1,11 +1,12 @@
 """The learning-rate rule, all of it: linear warmup, cosine decay to min_lr, max_time's cooldown to min_lr at the
 last step the budget leaves (the steps left come from summarizer/clock.py), which once started never goes back (a
-faster pace lengthens it, it does not undo it), and the floor: min_lr once a run's last session ended at its budget.
-Saved in ckpt.pt with the cooldown's progress and the sessions the run has ended, and continued (or reshaped by a
-changed config) when a run resumes."""
+faster pace lengthens it, it does not undo it) and keeps its shape through a pace slow for a moment, and the floor:
+min_lr once a run's last session ended at its budget. Saved in ckpt.pt with the cooldown's progress and the sessions
+the run has ended, and continued (or reshaped by a changed config or a peak given again) when a run resumes."""
 import math
 
 COOLDOWN = 0.2  # the last share of a budget-bound run's steps that decays to min_lr (Hägele et al. 2024)
+STEEPEST = 2  # how many of the cooldown shape's steps one step may go at most, when the pace slows
 
 
 def lr_schedule(run_config):
@@ -16,17 +17,30 @@ def lr_schedule(run_config):
             "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
 
 
-def learning_rate(it, schedule, steps_left=None, last_session=True):
-    """The LR of step `it` (0-based): the warmup and cosine's, never above the floor; under max_time in the last
-    session (`steps_left`: the steps the budget leaves after this one, None while the clock's estimate may still
-    change much), cooled down to min_lr at the last step (cooldown_progress), by 1-sqrt (Hägele et al. 2024); a
-    cooldown already under way is never undone."""
+def learning_rate(it, schedule):
+    """The LR of step `it` (0-based) by `schedule`: the warmup and cosine's, never above the floor, cooled down by
+    1-sqrt (Hägele et al. 2024) as far as the schedule's cooldown has come (advance moves it)."""
     lr = min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
     if lr <= schedule["min_lr"]:
         return lr
-    cooling = steps_left is not None and last_session
-    progress = cooldown_progress(it, schedule, steps_left) if cooling else schedule.get("cooldown", 0.0)
-    return schedule["min_lr"] + (lr - schedule["min_lr"]) * (1 - math.sqrt(progress))
+    return schedule["min_lr"] + (lr - schedule["min_lr"]) * (1 - math.sqrt(schedule.get("cooldown", 0.0)))
+
+
+def advance(schedule, it, steps_left=None, ended=False, last_session=True):
+    """(the LR of step `it`, the schedule after it), the one call of a training step. Under max_time in the last
+    session (`steps_left`: the steps the budget leaves after this one, None while the clock's estimate may still
+    change much) the cooldown moves on, reaching min_lr at the last step, and the schedule keeps how far it came and
+    where it began; a session that ended at its budget (`ended`) is counted, the last one of the run leaving the
+    floor at min_lr."""
+    if steps_left is not None and last_session and not decayed(it, schedule):  # at min_lr, nothing cools down
+        progress = cooldown_progress(it, schedule, steps_left)
+        if progress:
+            schedule = {**schedule, "cooldown": progress, "cooldown_from": schedule.get("cooldown_from", it)}
+    lr = learning_rate(it, schedule)
+    if ended:
+        schedule = {**schedule, "sessions_done": sessions_done(schedule) + 1,
+                    **({"floor": schedule["min_lr"]} if last_session else {})}
+    return lr, schedule
 
 
 def decayed(it, schedule):
@@ -34,29 +48,38 @@ def decayed(it, schedule):
     return it >= schedule["warmup_iters"] and learning_rate(it, schedule) <= schedule["min_lr"]
 
 
+def cooldown_length(it, schedule, steps_left):
+    """The cooldown's steps by its shape: the last COOLDOWN of the decay's steps (from its start: a resumed run's
+    new peak decays over its own steps, not the whole run's), `it` and `steps_left` after it the last."""
+    return COOLDOWN * (it + 1 - schedule["start"] + steps_left)
+
+
 def cooldown_progress(it, schedule, steps_left):
-    """How far the cooldown is at step `it`, from 0 (not started) to 1 (min_lr, at the last step): the share of
-    the last COOLDOWN of the run's steps (it before this one, this one, steps_left after it) done. Once started it
-    never goes back: a faster pace (more steps left) spreads what is left of it over the steps left, which with a
-    steady pace is the same step as the formula's, so the learning rate never rises again."""
-    progress = max(0.0, 1 - steps_left / (COOLDOWN * (it + 1 + steps_left)))
-    done = schedule.get("cooldown", 0.0)
-    if done:
-        progress = max(progress, done + (1 - done) / (steps_left + 1))
-    return progress
+    """How far the cooldown is at step `it`, from 0 (not started) to 1 (min_lr, at the last step). It starts where
+    the steps left are the shape's (cooldown_length), then spreads what is left of it evenly over the steps left:
+    with a steady pace that is the shape's own step, a faster pace lengthens it, and it never goes back. A step
+    moves it at most STEEPEST times the shape's step: a pace slow for a moment shortens the cooldown without a
+    cliff; one slow to the end cuts it short, and its last step drops to min_lr (cut_short says so)."""
+    if steps_left == 0:
+        return 1.0
+    done, length = schedule.get("cooldown", 0.0), cooldown_length(it, schedule, steps_left)
+    due = done + (1 - done) / (steps_left + 1) if done else 1 - steps_left / length
+    return max(done, min(due, done + STEEPEST / length))
 
 
-def cooled(schedule, it, steps_left, ended=False, last_session=True):
-    """The schedule after step `it` (`steps_left` as learning_rate had it): the cooldown's progress kept, and a
-    session that ended at its budget (`ended`) counted, the last one of the run leaving the floor at min_lr."""
-    if steps_left is not None and last_session:
-        progress = cooldown_progress(it, schedule, steps_left)
-        if progress:
-            schedule = {**schedule, "cooldown": progress}
-    if ended:
-        schedule = {**schedule, "sessions_done": sessions_done(schedule) + 1,
-                    **({"floor": schedule["min_lr"]} if last_session else {})}
-    return schedule
+def cut_short(schedule, steps):
+    """The line of a session that ended after `steps` steps with a cooldown shorter than 1/STEEPEST of its shape's
+    (the steps left fell near the budget's end by more than it could spread), else None."""
+    began = schedule.get("cooldown_from")
+    if began is None:
+        return None
+    ran, length = steps - began, cooldown_length(steps - 1, schedule, 0)
+    if ran >= length / STEEPEST:
+        return None
+    return (f"note: the learning rate's cooldown was cut short after {ran} of its about {length:.0f} steps (the last "
+            f"{COOLDOWN:.0%} of the {steps - schedule['start']} steps of its decay): the steps the budget leaves fell "
+            f"faster than it could follow (a slower pace or evaluation near the end), and the last step dropped to "
+            f"min_lr {schedule['min_lr']:.2e}")
 
 
 def stepped_rate(it, schedule):
@@ -74,31 +97,27 @@ def sessions_done(schedule):
     return schedule.get("sessions_done", 0)
 
 
-def resumed_schedule(schedule, saved, cfg, it):
+def resumed_schedule(schedule, saved, cfg, it, given=()):
     """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
     max_iters does not stretch its decay: the LR stays at min_lr after it), except that a run stopped inside a
     warmup that outlasted its decay (max_iters < warmup_iters) finishes the warmup and decays to the new horizon.
     A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
-    learning_rate from that LR instead. (warmup_iters is fixed by training: config.Scope.)"""
-    changed = [k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]]
+    learning_rate from that peak instead; so does a learning_rate the command line gave (`given`: its keys) once the
+    decay has ended, even the saved one: a peak asked for is the peak the run trains at. (warmup_iters is fixed by
+    training: config.Scope.)"""
+    changed = {k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]}
+    if "learning_rate" in given and decayed(it, schedule):
+        changed.add("learning_rate")
     warming_up = it < schedule["warmup_iters"]
     if not changed and not (warming_up and schedule["decay_iters"] <= schedule["warmup_iters"]):
         return schedule
     horizon = cfg.lr_decay_iters or cfg.max_iters
     kept = {"sessions_done": sessions_done(schedule)}  # a changed LR setting lifts the floor, not the sessions
     if warming_up:  # finish the warmup, then decay to the new horizon
-        kept.update({k: v for k, v in schedule.items() if k not in ("floor", "cooldown")})
+        kept.update({k: v for k, v in schedule.items() if k not in ("floor", "cooldown", "cooldown_from")})
         return {**kept, "peak_lr": cfg.learning_rate, "min_lr": cfg.min_lr, "decay_iters": horizon}
     start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
-
-
-def new_peak_example(learning_rate_setting, min_lr):
-    """A --learning_rate for a hint to decay from again: above min_lr and unlike the run's own learning_rate (which,
-    given again, changes nothing)."""
-    # 10 * min_lr is above 1.5 * min_lr, and where it is the run's learning_rate, twice that is not: one fits
-    return next(candidate for candidate in (learning_rate_setting / 2, 10 * min_lr, 2 * learning_rate_setting)
-                if candidate > 1.5 * min_lr and not math.isclose(candidate, learning_rate_setting))
 
 
 def describe_schedule(schedule, it, max_iters, learning_rate_setting):
@@ -109,10 +128,10 @@ def describe_schedule(schedule, it, max_iters, learning_rate_setting):
     if max_iters <= s["warmup_iters"]:
         plan = f"warmup: rises to {last:.2e} at iter {max_iters} (the warmup ends at iter {s['warmup_iters'] + 1})"
     elif decayed(it, s):
-        example = new_peak_example(learning_rate_setting, s["min_lr"])
         plan = (f"stays at min_lr {s['min_lr']:.2e} until iter {max_iters}: the run's decay has ended; "
-                f"--learning_rate=<a peak, e.g. {example:.1e}> decays from that peak again (under max_time, to "
-                f"min_lr at the budget's end; a run planned over several sessions says --sessions=N from its first)")
+                f"--learning_rate=<a peak, e.g. {learning_rate_setting:.1e}> decays from that peak again (under "
+                f"max_time, to min_lr at the budget's end; a run planned over several sessions says --sessions=N "
+                f"from its first)")
     else:
         if s["decay_iters"] <= s["warmup_iters"]:
             plan = f"min_lr {s['min_lr']:.2e} from iter {s['warmup_iters'] + 1}"

@@ -98,9 +98,10 @@ class TrainingState:
             save_checkpoint(state, path)
         rt.barrier()
 
-    def restore(self, ckpt, cfg, rt, path):
+    def restore(self, ckpt, cfg, rt, path, given=()):
         """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
-        hyperparameters this run's config changed applied. Returns the lines that say so."""
+        hyperparameters this run's config changed applied (`given`: the keys its command line gave, which
+        resumed_schedule reads). Returns the lines that say so."""
         saved = ckpt["config"]
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
@@ -124,7 +125,7 @@ class TrainingState:
         self.step, self.skipped_steps = ckpt["iter_num"], ckpt["skipped_steps"]
         if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
             set_rng_state(ckpt["rng"][rt.rank])
-        self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step)
+        self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step, given)
         notes.insert(0, f"resuming {path} at iter {self.step}; "
                      + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate))
         if ckpt["best_metric"] == cfg.best_metric:

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import asdict
 
+from config import describe_duration
 from summarizer.errors import UserError
 from summarizer.files import atomic_write, disk_full
 from summarizer.run_folder import METRICS
@@ -140,9 +141,10 @@ def log_row(out_dir, row, tracker):
     tracker.log(row)
 
 
-def progress_postfix(stats, skipped=None):
-    """The progress bar's figures of a step: loss, LR, tokens/s, ms/it, MFU and peak memory where measured, and
-    with fp16 the skipped steps."""
+def progress_postfix(stats, skipped=None, left=None):
+    """The progress bar's figures of a step: loss, LR, tokens/s, ms/it, MFU and peak memory where measured, with
+    fp16 the skipped steps, and under max_time what the budget leaves as its clock re-measures it every step
+    (`left`: seconds, steps that fit): the start line's estimate is never the only one."""
     postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
                "ms/it": f"{stats['ms_per_iter']:.0f}"}
     if "mfu" in stats:
@@ -151,6 +153,9 @@ def progress_postfix(stats, skipped=None):
         postfix["mem"] = f"{stats['peak_mem_gb']:.1f}G"
     if skipped is not None:
         postfix["skipped"] = skipped
+    if left is not None:
+        seconds, steps = left
+        postfix["left"] = f"{describe_duration(round(max(0.0, seconds)))} ~{steps} it"
     return postfix
 
 

@@ -2,6 +2,7 @@
 work (the training step's forward and backward, an evaluation, a decoding) costs COLD times a warm call, as a compile
 does: the learning rate cools down to min_lr exactly at the last step whatever the pace, evaluations and resumes do;
 a run over two sessions cools down in the second only; the estimates before step 1 are the warm ones."""
+import math
 import re
 import signal
 import sys
@@ -12,15 +13,17 @@ import pytest
 
 import conftest
 import train
+from config import load_config
 from conftest import metrics, one_error_line, tiny
 from model import GPT
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import Rate
-from summarizer.schedule import learning_rate
+from summarizer.schedule import COOLDOWN, advance, decayed, learning_rate, lr_schedule, resumed_schedule
 
 COLD = 20  # a first call's cost, in warm calls
 MIN_LR, WARMUP, GEN_BATCH = 5e-4, 5, 4
+SCHEDULE = {"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0, "max_iters": 100000}
 
 
 class VirtualClock:
@@ -122,6 +125,28 @@ def test_a_rate_keeps_the_first_samples_one_time_cost_apart():
     assert rate.per_unit() == pytest.approx(0.1) and rate.one_time() == pytest.approx(38.0)
 
 
+def session(schedule, first, steps):
+    """(the LRs, the schedule after them) of a last session of `steps` steps from step `first` (0-based) whose
+    budget leaves them at a steady pace."""
+    lrs, last = [], first + steps - 1
+    for it in range(first, last + 1):
+        lr, schedule = advance(schedule, it, steps_left=last - it, ended=it == last)
+        lrs.append(lr)
+    return lrs, schedule
+
+
+def test_one_call_a_step_gives_its_learning_rate_and_the_schedule_after_it():
+    """The LR a step trains at is what the schedule it leaves says of that step (the cooldown computed once, then
+    kept); at a steady pace the cooldown is the last 20% of the steps, 1-sqrt, at min_lr at the last."""
+    schedule, lrs = lr_schedule(SCHEDULE), []
+    for it in range(200):
+        lr, schedule = advance(schedule, it, steps_left=199 - it, ended=it == 199)
+        assert lr == learning_rate(it, schedule)
+        lrs.append(lr)
+    shape = [MIN_LR + (1e-3 - MIN_LR) * (1 - math.sqrt(k / 40)) for k in range(1, 41)]
+    assert lrs[160:] == pytest.approx(shape, rel=1e-5) and lrs[WARMUP:160] == pytest.approx([1e-3] * 155, rel=1e-3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["steady", "slowdown", "no_evaluation_in_the_budget"])
 def test_the_learning_rate_reaches_min_lr_at_the_last_step(run, virtual, capsys, case):
@@ -174,6 +199,57 @@ def test_the_cooldown_never_rises_and_the_estimate_holds_when_steps_alternate_sh
         assert len(rows) - cooling >= 0.1 * len(rows), (cooling, len(rows))  # a cooldown, not a drop
 
 
+# a steady run of `run` with --eval_interval=25 --max_time=40 trains 214 steps and cools down from step 171 (0-based)
+SLOWDOWNS = {"at_the_cooldowns_start": lambda step: 4.0 if 171 <= step < 176 else 1.0,
+             "late": lambda step: 4.0 if step >= 165 else 1.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slowdown", SLOWDOWNS)
+def test_a_slower_pace_keeps_the_cooldowns_shape_and_a_cooldown_cut_short_says_so(run, virtual, capsys, slowdown):
+    """Five steps 4x slower where the cooldown starts (the clock's estimate of the steps left falls 4x for a few
+    steps), or every step 4x slower from shortly before it to the end: the LR never rises, no step drops it by more
+    than 1.5x the shape's own steepest step (its first), and it reaches min_lr at the last step; the late
+    slow-down cuts the cooldown short, which the run says in one line."""
+    virtual(pace=SLOWDOWNS[slowdown])
+    train.main([*run, "--eval_interval=25", "--max_time=40"])
+    printed = capsys.readouterr().out
+    lrs = [row["lr"] for row in metrics(run[-1].split("=", 1)[1]) if "loss" in row]
+    assert all(b <= a for a, b in zip(lrs[WARMUP:-1], lrs[WARMUP + 1:], strict=True)), lrs[WARMUP:]
+    assert lrs[-1] == MIN_LR and lrs[-2] > MIN_LR
+    steepest = (1e-3 - MIN_LR) * math.sqrt(1 / (COOLDOWN * len(lrs)))
+    drops = [a - b for a, b in zip(lrs[WARMUP:-1], lrs[WARMUP + 1:], strict=True)]
+    cut = [line for line in printed.splitlines() if "cooldown was cut short" in line]
+    if slowdown == "late":
+        assert max(drops[:-1]) <= 1.5 * steepest, (steepest, drops[-40:])
+        ran = len(lrs) - next(i for i, lr in enumerate(lrs) if i >= WARMUP and lr < 0.99e-3)
+        assert cut == [f"note: the learning rate's cooldown was cut short after {ran} of its about "
+                       f"{COOLDOWN * len(lrs):.0f} steps (the last 20% of the {len(lrs)} steps of its decay): the "
+                       f"steps the budget leaves fell faster than it could follow (a slower pace or evaluation near "
+                       f"the end), and the last step dropped to min_lr {MIN_LR:.2e}"], printed[-2000:]
+    else:
+        assert max(drops) <= 1.5 * steepest and not cut, (steepest, drops[-60:])
+
+
+def test_a_peak_given_to_a_resumed_run_is_the_peak_it_trains_at():
+    """A first session of 1000 steps ends at its budget, at min_lr; a second of 60, given --learning_rate=1.5e-3,
+    trains at that peak from its first step and cools down over the last 20% of its own steps (not of the whole
+    run's); once that decay has ended, the same flag again (now the saved learning_rate) decays from that peak
+    again, and a resume without it stays at min_lr."""
+    saved = {"learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0}
+    peak = load_config(["--learning_rate=1.5e-3", f"--min_lr={MIN_LR}", "--max_iters=100000",
+                        f"--warmup_iters={WARMUP}"])
+    first, schedule = session(lr_schedule(SCHEDULE), 0, 1000)
+    assert first[-1] == MIN_LR and decayed(1000, schedule)
+    second, schedule = session(resumed_schedule(schedule, saved, peak, 1000, {"learning_rate": 1.5e-3}), 1000, 60)
+    assert second[0] == pytest.approx(1.5e-3) and second[-1] == MIN_LR
+    assert sum(lr > 1.49e-3 for lr in second) == 48, second
+    saved["learning_rate"] = 1.5e-3
+    assert resumed_schedule(schedule, saved, peak, 1060, {}) == schedule and decayed(1060, schedule)
+    third, _ = session(resumed_schedule(schedule, saved, peak, 1060, {"learning_rate": 1.5e-3}), 1060, 60)
+    assert third[0] == pytest.approx(1.5e-3) and third[-1] == MIN_LR
+
+
 @pytest.mark.slow
 def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_stays_at_min_lr(run, virtual,
                                                                                              tmp_path, capsys):
@@ -188,7 +264,9 @@ def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_st
     schedule = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["schedule"]
     assert schedule["floor"] == MIN_LR and schedule["sessions_done"] == 1
     capsys.readouterr()
-    train.main([*run, "--eval_interval=25", f"--max_iters={len(rows) + 3}", "--init_from=resume"])
+    # continued as its continue command says: without --learning_rate, which would decay from that peak again
+    continued = [arg for arg in run if not arg.startswith("--learning_rate=")]
+    train.main([*continued, "--eval_interval=25", f"--max_iters={len(rows) + 3}", "--init_from=resume"])
     hint = re.search(f"stays at min_lr {MIN_LR:.2e} until iter {len(rows) + 3}: the run's decay has ended; "
                      r"--learning_rate=<a peak, e.g. (\S+)> decays from that peak again", capsys.readouterr().out)
     assert hint
@@ -205,11 +283,10 @@ def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
     """A resumed run whose last session ended at its budget stays at min_lr: its budget line says so instead of
     promising a cooldown to it."""
     from summarizer.clock import RunClock
-    from summarizer.schedule import cooled, decayed, lr_schedule
     schedule = lr_schedule({"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0,
                             "max_iters": 100000})
     assert not decayed(300, schedule)
-    ended = cooled(schedule, 299, steps_left=0, ended=True)
+    _, ended = advance(schedule, 299, steps_left=0, ended=True)
     assert decayed(300, ended) and learning_rate(300, ended) == MIN_LR
     clock = RunClock(60, started=0.0, now=lambda: 10.0)
     clock.prime(1e-3, tokens=1)
@@ -267,6 +344,41 @@ def test_a_run_pushed_past_its_budget_by_a_pace_change_says_by_how_much_and_why(
                      r"evaluation and save took ([\d.]+) s where ([\d.]+) s were measured \(the pace changed", printed)
     assert past, printed[-1500:]
     assert float(past[1]) == pytest.approx(clock.now - 100.0 - 40, abs=0.1) and float(past[2]) > 5 * float(past[3])
+
+
+@pytest.mark.slow
+def test_an_after_run_past_the_budget_says_by_how_much_and_what_took_longer(run, virtual, capsys, monkeypatch):
+    """predict_after takes 40 s more than the clock measured (another job took the machine): the run's last line
+    says how far past the budget it ended, what evaluate_after and predict_after took and what was left for them."""
+    clock, predict = virtual(), train.predict
+
+    def slow_predict(*args):
+        clock.now += 40.0
+        return predict(*args)
+    monkeypatch.setattr(train, "predict", slow_predict)
+    train.main([*run, "--eval_interval=25", "--max_time=40", "--evaluate_after=True", "--predict_after=True"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    past = re.fullmatch(r"max_time=40: the run ended ([\d.]+) s past the budget: evaluate_after took ([\d.]+) s and "
+                        r"predict_after took ([\d.]+) s, where ([\d.]+) s were left for them \(([\d.]+) s measured "
+                        r"for their 22 summaries, loading best.pt and writing\)", last)
+    assert past, last
+    assert float(past[1]) == pytest.approx(clock.now - 100.0 - 40, abs=0.1)
+    assert float(past[3]) > 40 > float(past[4]) and float(past[5]) <= float(past[4])
+
+
+@pytest.mark.slow
+def test_the_progress_bar_shows_the_budget_as_the_clock_re_measures_it(run, virtual, capsys):
+    """Start-up timed on a busy moment (the timing before step 1 and the first 20 steps run 4x slower): the start
+    line's estimate is under half the steps that run, and the bar's figures (time left, the steps that still fit)
+    show the re-measured budget long before the end, and ~0 steps at the end."""
+    virtual(pace=lambda step: 4.0 if step < 20 else 1.0)
+    train.main([*run, "--eval_interval=25", "--max_time=80"])
+    out, err = capsys.readouterr()
+    steps = len([row for row in metrics(run[-1].split("=", 1)[1]) if "loss" in row])
+    estimate = int(re.search(r"buy about (\d+) steps", out)[1])
+    shown = [(int(done), int(fit)) for done, fit in re.findall(r"(\d+)/100000 [^\]]*left=\d[^,\]]* ~(\d+) it", err)]
+    assert estimate < steps / 2 and shown[-1] == (steps, 0), (estimate, steps, shown[-5:])
+    assert any(done + fit >= 0.9 * steps for done, fit in shown if done < steps / 2), shown
 
 
 def test_a_budget_that_start_up_spends_ends_the_run_there_in_one_line(run, monkeypatch, capsys, tmp_path):

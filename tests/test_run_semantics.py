@@ -123,7 +123,9 @@ def test_a_fresh_schedule_is_warmup_then_cosine_to_min_lr():
 def test_resume_with_a_larger_max_iters_never_raises_the_lr(args, tmp_path, capsys):
     train.main([*args, "--max_iters=6", "--eval_interval=6"])
     capsys.readouterr()
-    train.main([*args, "--max_iters=12", "--eval_interval=6", "--init_from=resume"])
+    # as the continue command gives it: without --learning_rate, which would decay from that peak again
+    continued = [arg for arg in args if not arg.startswith("--learning_rate=")]
+    train.main([*continued, "--max_iters=12", "--eval_interval=6", "--init_from=resume"])
     out = capsys.readouterr().out
     lrs = [r["lr"] for r in metrics(tmp_path / "out")]
     assert len(lrs) == 12 and lrs[6] <= lrs[5] and max(lrs[6:]) <= lrs[5]

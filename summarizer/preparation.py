@@ -26,6 +26,7 @@ from summarizer.loading import (
     start_checkpoint,
 )
 from summarizer.memory import choose_micro_batch
+from summarizer.out_of_memory import micro_batch_that_runs
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, check_command, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state
@@ -77,7 +78,6 @@ def prepare(cfg, rt, objective, start=None, started=None):
         starting("planning memory for micro_batch_size=auto")
         rows, chosen = choose_micro_batch(cfg, rt, model, train_set, val_set)
         cfg = replace(cfg, micro_batch_size=rows)
-        tracker.cfg = cfg  # the hyperparameters it logs are the chosen settings
     base = kept_lora_base(cfg, model, ckpt) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(train_set))
     rt.stop_if(disk.problem(resuming(cfg)) if rt.is_main else None)
@@ -91,6 +91,12 @@ def prepare(cfg, rt, objective, start=None, started=None):
         print(moved)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     model = model.to(rt.device)
+    # micro_batch_size=auto: an out-of-memory error in a step's peak lowers it; not under FSDP, whose peak is a sharded
+    # model's, which runs only with the other ranks (a rank out of memory would leave them waiting)
+    if chosen and rt.backend != "fsdp":
+        starting("running a step on the longest rows")
+        cfg, chosen = micro_batch_that_runs(cfg, rt, model, train_set, chosen)
+    tracker.cfg = cfg  # the hyperparameters it logs are the chosen settings
     objective = objective(cfg, rt, train_set, model, ckpt)
     state = TrainingState.start(rt.parallel.shard(model), cfg, rt, train_rows=train_set.fingerprints(),
                                 validation_digest=val_set.digest, lora_base=base,

@@ -1,6 +1,7 @@
-"""Out of memory is never taken for a failed torch.compile: in training's compile warm-up it propagates with the hint
-to lower --micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no
-eager retry."""
+"""Out of memory: never taken for a failed torch.compile (in training's compile warm-up it propagates with the hint to
+lower --micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no eager
+retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
+and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays."""
 import json
 import os
 
@@ -96,7 +97,7 @@ def run_args(csvs, tmp_path):
     def made(out_dir, *flags):
         return [*tiny(), *csvs, f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={out_dir}", "--batch_size=8",
                 "--sample_submission_csv=", "--max_iters=3", "--eval_interval=3", "--rouge_samples=0",
-                "--best_metric=val_loss", "--dropout=0.1", *flags]
+                "--best_metric=val_loss", "--dropout=0.1", "--log_interval=1", *flags]
     return made
 
 

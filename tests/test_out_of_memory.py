@@ -157,7 +157,7 @@ def test_evaluations_and_the_after_run_lower_a_generation_batch_and_write_the_sm
     out = capsys.readouterr().out
     train.main(run_args(tmp_path / "four", *after, "--gen_batch_size=4"))
     assert [line for line in out.splitlines() if "out of memory" in line] == [
-        f"out of memory while summarizing 8 dialogues at a time (rank 0: {GPU_SAYS}): summarized in batches of at most "
+        f"out of memory while summarizing 8 dialogues at a time (rank 0: {GPU_SAYS}): went on in batches of at most "
         f"4 (gen_batch_size=4 from now on in this process)"]
     assert rouge(tmp_path / "eight") and rouge(tmp_path / "eight") == rouge(tmp_path / "four")
     written = summarized_files(tmp_path / "eight")
@@ -182,7 +182,7 @@ def test_evaluate_and_predict_lower_a_generation_batch_and_write_the_smaller_bat
     out = capsys.readouterr().out
     summarize(tmp_path / "two", 2)
     assert [line for line in out.splitlines() if "out of memory" in line] == [
-        f"out of memory while summarizing 8 and then 4 dialogues at a time (rank 0: {GPU_SAYS}): summarized in "
+        f"out of memory while summarizing 8 and then 4 dialogues at a time (rank 0: {GPU_SAYS}): went on in "
         f"batches of at most 2 (gen_batch_size=2 from now on in this process)"]
     written = summarized_files(tmp_path / "eight")
     assert len(written) == 1 and written == summarized_files(tmp_path / "two")
@@ -199,6 +199,6 @@ def test_one_rank_out_of_memory_lowers_every_rank_alike(run_args, tmp_path):
     assert done.returncode == 0, done.stderr
     said = "rank 1: CUDA out of memory. Tried to allocate 2.00 GiB."
     assert f"; out of memory at 4 ({said}): lowered to 2" in done.stdout
-    assert (f"out of memory while summarizing 4 dialogues at a time ({said}): summarized in batches of at most 2"
+    assert (f"out of memory while summarizing 4 dialogues at a time ({said}): went on in batches of at most 2"
             in done.stdout)
     assert trained_weights(out)[1]["micro_batch_size"] == 2 and (out / "submission.csv").exists()

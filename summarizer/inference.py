@@ -242,20 +242,23 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     # every rank's progress, as this rank's share of the batches times world_size shows it
     bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
-    with out_of_memory_hint(f"summarizing up to {cfg.gen_batch_size} dialogues at a time",
-                            f"--gen_memory_gb (now {memory / 2**30:.1f}) or --gen_batch_size "
-                            f"(now {cfg.gen_batch_size})"):
+    try:  # an out-of-memory error leaves the model as it was too: summarize_sharded tries again
         for batch in batches:
-            with autocast:
-                new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                      seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
+            try:
+                with autocast:
+                    new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
+                                          seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
+            except torch.OutOfMemoryError as e:  # what summarize_sharded keeps, and the size it halves
+                e.summaries, e.batch = summaries, len(batch)
+                raise
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
             bar.update(min(len(batch) * world_size, bar.total - bar.n))
             bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
-    bar.update(bar.total - bar.n)  # this rank is done: so, within a batch, are the others
-    bar.close()
-    model.train(was_training)
+        bar.update(bar.total - bar.n)  # this rank is done: so, within a batch, are the others
+    finally:
+        bar.close()
+        model.train(was_training)
     return summaries
 
 
@@ -286,14 +289,42 @@ def decode_steps(prompts, cfg, world_size):
 
 def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
-    in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast."""
+    in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast. A
+    generation batch out of memory on any rank halves that batch's size on every rank, as gen_batch_size for the
+    rest of the process (rt.gen_batch_size), and the dialogues not summarized yet go on in the smaller batches (a
+    summary does not depend on its batch); one line says what was lowered and why."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
-    mine = summarize(model, prompts, cfg, contextlib.nullcontext() if held else rt.autocast(),
-                     progress=progress and rt.is_main, rank=rt.rank, world_size=rt.world_size, memory=memory,
-                     decode_step=decode_step)
-    shards = rt.all_gather_objects(mine)
-    return [next(s for s in column if s is not None) for column in zip(*shards, strict=True)]
+    summaries, tried, met = [None] * len(prompts), [], None
+    while True:
+        todo = [i for i, summary in enumerate(summaries) if summary is None]
+        lowered = dataclasses.replace(cfg, gen_batch_size=min(cfg.gen_batch_size, rt.gen_batch_size or math.inf))
+        try:
+            mine = summarize(model, [prompts[i] for i in todo], lowered,
+                             contextlib.nullcontext() if held else rt.autocast(), progress=progress and rt.is_main,
+                             rank=rt.rank, world_size=rt.world_size, memory=memory, decode_step=decode_step)
+            failed = None
+        except torch.OutOfMemoryError as e:  # told to every rank below: none waits for this one's shard
+            mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}")
+        shards = rt.all_gather_objects((mine, failed))
+        for i, column in zip(todo, zip(*(shard for shard, _ in shards), strict=True), strict=True):
+            summaries[i] = next((summary for summary in column if summary is not None), None)
+        failures = [failure for _, failure in shards if failure]
+        if not failures:
+            if tried and rt.is_main:
+                print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): "
+                      f"went on in batches of at most {rt.gen_batch_size} (gen_batch_size={rt.gen_batch_size} "
+                      f"from now on in this process)", flush=True)
+            return summaries
+        batch, met = min(failures)
+        if batch == 1:  # no smaller batch: what else holds memory per dialogue
+            others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples")
+                      if getattr(cfg, key) > 1]
+            with out_of_memory_hint("summarizing 1 dialogue at a time",
+                                    " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others])):
+                raise torch.OutOfMemoryError(met)
+        tried.append(str(batch))
+        rt.gen_batch_size = batch // 2
 
 
 def rouge_model(model, cfg, rt):

@@ -28,6 +28,7 @@ from summarizer.loading import (
     start_checkpoint,
 )
 from summarizer.memory import choose_micro_batch
+from summarizer.out_of_memory import micro_batch_that_runs
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state
@@ -68,11 +69,18 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
     starting("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     chosen = None  # micro_batch_size=auto: the choice, in words
     if cfg.micro_batch_size == "auto":
         starting("planning memory for micro_batch_size=auto")
         rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
-        cfg = tracker.cfg = replace(cfg, micro_batch_size=rows)  # the tracker logs the chosen settings
+        cfg = replace(cfg, micro_batch_size=rows)
+        # an out-of-memory error in the choice's peak lowers it; not under FSDP, whose peak is a sharded model's,
+        # which runs only with the other ranks (a rank out of memory would leave them waiting)
+        if rt.backend != "fsdp":
+            starting("running a step on the longest rows")
+            cfg, chosen = micro_batch_that_runs(cfg, rt, model.to(rt.device), splits.train, chosen)
+        tracker.cfg = cfg  # the tracker logs the chosen settings
     state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
@@ -155,7 +163,6 @@ def training_state(cfg, rt, model, resumed, splits, given):
     moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resumed else None
     if moved:
         print(moved)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
     state = TrainingState.start(rt.parallel.shard(model.to(rt.device)), cfg, rt,
                                 train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
                                 lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)

@@ -84,6 +84,7 @@ class Runtime:
         self.compile_rule = "auto" if cfg.compile == "auto" and accelerate_dynamo == "no" else "set"
         self.compiled_work = None  # None: not looked for yet; then whether a run's compile_cache.bin was loaded
         self.decode_choice = None  # (the decode step, the words): the process's first decoding decides
+        self.gen_batch_size = None  # lowered by a generation batch out of memory: every later one in this process
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
                   "--dtype=float32 (or --dtype=auto, float32 on a CPU)", file=sys.stderr)

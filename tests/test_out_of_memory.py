@@ -1,13 +1,20 @@
-"""Out of memory is never taken for a failed torch.compile: in training's compile warm-up it propagates with the hint
-to lower --micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no
-eager retry."""
+"""Out of memory: never taken for a failed torch.compile (in training's compile warm-up it propagates with the hint to
+lower --micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no eager
+retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
+and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays."""
+import json
+import os
+
 import pytest
 import torch
 
+import evaluate
 import generate
+import predict
 import train
 from config import Decoding, load_config
-from conftest import tiny
+from conftest import metrics, one_error_line, run, tiny, torchrun
+from model import GPT
 from summarizer import compiling
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
@@ -47,3 +54,151 @@ def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, ca
     with pytest.raises(torch.OutOfMemoryError):
         generate.generate(model, [[1, 2, 3]], Decoding(4), decode_step=step)
     assert not step.failed and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
+
+
+# ---- an out-of-memory error that a smaller batch avoids -----------------------------------------------------------
+
+# What a GPU raises (torch.OutOfMemoryError, its message's first line); the tests raise it on a CPU where a GPU would.
+GPU_SAYS = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which 1.12 GiB "
+            "is free.")
+
+
+def out_of_memory_above(monkeypatch, method, rows, limit):
+    """GPT.<method> raises a GPU's out-of-memory error when rows(its arguments) is above `limit`."""
+    original = getattr(GPT, method)
+
+    def limited(model, *args, **kwargs):
+        if rows(*args) > limit:
+            raise torch.OutOfMemoryError(GPU_SAYS)
+        return original(model, *args, **kwargs)
+    monkeypatch.setattr(GPT, method, limited)
+
+
+def training_above(monkeypatch, limit):
+    """A training forward of more than `limit` rows runs out of memory."""
+    out_of_memory_above(monkeypatch, "forward", lambda idx, *rest: len(idx), limit)
+
+
+def generation_above(monkeypatch, limit):
+    """A generation batch of more than `limit` prompts runs out of memory (at its prefill)."""
+    out_of_memory_above(monkeypatch, "prefill", lambda prompts, *rest: len(prompts), limit)
+
+
+@pytest.fixture
+def csvs(write_csv):
+    """The flags of 48 training, 12 validation and 12 test dialogues."""
+    return [f"--train_csv={write_csv('train.csv', 48)}", f"--validation_csv={write_csv('validation.csv', 12, seed=3)}",
+            f"--test_csv={write_csv('test.csv', 12, seed=5, test=True)}"]
+
+
+@pytest.fixture
+def run_args(csvs, tmp_path):
+    """run_args(out_dir, *flags): three steps of 8 sequences on `csvs`."""
+    def made(out_dir, *flags):
+        return [*tiny(), *csvs, f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={out_dir}", "--batch_size=8",
+                "--sample_submission_csv=", "--max_iters=3", "--eval_interval=3", "--rouge_samples=0",
+                "--best_metric=val_loss", "--dropout=0.1", "--log_interval=1", *flags]
+    return made
+
+
+def trained_weights(out_dir):
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+    return ckpt["model"], ckpt["config"]
+
+
+def test_out_of_memory_under_auto_lowers_the_micro_batch_and_trains_as_the_smaller_one(run_args, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """micro_batch_size=auto chooses 8 on a CPU; where 8 and 4 rows run out of memory, the run trains at 2, as a run
+    at 2 from the start trains, keeps 2 in ckpt.pt and says what it lowered and why in one line."""
+    with monkeypatch.context() as patched:
+        training_above(patched, 2)
+        train.main(run_args(tmp_path / "auto", "--micro_batch_size=auto"))
+    out = capsys.readouterr().out
+    train.main(run_args(tmp_path / "two", "--micro_batch_size=2"))
+    lowered = [line for line in out.splitlines() if line.startswith("micro_batch_size=auto:")]
+    assert len(lowered) == 1 and lowered[0].startswith("micro_batch_size=auto: 8 (the plan's peak ")
+    assert lowered[0].endswith(f"; out of memory at 8 and 4 (rank 0: {GPU_SAYS}): lowered to 2")
+    assert "8 sequences per step = 2 per micro-batch x 1 process(es) x 4 accumulation steps" in out
+    weights, config = trained_weights(tmp_path / "auto")
+    expected, _ = trained_weights(tmp_path / "two")
+    assert config["micro_batch_size"] == 2 and json.loads((tmp_path / "auto" / "config.json").read_text())[
+        "micro_batch_size"] == 2
+    assert [r["loss"] for r in metrics(tmp_path / "auto")] == [r["loss"] for r in metrics(tmp_path / "two")]
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_a_micro_batch_size_the_user_set_stays_and_out_of_memory_ends_the_run_in_one_line(run_args, tmp_path,
+                                                                                           monkeypatch, capsys):
+    training_above(monkeypatch, 2)
+    line = one_error_line(capsys, train.main, run_args(tmp_path / "out", "--micro_batch_size=8"), code=1)
+    assert line.startswith("error: out of memory while training on micro-batches of 8 sequences: lower "
+                           "--micro_batch_size (now 8")
+
+
+def rouge(out_dir):
+    """The ROUGE of the run's evaluations."""
+    return [(r["rouge1"], r["rougeL"]) for r in metrics(out_dir) if "rougeL" in r]
+
+
+def summarized_files(out_dir):
+    return {name: (out_dir / name).read_text() for name in ("eval_predictions.csv", "submission.csv")
+            if (out_dir / name).exists()}
+
+
+def test_evaluations_and_the_after_run_lower_a_generation_batch_and_write_the_smaller_batchs_summaries(
+        run_args, tmp_path, monkeypatch, capsys):
+    """Prompts in batches of 8 run out of memory (4 fit): the run's evaluations, evaluate_after and predict_after
+    summarize in batches of 4, as a run with gen_batch_size=4 does, and one line says so, once."""
+    after = ["--micro_batch_size=4", "--rouge_samples=12", "--evaluate_after=True", "--predict_after=True"]
+    with monkeypatch.context() as patched:
+        generation_above(patched, 4)
+        train.main(run_args(tmp_path / "eight", *after, "--gen_batch_size=8"))
+    out = capsys.readouterr().out
+    train.main(run_args(tmp_path / "four", *after, "--gen_batch_size=4"))
+    assert [line for line in out.splitlines() if "out of memory" in line] == [
+        f"out of memory while summarizing 8 dialogues at a time (rank 0: {GPU_SAYS}): went on in batches of at most "
+        f"4 (gen_batch_size=4 from now on in this process)"]
+    assert rouge(tmp_path / "eight") and rouge(tmp_path / "eight") == rouge(tmp_path / "four")
+    written = summarized_files(tmp_path / "eight")
+    assert len(written) == 2 and written == summarized_files(tmp_path / "four")
+
+
+@pytest.mark.parametrize("command", [evaluate, predict])
+def test_evaluate_and_predict_lower_a_generation_batch_and_write_the_smaller_batchs_summaries(
+        command, csvs, run_args, tmp_path, monkeypatch, capsys):
+    """evaluate.py and predict.py, where 8 prompts run out of memory and 2 do not: the summaries of batches of 2."""
+    train.main(run_args(tmp_path / "run", "--micro_batch_size=8"))
+    ckpt = tmp_path / "run" / "best.pt"
+
+    def summarize(out_dir, gen_batch_size):  # the run's decoding, read from its checkpoint
+        command.main(["--device=cpu", "--dtype=float32", "--compile=False", *csvs, f"--ckpt={ckpt}",
+                      f"--out_dir={out_dir}", f"--data_cache_dir={tmp_path / 'c'}", "--sample_submission_csv=",
+                      f"--gen_batch_size={gen_batch_size}"])
+    capsys.readouterr()
+    with monkeypatch.context() as patched:
+        generation_above(patched, 2)
+        summarize(tmp_path / "eight", 8)
+    out = capsys.readouterr().out
+    summarize(tmp_path / "two", 2)
+    assert [line for line in out.splitlines() if "out of memory" in line] == [
+        f"out of memory while summarizing 8 and then 4 dialogues at a time (rank 0: {GPU_SAYS}): went on in "
+        f"batches of at most 2 (gen_batch_size=2 from now on in this process)"]
+    written = summarized_files(tmp_path / "eight")
+    assert len(written) == 1 and written == summarized_files(tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_one_rank_out_of_memory_lowers_every_rank_alike(run_args, tmp_path):
+    """Under torchrun, rank 1 alone runs out of memory above 2 rows and 2 prompts (tests/oom_rank.py): both ranks
+    lower the micro-batch (4 a rank under auto) and the generation batch, and the run finishes."""
+    out = tmp_path / "out"
+    done = run(torchrun("--nproc_per_node=2", "--standalone", "tests/oom_rank.py",
+                        *run_args(out, "--micro_batch_size=auto", "--rouge_samples=12", "--gen_batch_size=8",
+                                  "--predict_after=True")))
+    assert done.returncode == 0, done.stderr
+    said = "rank 1: CUDA out of memory. Tried to allocate 2.00 GiB."
+    assert f"; out of memory at 4 ({said}): lowered to 2" in done.stdout
+    assert (f"out of memory while summarizing 4 dialogues at a time ({said}): went on in batches of at most 2"
+            in done.stdout)
+    assert trained_weights(out)[1]["micro_batch_size"] == 2 and (out / "submission.csv").exists()

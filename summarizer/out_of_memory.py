@@ -1,0 +1,60 @@
+"""micro_batch_size=auto on the device, before step 1: the plan (summarizer/memory.py) has never met the user's GPU
+and leaves backward's transient buffers to its headroom, so the micro-batch it chose runs a step's peak once; an
+out-of-memory error lowers it, on every rank alike, rather than ending the run at its first step. (A generation
+batch that runs out of memory is lowered where batches are formed: inference.summarize_sharded.)"""
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import data
+from model import Targets
+from summarizer.launch import memory_hint
+from summarizer.memory import nbytes, parameter_bytes
+from summarizer.state import rng_state, set_rng_state
+
+
+def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
+    """(cfg with the largest micro-batch, from the one the plan chose down, whose peak_step runs on every rank; the
+    start line's words: `chosen`, the plan's, and what an out-of-memory error met and lowered). Every rank tells
+    the others whether it ran, so all choose alike and none waits; the next smaller micro-batch divides a rank's
+    rows per step, so batch_size stays exact. Out of memory at one row ends the run, as a fixed micro-batch's does."""
+    per_rank, tried, met = cfg.batch_size // rt.world_size, [], None
+    while True:
+        try:
+            peak_step(cfg, rt, model, train_set)
+            mine = None
+        except torch.OutOfMemoryError as e:  # left here, the error frees what the step held
+            mine = f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}"
+        failed = [m for m in rt.all_gather_objects(mine) if m]
+        if not failed:
+            return cfg, chosen + (f"; out of memory at {' and '.join(tried)} ({met}): lowered to "
+                                  f"{cfg.micro_batch_size}" if tried else "")
+        met = failed[0]
+        smaller = [rows for rows in range(1, cfg.micro_batch_size) if per_rank % rows == 0]
+        if not smaller:
+            with memory_hint(cfg, rt):
+                raise torch.OutOfMemoryError(met)
+        tried.append(str(cfg.micro_batch_size))
+        cfg = replace(cfg, micro_batch_size=smaller[-1])
+
+
+def peak_step(cfg, rt, model, train_set):
+    """A step's peak on `model` before any backend wraps it (no collective: a rank out of memory leaves it alone):
+    forward and backward of a micro-batch of the longest training rows, beside the bytes the plan counts that
+    backward does not allocate (AdamW's moments, DDP's copy of the gradients). Leaves no gradients and draws no
+    random numbers."""
+    rng = rng_state()
+    rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
+    x, y = data.collate(train_set, rows, cfg.train_on_prompt)
+    _, grads, moments = parameter_bytes(model, rt.backend, rt.world_size)
+    later = grads + moments - nbytes(p for p in model.parameters() if p.requires_grad)
+    held = torch.empty(later, dtype=torch.uint8, device=rt.device)
+    try:
+        with rt.autocast():
+            _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
+        loss.backward()
+    finally:
+        del held
+        model.zero_grad(set_to_none=True)
+        set_rng_state(rng)

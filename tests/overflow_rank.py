@@ -18,7 +18,7 @@ def init_with_overflow(self, run, rt, *args):
     unscale = self.scaler.unscale_
 
     def unscale_with_overflow(optimizer):
-        if rt.rank == 1 and self.state.step == 0:
+        if rt.rank == 1 and self.run.state.step == 0:
             grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
             grad.to_local().view(-1)[0] = torch.inf
         return unscale(optimizer)

@@ -240,8 +240,9 @@ class Trainer:
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
-        cooling = steps_left if steps_left >= 0 and reduced[2] else None  # the steps the cooldown goes by
-        lr, state.schedule = advance(state.schedule, step, cooling, steps_left == 0, self.run.last_session)
+        budget = steps_left if steps_left >= 0 else None
+        lr, state.schedule = advance(state.schedule, step, budget, bool(reduced[2]), steps_left == 0,
+                                     self.run.last_session)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True

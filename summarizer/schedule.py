@@ -26,14 +26,18 @@ def learning_rate(it, schedule):
     return schedule["min_lr"] + (lr - schedule["min_lr"]) * (1 - math.sqrt(schedule.get("cooldown", 0.0)))
 
 
-def advance(schedule, it, steps_left=None, ended=False, last_session=True):
+def advance(schedule, it, steps_left=None, settled=True, ended=False, last_session=True):
     """(the LR of step `it`, the schedule after it), the one call of a training step. Under max_time in the last
-    session (`steps_left`: the steps the budget leaves after this one, None while the clock's estimate may still
-    change much) the cooldown moves on, reaching min_lr at the last step, and the schedule keeps how far it came and
-    where it began; a session that ended at its budget (`ended`) is counted, the last one of the run leaving the
-    floor at min_lr."""
-    if steps_left is not None and last_session and not decayed(it, schedule):  # at min_lr, nothing cools down
-        progress = cooldown_progress(it, schedule, steps_left)
+    session (`steps_left`: the steps the budget leaves after this one, else None) the cooldown starts on an estimate
+    the clock calls `settled` (no first evaluation can still change it much), then follows the steps left to min_lr
+    at the last step; the schedule keeps how far it came, where it began, and where a last step had to drop further
+    than STEEPEST of its shape's steps (cut_short). A session that ended at its budget (`ended`) is counted, the
+    last one of the run leaving the floor at min_lr."""
+    cooling = steps_left is not None and last_session and (settled or "cooldown" in schedule)
+    if cooling and not decayed(it, schedule):  # at min_lr, nothing cools down
+        progress, done = cooldown_progress(it, schedule, steps_left), schedule.get("cooldown", 0.0)
+        if steps_left == 0 and progress - done > STEEPEST / cooldown_length(it, schedule, 0):
+            schedule = {**schedule, "cut_short": (it, learning_rate(it, schedule))}  # the LR it drops from
         if progress:
             schedule = {**schedule, "cooldown": progress, "cooldown_from": schedule.get("cooldown_from", it)}
     lr = learning_rate(it, schedule)
@@ -68,18 +72,17 @@ def cooldown_progress(it, schedule, steps_left):
 
 
 def cut_short(schedule, steps):
-    """The line of a session that ended after `steps` steps with a cooldown shorter than 1/STEEPEST of its shape's
-    (the steps left fell near the budget's end by more than it could spread), else None."""
-    began = schedule.get("cooldown_from")
-    if began is None:
+    """The line of a session that ended after `steps` steps whose last step had to drop the LR further than STEEPEST
+    of the cooldown shape's steps (the steps left fell near the budget's end faster than it could follow), else
+    None."""
+    it, lr = schedule.get("cut_short", (None, None))
+    if it != steps - 1:
         return None
-    ran, length = steps - began, cooldown_length(steps - 1, schedule, 0)
-    if ran >= length / STEEPEST:
-        return None
-    return (f"note: the learning rate's cooldown was cut short after {ran} of its about {length:.0f} steps (the last "
-            f"{COOLDOWN:.0%} of the {steps - schedule['start']} steps of its decay): the steps the budget leaves fell "
-            f"faster than it could follow (a slower pace or evaluation near the end), and the last step dropped to "
-            f"min_lr {schedule['min_lr']:.2e}")
+    length = cooldown_length(it, schedule, 0)
+    return (f"note: the learning rate's cooldown was cut short: its last step dropped it from {lr:.2e} to min_lr "
+            f"{schedule['min_lr']:.2e} after {it + 1 - schedule['cooldown_from']} of the about {length:.0f} steps "
+            f"it plans (the last {COOLDOWN:.0%} of the {it + 1 - schedule['start']} steps of its decay): the steps "
+            f"the budget leaves fell faster than it could follow (a slower pace or evaluation near the end)")
 
 
 def stepped_rate(it, schedule):
@@ -114,7 +117,8 @@ def resumed_schedule(schedule, saved, cfg, it, given=()):
     horizon = cfg.lr_decay_iters or cfg.max_iters
     kept = {"sessions_done": sessions_done(schedule)}  # a changed LR setting lifts the floor, not the sessions
     if warming_up:  # finish the warmup, then decay to the new horizon
-        kept.update({k: v for k, v in schedule.items() if k not in ("floor", "cooldown", "cooldown_from")})
+        kept.update({k: v for k, v in schedule.items()
+                     if k not in ("floor", "cooldown", "cooldown_from", "cut_short")})
         return {**kept, "peak_lr": cfg.learning_rate, "min_lr": cfg.min_lr, "decay_iters": horizon}
     start_lr = cfg.learning_rate if "learning_rate" in changed else learning_rate(it, schedule)
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}

@@ -19,7 +19,7 @@ from model import GPT
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import Rate
-from summarizer.schedule import COOLDOWN, advance, decayed, learning_rate, lr_schedule, resumed_schedule
+from summarizer.schedule import COOLDOWN, advance, cut_short, decayed, learning_rate, lr_schedule, resumed_schedule
 
 COLD = 20  # a first call's cost, in warm calls
 MIN_LR, WARMUP, GEN_BATCH = 5e-4, 5, 4
@@ -144,7 +144,21 @@ def test_one_call_a_step_gives_its_learning_rate_and_the_schedule_after_it():
         assert lr == learning_rate(it, schedule)
         lrs.append(lr)
     shape = [MIN_LR + (1e-3 - MIN_LR) * (1 - math.sqrt(k / 40)) for k in range(1, 41)]
+    assert cut_short(schedule, 200) is None
     assert lrs[160:] == pytest.approx(shape, rel=1e-5) and lrs[WARMUP:160] == pytest.approx([1e-3] * 155, rel=1e-3)
+
+
+def test_a_cooldown_under_way_goes_on_when_the_estimate_is_unsettled_again():
+    """The cooldown starts on a settled estimate; when the pace recovers and an evaluation could come before the
+    end again (unsettled), it goes on with the steps left instead of stalling until a cliff at the last step (a real
+    CPU run under a load that came and went stayed at 3.7e-3 for 10 steps, then dropped to min_lr in one)."""
+    _, schedule = advance(lr_schedule(SCHEDULE), 160, steps_left=39)
+    lrs = []
+    for it in range(161, 200):
+        lr, schedule = advance(schedule, it, steps_left=199 - it, settled=it == 199, ended=it == 199)
+        lrs.append(lr)
+    assert all(b < a for a, b in zip(lrs, lrs[1:], strict=False)) and lrs[-1] == MIN_LR
+    assert lrs[-2] - lrs[-1] < lrs[0] - lrs[1]  # the shape's last step, not a cliff
 
 
 @pytest.mark.slow
@@ -223,10 +237,11 @@ def test_a_slower_pace_keeps_the_cooldowns_shape_and_a_cooldown_cut_short_says_s
     if slowdown == "late":
         assert max(drops[:-1]) <= 1.5 * steepest, (steepest, drops[-40:])
         ran = len(lrs) - next(i for i, lr in enumerate(lrs) if i >= WARMUP and lr < 0.99e-3)
-        assert cut == [f"note: the learning rate's cooldown was cut short after {ran} of its about "
-                       f"{COOLDOWN * len(lrs):.0f} steps (the last 20% of the {len(lrs)} steps of its decay): the "
-                       f"steps the budget leaves fell faster than it could follow (a slower pace or evaluation near "
-                       f"the end), and the last step dropped to min_lr {MIN_LR:.2e}"], printed[-2000:]
+        assert cut == [f"note: the learning rate's cooldown was cut short: its last step dropped it from "
+                       f"{lrs[-2]:.2e} to min_lr {MIN_LR:.2e} after {ran} of the about {COOLDOWN * len(lrs):.0f} "
+                       f"steps it plans (the last 20% of the {len(lrs)} steps of its decay): the steps the budget "
+                       f"leaves fell faster than it could follow (a slower pace or evaluation near the end)"], \
+            printed[-2000:]
     else:
         assert max(drops) <= 1.5 * steepest and not cut, (steepest, drops[-60:])
 

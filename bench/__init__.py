@@ -25,6 +25,29 @@ def child_environ(environ=None, **extra):
     return {**environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **extra}
 
 
+def demo_arguments(folder, device="cpu"):
+    """config/demo.py on its own CSVs, caching tokens in `folder`, nothing run after training."""
+    argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={folder}/cache", f"--device={device}",
+            "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
+    return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
+                   for split in ("train", "validation", "test")]
+
+
+def train_quietly(argv):
+    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
+    import contextlib
+    import sys
+
+    import train
+    from config import load_config
+    from summarizer.preparation import prepare
+    from summarizer.runtime import Runtime
+    cfg = load_config(argv)
+    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
+        train.Trainer(prepare(cfg, rt), rt).fit()
+    return cfg
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

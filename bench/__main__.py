@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -22,8 +21,7 @@ import numpy as np
 import torch
 
 import data
-import train
-from bench import MODELS, ROOT, SAMSUM_CSV, timed
+from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import summary_end_token
@@ -33,8 +31,6 @@ from generate import generate
 from model import GPT
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
-from summarizer.preparation import prepare
-from summarizer.runtime import Runtime
 
 
 def samsum_examples(n, samsum_csv, seed=0):
@@ -320,29 +316,13 @@ SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv="
                "--eval_interval=300", "--rouge_samples=0", "--best_metric=val_loss"]
 
 
-def demo_arguments(tmp, device):
-    """config/demo.py on its own CSVs, caching tokens in `tmp`, nothing run after training."""
-    argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
-            "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
-    return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
-                   for split in ("train", "validation", "test")]
-
-
-def train_quietly(argv):
-    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
-    cfg = load_config(argv)
-    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(prepare(cfg, rt), rt).fit()
-    return cfg
-
-
 def bench_decode(args, device):
     """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
     (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
     on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
     autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
     with tempfile.TemporaryDirectory() as tmp:
-        demo = demo_arguments(tmp, device)
+        demo = demo_arguments(tmp, device.type)
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
         if os.path.exists(demo_ckpt):
             rows = compare_decodings("demo", load_config(demo), demo_ckpt, device, args.repeats)

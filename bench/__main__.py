@@ -52,11 +52,6 @@ def samsum_examples(n, samsum_csv, seed=0):
             for p, k in zip(prompt_lengths, summary_lengths, strict=True)], "synthetic"
 
 
-def samsum_prompts(n, samsum_csv, seed=0):
-    examples, source = samsum_examples(n, samsum_csv, seed)
-    return [prompt for prompt, _ in examples], source
-
-
 def make_models(name, device):
     """A random-weight GPT2LMHeadModel and our GPT loaded from it through the real from_pretrained path.
     initializer_range 0.1 keeps logits apart so greedy comparisons are not decided by float ties."""
@@ -125,7 +120,8 @@ def interleaved(candidates, device, repeats):
 
 def bench_generate(args, device):
     hf, ours = make_models(args.model, device)
-    prompts, source = samsum_prompts(args.gen_prompts, args.samsum_csv)
+    examples, source = samsum_examples(args.gen_prompts, args.samsum_csv)
+    prompts = [prompt for prompt, _ in examples]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [[prompts[i] for i in order[s:s + args.gen_batch]] for s in range(0, len(order), args.gen_batch)]
     max_new = args.max_new_tokens
@@ -227,23 +223,6 @@ def bench_data(args, device):
     return rows
 
 
-def matmul_ceiling(device, size=2048, repeats=5):
-    """FLOP/s of a large fp32 matmul on this device: what the training step's FLOP/s is compared with."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
-    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
-    return 2 * size**3 * repeats / seconds
-
-
-def step_flops(model, batches, real_tokens, rows):
-    """Model FLOPs of our training step: 6 per parameter per token through the blocks, lm_head only at the
-    targets (that is all ours computes), attention 12 * layers * width * length per token (the mean length)."""
-    targets = sum(int((y != -1).sum()) for _, y in batches)
-    head = model.lm_head.weight.numel()
-    return (6 * (model.num_params() - head) * real_tokens + 6 * head * targets
-            + 12 * model.config.n_layer * model.config.n_embd * real_tokens / rows * real_tokens)
-
-
 def bench_train(args, device):
     """Forward + backward throughput in real (non-pad) tokens/s on identical length-grouped micro-batches:
     ours; transformers' GPT2LMHeadModel (same weights, attention mask, labels); and the reference notebook's
@@ -285,8 +264,6 @@ def bench_train(args, device):
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
-    flops = step_flops(ours, batches, real_tokens, len(examples)) / seconds["ours"]
-    ceiling = matmul_ceiling(device)
     return [
         dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
         dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
@@ -297,10 +274,9 @@ def bench_train(args, device):
              target=">= 1.0"),
         dict(section="train", figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"],
              target=">= 5"),
-        dict(section="train", figure="ours_flops_fraction_of_matmul_ceiling", value=flops / ceiling),
         dict(section="train", figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
              f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
-             f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s, median of {args.repeats}, {device}"),
+             f"median of {args.repeats}, {device}"),
     ]
 
 

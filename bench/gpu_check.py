@@ -24,7 +24,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 
 import torch
@@ -259,11 +258,8 @@ def decoding(cfg, shape, dtype, device):
     try:
         for batch in (first, rest):
             compiled = bench_compile.graphs_compiled()
-            synchronize(device)
-            start = time.perf_counter()
-            inference.summarize(model, batch, cfg, contextlib.nullcontext(), decode_step=step)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
+            seconds.append(timed(functools.partial(inference.summarize, model, batch, cfg, contextlib.nullcontext(),
+                                                   decode_step=step), device)[1])
             graphs.append(bench_compile.graphs_compiled() - compiled)
     except torch.OutOfMemoryError as e:
         return check("failed", f"out of memory decoding {cfg.gen_batch_size} prompts: lower --gen_batch_size or "

@@ -12,8 +12,6 @@ found-inf; added as counted).
 
 "before" is FSDP until fsdp_reduce_once: fully_shard without a MixedPrecisionPolicy (fp32 all-gathers) and a
 reduce-scatter after every micro-step (--fsdp_reduce_once=False), counted the same way.
-
-    python bench_fsdp.py
 """
 import json
 import math
@@ -265,9 +263,5 @@ def bench_fsdp(args=None):
     return rows
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(*sys.argv[2:])
-    else:
-        for row in bench_fsdp():
-            print(row)
+if __name__ == "__main__":  # a counting rank of run_ranks
+    worker(*sys.argv[2:])

@@ -1,6 +1,8 @@
 """Benchmarks (python -m bench), the hardware preflight (python -m bench.preflight) and the GPU check (bash
 bench/gpu_check.sh), and what they share."""
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -23,6 +25,16 @@ def child_environ(environ=None, **extra):
     environ = dict(os.environ if environ is None else environ)
     path = environ.get("PYTHONPATH")
     return {**environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **extra}
+
+
+def torchrun(args, nproc, env, timeout):
+    """(exit code or None if it ran past `timeout`, its output) of a command under torchrun."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return done.returncode, done.stdout + done.stderr
 
 
 def demo_arguments(folder, device="cpu"):

@@ -332,8 +332,7 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     half = (torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0)
             else torch.float16)
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
-    half_model = copy.deepcopy(model).to(half)
-    half_model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
+    half_model = copy.deepcopy(model).to(half)  # the copy keeps the counting hook
     runs = {method: (model, dataclasses.replace(run.cfg, **options)) for method, options in DECODINGS.items()}
     runs[half_greedy] = (half_model, run.cfg)
 

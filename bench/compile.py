@@ -12,7 +12,6 @@ import dataclasses
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -24,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import model as model_module
-from bench import ROOT, SAMSUM_CSV, child_environ, demo_arguments, train_quietly
+from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly
 from config import Decoding, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr, memory
@@ -217,13 +216,10 @@ def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
             "--batch_size=16", "--micro_batch_size=4", f"--max_iters={steps}", f"--eval_interval={steps}",
             "--eval_val_batches=1", "--rouge_samples=0", "--best_metric=val_loss", "--sample_submission_csv=",
             "--evaluate_after=False", "--predict_after=False"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             "--standalone", "-m", "bench.compile", out, *args], cwd=ROOT,
-                            env=child_environ(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                            timeout=600)
-    if result.returncode:
-        raise RuntimeError(f"training worker failed: {result.stderr[-2000:]}")
+    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}, OMP_NUM_THREADS="1")
+    code, output = torchrun(["-m", "bench.compile", out, *args], nproc, env, timeout=600)
+    if code != 0:
+        raise RuntimeError(f"training worker failed: {output[-2000:]}")
     return {rank: json.load(open(f"{out}.{rank}")) for rank in range(nproc)}, source
 
 

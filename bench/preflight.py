@@ -26,7 +26,7 @@ import torch
 
 import data
 import train
-from bench import ROOT, child_environ
+from bench import child_environ, torchrun
 from config import load_config
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
@@ -124,16 +124,6 @@ def disk(cfg, train_rows):
         return check("failed", problem, **figures)
     return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak for the run's "
                        f"{model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
-
-
-def torchrun(args, nproc, env, timeout):
-    """(exit code or None if it ran past `timeout`, its output) of a command under torchrun."""
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
-    try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    return done.returncode, done.stdout + done.stderr
 
 
 def error_line(output):

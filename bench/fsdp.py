@@ -117,14 +117,6 @@ def worker(spec_path, out_path):
             json.dump(results, f)
 
 
-def write_rows(path, n=48):
-    import pandas as pd
-    names = ["Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate"]
-    rows = [{"id": f"d{i}", "dialogue": f"{names[i % 6]}: shall we meet at {i}?\n{names[(i + 1) % 6]}: yes, see you",
-             "summary": f"{names[i % 6]} and {names[(i + 1) % 6]} meet at {i}."} for i in range(n)]
-    pd.DataFrame(rows).to_csv(path, index=False)
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,7 +204,7 @@ def t4_dtype(preset):
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
 
 
-def tiny_args(name, preset, data_dir):
+def tiny_args(name, preset, csv, folder):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
     from bench.memory import t4_micro_batch
     from config import Config, grad_accum_steps
@@ -220,7 +212,7 @@ def tiny_args(name, preset, data_dir):
     steps = grad_accum_steps(cfg, RANKS)
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
             f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
-            f"--train_csv={os.path.join(data_dir, 'train.csv')}", f"--data_cache_dir={os.path.join(data_dir, 'cache')}"]
+            f"--train_csv={csv}", f"--data_cache_dir={os.path.join(folder, 'cache')}"]
 
 
 def bench_fsdp(args=None):
@@ -229,16 +221,17 @@ def bench_fsdp(args=None):
     the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
     holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
+    from bench.compile import training_csv
     from bench.memory import T4_USABLE_GIB
     from config import read_preset
     from summarizer.memory import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        write_rows(os.path.join(tmp, "train.csv"))
+        csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them
         runs, index = [], {}
         for name, preset in presets.items():
             for before in (False, True):
-                run = {"args": tiny_args(name, preset, tmp), "before": before}
+                run = {"args": tiny_args(name, preset, csv, tmp), "before": before}
                 if run not in runs:
                     runs.append(run)
                 index[name, before] = runs.index(run)

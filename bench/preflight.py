@@ -1,14 +1,10 @@
 """The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
-before the GPU hours. It judges the run as it will be launched (as many processes as the GPUs it finds, one on a CPU;
---nproc_per_node=N says otherwise) with the run's own settings (a preset and --key=value flags), by checks alone:
-what train.py checks before its first step, through the same code and in the same lines (the settings; the batch's
-split over the processes, the loggers, the weights init_from names, the inputs and the sample submission:
-summarizer/preparation.py's checked_start; the disk and the output quota against the run's checkpoints:
-run_folder.DiskPlan), and what only a preflight checks: versions (Python, torch, CUDA, NCCL, Triton, the driver, the
-libraries), the GPUs and whether they reach each other, /dev/shm, and a collective between the processes under a short
-timeout, trying the NCCL settings in turn (the run's, NCCL_CUMEM_HOST_ENABLE=0, NCCL_SHM_DISABLE=1). Nothing trains
-or decodes: compiled steps, fp16 against fp32 and a compiled decoding are the GPU check's (bench/gpu_check.py). It
-ends in one verdict line, exits 1 on a no-go, and writes a JSON report.
+before the GPU hours. It judges the run as it will be launched (one process per GPU found, one on a CPU;
+--nproc_per_node=N says otherwise) by checks alone: what train.py checks before its first step, through the same
+code and in the same lines (preparation.checked_start, run_folder.DiskPlan), and what only a preflight checks:
+versions, the GPUs and whether they reach each other, /dev/shm, and a collective between the processes, trying the
+NCCL settings in turn. Nothing trains or decodes: that is the GPU check's (bench/gpu_check.py). It ends in one
+verdict line, exits 1 on a no-go, and writes a JSON report.
 
     python -m bench.preflight config/kaggle_t4x2.py [--key=value ...] [--report=PATH] [--nproc_per_node=N]
 """

@@ -1,10 +1,8 @@
 """python -m bench --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
 decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
 them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
-output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads.
-
-    torchrun --nproc_per_node=2 --standalone -m bench.compile OUT.json [train.py arguments]
-        the training worker: train.main with compilation counted; each rank writes OUT.json.<rank>
+output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads. Run as
+a module under torchrun, it is train_counts' worker.
 """
 import collections
 import contextlib

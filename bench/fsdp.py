@@ -26,8 +26,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import train
 from bench import GIB, PRESETS, ROOT, child_environ
+from bench.compile import training_csv
+from bench.memory import T4_USABLE_GIB, t4_micro_batch
+from config import Config, Lora, grad_accum_steps, keys, load_config, read_preset
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import lora
+from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
+from summarizer.runtime import Runtime, choose_precision
 
 RANKS = 2
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
@@ -83,9 +91,6 @@ def units(model, world_size=RANKS):
 def count_step(args, before):
     """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
-    import train
-    from config import grad_accum_steps, load_config
-    from summarizer.runtime import Runtime
 
     fsdp = torch.distributed.fsdp
     shard = fsdp.fully_shard
@@ -188,9 +193,6 @@ def scaled_bytes(counted, shape_units):
 
 def preset_model(name, preset):
     """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    from config import Lora, keys
-    from model import GPT, PRETRAINED, GPTConfig
-    from summarizer import lora
     with torch.device("meta"):
         model = GPT(GPTConfig(**PRETRAINED[name]))
     if preset.get("lora_rank"):
@@ -200,14 +202,11 @@ def preset_model(name, preset):
 
 def t4_dtype(preset):
     """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
-    from summarizer.runtime import choose_precision
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
 
 
 def tiny_args(name, preset, csv, folder):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
-    from bench.memory import t4_micro_batch
-    from config import Config, grad_accum_steps
     cfg = Config(**{**preset, "micro_batch_size": t4_micro_batch(name, preset)})
     steps = grad_accum_steps(cfg, RANKS)
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
@@ -221,10 +220,6 @@ def bench_fsdp(args=None):
     the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
     holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
-    from bench.compile import training_csv
-    from bench.memory import T4_USABLE_GIB
-    from config import read_preset
-    from summarizer.memory import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them

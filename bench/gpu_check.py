@@ -5,9 +5,8 @@ compiled greedy output equals eager; inductor's graph breaks and compilations in
 decoding's host syncs per step. Then the run's trials: each 16-bit row's losses against float32's, and the Kaggle
 preset's decoding of real dialogues, compiled. Then, for the Kaggle presets that run in one process and fit the GPU,
 the peak torch.cuda.max_memory_allocated of two Trainer steps of the run prepare() builds next to python -m bench
---section=memory's prediction. Random
-weights; SAMSum's validation dialogues when ../shared has them, else random ones: nothing to download. Exit
-status 1 if any check fails.
+--section=memory's prediction. Random weights; SAMSum's validation dialogues when ../shared has them, else random
+ones: nothing to download. Exit status 1 if any check fails.
 
     bash bench/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
     python -m bench.gpu_check --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import pandas as pd
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +27,20 @@ def child_environ(environ=None, **extra):
     environ = dict(os.environ if environ is None else environ)
     path = environ.get("PYTHONPATH")
     return {**environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **extra}
+
+
+def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
+    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
+    if os.path.exists(samsum_csv):
+        return samsum_csv, "SAMSum validation"
+    rng = np.random.default_rng(0)
+    words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
+    chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
+                       for _ in range(rng.integers(3, 15))) for _ in range(rows)]
+    path = os.path.join(folder, "chats.csv")
+    pd.DataFrame({"id": range(rows), "dialogue": chats,
+                  "summary": [" ".join(rng.choice(words, rng.integers(5, 30))) for _ in range(rows)]}).to_csv(path)
+    return path, "synthetic SAMSum-shaped chats"
 
 
 def torchrun(args, nproc, env, timeout):

@@ -13,15 +13,13 @@ import os
 import sys
 import tempfile
 
-import numpy as np
-import pandas as pd
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import model as model_module
-from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly
+from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
 from config import Decoding, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr, memory
@@ -189,20 +187,6 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
 
 
 # ---- the figures ------------------------------------------------------------------------------------------------
-
-def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
-    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
-    if os.path.exists(samsum_csv):
-        return samsum_csv, "SAMSum validation"
-    rng = np.random.default_rng(0)
-    words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
-    chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
-                       for _ in range(rng.integers(3, 15))) for _ in range(rows)]
-    path = os.path.join(folder, "chats.csv")
-    pd.DataFrame({"id": range(rows), "dialogue": chats,
-                  "summary": [" ".join(rng.choice(words, rng.integers(5, 30))) for _ in range(rows)]}).to_csv(path)
-    return path, "synthetic SAMSum-shaped chats"
-
 
 def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
     """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""

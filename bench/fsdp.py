@@ -27,8 +27,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from bench import GIB, PRESETS, ROOT, child_environ
-from bench.compile import training_csv
+from bench import GIB, PRESETS, ROOT, child_environ, training_csv
 from bench.memory import T4_USABLE_GIB, t4_micro_batch
 from config import Config, Lora, grad_accum_steps, keys, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig

@@ -29,7 +29,7 @@ import torch
 
 import data
 import train
-from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, synchronize, timed
+from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, synchronize, timed, training_csv
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
@@ -384,7 +384,7 @@ def main(argv=None):
     eager = {}  # per dtype: the EOS every row of that dtype uses, the eager greedy outputs
     presets, tried = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        csv, _ = bench_compile.training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
+        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
         rows = [case(args, dtype, compile == "True", device, capability, folder, csv, prompts, eager)
                 for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
         if device.type == "cuda":

@@ -473,11 +473,12 @@ def repeats_note(cfg, train, val):
             f"{'id' if val.has_ids else 'row'} {first}): validation loss and ROUGE will be inflated; {why}")
 
 
-def id_notes(table, key):
-    """The notes that say `table` has rows with no id, or ids on more than one row (what they mean: nothing is
-    dropped)."""
+def table_notes(table, key):
+    """The notes on a training or validation CSV's rows: those skipped for an empty dialogue or summary, those with
+    no id, and ids on more than one row (what they mean: nothing is dropped)."""
     kept = "every row is kept, since ids only identify rows"
-    notes = [f"note: {table.no_id}: {kept}"] if table.no_id else []
+    notes = [f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary"] if table.empty else []
+    notes += [f"note: {table.no_id}: {kept}"] if table.no_id else []
     ids = pd.Series(table.ids if table.has_ids else [], dtype=str)
     repeated = ids[ids.duplicated(keep=False) & (ids != "")]
     if not repeated.empty:
@@ -500,17 +501,13 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(cfg.train_csv, "train_csv", cfg)
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
-    if table.empty:
-        notes.append(f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary")
-    notes += id_notes(table, "train_csv")
+    notes += table_notes(table, "train_csv")
     if cfg.validation_csv:
         val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
-            notes += id_notes(val_table, "validation_csv")
+            notes += table_notes(val_table, "validation_csv")
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
-        if val_table.empty:
-            notes.append(f"{val_table.path}: skipped {val_table.empty} row(s) with an empty dialogue or summary")
     else:
         train_rows, val_rows = split_rows(len(table.ids), cfg.val_fraction, cfg.split_seed)
         if not len(train_rows):

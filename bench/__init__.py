@@ -1,8 +1,12 @@
 """Benchmarks (python -m bench), the hardware preflight (python -m bench.preflight) and the GPU check (bash
 bench/gpu_check.sh), and what they share."""
 import os
+import subprocess
+import sys
 import time
 
+import numpy as np
+import pandas as pd
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +27,53 @@ def child_environ(environ=None, **extra):
     environ = dict(os.environ if environ is None else environ)
     path = environ.get("PYTHONPATH")
     return {**environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **extra}
+
+
+def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
+    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
+    if os.path.exists(samsum_csv):
+        return samsum_csv, "SAMSum validation"
+    rng = np.random.default_rng(0)
+    words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
+    chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
+                       for _ in range(rng.integers(3, 15))) for _ in range(rows)]
+    path = os.path.join(folder, "chats.csv")
+    pd.DataFrame({"id": range(rows), "dialogue": chats,
+                  "summary": [" ".join(rng.choice(words, rng.integers(5, 30))) for _ in range(rows)]}).to_csv(path)
+    return path, "synthetic SAMSum-shaped chats"
+
+
+def torchrun(args, nproc, env, timeout):
+    """(exit code or None if it ran past `timeout`, its output) of a command under torchrun."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return done.returncode, done.stdout + done.stderr
+
+
+def demo_arguments(folder, device="cpu"):
+    """config/demo.py on its own CSVs, caching tokens in `folder`, nothing run after training."""
+    argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={folder}/cache", f"--device={device}",
+            "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
+    return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
+                   for split in ("train", "validation", "test")]
+
+
+def train_quietly(argv):
+    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
+    import contextlib
+    import sys
+
+    import train
+    from config import load_config
+    from summarizer.preparation import prepare
+    from summarizer.runtime import Runtime
+    cfg = load_config(argv)
+    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
+        train.Trainer(prepare(cfg, rt), rt).fit()
+    return cfg
 
 
 def synchronize(device):

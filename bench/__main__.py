@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -22,8 +21,7 @@ import numpy as np
 import torch
 
 import data
-import train
-from bench import MODELS, ROOT, SAMSUM_CSV, timed
+from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import summary_end_token
@@ -33,8 +31,6 @@ from generate import generate
 from model import GPT
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
-from summarizer.preparation import prepare
-from summarizer.runtime import Runtime
 
 
 def samsum_examples(n, samsum_csv, seed=0):
@@ -54,11 +50,6 @@ def samsum_examples(n, samsum_csv, seed=0):
     summary_lengths = np.clip(rng.lognormal(np.log(22), 0.5, size=n), 3, 76).astype(int)
     return [(rng.integers(0, EOT_ID, size=p).tolist(), rng.integers(0, EOT_ID, size=k).tolist())
             for p, k in zip(prompt_lengths, summary_lengths, strict=True)], "synthetic"
-
-
-def samsum_prompts(n, samsum_csv, seed=0):
-    examples, source = samsum_examples(n, samsum_csv, seed)
-    return [prompt for prompt, _ in examples], source
 
 
 def make_models(name, device):
@@ -129,7 +120,8 @@ def interleaved(candidates, device, repeats):
 
 def bench_generate(args, device):
     hf, ours = make_models(args.model, device)
-    prompts, source = samsum_prompts(args.gen_prompts, args.samsum_csv)
+    examples, source = samsum_examples(args.gen_prompts, args.samsum_csv)
+    prompts = [prompt for prompt, _ in examples]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [[prompts[i] for i in order[s:s + args.gen_batch]] for s in range(0, len(order), args.gen_batch)]
     max_new = args.max_new_tokens
@@ -231,23 +223,6 @@ def bench_data(args, device):
     return rows
 
 
-def matmul_ceiling(device, size=2048, repeats=5):
-    """FLOP/s of a large fp32 matmul on this device: what the training step's FLOP/s is compared with."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
-    _, seconds = timed(lambda: [a @ b for _ in range(repeats)], device)
-    return 2 * size**3 * repeats / seconds
-
-
-def step_flops(model, batches, real_tokens, rows):
-    """Model FLOPs of our training step: 6 per parameter per token through the blocks, lm_head only at the
-    targets (that is all ours computes), attention 12 * layers * width * length per token (the mean length)."""
-    targets = sum(int((y != -1).sum()) for _, y in batches)
-    head = model.lm_head.weight.numel()
-    return (6 * (model.num_params() - head) * real_tokens + 6 * head * targets
-            + 12 * model.config.n_layer * model.config.n_embd * real_tokens / rows * real_tokens)
-
-
 def bench_train(args, device):
     """Forward + backward throughput in real (non-pad) tokens/s on identical length-grouped micro-batches:
     ours; transformers' GPT2LMHeadModel (same weights, attention mask, labels); and the reference notebook's
@@ -289,8 +264,6 @@ def bench_train(args, device):
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
-    flops = step_flops(ours, batches, real_tokens, len(examples)) / seconds["ours"]
-    ceiling = matmul_ceiling(device)
     return [
         dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
         dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
@@ -301,10 +274,9 @@ def bench_train(args, device):
              target=">= 1.0"),
         dict(section="train", figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"],
              target=">= 5"),
-        dict(section="train", figure="ours_flops_fraction_of_matmul_ceiling", value=flops / ceiling),
         dict(section="train", figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
              f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
-             f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s, median of {args.repeats}, {device}"),
+             f"median of {args.repeats}, {device}"),
     ]
 
 
@@ -320,29 +292,13 @@ SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv="
                "--eval_interval=300", "--rouge_samples=0", "--best_metric=val_loss"]
 
 
-def demo_arguments(tmp, device):
-    """config/demo.py on its own CSVs, caching tokens in `tmp`, nothing run after training."""
-    argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={tmp}/cache", f"--device={device.type}",
-            "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
-    return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
-                   for split in ("train", "validation", "test")]
-
-
-def train_quietly(argv):
-    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
-    cfg = load_config(argv)
-    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(prepare(cfg, rt), rt).fit()
-    return cfg
-
-
 def bench_decode(args, device):
     """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
     (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
     on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
     autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
     with tempfile.TemporaryDirectory() as tmp:
-        demo = demo_arguments(tmp, device)
+        demo = demo_arguments(tmp, device.type)
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
         if os.path.exists(demo_ckpt):
             rows = compare_decodings("demo", load_config(demo), demo_ckpt, device, args.repeats)
@@ -376,8 +332,7 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     half = (torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0)
             else torch.float16)
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
-    half_model = copy.deepcopy(model).to(half)
-    half_model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
+    half_model = copy.deepcopy(model).to(half)  # the copy keeps the counting hook
     runs = {method: (model, dataclasses.replace(run.cfg, **options)) for method, options in DECODINGS.items()}
     runs[half_greedy] = (half_model, run.cfg)
 

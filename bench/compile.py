@@ -1,10 +1,8 @@
 """python -m bench --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
 decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
 them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
-output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads.
-
-    torchrun --nproc_per_node=2 --standalone -m bench.compile OUT.json [train.py arguments]
-        the training worker: train.main with compilation counted; each rank writes OUT.json.<rank>
+output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads. Run as
+a module under torchrun, it is train_counts' worker.
 """
 import collections
 import contextlib
@@ -12,30 +10,22 @@ import dataclasses
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
-import numpy as np
-import pandas as pd
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import model as model_module
-from bench import ROOT, SAMSUM_CSV, child_environ
-from config import Decoding, load_config, part
+from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
+from config import Decoding, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr, memory
 from summarizer.evaluation import evaluate
-from summarizer.preparation import prepare
 from summarizer.runtime import Runtime
 
-DEMO = [os.path.join(ROOT, "config", "demo.py"), "--evaluate_after=False", "--predict_after=False",
-        "--sample_submission_csv="] + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
-                                       for split in ("train", "validation", "test")]
 aten = torch.ops.aten
 
 
@@ -198,20 +188,6 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
 
 # ---- the figures ------------------------------------------------------------------------------------------------
 
-def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
-    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
-    if os.path.exists(samsum_csv):
-        return samsum_csv, "SAMSum validation"
-    rng = np.random.default_rng(0)
-    words = "hi ok yes no sure thanks see you tomorrow at the party dinner work home movie coffee late".split()
-    chats = ["\n".join(f"P{rng.integers(4)}: {' '.join(rng.choice(words, rng.integers(2, 30)))}"
-                       for _ in range(rng.integers(3, 15))) for _ in range(rows)]
-    path = os.path.join(folder, "chats.csv")
-    pd.DataFrame({"id": range(rows), "dialogue": chats,
-                  "summary": [" ".join(rng.choice(words, rng.integers(5, 30))) for _ in range(rows)]}).to_csv(path)
-    return path, "synthetic SAMSum-shaped chats"
-
-
 def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
     """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""
     csv, source = training_csv(folder, samsum_csv)
@@ -222,25 +198,11 @@ def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
             "--batch_size=16", "--micro_batch_size=4", f"--max_iters={steps}", f"--eval_interval={steps}",
             "--eval_val_batches=1", "--rouge_samples=0", "--best_metric=val_loss", "--sample_submission_csv=",
             "--evaluate_after=False", "--predict_after=False"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             "--standalone", "-m", "bench.compile", out, *args], cwd=ROOT,
-                            env=child_environ(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                            timeout=600)
-    if result.returncode:
-        raise RuntimeError(f"training worker failed: {result.stderr[-2000:]}")
+    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}, OMP_NUM_THREADS="1")
+    code, output = torchrun(["-m", "bench.compile", out, *args], nproc, env, timeout=600)
+    if code != 0:
+        raise RuntimeError(f"training worker failed: {output[-2000:]}")
     return {rank: json.load(open(f"{out}.{rank}")) for rank in range(nproc)}, source
-
-
-def demo_model(folder, steps=60):
-    """A demo model trained briefly (it ends its summaries with a real <|endoftext|>); returns its config."""
-    cfg = load_config([*DEMO, f"--out_dir={folder}/demo", f"--data_cache_dir={folder}/cache",
-                       f"--max_iters={steps}", f"--eval_interval={steps}", "--rouge_samples=0",
-                       "--best_metric=val_loss"])
-    import train
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), Runtime(cfg) as rt:
-        train.Trainer(prepare(cfg, rt), rt).fit()
-    return cfg
 
 
 def bench_compile(args, device):
@@ -251,7 +213,9 @@ def bench_compile(args, device):
                       value=max(c["graph_breaks"] for c in counts.values()), target="0"),
                  dict(section="compile", figure="train:compilations",
                       value=max(c["compilations"].get("train", 0) for c in counts.values()), target="<= 2")]
-        cfg = demo_model(folder)
+        # a demo model trained briefly: it ends its summaries with a real <|endoftext|>
+        cfg = train_quietly([*demo_arguments(folder), f"--out_dir={folder}/demo", "--max_iters=60",
+                             "--eval_interval=60", "--rouge_samples=0", "--best_metric=val_loss"])
         evaluated = dataclasses.replace(cfg, compile=True, gen_batch_size=64)
         with counted_compiles() as (counter, breaks), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()), Runtime(evaluated) as rt:
@@ -259,7 +223,6 @@ def bench_compile(args, device):
         run = inference.open_run(dataclasses.replace(cfg, ckpt=""))
         prompts, _ = run.prompts(data.load_datasets(run.cfg).val.dialogues)
         syncs, casts, kv = decode_counts(run.model.eval(), prompts, dataclasses.replace(run.cfg, gen_batch_size=64))
-        rows += predict_seconds(cfg, folder)
         rows += [dict(section="compile", figure="decode:compilations", value=counter.compilations["decode"],
                       target="1"),
                  dict(section="compile", figure="decode:graph_breaks", value=breaks(), target="0"),
@@ -271,28 +234,6 @@ def bench_compile(args, device):
     rows.append(dict(section="compile", figure="setup", value=f"train: {args.compile_steps} steps of {source} "
                      f"batches on 2 gloo ranks (DDP, 2 layers x 32, 4 rows per micro-batch); decode: the demo model "
                      f"({len(prompts)} validation dialogues, gen_batch_size 64, its own <|endoftext|>), greedy"))
-    return rows
-
-
-def predict_seconds(cfg, folder):
-    """predict.py on the demo's test set, start to submission.csv, as a user waits for it, each in a new process
-    with an empty inductor cache (a new session): eager, compiled, and compiled with the compiled work the first
-    compiled process kept beside best.pt (compile_cache.bin)."""
-    rows, seconds = [], {}
-    test = os.path.join(ROOT, "data", "demo", "test.csv")
-    for name, compile in (("eager", False), ("compiled", True), ("compiled_with_its_cache", True)):
-        out = os.path.join(folder, f"predict-{name}")
-        argv = [sys.executable, "predict.py", f"--ckpt={cfg.out_dir}/best.pt", f"--out_dir={out}", f"--test_csv={test}",
-                "--sample_submission_csv=", f"--compile={compile}", "--gen_batch_size=64"]
-        env = dict(child_environ(), TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, f"inductor-{name}"))
-        start = time.perf_counter()
-        subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True)
-        seconds[name] = time.perf_counter() - start
-        summaries = len(pd.read_csv(os.path.join(out, "submission.csv")))
-        rows.append(dict(section="compile", figure=f"predict:{name}:seconds_end_to_end", value=seconds[name],
-                         summaries_per_s=summaries / seconds[name]))
-    rows.append(dict(section="compile", figure="predict:decode_compile_seconds", value=seconds["compiled"]
-                     - seconds["eager"], with_its_cache=seconds["compiled_with_its_cache"] - seconds["eager"]))
     return rows
 
 

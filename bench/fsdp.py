@@ -12,8 +12,6 @@ found-inf; added as counted).
 
 "before" is FSDP until fsdp_reduce_once: fully_shard without a MixedPrecisionPolicy (fp32 all-gathers) and a
 reduce-scatter after every micro-step (--fsdp_reduce_once=False), counted the same way.
-
-    python bench_fsdp.py
 """
 import json
 import math
@@ -28,8 +26,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import GIB, PRESETS, ROOT, child_environ
+import train
+from bench import GIB, PRESETS, ROOT, child_environ, training_csv
+from bench.memory import T4_USABLE_GIB, t4_micro_batch
+from config import Config, Lora, grad_accum_steps, keys, load_config, read_preset
+from model import GPT, PRETRAINED, GPTConfig
+from summarizer import lora
+from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
+from summarizer.runtime import Runtime, choose_precision
 
 RANKS = 2
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
@@ -85,9 +90,6 @@ def units(model, world_size=RANKS):
 def count_step(args, before):
     """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
-    import train
-    from config import grad_accum_steps, load_config
-    from summarizer.runtime import Runtime
 
     fsdp = torch.distributed.fsdp
     shard = fsdp.fully_shard
@@ -117,14 +119,6 @@ def worker(spec_path, out_path):
     if os.environ["RANK"] == "0":
         with open(out_path, "w") as f:
             json.dump(results, f)
-
-
-def write_rows(path, n=48):
-    import pandas as pd
-    names = ["Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate"]
-    rows = [{"id": f"d{i}", "dialogue": f"{names[i % 6]}: shall we meet at {i}?\n{names[(i + 1) % 6]}: yes, see you",
-             "summary": f"{names[i % 6]} and {names[(i + 1) % 6]} meet at {i}."} for i in range(n)]
-    pd.DataFrame(rows).to_csv(path, index=False)
 
 
 def free_port():
@@ -198,9 +192,6 @@ def scaled_bytes(counted, shape_units):
 
 def preset_model(name, preset):
     """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    from config import Lora, keys
-    from model import GPT, PRETRAINED, GPTConfig
-    from summarizer import lora
     with torch.device("meta"):
         model = GPT(GPTConfig(**PRETRAINED[name]))
     if preset.get("lora_rank"):
@@ -210,19 +201,16 @@ def preset_model(name, preset):
 
 def t4_dtype(preset):
     """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
-    from summarizer.runtime import choose_precision
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
 
 
-def tiny_args(name, preset, data_dir):
+def tiny_args(name, preset, csv, folder):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
-    from bench.memory import t4_micro_batch
-    from config import Config, grad_accum_steps
     cfg = Config(**{**preset, "micro_batch_size": t4_micro_batch(name, preset)})
     steps = grad_accum_steps(cfg, RANKS)
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
             f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
-            f"--train_csv={os.path.join(data_dir, 'train.csv')}", f"--data_cache_dir={os.path.join(data_dir, 'cache')}"]
+            f"--train_csv={csv}", f"--data_cache_dir={os.path.join(folder, 'cache')}"]
 
 
 def bench_fsdp(args=None):
@@ -231,16 +219,13 @@ def bench_fsdp(args=None):
     the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
     holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
     bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
-    from bench.memory import T4_USABLE_GIB
-    from config import read_preset
-    from summarizer.memory import reduce_once_bytes
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        write_rows(os.path.join(tmp, "train.csv"))
+        csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them
         runs, index = [], {}
         for name, preset in presets.items():
             for before in (False, True):
-                run = {"args": tiny_args(name, preset, tmp), "before": before}
+                run = {"args": tiny_args(name, preset, csv, tmp), "before": before}
                 if run not in runs:
                     runs.append(run)
                 index[name, before] = runs.index(run)
@@ -265,9 +250,5 @@ def bench_fsdp(args=None):
     return rows
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(*sys.argv[2:])
-    else:
-        for row in bench_fsdp():
-            print(row)
+if __name__ == "__main__":  # a counting rank of run_ranks
+    worker(*sys.argv[2:])

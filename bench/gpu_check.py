@@ -5,9 +5,8 @@ compiled greedy output equals eager; inductor's graph breaks and compilations in
 decoding's host syncs per step. Then the run's trials: each 16-bit row's losses against float32's, and the Kaggle
 preset's decoding of real dialogues, compiled. Then, for the Kaggle presets that run in one process and fit the GPU,
 the peak torch.cuda.max_memory_allocated of two Trainer steps of the run prepare() builds next to python -m bench
---section=memory's prediction. Random
-weights; SAMSum's validation dialogues when ../shared has them, else random ones: nothing to download. Exit
-status 1 if any check fails.
+--section=memory's prediction. Random weights; SAMSum's validation dialogues when ../shared has them, else random
+ones: nothing to download. Exit status 1 if any check fails.
 
     bash bench/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
     python -m bench.gpu_check --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3
@@ -24,14 +23,13 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 
 import torch
 
 import data
 import train
-from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, synchronize, timed
+from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, synchronize, timed, training_csv
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
@@ -259,11 +257,8 @@ def decoding(cfg, shape, dtype, device):
     try:
         for batch in (first, rest):
             compiled = bench_compile.graphs_compiled()
-            synchronize(device)
-            start = time.perf_counter()
-            inference.summarize(model, batch, cfg, contextlib.nullcontext(), decode_step=step)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
+            seconds.append(timed(functools.partial(inference.summarize, model, batch, cfg, contextlib.nullcontext(),
+                                                   decode_step=step), device)[1])
             graphs.append(bench_compile.graphs_compiled() - compiled)
     except torch.OutOfMemoryError as e:
         return check("failed", f"out of memory decoding {cfg.gen_batch_size} prompts: lower --gen_batch_size or "
@@ -389,7 +384,7 @@ def main(argv=None):
     eager = {}  # per dtype: the EOS every row of that dtype uses, the eager greedy outputs
     presets, tried = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        csv, _ = bench_compile.training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
+        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
         rows = [case(args, dtype, compile == "True", device, capability, folder, csv, prompts, eager)
                 for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
         if device.type == "cuda":

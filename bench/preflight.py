@@ -1,14 +1,10 @@
 """The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
-before the GPU hours. It judges the run as it will be launched (as many processes as the GPUs it finds, one on a CPU;
---nproc_per_node=N says otherwise) with the run's own settings (a preset and --key=value flags), by checks alone:
-what train.py checks before its first step, through the same code and in the same lines (the settings; the batch's
-split over the processes, the loggers, the weights init_from names, the inputs and the sample submission:
-summarizer/preparation.py's checked_start; the disk and the output quota against the run's checkpoints:
-run_folder.DiskPlan), and what only a preflight checks: versions (Python, torch, CUDA, NCCL, Triton, the driver, the
-libraries), the GPUs and whether they reach each other, /dev/shm, and a collective between the processes under a short
-timeout, trying the NCCL settings in turn (the run's, NCCL_CUMEM_HOST_ENABLE=0, NCCL_SHM_DISABLE=1). Nothing trains
-or decodes: compiled steps, fp16 against fp32 and a compiled decoding are the GPU check's (bench/gpu_check.py). It
-ends in one verdict line, exits 1 on a no-go, and writes a JSON report.
+before the GPU hours. It judges the run as it will be launched (one process per GPU found, one on a CPU;
+--nproc_per_node=N says otherwise) by checks alone: what train.py checks before its first step, through the same
+code and in the same lines (preparation.checked_start, run_folder.DiskPlan), and what only a preflight checks:
+versions, the GPUs and whether they reach each other, /dev/shm, and a collective between the processes, trying the
+NCCL settings in turn. Nothing trains or decodes: that is the GPU check's (bench/gpu_check.py). It ends in one
+verdict line, exits 1 on a no-go, and writes a JSON report.
 
     python -m bench.preflight config/kaggle_t4x2.py [--key=value ...] [--report=PATH] [--nproc_per_node=N]
 """
@@ -26,7 +22,7 @@ import torch
 
 import data
 import train
-from bench import ROOT, child_environ
+from bench import child_environ, torchrun
 from config import load_config
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
@@ -124,16 +120,6 @@ def disk(cfg, train_rows):
         return check("failed", problem, **figures)
     return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak for the run's "
                        f"{model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
-
-
-def torchrun(args, nproc, env, timeout):
-    """(exit code or None if it ran past `timeout`, its output) of a command under torchrun."""
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
-    try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    return done.returncode, done.stdout + done.stderr
 
 
 def error_line(output):

@@ -185,9 +185,9 @@ def eager_decode_step(model, *args):
 
 
 def compile_model(module, trial, autocast):
-    """A CompiledModule of `module` (a GPT, or a stage's module around it), tried now on trial(compiled) -> a loss,
-    forward and backward, because compiling happens lazily at the first call; the eager module, with one warning
-    line (EagerFallback's), if the compiler fails there. Leaves no gradients behind and draws no random numbers."""
+    """A CompiledModule of the GPT `module`, tried now on trial(compiled) -> a loss, forward and backward, because
+    compiling happens lazily at the first call; the eager module, with one warning line (EagerFallback's), if the
+    compiler fails there. Leaves no gradients behind and draws no random numbers."""
     rng, compiled = rng_state(), CompiledModule(module)
 
     def forward_backward():

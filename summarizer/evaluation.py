@@ -46,7 +46,9 @@ def validation_loss(model, val_set, cfg, rt):
 
 
 def validation_run(cfg, explicit, rt):
-    """(run, validation examples) for scoring, after the first line and the notes on what was checked and cut."""
+    """(run, validation examples, their prompts, the rows of the --compare evaluation in their order or None) for
+    scoring, after the first line and the notes on what was checked and cut."""
+    other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     if rt.is_main:
         inference.make_output_dir(cfg)
     run = inference.load_run(cfg, explicit, rt, inference.describe_validation)
@@ -56,16 +58,14 @@ def validation_run(cfg, explicit, rt):
         for note in [*notes, inference.cut_line(run, cut, len(val)) if cut else ""]:
             if note:
                 print(note)
-    return run, val, prompts
+    return run, val, prompts, None if other is None else matched(other, val, cfg.compare)
 
 
 def evaluate(cfg, explicit, rt):
     """ROUGE of the run on its whole validation split: a table on stdout, eval_predictions.csv, eval_metrics.json
     and eval_report.html in inference.output_dir; with cfg.compare, the paired differences from that evaluation.
     Returns the report on rank 0, None on the other ranks."""
-    other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
-    run, val, prompts = validation_run(cfg, explicit, rt)
-    other = None if other is None else matched(other, val, cfg.compare)
+    run, val, prompts, other = validation_run(cfg, explicit, rt)
     predictions = inference.summaries(run, prompts, rt)
     if not rt.is_main:
         return None
@@ -247,9 +247,7 @@ def sweep(cfg, explicit, rt):
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
-    other = read_evaluation(cfg.compare) if cfg.compare else None
-    run, val, prompts = validation_run(cfg, explicit, rt)
-    other = None if other is None else matched(other, val, cfg.compare)
+    run, val, prompts, other = validation_run(cfg, explicit, rt)
     configs, rows, frames = setting_configs(run.cfg, settings), [], []
     for i, (setting, setting_cfg) in enumerate(zip(settings, configs, strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())

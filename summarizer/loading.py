@@ -47,7 +47,6 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     if source == "scratch":
         return GPT(GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                              dropout=cfg.dropout, bias=cfg.bias)), None
-    check_folder(source, key)
     check_shape(cfg, (), source, key)
     offline = from_hub_cache(source, key)
     try:
@@ -114,7 +113,7 @@ def check_shape(cfg, explicit, source, key="init_from"):
     """One line, before any work, when cfg asks `source` for what it cannot be: a folder that is no model
     (check_folder), a block_size longer than its positions (a shorter one cuts them), or a shape flag given in
     `explicit` (--key=value) that is not its own."""
-    if cfg and source != "scratch":
+    if source != "scratch":
         check_folder(source, key)
     shape = source_shape(source) if cfg else None
     if shape is None:

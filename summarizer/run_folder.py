@@ -82,8 +82,9 @@ def claimed(out_dir, is_main, stop_if, reads=None):
         make(out_dir, reads)
         handle = lock(out_dir)
         if handle is None:
-            problem = (f"out_dir {out_dir} is in use by another training run ({holder(out_dir)}): wait for it to "
-                       f"end, or train into another folder with --out_dir=...")
+            who = training_in(out_dir) or describe_holder(None)  # None: it ended since
+            problem = (f"out_dir {out_dir} is in use by another training run ({who}): wait for it to end, or train "
+                       f"into another folder with --out_dir=...")
     failed = True
     try:
         stop_if(problem)
@@ -123,15 +124,6 @@ def lock(out_dir):
                              "command": " ".join(sys.argv)}))
     handle.flush()
     return handle
-
-
-def holder(out_dir):
-    """Who holds out_dir's lock, as its lock file says."""
-    try:
-        with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
-            return describe_holder(json.load(f))
-    except (OSError, ValueError):
-        return describe_holder(None)
 
 
 def describe_holder(who):

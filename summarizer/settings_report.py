@@ -55,15 +55,14 @@ class FromRun(NamedTuple):
 
 def settings_report(argv, config_json, from_run=None):
     """What start-up prints of the settings: a line naming config_json (every key, written before step 1: a run that
-    stops earlier writes none), then for each source whose
-    values hold (the presets, then the command line) the keys it changed from the defaults, by group of config.py:
+    stops earlier writes none), then for each source whose values hold (the presets, then the command line) the
+    keys it changed from the defaults, by group of config.py, in lines of at most SETTINGS_WIDTH characters:
         settings (changed from the defaults; every key in /kaggle/working/out/config.json before step 1):
           config/kaggle_t4x2.py: System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64
           command line: Paths: out_dir='/kaggle/working/out'
             Training: max_iters=600 max_time=41400.0 [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
-    in lines of at most SETTINGS_WIDTH characters; max_time with its budget in hours, minutes and seconds.
-    `from_run`: for a command that takes the others from a run's checkpoint, what it changed of the run's settings
-    (with the preset or flag that changed it), then the command's own keys."""
+    `from_run`: for a command that takes the others from a run's checkpoint, what it changed of the run's settings,
+    then the command's own keys."""
     given = settings_given(argv)
     changed = changed_values(given)
     if from_run:

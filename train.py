@@ -173,9 +173,8 @@ class Trainer:
                     raise UserError(f"loss is {done.loss} for {bad_steps} iterations in a row (iter {state.step}); "
                                     f"stopped: {saved_so_far(cfg.out_dir)}; {fix}")
                 out_of_time = done.steps_left == 0  # this session ended at its budget
-                batch = done.batch
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
-                         "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
+                         "tokens_per_s": done.batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
                         stats["compile_s"] = self.run.compile_seconds
@@ -184,7 +183,7 @@ class Trainer:
                 if state.scaler.is_enabled():
                     stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
                 if self.run.peak_flops:
-                    flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
+                    flops = self.model.training_flops(done.batch.tokens, done.batch.targets, done.batch.attended)
                     stats["mfu"] = flops / seconds / rt.world_size / self.run.peak_flops
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
                     start = time.perf_counter()
@@ -310,10 +309,6 @@ class Trainer:
     @property
     def model(self):
         return self.run.state.model
-
-    @property
-    def scaler(self):
-        return self.run.state.scaler
 
 
 # ---- the command line ----------------------------------------------------------------------------------------

@@ -70,17 +70,8 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    chosen = None  # micro_batch_size=auto: the choice, in words
-    if cfg.micro_batch_size == "auto":
-        starting("planning memory for micro_batch_size=auto")
-        rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
-        cfg = replace(cfg, micro_batch_size=rows)
-        # an out-of-memory error in the choice's peak lowers it; not under FSDP, whose peak is a sharded model's,
-        # which runs only with the other ranks (a rank out of memory would leave them waiting)
-        if rt.backend != "fsdp":
-            starting("running a step on the longest rows")
-            cfg, chosen = micro_batch_that_runs(cfg, rt, model.to(rt.device), splits.train, chosen)
-        tracker.cfg = cfg  # the tracker logs the chosen settings
+    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, starting)
+    tracker.cfg = cfg  # the tracker logs the chosen settings
     state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
@@ -103,6 +94,22 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
     announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
     return run
+
+
+def auto_micro_batch(cfg, rt, model, splits, starting):
+    """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak;
+    the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
+    if cfg.micro_batch_size != "auto":
+        return cfg, None
+    starting("planning memory for micro_batch_size=auto")
+    rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
+    cfg = replace(cfg, micro_batch_size=rows)
+    # under FSDP the peak is a sharded model's, which runs only with the other ranks (a rank out of memory would
+    # leave them waiting): the plan's choice stands
+    if rt.backend == "fsdp":
+        return cfg, chosen
+    starting("running a step on the longest rows")
+    return micro_batch_that_runs(cfg, rt, model.to(rt.device), splits.train, chosen)
 
 
 def announce(run, rt, notes, train_rows, runs, chosen, disk):

@@ -15,7 +15,7 @@ original_init = train.Trainer.__init__
 
 def init_with_overflow(self, run, rt, *args):
     original_init(self, run, rt, *args)
-    unscale = self.scaler.unscale_
+    unscale = self.run.state.scaler.unscale_
 
     def unscale_with_overflow(optimizer):
         if rt.rank == 1 and self.run.state.step == 0:
@@ -23,7 +23,7 @@ def init_with_overflow(self, run, rt, *args):
             grad.to_local().view(-1)[0] = torch.inf
         return unscale(optimizer)
 
-    self.scaler.unscale_ = unscale_with_overflow
+    self.run.state.scaler.unscale_ = unscale_with_overflow
 
 
 train.Trainer.__init__ = init_with_overflow

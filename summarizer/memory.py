@@ -1,5 +1,5 @@
 """The memory one GPU of a training run needs at its peaks, planned before step 1 from the sizes of real tensors:
-what micro_batch_size=auto chooses by (no probing: summarizer/out_of_memory.py runs the choice's peak once, and
+what micro_batch_size=auto chooses by (no probing: summarizer/micro_batch.py runs the choice's peak once, and
 lowers it only on an out-of-memory error) and what bench --section=memory reports.
 - Weights, gradients and AdamW's state are the model's own tensors: under FSDP one rank's shards plus the units it
   gathers while computing (the root and two blocks); under DDP its gradient buckets, a second copy of the

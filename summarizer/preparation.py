@@ -28,7 +28,7 @@ from summarizer.loading import (
     start_checkpoint,
 )
 from summarizer.memory import choose_micro_batch
-from summarizer.out_of_memory import micro_batch_that_runs
+from summarizer.micro_batch import micro_batch_that_runs
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state

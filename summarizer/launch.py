@@ -26,7 +26,8 @@ class StopSignals:
     line: nothing is saved yet); inside training() after its step in progress: the first one is `received`, and
     notice() says so (the line, or None on ranks that print nothing), and a second Ctrl-C in a single process stops
     at once, saying at_once() (what is saved; under torchrun a rank gets copies of one signal); after training,
-    quietly (an error that ended the loop says what is intact)."""
+    quietly (an error that ended the loop says what is intact), under torchrun until the process ends when an error
+    leaves: the launcher's SIGTERM, sent as another rank fails, must not end this one before its error's line."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
@@ -46,6 +47,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc):
+        if exc[0] is not None and self.distributed:
+            return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 

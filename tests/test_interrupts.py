@@ -160,6 +160,24 @@ def test_a_signal_says_what_happens_at_that_moment(tmp_path, capsys):
     assert ended.received == signal.SIGTERM and capsys.readouterr().err == ""
 
 
+def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_its_error_line():
+    """Under torchrun an error leaving the run's signals keeps them caught (quietly) until the process ends: the
+    launcher's SIGTERM, sent as another rank fails, would otherwise kill this rank before its one line is printed."""
+    from summarizer.launch import StopSignals
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(RuntimeError), StopSignals(None, lambda: "", distributed=True) as signals:
+            with signals.training():
+                raise RuntimeError("connection closed by peer")
+        assert signal.getsignal(signal.SIGTERM) == signals.handle
+        signals.handle(signal.SIGTERM, None)  # taken quietly: the error's line comes next
+        with StopSignals(None, lambda: "", distributed=False) as alone:
+            pass
+        assert signal.getsignal(signal.SIGTERM) == signals.handle != alone.handle  # one process: restored as found
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_docs_say_what_a_stop_does_before_the_first_step_and_after_a_killed_rank():
     """What the tests above show, as the docs tell it: a signal in start-up stops at once with `interrupted`; a
     killed rank's line comes before torchrun's own ChildFailedError report."""

@@ -9,7 +9,6 @@ from typing import TypedDict
 
 import torch
 
-import data
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
 from summarizer.errors import DiskFull, UserError
@@ -17,13 +16,14 @@ from summarizer.files import atomic_write
 
 # ---- the record --------------------------------------------------------------------------------------------
 
-# What TrainingState.save writes; load_checkpoint reads 1 to FORMAT (FORMATS). A change of what a checkpoint's
+# What TrainingState.save writes; load_checkpoint reads 3 to FORMAT (FORMATS). A change of what a checkpoint's
 # contents mean bumps it (a new setting only needs its entry in ABSENT), with its upgrade step (UPGRADES) and a
 # fixture written by the last commit of the format before (tests/fixtures/checkpoints/make.sh):
 # tests/test_checkpoint_formats.py reads every fixture.
 FORMAT = 5
-FORMATS = {1: "the version of 2026-11-23", 2: "the version of 2026-11-24", 3: "the version of 2026-11-25",
-           4: "the version of 2026-11-26 up to f63e9be", 5: "this version"}
+FORMATS = {3: "the version of 2026-11-25", 4: "the version of 2026-11-26 up to f63e9be", 5: "this version"}
+# Formats 1 and 2, written on the project's first two days before any release, are retired: 103baa6 still reads them.
+RETIRED_FORMATS = {1: "2026-11-23", 2: "2026-11-24"}
 
 
 class Record(TypedDict):
@@ -37,8 +37,8 @@ class Record(TypedDict):
     best_score: float | None  # the best evaluation's best_metric (a loss as it is: lower is better)
     best_val_loss: float | None  # the best evaluation's val_loss, which breaks a ROUGE tie
     metrics: dict  # the last evaluation's
-    train_rows: dict | None  # data.Examples.fingerprints() of the training rows; None: format 1 kept none
-    validation_digest: str | None  # None: format 1 kept none
+    train_rows: dict  # data.Examples.fingerprints() of the training rows
+    validation_digest: str
     model: dict  # the state dict (a LoRA ckpt.pt: its adapters alone)
 
 
@@ -69,25 +69,6 @@ def format_of(ckpt):
 # upgraded, the value that run had in effect; a command's own settings are never read from a run (resolve), so a
 # file may lack them.
 
-def upgrade_1(ckpt):
-    """Format 1 (2026-11-23) -> 2: GPT-2's BPE was the only tokenizer, so its ids are today's; best_score was kept
-    negated for val_loss (higher was better), best_metric only in the config; no fingerprints of the training and
-    validation rows."""
-    metric, score = ckpt["config"]["best_metric"], ckpt["best_score"]
-    return {**ckpt, "format": 2, "tokenizer": data.TOKENIZER_ID, "best_metric": metric,
-            "best_score": -score if metric == "val_loss" and score is not None else score,
-            "train_rows": None, "validation_digest": None}
-
-
-def upgrade_2(ckpt):
-    """Format 2 (2026-11-24) -> 3: no best_val_loss (a ROUGE tie went to the later evaluation); every ckpt.pt had a
-    `candidates` key, None outside the calibration stage."""
-    upgraded = {**ckpt, "format": 3, "best_val_loss": None}
-    if upgraded.get("candidates", 0) is None:
-        del upgraded["candidates"]
-    return upgraded
-
-
 def upgrade_3(ckpt):
     """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple,
     sweep a mapping), and the shape keys of the config are the model's (a pretrained model's config kept the
@@ -103,7 +84,7 @@ def upgrade_4(ckpt):
     return {**ckpt, "format": 5}
 
 
-UPGRADES = {1: upgrade_1, 2: upgrade_2, 3: upgrade_3, 4: upgrade_4}
+UPGRADES = {3: upgrade_3, 4: upgrade_4}
 
 # Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
@@ -117,9 +98,13 @@ RETIRED = ("rank_weight", "rank_margin", "rank_length_exponent", "rank_candidate
 def upgraded(ckpt, path):
     """A checkpoint dict of any format, as format FORMAT; one line for a file this code cannot read."""
     version = format_of(ckpt)
+    if version in RETIRED_FORMATS:
+        raise UserError(f"{path} is a checkpoint of format {version}, written on {RETIRED_FORMATS[version]} before "
+                        f"any release; this version reads formats 3 to {FORMAT} and commit 103baa6 is the last that "
+                        f"reads it: train anew, or predict with that commit (git checkout 103baa6)")
     if not isinstance(version, int) or version > FORMAT:
         raise UserError(f"{path} is a checkpoint of format {version}, written by a newer version of this program "
-                        f"than this one (formats 1 to {FORMAT}): update the code (git pull) to read it")
+                        f"than this one (formats 3 to {FORMAT}): update the code (git pull) to read it")
     written = version
     try:
         while version < FORMAT:

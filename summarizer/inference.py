@@ -175,9 +175,6 @@ def validation_set(run, cfg, explicit, rt):
     if run.ckpt is None:  # a baseline trained on nothing here
         return val, []
     trained = run.ckpt["train_rows"]
-    if trained is None:
-        return val, [f"note: {run.path} (format 1) kept no fingerprints of its training rows: whether the "
-                     f"validation rows were trained on is not checked"]
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []

@@ -107,10 +107,7 @@ class TrainingState:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
                             f"continue with --max_iters above {ckpt['iter_num']}")
         notes = []
-        if ckpt["train_rows"] is None:
-            notes.append(f"note: {path} (format 1) kept no fingerprints of its training rows: that train_csv="
-                         f"{cfg.train_csv} holds the same rows is not checked")
-        elif ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
+        if ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
             raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
                             f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
                             f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
@@ -129,14 +126,13 @@ class TrainingState:
         notes.insert(0, f"resuming {path} at iter {self.step}; "
                      + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate))
         if ckpt["best_metric"] == cfg.best_metric:
-            # best_val_loss: None before format 3, whose ties then go to the next evaluation
             self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
         else:
             kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
             notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
                          f"{cfg.best_metric} from the next evaluation on"
                          + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))
-        if ckpt["validation_digest"] not in (None, self.validation_digest):
+        if ckpt["validation_digest"] != self.validation_digest:
             notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
                          f"measured on the others, so a later best.pt is chosen by another yardstick")
         changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")

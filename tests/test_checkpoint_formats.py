@@ -1,8 +1,9 @@
-"""Every checkpoint this project ever wrote still works. tests/fixtures/checkpoints/<date>/ holds a ckpt.pt and a
-best.pt written by the last commit of that day with its own train.py (make.sh remakes them; command.txt says how):
-each is upgraded step by step to today's format, and predict, evaluate, export and resume take it. A file of a
-newer format, or one that cannot be upgraded, is one line that says which version wrote it and what to do. A run of
-the calibration stage (retired after 605acfc) is read as any other, and its resume is one line."""
+"""Every checkpoint of format 3 on still works. tests/fixtures/checkpoints/<date>/ holds a ckpt.pt and a best.pt
+written by the last commit of that day with its own train.py (make.sh remakes them; command.txt says how): each is
+upgraded step by step to today's format, and predict, evaluate, export and resume take it. A file of a retired
+format (1 and 2, the first two days'), of a newer format, or one that cannot be upgraded, is one line that says
+which version wrote it and what to do. A run of the calibration stage (retired after 605acfc) is read as any other,
+and its resume is one line."""
 import json
 import os
 
@@ -14,14 +15,14 @@ import data
 import evaluate
 import predict
 import train
-from config import FIELDS, LORA_TARGETS, Config, Scope, Use, load_config, resolve, scope
+from config import FIELDS, LORA_TARGETS, Config, Scope, scope
 from conftest import REPO, assert_export_matches, one_error_line
 from summarizer import checkpoint
-from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_checkpoint, upgrade_1
+from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_checkpoint
 from summarizer.errors import UserError
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
-FORMATS = {"2026-11-23": 1, "2026-11-24": 2, "2026-11-25": 3, "2026-11-26": 4}  # the format each day's files have
+FORMATS = {"2026-11-25": 3, "2026-11-26": 4}  # the format each day's files have
 DEMO = "data/demo"  # the fixtures' runs name their CSVs relative to the repository, as they were trained
 
 
@@ -48,8 +49,7 @@ def test_each_file_is_told_by_its_keys_and_read_in_todays_format(written):
         saved = Config(**ckpt["config"])  # every setting there, typed and within its rules
         assert (saved.n_layer, saved.n_embd, saved.block_size, saved.num_beams) == (1, 4, 64, 2)
         assert saved.max_time is None and saved.lora_targets == LORA_TARGETS and saved.sweep == {}
-        assert ckpt["tokenizer"] == data.TOKENIZER_ID  # format 1 wrote no tokenizer: it was GPT-2's BPE
-        # format 1 kept -val_loss as the best score (higher was better); today a loss is kept as it is
+        assert ckpt["tokenizer"] == data.TOKENIZER_ID
         assert ckpt["best_metric"] == "val_loss" and ckpt["best_score"] == pytest.approx(ckpt["metrics"]["val_loss"])
 
 
@@ -65,20 +65,6 @@ def test_a_new_setting_needs_no_new_format_only_the_value_it_replaces(written, m
         assert load_checkpoint(str(tmp_path / name))["config"]["new_setting"] == 3
 
 
-def test_format_1_gets_the_settings_that_version_ran_with():
-    raw = torch.load(os.path.join(FIXTURES, "2026-11-23", "ckpt.pt"), weights_only=True, map_location="cpu")
-    assert "epsilon" in raw["config"] and "fsdp_reduce_once" not in raw["config"]
-    raw["config"]["nccl_p2p_disable"] = True
-    upgraded = upgrade_1(raw)
-    assert upgraded["format"] == 2 and upgraded["train_rows"] is None and upgraded["validation_digest"] is None
-    config = upgraded["config"]
-    assert "fsdp_reduce_once" not in config and "max_time" not in config  # a command's own keys need no patch
-    command = load_config(["--fsdp_reduce_once=true"])
-    resumed, _ = resolve(command, {"fsdp_reduce_once"}, checkpoint.upgraded(upgraded, "ckpt.pt")["config"],
-                         "ckpt.pt", Use.RESUME)
-    assert resumed.fsdp_reduce_once is True and resumed.max_time is None
-
-
 def test_predict_writes_the_submission_with_the_runs_decoding(written, cache, tmp_path, capsys):
     date, folder = written
     predict.main([f"--ckpt={folder}/best.pt", f"--out_dir={tmp_path}", f"--test_csv={DEMO}/test.csv",
@@ -90,14 +76,12 @@ def test_predict_writes_the_submission_with_the_runs_decoding(written, cache, tm
 
 
 def test_evaluate_scores_the_runs_validation_split(written, cache, tmp_path, capsys):
-    date, folder = written
+    _, folder = written
     evaluate.main([f"--ckpt={folder}/ckpt.pt", f"--out_dir={tmp_path}", cache])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "eval_metrics.json").read_text())
     assert report["n"] == len(pd.read_csv(f"{DEMO}/validation.csv")) and report["step"] == 2
     assert f"validation {DEMO}/validation.csv" in out.splitlines()[0]
-    # format 1 kept no fingerprints of the training rows: what cannot be checked is said
-    assert ("kept no fingerprints of its training rows" in out) == (FORMATS[date] == 1)
 
 
 def test_export_writes_a_transformers_folder_that_computes_our_logits(written, tmp_path):
@@ -124,11 +108,24 @@ def test_a_file_from_a_newer_version_is_one_line(tmp_path, capsys):
 
 
 def test_a_file_that_cannot_be_upgraded_says_which_version_wrote_it(tmp_path):
-    raw = torch.load(os.path.join(FIXTURES, "2026-11-23", "best.pt"), weights_only=True, map_location="cpu")
-    del raw["config"]["best_metric"]
+    raw = torch.load(os.path.join(FIXTURES, "2026-11-25", "best.pt"), weights_only=True, map_location="cpu")
+    raw["config"]["max_time"] = "soon"
     save_checkpoint(raw, str(tmp_path / "best.pt"))
-    with pytest.raises(UserError, match=r"format 1 \(the version of 2026-11-23\) that cannot be upgraded"):
+    with pytest.raises(UserError, match=r"format 3 \(the version of 2026-11-25\) that cannot be upgraded"):
         load_checkpoint(str(tmp_path / "best.pt"))
+
+
+@pytest.mark.parametrize("version, written_on", [(1, "2026-11-23"), (2, "2026-11-24")])
+def test_a_retired_format_is_one_line_naming_the_last_commit_that_reads_it(version, written_on, tmp_path, capsys):
+    """Formats 1 and 2 (the first two days', before any release) are told by the keys they lack."""
+    raw = torch.load(os.path.join(FIXTURES, "2026-11-25", "best.pt"), weights_only=True, map_location="cpu")
+    del raw["best_val_loss"]  # added by format 3
+    if version == 1:
+        del raw["tokenizer"]  # added by format 2
+    save_checkpoint(raw, str(tmp_path / "best.pt"))
+    err = one_error_line(capsys, predict.main, [f"--ckpt={tmp_path / 'best.pt'}", f"--out_dir={tmp_path}"])
+    assert f"checkpoint of format {version}, written on {written_on}" in err and "commit 103baa6" in err
+    assert "train anew, or predict with that commit" in err
 
 
 # ---- a run of the calibration stage, retired after 605acfc ----------------------------------------------------

@@ -3,14 +3,13 @@ padded batches: read_table/load_datasets/read_test, prompt_format (the one trunc
 eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
 something else, named in one line. Of this project it imports command_line.py alone (UserError): everything
 above reads its data through it."""
-import bz2
 import codecs
 import functools
 import gzip
 import hashlib
+import importlib.util
 import io
 import json
-import lzma
 import os
 import re
 import shlex
@@ -137,31 +136,19 @@ NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
                   "sample_submission_csv": (("id",), ("summary",))}
 
 
-def csv_for(key, folder, names):
-    """The first of the CSV files `names` in `folder` whose header has the columns `key` needs (a test CSV's
-    dialogues, not a sample submission's summaries), else the first whose name starts like the key, else None."""
-    def header(name):
-        try:
-            return {c.strip().lower() for c in pd.read_csv(os.path.join(folder, name), nrows=0).columns}
-        except (OSError, ValueError, UnicodeDecodeError):
-            return set()
-    fits = [n for n in names if all(header(n) & set(group) for group in NEEDED_COLUMNS.get(key, ()))]
-    stem = key.removesuffix("_csv").split("_")[0]
-    return next((n for n in fits if n.lower().startswith(stem)), None) or next(iter(fits), None) or next(
-        (n for n in names if n.lower().startswith(stem)), names[0] if names else None)
-
-
 def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
-    (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, bzip2, xz, a zip of one CSV), or UserError
-    naming the file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, an archive
-    of several files, binary data) is named as what it is (csv_content), a text of one column (a web page, a Git
-    LFS pointer) as not a CSV of rows."""
+    (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, a zip of one CSV), or UserError naming the
+    file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, a zip of several files,
+    binary data) is named as what it is (csv_content), a text of one column (a web page, a Git LFS pointer) as not
+    a CSV of rows."""
     if os.path.isdir(path):
-        csvs = sorted(name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip")))
+        stem = key.split("_")[0]  # the CSVs named like the key (train.csv for train_csv) are listed first
+        csvs = sorted((name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip"))),
+                      key=lambda name: (not name.lower().startswith(stem), name))
         inside = f" (it holds {', '.join(csvs[:5])})" if csvs else " (it holds no CSV)"
         raise UserError(f"{key} {path} is a folder{inside}: name the CSV inside it, e.g. "
-                        f"--{key}={os.path.join(path, csv_for(key, path, csvs) or 'name.csv')}")
+                        f"--{key}={os.path.join(path, next(iter(csvs), 'name.csv'))}")
     if not os.path.isfile(path):
         where = "" if os.path.isabs(path) else f" (relative to the current folder {os.getcwd()})"
         raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")
@@ -663,69 +650,44 @@ def padding_fraction(lengths, batch_size, micro_batch_size, steps, seed=0):
 
 # ---- what a file holds, by its first bytes --------------------------------------------------------------------
 
-class ZipOfMany(Exception):
-    """A zip archive that holds more than one file, or none: its files' names are the args."""
-
-
-def one_file(raw):
-    """The one file a zip archive holds (a Mac's __MACOSX and .DS_Store aside)."""
-    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-        names = [i.filename for i in archive.infolist() if not i.is_dir()
-                 and not i.filename.startswith("__MACOSX/") and os.path.basename(i.filename) != ".DS_Store"]
-        if len(names) != 1:
-            raise ZipOfMany(*names)
-        return archive.read(names[0])
-
-
-# A compressed CSV is read as the CSV inside (the compressions pandas.read_csv opens): (first bytes, what the file
-# is, bytes -> the bytes it holds).
-COMPRESSED = ((b"\x1f\x8b", "a gzip-compressed file", gzip.decompress),
-              (b"BZh", "a bzip2-compressed file", bz2.decompress),
-              (b"\xfd7zXZ\x00", "an xz-compressed file", lzma.decompress),
-              (b"PK\x03\x04", "a zip archive", one_file))
-# The few other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
-# space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a CSV beside it, {key} the setting).
+# The other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
+# space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a free CSV name beside it, {key}
+# the setting; the package that needs, if any). Any other file with control bytes is binary data.
 CONVERT = "convert it: pandas.{}({{src!r}}).to_csv({{dst!r}}, index=False), then pass --{{key}}={{dst}}"
-UNPACK = "unpack it and pass the .csv inside as --{key}=<it>"
-NOT_CSV = (
-    (b"PAR1", "a Parquet file", CONVERT.format("read_parquet")),
-    (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an Excel workbook (.xls)", CONVERT.format("read_excel")),
-    (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)"),
-    (b"[", "JSON", CONVERT.format("read_json")),
-)
-# Control bytes no text file holds (Word's line break \v and DOS's end of file \x1a aside): a file with one in its
-# first 512 is another format, named by its first bytes (a PNG's 89 50 4e 47, a 7z's 37 7a bc af, an SQLite
-# database's "SQLite format 3").
-BINARY = frozenset(range(32)) - frozenset(b"\t\n\v\f\r\x1a")
+NOT_CSV = ((b"PAR1", "a Parquet file", CONVERT.format("read_parquet"), "pyarrow"),
+           (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)", None),
+           (b"[", "JSON", CONVERT.format("read_json"), None))
+EXCEL = "an Excel workbook (.xlsx)", CONVERT.format("read_excel"), "openpyxl"  # what Excel saves: a zip of its parts
+BINARY = frozenset(range(32)) - frozenset(b"\t\n\v\f\r\x1a")  # Word's line break and DOS's end of file aside
 
 
 def csv_content(raw, path, key):
-    """The bytes of the CSV that the file of bytes `raw` holds (itself, or what it decompresses to), or UserError
-    in one line saying what the file is and how to make a CSV of it. `key`: the setting that named the file."""
+    """The bytes of the CSV that the file of bytes `raw` holds (itself, or the CSV a gzip file or a zip of one file
+    holds), or UserError in one line saying what the file is and how to make a CSV of it. `key`: the setting."""
     container = ""
-    for magic, what, unpack in COMPRESSED:
-        if raw.startswith(magic):
-            try:
-                raw, container = unpack(raw), f"{what} holding "
-            except ZipOfMany as e:
-                files = f"a zip archive of {len(e.args)} files ({', '.join(e.args[:5])}{', ...' * (len(e.args) > 5)})"
-                if "xl/workbook.xml" in e.args:  # what Excel saves is a zip of its parts
-                    raise UserError(f"{key} {path} is an Excel workbook (.xlsx), not a CSV: "
-                                    f"{fill(CONVERT.format('read_excel'), path, key)}") from None
-                raise UserError(f"{key} {path} is {files}, not a CSV: unzip it (unzip -d "
-                                f"{shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}) and pass the .csv "
-                                f"you mean as --{key}=<it>") from None
-            except (OSError, EOFError, ValueError, RuntimeError, NotImplementedError, lzma.LZMAError, zlib.error,
-                    zipfile.BadZipFile) as e:  # damaged, encrypted, or a method the standard library cannot read
-                raise UserError(f"{key} {path} is {what} that cannot be unpacked ({e}): unpack it yourself, or "
-                                f"download it again") from None
-            break
+    try:
+        if raw.startswith(b"\x1f\x8b"):
+            raw, container = gzip.decompress(raw), "a gzip-compressed file holding "
+        elif raw.startswith(b"PK\x03\x04"):
+            with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+                names = [i.filename for i in archive.infolist() if not i.is_dir()
+                         and not i.filename.startswith("__MACOSX/") and os.path.basename(i.filename) != ".DS_Store"]
+                if "xl/workbook.xml" in names:
+                    raise UserError(f"{key} {path} is {EXCEL[0]}, not a CSV: {conversion(*EXCEL[1:], path, key)}")
+                if len(names) != 1:
+                    raise UserError(f"{key} {path} is a zip archive of {len(names)} files ({', '.join(names[:5])}"
+                                    f"{', ...' * (len(names) > 5)}), not a CSV: unzip it (unzip -d "
+                                    f"{shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}) and pass the "
+                                    f".csv you mean as --{key}=<it>")
+                raw, container = archive.read(names[0]), "a zip archive holding "
+    except (OSError, EOFError, RuntimeError, NotImplementedError, zlib.error, zipfile.BadZipFile) as e:
+        # damaged, encrypted, or a method the standard library cannot read
+        raise UserError(f"{key} {path} is a compressed file that cannot be unpacked ({e}): unpack it yourself, or "
+                        f"download it again") from None
     head = raw[:512].removeprefix(codecs.BOM_UTF8).lstrip().lower()
-    found = next(((what, hint) for magic, what, hint in NOT_CSV if head.startswith(magic.lower())), None)
-    if raw[257:262] == b"ustar":  # a tar archive's mark is not at its start
-        found = "a tar archive", UNPACK
+    found = next((kind for kind in NOT_CSV if head.startswith(kind[0].lower())), None)
     if found:
-        raise UserError(f"{key} {path} is {container}{found[0]}, not a CSV: {fill(found[1], path, key)}")
+        raise UserError(f"{key} {path} is {container}{found[1]}, not a CSV: {conversion(*found[2:], path, key)}")
     if BINARY.intersection(raw[:512]) and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         first = raw[:8]
         shown = "".join(chr(b) if 32 <= b < 127 else "." for b in first)
@@ -734,8 +696,11 @@ def csv_content(raw, path, key):
     return raw
 
 
-def fill(hint, path, key):
-    """A NOT_CSV hint for the file at `path`: the CSV to write is beside it, named after it."""
-    stem = re.sub(r"(\.\w+)?(\.(gz|bz2|xz|zip))?$", "", path, flags=re.IGNORECASE)
-    dst = f"{stem}.csv" if f"{stem}.csv" != path else f"{stem}-converted.csv"
-    return hint.format(src=path, dst=dst, key=key)
+def conversion(hint, package, path, key):
+    """A NOT_CSV hint for the file at `path`, which names the package it needs where that is missing; the CSV to
+    write is beside it, named after it, under a name no file has."""
+    stem = re.sub(r"(\.\w+)?(\.(gz|zip))?$", "", path, flags=re.IGNORECASE)
+    dst = next(name for name in (f"{stem}.csv", *(f"{stem}-{i}.csv" for i in range(2, 1000)))
+               if not os.path.exists(name))
+    missing = package and importlib.util.find_spec(package) is None
+    return (f"pip install {package}, then " if missing else "") + hint.format(src=path, dst=dst, key=key)

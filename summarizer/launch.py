@@ -172,41 +172,11 @@ def notebook_launch(main, argv, num_processes, port):
         sys.exit(2)
 
 
-class ReplacedLine:
-    """A text stream that writes `new` where it is given `old` (one write, as print gives its text), else passes
-    everything through to `stream`."""
-
-    def __init__(self, stream, old, new):
-        self.stream, self.old, self.new = stream, old, new
-
-    def write(self, text):
-        return self.stream.write(self.new if text == self.old else text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def launch_line(num_processes):
-    """Accelerate's notebook_launcher announces 'Launching training on N CUDAs.' whatever the device: without
-    CUDA, that line says processes on the CPU instead."""
-    if torch.cuda.is_available():
-        yield
-        return
-    stdout = sys.stdout
-    sys.stdout = ReplacedLine(stdout, f"Launching training on {num_processes} CUDAs.",
-                              f"Launching training on {num_processes} processes on the CPU (no CUDA GPU is visible).")
-    try:
-        yield
-    finally:
-        sys.stdout = stdout
-
-
 def launch_workers(main, argv, num_processes, port):
     from accelerate import notebook_launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     try:
-        with quiet_launcher_logs(), launch_line(num_processes):
+        with quiet_launcher_logs():
             notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
                               use_port=str(port))
     except torch.distributed.DistNetworkError as e:

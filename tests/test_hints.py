@@ -177,3 +177,20 @@ def test_a_sample_submission_unlike_test_csv_names_the_way_to_skip_its_check(sam
     hinted = re.search(r"\((--sample_submission_csv)='' skips the check\)$", err)[1] + "="  # '' as the shell passes it
     predict.main([*scoring, hinted])
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3
+
+
+def test_a_json_train_csv_beside_a_csv_converts_to_a_free_name_and_trains(trained, tmp_path, capsys):
+    """The conversion hint, run as it is written, writes a CSV no file had (train.csv beside it is kept) and the
+    flag it names trains."""
+    folder, args = trained
+    rows = synthetic_rows(24, seed=3)
+    pd.DataFrame(rows).to_json(tmp_path / "train.json", orient="records")
+    save_csv(tmp_path / "train.csv", synthetic_rows(24, seed=4))
+    before = (tmp_path / "train.csv").read_bytes()
+    err = one_error_line(capsys, train.main, [*args, f"--train_csv={tmp_path / 'train.json'}",
+                                              f"--out_dir={tmp_path / 'out'}"])
+    code, flag = re.search(r"convert it: (pandas\.\S+ index=False\)), then pass (--train_csv=\S+)$", err).groups()
+    exec(code, {"pandas": pd})
+    assert (tmp_path / "train.csv").read_bytes() == before and flag == f"--train_csv={tmp_path / 'train-2.csv'}"
+    train.main([*args, flag, f"--out_dir={tmp_path / 'out'}"])
+    assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1

@@ -1,12 +1,12 @@
 """The files train.py is given as CSVs (issues 37, 56): a file that is not a CSV (JSON, Parquet, Excel, an archive
-of several files...) is one line saying what its first bytes mean and how to make a CSV of it; a compressed CSV
-(gzip, bzip2, xz, a zip of one CSV) is read as the CSV inside; validation rows that repeat training rows
+of several files...) is one line saying what its first bytes mean and how to make a CSV of it (the package that
+needs, where it is missing; a CSV name no file has); a compressed CSV (gzip, a zip of one CSV) is read as the CSV
+inside; validation rows that repeat training rows
 (evaluate.py's rule: same dialogue, or same id) and ids on more than one row are noted at start-up."""
-import bz2
 import gzip
+import importlib.util
 import io
 import json
-import lzma
 import re
 import types
 import zipfile
@@ -52,9 +52,10 @@ NOT_CSVS = [
      r"is JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json'\)\.to_csv\('\S+train\.csv', index=False\), "
      r"then pass --train_csv=\S+train\.csv"),
     ("train.jsonl", "\n".join(map(json.dumps, ROWS)).encode(), r"is JSON, not a CSV: .*lines=True for one record"),
-    ("train.parquet", b"PAR1" + bytes(64) + b"PAR1", r"is a Parquet file, not a CSV: convert it: pandas\.read_parquet"),
+    ("train.parquet", b"PAR1" + bytes(64) + b"PAR1",
+     r"is a Parquet file, not a CSV: (pip install pyarrow, then )?convert it: pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
-     r"is an Excel workbook \(\.xlsx\), not a CSV: convert it: pandas\.read_excel"),
+     r"is an Excel workbook \(\.xlsx\), not a CSV: (pip install openpyxl, then )?convert it: pandas\.read_excel"),
     ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>",
      r"is not a CSV of rows: its first line '<!DOCTYPE html>' reads as one column: pass --train_csv=<a CSV with a "
      r"header row, e.g. id,dialogue,summary>$"),
@@ -65,10 +66,9 @@ NOT_CSVS = [
      r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
      r"\.to_csv\('\S+train\.csv'"),
     ("train.csv.gz", gzip.compress(CSV)[:-8],
-     r"is a gzip-compressed file that cannot be unpacked \(.+\): unpack it yourself"),
+     r"is a compressed file that cannot be unpacked \(.+\): unpack it yourself"),
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
-     r"is a gzip-compressed file holding a tar archive, not a CSV: unpack it and pass the \.csv inside as "
-     r"--train_csv=<it>$"),
+     r"is a gzip-compressed file holding binary data, not a CSV: it starts with bytes 74 72 61 69 6e 2e 63 73"),
 ]
 
 
@@ -81,16 +81,37 @@ def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, p
     assert "\n" not in message and message.startswith(f"train_csv {path} ") and re.search(pattern, message), message
 
 
-@pytest.mark.parametrize("magic, what, hint", data.NOT_CSV, ids=[what for _, what, _ in data.NOT_CSV])
-def test_every_kind_the_table_of_first_bytes_names_is_one_line(magic, what, hint, tmp_path):
+@pytest.mark.parametrize("magic, what, hint, package", data.NOT_CSV, ids=[kind[1] for kind in data.NOT_CSV])
+def test_every_kind_the_table_of_first_bytes_names_is_one_line(magic, what, hint, package, tmp_path):
     path = write(tmp_path, "train.csv", b"\n " + magic + b"id,dialogue,summary\n1,a,b\n")  # blank space first
     with pytest.raises(data.UserError) as info:
         data.read_table(path, "train_csv", load_config([]))
     assert str(info.value).startswith(f"train_csv {path} is {what}, not a CSV: ") and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name, content, package", [
+    ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}), "openpyxl"),
+    ("train.parquet", b"PAR1" + bytes(64) + b"PAR1", "pyarrow")])
+@pytest.mark.parametrize("installed", [False, True])
+def test_a_conversion_hint_names_the_package_it_needs_where_missing_and_a_free_csv_name(name, content, package,
+                                                                                       installed, tmp_path,
+                                                                                       monkeypatch):
+    """train.csv beside train.xlsx is another file: the hint's CSV is one no file has, so following it
+    overwrites nothing."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda module, *rest: (real("json") if installed else None) if module == package
+                        else real(module, *rest))
+    path, sibling = write(tmp_path, name, content), write(tmp_path, "train.csv", CSV)
+    with pytest.raises(data.UserError) as info:
+        data.read_table(path, "train_csv", load_config([]))
+    message = str(info.value)
+    assert (f"not a CSV: pip install {package}, then convert it" in message) == (not installed), message
+    assert f".to_csv({str(tmp_path / 'train-2.csv')!r}, index=False)" in message and sibling not in message
+
+
 COMPRESSED = {
-    "train.csv.gz": gzip.compress(CSV), "train.csv.bz2": bz2.compress(CSV), "train.csv.xz": lzma.compress(CSV),
+    "train.csv.gz": gzip.compress(CSV),
     "train.zip": zipped({"train.csv": CSV, "__MACOSX/._train.csv": b"\0"}),
     "stored.zip": zipped({"train.csv": CSV}, zipfile.ZIP_STORED),  # was read as text: ids lost, no error
     "zip-named.csv": zipped({"data/train.csv": CSV}),

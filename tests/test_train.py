@@ -78,9 +78,6 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
         assert reports == ["alive at teardown: ddp=0 fsdp=0 gpt=0"] * 2, result.stderr[-3000:]
     if launch == "torchrun_ddp":  # the after-run ran before the teardown it reported on
         assert (out / "eval_metrics.json").is_file() and (out / "submission.csv").is_file()
-    if launch == "notebook_launcher":  # on the CPU, Accelerate's "Launching training on 2 CUDAs." is said right
-        assert "Launching training on 2 processes on the CPU (no CUDA GPU is visible)." in result.stdout
-        assert "CUDA" not in result.stdout.replace("no CUDA GPU", "")
 
 
 @pytest.mark.slow

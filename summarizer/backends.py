@@ -257,9 +257,6 @@ class FSDP(DDP):
     """torchrun's processes with FSDP2's fully_shard: weights, gradients and optimizer state sharded across ranks."""
 
     def __init__(self, cfg, want_cuda):
-        if not hasattr(torch.distributed.fsdp, "fully_shard"):
-            raise UserError(f"backend=fsdp needs PyTorch 2.6 or newer (fully_shard), this is {torch.__version__}: "
-                            f"upgrade torch, or use backend=ddp")
         super().__init__(cfg, want_cuda)
         self.model = None  # the sharded model, once shard() ran
 

@@ -13,7 +13,7 @@ import data
 from config import Use, flags_given, grad_accum_steps, load_config, own_keys, resolve, settings_given
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.clock import RunClock, used_up
+from summarizer.clock import RunClock
 from summarizer.compiling import CompiledModule, compile_model
 from summarizer.errors import UserError
 from summarizer.launch import memory_hint
@@ -65,7 +65,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
     announced before step 1."""
     started = time.monotonic() if started is None else started
     tracker, splits, after_summaries = checked_start(cfg, rt)
-    starting = Starting(rt, cfg.max_time, started)
+    starting = Starting(rt)
     starting("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
@@ -140,19 +140,15 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
 
 
 class Starting:
-    """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next, and a budget
-    (max_time, counted from `started`) that start-up has spent stops every rank there, in one line."""
+    """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next (a budget that
+    start-up spends ends it where it is: train.py's start_up_deadline, with this line as what it was doing)."""
 
-    def __init__(self, rt, budget, started):
-        self.rt, self.budget, self.started = rt, budget, started
+    def __init__(self, rt):
+        self.rt = rt
 
     def __call__(self, what):
         if self.rt.is_main:
             print(f"start-up: {what} ...", flush=True)
-        if self.budget is not None:
-            spent = time.monotonic() - self.started
-            self.rt.stop_if(used_up(self.budget, spent, "(imports, reading the data, building the model, timing a "
-                                                        "step)") if self.rt.is_main and spent >= self.budget else None)
 
 
 def training_state(cfg, rt, model, resumed, splits, given):

@@ -22,7 +22,7 @@ from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.errors import DiskFull, UserError
 from summarizer.launch import out_of_memory_hint
-from summarizer.loading import build_model, check_shape
+from summarizer.loading import build_model, check_named, check_shape
 from summarizer.memory import generation_batches, generation_memory
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
@@ -84,6 +84,7 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
         return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
     if cfg.baseline:
+        check_named(cfg.baseline, "baseline", EXTRACTIVE)
         torch.manual_seed(cfg.seed)
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")

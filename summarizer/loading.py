@@ -2,6 +2,7 @@
 transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, a LoRA
 run's frozen base (referenced by where it came from and its hash instead of stored), and the model a training run
 trains: the checkpoint it continues or starts from, and its shape."""
+import difflib
 import hashlib
 import json
 import math
@@ -109,11 +110,23 @@ def check_folder(source, key):
                         f"a GPT-2 name or scratch")
 
 
+def check_named(source, key, others=()):
+    """One line for a source that names nothing: none of `others`, scratch and the GPT-2 names, and no file or folder
+    there; every choice listed, the closest first."""
+    choices = [*others, "scratch", *PRETRAINED]
+    if source in choices or os.path.exists(source):
+        return
+    close = difflib.get_close_matches(source, choices, n=1)
+    raise UserError(f"{key}={source!r} is none of {', '.join(choices)}, nor a transformers model folder or a "
+                    f"checkpoint" + (f": did you mean --{key}={close[0]}?" if close else ""))
+
+
 def check_shape(cfg, explicit, source, key="init_from"):
     """One line, before any work, when cfg asks `source` for what it cannot be: a folder that is no model
     (check_folder), a block_size longer than its positions (a shorter one cuts them), or a shape flag given in
     `explicit` (--key=value) that is not its own."""
     if source != "scratch":
+        check_named(source, key, ("resume",) if key == "init_from" else ())
         check_folder(source, key)
     shape = source_shape(source) if cfg else None
     if shape is None:

@@ -194,3 +194,15 @@ def test_a_json_train_csv_beside_a_csv_converts_to_a_free_name_and_trains(traine
     assert (tmp_path / "train.csv").read_bytes() == before and flag == f"--train_csv={tmp_path / 'train-2.csv'}"
     train.main([*args, flag, f"--out_dir={tmp_path / 'out'}"])
     assert load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["iter_num"] == 1
+
+
+def test_a_mistyped_baseline_lists_every_choice_and_the_closest_which_scores(trained, tmp_path, capsys):
+    folder, _ = trained
+    flags = [f"--train_csv={folder / 'train.csv'}", f"--data_cache_dir={folder / 'cache'}", "--device=cpu",
+             f"--out_dir={tmp_path / 'out'}"]
+    err = one_error_line(capsys, evaluate.main, [*flags, "--baseline=lead4"])
+    assert all(name in err for name in ("first_line", "lead3", "longest3", "scratch", "gpt2", "gpt2-xl", "folder"))
+    hinted = re.search(r"did you mean (--baseline=\S+)\?$", err)[1]
+    assert hinted == "--baseline=lead3"
+    evaluate.main([*flags, hinted])
+    assert (tmp_path / "out" / "baseline-lead3" / "eval_metrics.json").is_file()

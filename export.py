@@ -83,7 +83,9 @@ def model_card(ckpt, trained, run, fmt, name):
     """README.md of the folder: what the model is, how it was trained (`trained`: the checkpoint's config) and
     scored, and how to prompt and decode it (`run`: the config inference resolved), with the code that builds a
     prompt as our PromptFormat `fmt` does, long dialogues cut the same way."""
-    metrics = ckpt["metrics"]
+    metrics, rows = ckpt["metrics"], ckpt["train_rows"]
+    training = (f"{os.path.basename(trained.train_csv)}: {len(rows['dialogues'])} training rows (CSV digest "
+                f"{rows['digest'][:16]})")
     scores = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rouge1", "rouge2", "rougeL") if k in metrics)
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {trained.rouge_samples} validation dialogues)"
@@ -106,7 +108,7 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 | | |
 | --- | --- |
 | base model | {base} |
-| training data | {os.path.basename(trained.train_csv)} |
+| training data | {training} |
 | validation data | {validation} |
 | steps | {ckpt["iter_num"]} (batch {trained.batch_size} sequences of up to {block_size} tokens) |
 | validation scores at that step | {scores or "none recorded"} |

@@ -98,7 +98,9 @@ def test_exported_tokenizer_encodes_like_ours(run):
 def test_model_card_has_the_template_and_the_run(run):
     card = open(os.path.join(run.hf_dir, "README.md")).read()
     assert repr(run.cfg.prompt_template) in card
-    assert "train.csv" in card and "validation.csv" in card
+    assert "validation.csv" in card
+    rows = run.ckpt["train_rows"]  # the data named by more than its file name: what the checkpoint records of it
+    assert f"| train.csv: {len(rows['dialogues'])} training rows (CSV digest {rows['digest'][:16]}) |" in card
     assert f"| steps | {run.ckpt['iter_num']} " in card
     assert f"rougeL {run.ckpt['metrics']['rougeL']:.4f}" in card
     # exported without the training flags: what the card says of training comes from the checkpoint

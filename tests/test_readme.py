@@ -195,3 +195,11 @@ def test_requirements_txt_asks_for_the_torch_install_the_readme_runs(readme):
         header = "".join(line for line in f if line.startswith("#"))
     asked = re.findall(r"`(pip install torch[^`]*)`", header)
     assert asked and all(command in readme for command in asked), asked
+
+
+def test_ci_lists_the_slowest_tests_of_the_readmes_command():
+    """.ci/run runs the README's command and then lists the 25 slowest tests, so the next cut is measured."""
+    ci = read(os.path.join(ROOT, ".ci", "run"))
+    assert re.search(r'^export PYTEST_ADDOPTS="--durations=25"', ci, re.M), ci
+    assert ci.index("PYTEST_ADDOPTS") < ci.index(f"\n{TEST_COMMAND}\n")
+    assert "`--durations=25`" in read(README)

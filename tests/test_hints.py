@@ -206,3 +206,13 @@ def test_a_mistyped_baseline_lists_every_choice_and_the_closest_which_scores(tra
     assert hinted == "--baseline=lead3"
     evaluate.main([*flags, hinted])
     assert (tmp_path / "out" / "baseline-lead3" / "eval_metrics.json").is_file()
+
+
+def test_a_resume_from_a_best_pt_names_the_new_run_that_trains_on_from_it(trained, tmp_path, capsys):
+    folder, args = trained
+    best = folder / "out" / "best.pt"
+    err = one_error_line(capsys, train.main, [*args, f"--resume_from={best}", f"--out_dir={tmp_path / 'out'}",
+                                              "--max_iters=2"])
+    hinted = re.search(r"in a new run: (--init_from=\S+) --out_dir=<a new folder>$", err)[1]
+    train.main([*args, hinted, f"--out_dir={tmp_path / 'new'}"])
+    assert load_checkpoint(str(tmp_path / "new" / "ckpt.pt"))["iter_num"] == 1

@@ -1,7 +1,7 @@
 """A checkpoint: its record (what best.pt and ckpt.pt hold, a typed dict with a format version: written by
-TrainingState.save, read by load_checkpoint, which upgrades the files of every earlier version step by step), its
-file format (torch.save written atomically, read back with weights_only so a file cannot run code, a damaged file
-named with the intact ones beside it) and the training state a resumed run restores (TrainingState)."""
+TrainingState.save, read by load_checkpoint, which upgrades formats 3 and 4 step by step and names the retired 1
+and 2 in one line), its file format (torch.save written atomically, read back with weights_only so a file cannot
+run code, a damaged file named with the intact ones beside it) and the training state a resumed run restores."""
 import glob
 import os
 import zipfile

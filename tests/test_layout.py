@@ -13,6 +13,7 @@ from summarizer.preparation import prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_FILES = 6  # project files one training step may run code in (nanochat's: about 5)
+LONGEST = 65  # lines of the program's longest function: a longer one does two jobs
 
 
 def project_files():
@@ -50,6 +51,15 @@ def test_the_root_holds_what_a_user_runs_or_reads_first():
     for folder in ("summarizer", "bench", "docs", "config", "tests"):
         assert os.path.isdir(os.path.join(REPO, folder)), folder
     assert not any(name.startswith("bench") for name in root)
+
+
+def test_no_function_of_the_program_is_over_65_lines():
+    """The program: every .py file outside tests/, bench/ and data/make_demo.py."""
+    long = [(f"{path}:{node.lineno} {node.name}", node.end_lineno - node.lineno + 1) for path, tree in parsed()
+            if not path.startswith("bench" + os.sep) and path != os.path.join("data", "make_demo.py")
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST]
+    assert not long, long
 
 
 def test_no_module_is_named_like_another_plus_a_suffix():

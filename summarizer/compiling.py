@@ -102,11 +102,9 @@ def compiler_error(error):
     compiler = tuple(getattr(inductor, name) for name in ("InductorError", "CppCompileError", "InvalidCxxCompiler",
                                                          "CUDACompileError", "LoweringException")
                      if hasattr(inductor, name))
-    # fullgraph=True turns dynamo's recompile limit into an error that is not a TorchDynamoException (named
-    # FailOnCacheLimitHit before torch 2.6)
-    recompiles = tuple(getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
-                       if hasattr(torch._dynamo.exc, name))
-    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, *compiler, *recompiles))
+    # fullgraph=True turns dynamo's recompile limit into an error that is not a TorchDynamoException
+    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit,
+                              *compiler))
 
 
 def warn_compile_failed(error, fallback):

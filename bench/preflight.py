@@ -1,14 +1,14 @@
-"""The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
-before the GPU hours. It judges the run as it will be launched (one process per GPU found, one on a CPU;
---nproc_per_node=N says otherwise) by checks alone: what train.py checks before its first step, through the same
-code and in the same lines (preparation.checked_start, run_folder.DiskPlan), and what only a preflight checks:
-versions, the GPUs and whether they reach each other, /dev/shm, and a collective between the processes, trying the
-NCCL settings in turn. Nothing trains or decodes: that is the GPU check's (bench/gpu_check.py). It ends in one
-verdict line, exits 1 on a no-go, and writes a JSON report.
+"""The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds before the
+GPU hours: train.py's verdict before step 1 through train.py's own code (each refusal in its line: the settings,
+out_dir, the inputs, the disk, the model, and max_time judged by the run's rule on one eager step and a batch of
+summaries timed), and what only a preflight checks: versions, the GPUs, /dev/shm, and a collective between the
+processes the run is launched with (one per GPU found, one on a CPU, or --nproc_per_node), trying the NCCL settings
+in turn. It ends in one verdict line, exits 1 on a no-go, and writes a JSON report.
 
-    python -m bench.preflight config/kaggle_t4x2.py [--key=value ...] [--report=PATH] [--nproc_per_node=N]
+    python -m bench.preflight <preset.py> [--key=value ...] [--report=PATH] [--nproc_per_node=N]
 """
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -16,23 +16,26 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 import types
+from dataclasses import replace
 
 import torch
 
 import data
 import train
 from bench import child_environ, torchrun
-from config import load_config
+from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
 from summarizer.backends import NCCL_SETTINGS, nccl_flags, nccl_in_effect
+from summarizer.clock import start_up_deadline
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.launch import one_line_errors
+from summarizer.launch import one_line_errors, process_age
 from summarizer.loading import resuming, trained_shape
-from summarizer.preparation import checked_start, run_settings
-from summarizer.runtime import choose_precision
+from summarizer.preparation import checked_start, prepare, run_settings
+from summarizer.runtime import Runtime, choose_precision
 
 SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
 NOT_RUN = "not run"
@@ -92,34 +95,44 @@ def shared_memory():
 
 
 def start(cfg, nproc):
-    """(the check, the training rows): train.py's checks before it builds its model (checked_start: the same code,
-    the same lines), as rank 0 of `nproc` processes meets them."""
-    rank_0 = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op)
+    """train.py's checks before it builds its model, in its order and its lines, as rank 0 of `nproc` processes
+    meets them: the precision, out_dir made and written (an out_dir it cannot write is not the disk's), checked_start,
+    then the run's checkpoints at their peak against out_dir's room (run_folder.DiskPlan, for the run's model built
+    on the meta device)."""
+    rank_0, figures = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op), {}
     try:
+        cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
+        run_folder.make(cfg.out_dir)
         _, splits, after_summaries = checked_start(cfg, rank_0)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
+        if cfg.lora_rank:
+            lora.add_adapters(model, **lora.settings(cfg))
+        plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
+                                   train_rows=len(splits.train))
+        figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(plan.space[0] / 1e9, 2),
+                       limited_by=plan.space[1], parameters_m=round(model.num_params() / 1e6, 1))
+        if problem := plan.problem(resuming(cfg)):
+            raise UserError(problem)
     except UserError as e:
-        return check("failed", str(e)), 0
+        return check("failed", str(e), **figures)
     return check("ok", f"{len(splits.train)} training and {len(splits.val)} validation examples, {after_summaries} "
                        f"dialogues to summarize after training; {cfg.batch_size} sequences per step over {nproc} "
-                       f"process(es); init_from={cfg.init_from}"), len(splits.train)
+                       f"process(es); init_from={cfg.init_from}; out_dir {cfg.out_dir}: {plan.describe()} at the "
+                       f"peak for the run's {model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
 
 
-def disk(cfg, train_rows):
-    """The run's checkpoints at their peak against out_dir's room (the output quota counted), as train.py plans
-    them (run_folder.DiskPlan) for the run's model, built on the meta device."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
-    if cfg.lora_rank:
-        lora.add_adapters(model, **lora.settings(cfg))
-    plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
-                               train_rows=train_rows)
-    (room, limit), problem = plan.space, plan.problem(resuming(cfg))
-    figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(room / 1e9, 2), limited_by=limit,
-                   parameters_m=round(model.num_params() / 1e6, 1))
-    if problem:
-        return check("failed", problem, **figures)
-    return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak for the run's "
-                       f"{model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
+def judged(cfg, start_ckpt, given, started):
+    """train.py's start itself up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this
+    process and eager: the model built, micro_batch_size=auto chosen and, with max_time, one step and a batch of
+    summaries timed and judged by the run's rule (RunClock.start_up_problem) under its start-up deadline. What
+    max_time buys, in words, or ''."""
+    cfg = replace(cfg, compile=False, backend="none")
+    with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started):
+        run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
+    return (f"; max_time={cfg.max_time:g}: about {1 + run.clock.steps_left(run.state.step)} steps fit (timed eagerly "
+            f"in one process)" if run.clock else "")
 
 
 def error_line(output):
@@ -182,8 +195,10 @@ def verdict(checks):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    started = time.monotonic() - (process_age() if argv is None else 0.0)  # what max_time counts from, as train.py's
+    parser = argparse.ArgumentParser(prog="python -m bench.preflight", usage=__doc__.split("\n\n")[1].strip(),
+                                     description=__doc__.partition("\n\n")[0], epilog="--key=value: any of "
+                                     "train.py's settings, over the preset's (python train.py --help lists them)")
     parser.add_argument("--report", default="", help=f"where the JSON report goes (default: out_dir/"
                                                      f"{run_folder.PREFLIGHT}, beside the run's outputs)")
     parser.add_argument("--nproc_per_node", type=int, default=0, help="the processes the run is launched with "
@@ -194,16 +209,20 @@ def main(argv=None):
     if args.collective:
         with one_line_errors():
             return run_collective(settings)
-    with one_line_errors():  # a wrong setting is train.py's one line
-        cfg, _, _ = run_settings(settings, train.__doc__)
+    checks, cfg, nproc = dict(versions=versions()), None, 1
+    try:  # a wrong setting or a resume with nothing to resume: train.py's line, as the verdict
+        cfg, start_ckpt, _ = run_settings(settings, train.__doc__)
+    except UserError as e:
+        checks["train.py"] = check("failed", str(e))
+    if cfg:
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        # what the run will train in (bfloat16 on a T4 is refused here as there)
-        choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
-    device = "cuda" if cuda else "cpu"
-    nproc = args.nproc_per_node or (torch.cuda.device_count() if cuda else 1)
-    checks = dict(versions=versions(), gpus=gpus(cfg), shared_memory=shared_memory())
-    checks["train.py"], train_rows = start(cfg, nproc)
-    checks["disk"] = disk(cfg, train_rows)
+        nproc = args.nproc_per_node or (torch.cuda.device_count() if cuda else 1)
+        checks.update(gpus=gpus(cfg), shared_memory=shared_memory(), **{"train.py": start(cfg, nproc)})
+        try:  # only where every check passed: seconds of the GPU's
+            if not any(c["status"] == "failed" for c in checks.values()):
+                checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)
+        except (UserError, torch.OutOfMemoryError) as e:
+            checks["train.py"] = check("failed", str(e).strip().partition("\n")[0])
     for name in checks:
         say(name, checks)
     if nproc == 1:
@@ -211,21 +230,34 @@ def main(argv=None):
     elif any(c["status"] == "failed" for c in checks.values()):  # what the run cannot start with: no GPU time spent
         checks["collective"] = check(NOT_RUN, "the run cannot start")
     else:
-        checks["collective"] = collective(cfg, nproc, device, args.collective_timeout)
+        checks["collective"] = collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout)
     say("collective", checks)
-    return finish(args, cfg, checks, device, nproc)
+    return finish(args.report or report_path(settings), checks, "cuda" if cfg and cuda else "cpu", nproc)
 
 
-def finish(args, cfg, checks, device, nproc):
-    """The verdict line, the report written, the exit status."""
-    line = verdict(checks)
+def report_path(settings):
+    """out_dir/PREFLIGHT, out_dir as the command line gives it (a setting in error aside: the presets' and flags'
+    own values), else its default."""
+    out_dir = Config().out_dir
+    for arg in sorted(settings, key=lambda arg: arg.startswith("--")):  # the presets, then the flags, each alone
+        with contextlib.suppress(UserError):
+            out_dir = dict((key, value) for key, value, _ in settings_given([arg])).get("out_dir", out_dir)
+    return os.path.join(out_dir, run_folder.PREFLIGHT)
+
+
+def finish(path, checks, device, nproc):
+    """The verdict line, the report written (where it cannot be, one line says so), the exit status."""
+    line, path = verdict(checks), os.path.abspath(path)
     report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
-    args.report = args.report or os.path.join(cfg.out_dir, run_folder.PREFLIGHT)
-    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    with atomic_write(args.report) as f:
-        json.dump(report, f, indent=2, default=str)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_write(path) as f:
+            json.dump(report, f, indent=2, default=str)
+        where = f"report: {path}"
+    except (OSError, UserError) as e:  # DiskFull is one
+        where = f"report: not written to {path} ({getattr(e, 'strerror', None) or e}): give --report=<a writable path>"
     print(line)
-    print(f"report: {os.path.abspath(args.report)}")
+    print(where)
     return 0 if report["go"] else 1
 
 

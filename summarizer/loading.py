@@ -304,7 +304,8 @@ def model_to_train(cfg, start_ckpt=None):
     path = resume_path(cfg)
     model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start_ckpt)
     if "optimizer" not in ckpt:
-        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs")
+        raise UserError(f"{path} holds weights only (a best.pt?), not what resuming needs: resume from the run's "
+                        f"ckpt.pt, or start a new run from these weights with --init_from={path} instead of resuming")
     return model, ckpt
 
 

@@ -354,8 +354,8 @@ class DiskPlan:
             fixes.append("delete earlier runs kept there: " + ", ".join(earlier))
         if not self.cfg.lora_rank:
             fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
-        return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and {gb(free)} is {limit}: "
-                + "; or ".join(fixes))
+        return (f"out_dir {out_dir} needs {gb(need - free)} more than the {gb(free)} {limit}: its peak is "
+                f"{self.describe()}: " + "; or ".join(fixes))
 
 
 GO_ON = ("free some space and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the "

@@ -1,9 +1,7 @@
-"""The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds before the
-GPU hours: train.py's verdict before step 1 through train.py's own code (each refusal in its line: the settings,
-out_dir, the inputs, the disk, the model, and max_time judged by the run's rule on one eager step and a batch of
-summaries timed), and what only a preflight checks: versions, the GPUs, /dev/shm, and a collective between the
-processes the run is launched with (one per GPU found, one on a CPU, or --nproc_per_node), trying the NCCL settings
-in turn. It ends in one verdict line, exits 1 on a no-go, and writes a JSON report.
+"""The preflight, seconds before the GPU hours (the Kaggle notebook's training cell runs it first): train.py's verdict
+before step 1 by train.py's own code, each refusal in its line (settings, out_dir, inputs, disk, model, and max_time
+by the run's rule on an eager step and a batch of summaries timed); then versions, GPUs, /dev/shm, and a collective
+between the run's processes, trying the NCCL settings in turn. One verdict line, exit 1 on a no-go, a JSON report.
 
     python -m bench.preflight <preset.py> [--key=value ...] [--report=PATH] [--nproc_per_node=N]
 """
@@ -28,7 +26,7 @@ from bench import child_environ, torchrun
 from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
-from summarizer.backends import NCCL_SETTINGS, nccl_flags, nccl_in_effect
+from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
 from summarizer.clock import start_up_deadline
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
@@ -45,18 +43,12 @@ def check(status, detail, **figures):
     return dict(status=status, detail=detail, **figures)
 
 
-def version_of(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def versions():
+    installed = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     found = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                  nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-                 triton=version_of("triton"), driver=None,
-                 **{name: version_of(name) for name in ("transformers", "accelerate", "peft", "numpy", "pandas")})
+                 triton=installed.get("triton"), driver=None,
+                 **{name: installed.get(name) for name in ("transformers", "accelerate", "peft", "numpy", "pandas")})
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=60)
@@ -72,10 +64,8 @@ def gpus(cfg):
                                    f"without a GPU, add --device=cpu")
         return check(NOT_RUN, "no CUDA GPU")
     count = torch.cuda.device_count()
-    listed = [dict(name=torch.cuda.get_device_name(i),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(i))),
-                   memory_gib=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1))
-              for i in range(count)]
+    listed = [dict(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+              for p in map(torch.cuda.get_device_properties, range(count))]
     peer = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(count) for j in range(count) if i != j}
     reach = ("no peer access between them: NCCL goes through host memory (/dev/shm)" if peer and not any(peer.values())
              else "peer access" if peer else "one GPU")
@@ -87,32 +77,27 @@ def shared_memory():
     if not os.path.isdir("/dev/shm"):
         return check(NOT_RUN, "no /dev/shm")
     usage = shutil.disk_usage("/dev/shm")
-    figures = dict(total_mib=usage.total // 2**20, free_mib=usage.free // 2**20)
-    if usage.free < SHM_BYTES:
-        return check("warning", f"/dev/shm has {usage.free // 2**20} MiB free: NCCL's shared-memory transport may "
-                                f"fail; NCCL_SHM_DISABLE=1 avoids it", **figures)
-    return check("ok", f"/dev/shm {usage.free // 2**20} MiB free", **figures)
+    free, figures = usage.free // 2**20, dict(total_mib=usage.total // 2**20, free_mib=usage.free // 2**20)
+    return (check("warning", f"/dev/shm has {free} MiB free: NCCL's shared-memory transport may fail; "
+                             f"NCCL_SHM_DISABLE=1 avoids it", **figures) if usage.free < SHM_BYTES
+            else check("ok", f"/dev/shm {free} MiB free", **figures))
 
 
 def start(cfg, nproc):
-    """train.py's checks before it builds its model, in its order and its lines, as rank 0 of `nproc` processes
-    meets them: the precision, out_dir made and written (an out_dir it cannot write is not the disk's), checked_start,
-    then the run's checkpoints at their peak against out_dir's room (run_folder.DiskPlan, for the run's model built
-    on the meta device)."""
+    """train.py's checks before it builds its model, in its order and lines, as rank 0 of `nproc` processes meets
+    them: the precision, out_dir made (one it cannot write is not the disk's), checked_start, the disk plan."""
     rank_0, figures = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op), {}
     try:
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
         choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
         run_folder.make(cfg.out_dir)
         _, splits, after_summaries = checked_start(cfg, rank_0)
-        with torch.device("meta"):
+        with torch.device("meta"):  # the run's model, its tensors' sizes alone
             model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
-        if cfg.lora_rank:
-            lora.add_adapters(model, **lora.settings(cfg))
+        model = lora.add_adapters(model, **lora.settings(cfg)) if cfg.lora_rank else model
         plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
                                    train_rows=len(splits.train))
-        figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(plan.space[0] / 1e9, 2),
-                       limited_by=plan.space[1], parameters_m=round(model.num_params() / 1e6, 1))
+        figures = dict(peak_gb=round(plan.peak / 1e9, 2), parameters_m=round(model.num_params() / 1e6, 1))
         if problem := plan.problem(resuming(cfg)):
             raise UserError(problem)
     except UserError as e:
@@ -124,10 +109,8 @@ def start(cfg, nproc):
 
 
 def judged(cfg, start_ckpt, given, started):
-    """train.py's start itself up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this
-    process and eager: the model built, micro_batch_size=auto chosen and, with max_time, one step and a batch of
-    summaries timed and judged by the run's rule (RunClock.start_up_problem) under its start-up deadline. What
-    max_time buys, in words, or ''."""
+    """train.py's start up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this process,
+    eager; with max_time under its start-up deadline, a step and summaries timed. What max_time buys, or ''."""
     cfg = replace(cfg, compile=False, backend="none")
     with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started):
         run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
@@ -143,13 +126,8 @@ def error_line(output):
 def collective(cfg, nproc, device, timeout):
     """One all-reduce of 64 MB (NCCL's shared-memory and network transports both set up) between nproc processes
     under torchrun, for each NCCL setting in turn until one works."""
-    base = child_environ()
-    if device == "cuda":
-        base = {**nccl_flags(cfg), **base}  # as Runtime sets them: the user's own environment wins
-        tries = [base, *({**base, **setting} for setting in NCCL_SETTINGS)]
-    else:
-        tries = [base]
-    tried = []
+    base = {**(nccl_flags(cfg) if device == "cuda" else {}), **child_environ()}  # as Runtime: the user's own wins
+    tries, tried = [base, *({**base, **setting} for setting in NCCL_SETTINGS if device == "cuda")], []
     for env in tries:
         code, output = torchrun(["-m", "bench.preflight", "--collective", f"--device={device}",
                                  f"--dist_start_timeout={timeout}"], nproc, env, timeout + 60)
@@ -173,7 +151,6 @@ def run_collective(argv):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from summarizer.backends import end_process_group, meet
     meet(cfg, device, int(os.environ["WORLD_SIZE"]))
     data = torch.ones(16 * 2**20, device=device)  # 64 MB of float32
     torch.distributed.all_reduce(data)
@@ -186,12 +163,10 @@ def say(name, checks):
 
 
 def verdict(checks):
-    failed = [(name, c) for name, c in checks.items() if c["status"] == "failed"]
+    failed, not_run = ([name for name, c in checks.items() if c["status"] == status] for status in ("failed", NOT_RUN))
     if not failed:
-        return "go: every check that ran passed" + (
-            f" ({', '.join(n for n, c in checks.items() if c['status'] == NOT_RUN)} not run)"
-            if any(c["status"] == NOT_RUN for c in checks.values()) else "")
-    return "no-go: " + "; ".join(f"{name}: {c['detail']}" for name, c in failed)
+        return "go: every check that ran passed" + (f" ({', '.join(not_run)} not run)" if not_run else "")
+    return "no-go: " + "; ".join(f"{name}: {checks[name]['detail']}" for name in failed)
 
 
 def main(argv=None):
@@ -199,10 +174,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.preflight", usage=__doc__.split("\n\n")[1].strip(),
                                      description=__doc__.partition("\n\n")[0], epilog="--key=value: any of "
                                      "train.py's settings, over the preset's (python train.py --help lists them)")
-    parser.add_argument("--report", default="", help=f"where the JSON report goes (default: out_dir/"
-                                                     f"{run_folder.PREFLIGHT}, beside the run's outputs)")
-    parser.add_argument("--nproc_per_node", type=int, default=0, help="the processes the run is launched with "
-                        "(default: one per GPU found, one on a CPU)")
+    parser.add_argument("--report", default="", help=f"the JSON report (default: out_dir/{run_folder.PREFLIGHT})")
+    parser.add_argument("--nproc_per_node", type=int, default=0, help="the run's processes (default: one per GPU)")
     parser.add_argument("--collective_timeout", type=int, default=60, help="seconds each collective try may take")
     parser.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
     args, settings = parser.parse_known_args(argv)
@@ -222,26 +195,22 @@ def main(argv=None):
             if not any(c["status"] == "failed" for c in checks.values()):
                 checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)
         except (UserError, torch.OutOfMemoryError) as e:
-            checks["train.py"] = check("failed", str(e).strip().partition("\n")[0])
+            checks["train.py"].update(status="failed", detail=str(e).strip().partition("\n")[0])
     for name in checks:
         say(name, checks)
-    if nproc == 1:
-        checks["collective"] = check(NOT_RUN, "one process")
-    elif any(c["status"] == "failed" for c in checks.values()):  # what the run cannot start with: no GPU time spent
-        checks["collective"] = check(NOT_RUN, "the run cannot start")
-    else:
-        checks["collective"] = collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout)
+    failed = any(c["status"] == "failed" for c in checks.values())  # what the run cannot start with: no GPU time spent
+    checks["collective"] = (check(NOT_RUN, "one process") if nproc == 1 else check(NOT_RUN, "the run cannot start")
+                            if failed else collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout))
     say("collective", checks)
     return finish(args.report or report_path(settings), checks, "cuda" if cfg and cuda else "cpu", nproc)
 
 
 def report_path(settings):
-    """out_dir/PREFLIGHT, out_dir as the command line gives it (a setting in error aside: the presets' and flags'
-    own values), else its default."""
+    """out_dir/PREFLIGHT, out_dir as the presets and flags give it (a setting in error aside), else its default."""
     out_dir = Config().out_dir
     for arg in sorted(settings, key=lambda arg: arg.startswith("--")):  # the presets, then the flags, each alone
         with contextlib.suppress(UserError):
-            out_dir = dict((key, value) for key, value, _ in settings_given([arg])).get("out_dir", out_dir)
+            out_dir = {key: value for key, value, _ in settings_given([arg])}.get("out_dir", out_dir)
     return os.path.join(out_dir, run_folder.PREFLIGHT)
 
 
@@ -256,8 +225,7 @@ def finish(path, checks, device, nproc):
         where = f"report: {path}"
     except (OSError, UserError) as e:  # DiskFull is one
         where = f"report: not written to {path} ({getattr(e, 'strerror', None) or e}): give --report=<a writable path>"
-    print(line)
-    print(where)
+    print(f"{line}\n{where}")
     return 0 if report["go"] else 1
 
 

@@ -7,6 +7,7 @@ between the run's processes, trying the NCCL settings in turn. One verdict line,
 """
 import argparse
 import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -114,13 +115,10 @@ def judged(cfg, start_ckpt, given, started):
     cfg = replace(cfg, compile=False, backend="none")
     with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started):
         run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
-    return (f"; max_time={cfg.max_time:g}: about {1 + run.clock.steps_left(run.state.step)} steps fit (timed eagerly "
-            f"in one process)" if run.clock else "")
-
-
-def error_line(output):
-    lines = [line for line in output.splitlines() if line.startswith(("error", "warning"))]
-    return lines[-1] if lines else (output.strip().splitlines() or [""])[-1][:300]
+    steps, run = run.clock and 1 + run.clock.steps_left(run.state.step), None
+    gc.collect()  # what the run held on GPU 0, which the collective's processes share
+    torch.cuda.empty_cache()
+    return f"; max_time={cfg.max_time:g}: about {steps} steps fit (timed eagerly in one process)" if steps else ""
 
 
 def collective(cfg, nproc, device, timeout):
@@ -132,8 +130,9 @@ def collective(cfg, nproc, device, timeout):
         code, output = torchrun(["-m", "bench.preflight", "--collective", f"--device={device}",
                                  f"--dist_start_timeout={timeout}"], nproc, env, timeout + 60)
         nccl = nccl_in_effect(env) if device == "cuda" else "gloo"
-        tried.append(dict(setting=nccl, ok=code == 0,
-                          error=None if code == 0 else ("no answer" if code is None else error_line(output))))
+        said = [line for line in output.splitlines() if line.startswith(("error", "warning"))]  # else its last line
+        tried.append(dict(setting=nccl, ok=code == 0, error=None if code == 0 else "no answer" if code is None else
+                          (said or output.strip().splitlines() or [""])[-1][:300]))
         if code == 0:
             first = env is tries[0]
             detail = (f"{nproc} processes all-reduced 64 MB with {nccl}" +
@@ -182,7 +181,7 @@ def main(argv=None):
     if args.collective:
         with one_line_errors():
             return run_collective(settings)
-    checks, cfg, nproc = dict(versions=versions()), None, 1
+    checks, cfg, nproc, cuda = dict(versions=versions()), None, 1, False
     try:  # a wrong setting or a resume with nothing to resume: train.py's line, as the verdict
         cfg, start_ckpt, _ = run_settings(settings, train.__doc__)
     except UserError as e:
@@ -202,7 +201,7 @@ def main(argv=None):
     checks["collective"] = (check(NOT_RUN, "one process") if nproc == 1 else check(NOT_RUN, "the run cannot start")
                             if failed else collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout))
     say("collective", checks)
-    return finish(args.report or report_path(settings), checks, "cuda" if cfg and cuda else "cpu", nproc)
+    return finish(args.report or report_path(settings), checks, "cuda" if cuda else "cpu", nproc)
 
 
 def report_path(settings):

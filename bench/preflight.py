@@ -92,6 +92,8 @@ def start(cfg, nproc):
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
         choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
         run_folder.make(cfg.out_dir)
+        if who := run_folder.training_in(cfg.out_dir):
+            raise UserError(run_folder.in_use(cfg.out_dir, who))
         _, splits, after_summaries = checked_start(cfg, rank_0)
         with torch.device("meta"):  # the run's model, its tensors' sizes alone
             model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
@@ -157,10 +159,6 @@ def run_collective(argv):
     end_process_group(device, clean=True, rank=int(os.environ["RANK"]))
 
 
-def say(name, checks):
-    print(f"{name:<14}{checks[name]['status']}: {checks[name]['detail']}", flush=True)
-
-
 def verdict(checks):
     failed, not_run = ([name for name, c in checks.items() if c["status"] == status] for status in ("failed", NOT_RUN))
     if not failed:
@@ -195,12 +193,11 @@ def main(argv=None):
                 checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)
         except (UserError, torch.OutOfMemoryError) as e:
             checks["train.py"].update(status="failed", detail=str(e).strip().partition("\n")[0])
-    for name in checks:
-        say(name, checks)
+    print("\n".join(f"{name:<14}{c['status']}: {c['detail']}" for name, c in checks.items()), flush=True)
     failed = any(c["status"] == "failed" for c in checks.values())  # what the run cannot start with: no GPU time spent
     checks["collective"] = (check(NOT_RUN, "one process") if nproc == 1 else check(NOT_RUN, "the run cannot start")
                             if failed else collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout))
-    say("collective", checks)
+    print(f"{'collective':<14}{checks['collective']['status']}: {checks['collective']['detail']}", flush=True)
     return finish(args.report or report_path(settings), checks, "cuda" if cuda else "cpu", nproc)
 
 

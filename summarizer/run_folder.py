@@ -82,9 +82,7 @@ def claimed(out_dir, is_main, stop_if, reads=None):
         make(out_dir, reads)
         handle = lock(out_dir)
         if handle is None:
-            who = training_in(out_dir) or describe_holder(None)  # None: it ended since
-            problem = (f"out_dir {out_dir} is in use by another training run ({who}): wait for it to end, or train "
-                       f"into another folder with --out_dir=...")
+            problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
     failed = True
     try:
         stop_if(problem)
@@ -98,6 +96,11 @@ def claimed(out_dir, is_main, stop_if, reads=None):
             if created and failed:
                 with contextlib.suppress(OSError):
                     os.rmdir(out_dir)  # only if empty
+
+
+def in_use(out_dir, who):
+    return (f"out_dir {out_dir} is in use by another training run ({who}): wait for it to end, or train into another "
+            f"folder with --out_dir=...")
 
 
 def lock(out_dir):

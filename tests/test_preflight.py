@@ -10,7 +10,7 @@ import pytest
 
 import train
 from bench import preflight
-from conftest import HANG, ONE_STEP, REPO, tiny
+from conftest import HANG, ONE_STEP, REPO, held_by_another_process, tiny
 from summarizer import loading
 
 
@@ -58,6 +58,16 @@ def said(line):
     return "go" if line.startswith("go") else line.split(" ")[2] if "train.py: max_time=" in line else line
 
 
+def tiny_run(tmp_path, monkeypatch, write_csv):
+    """The flags of a tiny run of one step in tmp_path (the working folder), on its CSVs."""
+    monkeypatch.chdir(tmp_path)
+    write_csv("train.csv", 16)
+    write_csv("val.csv", 4, seed=1)
+    write_csv("test.csv", 4, seed=2, test=True)
+    return tiny(**{key[2:]: value for key, value in (flag.split("=") for flag in ONE_STEP)}, train_csv="train.csv",
+                validation_csv="val.csv", test_csv="test.csv", out_dir="out", data_cache_dir="cache")
+
+
 SITUATIONS = {  # the new user's table: each situation, as flags over a tiny run of one step (a str: in tmp_path)
     "a run that starts": [],
     "out_dir is a file": ["--out_dir=a-file"],
@@ -84,16 +94,11 @@ def test_the_preflights_verdict_is_train_pys(tmp_path, monkeypatch, capsys, writ
     """Every refusal train.py gives before step 1 is the preflight's `no-go: train.py: <the same line>` (exit 1, no
     traceback), and where train.py trains the preflight says go; both run here, train.py first (the preflight's
     report is a file in out_dir). A budget's line holds seconds measured twice: the key it names is compared."""
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     monkeypatch.setattr(loading, "in_hub_cache", lambda name: False)
     (tmp_path / "a-file").write_text("")
     (tmp_path / "sample.csv").write_text("id,summary\ntest-0000,x\n")
-    write_csv("train.csv", 16)
-    write_csv("val.csv", 4, seed=1)
-    write_csv("test.csv", 4, seed=2, test=True)
-    base = tiny(**{key[2:]: value for key, value in (flag.split("=") for flag in ONE_STEP)}, train_csv="train.csv",
-                validation_csv="val.csv", test_csv="test.csv", out_dir="out", data_cache_dir="cache")
+    base = tiny_run(tmp_path, monkeypatch, write_csv)
     if situation == "a budget the summaries after the run take":
         write_csv("many.csv", 5000, seed=3, test=True)
     if situation == "a resume from a best.pt":
@@ -102,6 +107,17 @@ def test_the_preflights_verdict_is_train_pys(tmp_path, monkeypatch, capsys, writ
     refused = train_verdict(capsys, argv)
     assert said(preflight_verdict(capsys, argv)) == said(refused)
     assert (refused == "go") == (situation in ("a run that starts", "a budget with room for the run"))
+
+
+@pytest.mark.slow
+def test_an_out_dir_another_training_run_holds_is_train_pys_no_go(tmp_path, monkeypatch, capsys, write_csv):
+    """The situation of the table that needs another process: a training run holding out_dir's lock."""
+    argv = tiny_run(tmp_path, monkeypatch, write_csv)
+    (tmp_path / "out").mkdir()
+    with held_by_another_process(tmp_path / "out") as pid:
+        refused = train_verdict(capsys, argv)
+        assert preflight_verdict(capsys, argv) == refused
+    assert f"is in use by another training run (pid {pid} " in refused
 
 
 def test_an_out_dir_it_cannot_write_is_one_line_of_its_own_not_the_disks(tmp_path, capsys):

@@ -149,8 +149,6 @@ class Trainer:
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
         a signal number or OUT_OF_TIME; None at max_iters)."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
-        if clock:  # every rank stops with rank 0's verdict
-            rt.stop_if(clock.start_up_problem() if rt.is_main else None)
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
         first_step = state.step + 1
         # closed by `with` also when an error ends the run, so the error starts on a line of its own

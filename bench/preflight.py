@@ -1,14 +1,13 @@
-"""The preflight: what a user runs first on a new machine (the Kaggle notebook's training cell), seconds
-before the GPU hours. It judges the run as it will be launched (one process per GPU found, one on a CPU;
---nproc_per_node=N says otherwise) by checks alone: what train.py checks before its first step, through the same
-code and in the same lines (preparation.checked_start, run_folder.DiskPlan), and what only a preflight checks:
-versions, the GPUs and whether they reach each other, /dev/shm, and a collective between the processes, trying the
-NCCL settings in turn. Nothing trains or decodes: that is the GPU check's (bench/gpu_check.py). It ends in one
-verdict line, exits 1 on a no-go, and writes a JSON report.
+"""The preflight, seconds before the GPU hours (the Kaggle notebook's training cell runs it first): train.py's verdict
+before step 1 by train.py's own code, each refusal in its line (settings, out_dir, inputs, disk, model, and max_time
+by the run's rule on an eager step and a batch of summaries timed); then versions, GPUs, /dev/shm, and a collective
+between the run's processes, trying the NCCL settings in turn. One verdict line, exit 1 on a no-go, a JSON report.
 
-    python -m bench.preflight config/kaggle_t4x2.py [--key=value ...] [--report=PATH] [--nproc_per_node=N]
+    python -m bench.preflight <preset.py> [--key=value ...] [--report=PATH] [--nproc_per_node=N]
 """
 import argparse
+import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -16,23 +15,26 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 import types
+from dataclasses import replace
 
 import torch
 
 import data
 import train
 from bench import child_environ, torchrun
-from config import load_config
+from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
-from summarizer.backends import NCCL_SETTINGS, nccl_flags, nccl_in_effect
+from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
+from summarizer.clock import start_up_deadline
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.launch import one_line_errors
+from summarizer.launch import one_line_errors, process_age
 from summarizer.loading import resuming, trained_shape
-from summarizer.preparation import checked_start, run_settings
-from summarizer.runtime import choose_precision
+from summarizer.preparation import checked_start, prepare, run_settings
+from summarizer.runtime import Runtime, choose_precision
 
 SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
 NOT_RUN = "not run"
@@ -42,18 +44,12 @@ def check(status, detail, **figures):
     return dict(status=status, detail=detail, **figures)
 
 
-def version_of(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def versions():
+    installed = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
     found = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                  nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-                 triton=version_of("triton"), driver=None,
-                 **{name: version_of(name) for name in ("transformers", "accelerate", "peft", "numpy", "pandas")})
+                 triton=installed.get("triton"), driver=None,
+                 **{name: installed.get(name) for name in ("transformers", "accelerate", "peft", "numpy", "pandas")})
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=60)
@@ -69,10 +65,8 @@ def gpus(cfg):
                                    f"without a GPU, add --device=cpu")
         return check(NOT_RUN, "no CUDA GPU")
     count = torch.cuda.device_count()
-    listed = [dict(name=torch.cuda.get_device_name(i),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(i))),
-                   memory_gib=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1))
-              for i in range(count)]
+    listed = [dict(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+              for p in map(torch.cuda.get_device_properties, range(count))]
     peer = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(count) for j in range(count) if i != j}
     reach = ("no peer access between them: NCCL goes through host memory (/dev/shm)" if peer and not any(peer.values())
              else "peer access" if peer else "one GPU")
@@ -84,65 +78,63 @@ def shared_memory():
     if not os.path.isdir("/dev/shm"):
         return check(NOT_RUN, "no /dev/shm")
     usage = shutil.disk_usage("/dev/shm")
-    figures = dict(total_mib=usage.total // 2**20, free_mib=usage.free // 2**20)
-    if usage.free < SHM_BYTES:
-        return check("warning", f"/dev/shm has {usage.free // 2**20} MiB free: NCCL's shared-memory transport may "
-                                f"fail; NCCL_SHM_DISABLE=1 avoids it", **figures)
-    return check("ok", f"/dev/shm {usage.free // 2**20} MiB free", **figures)
+    free, figures = usage.free // 2**20, dict(total_mib=usage.total // 2**20, free_mib=usage.free // 2**20)
+    return (check("warning", f"/dev/shm has {free} MiB free: NCCL's shared-memory transport may fail; "
+                             f"NCCL_SHM_DISABLE=1 avoids it", **figures) if usage.free < SHM_BYTES
+            else check("ok", f"/dev/shm {free} MiB free", **figures))
 
 
 def start(cfg, nproc):
-    """(the check, the training rows): train.py's checks before it builds its model (checked_start: the same code,
-    the same lines), as rank 0 of `nproc` processes meets them."""
-    rank_0 = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op)
+    """train.py's checks before it builds its model, in its order and lines, as rank 0 of `nproc` processes meets
+    them: the precision, out_dir made (one it cannot write is not the disk's), checked_start, the disk plan."""
+    rank_0, figures = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op), {}
     try:
+        cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
+        run_folder.make(cfg.out_dir)
+        if who := run_folder.training_in(cfg.out_dir):
+            raise UserError(run_folder.in_use(cfg.out_dir, who))
         _, splits, after_summaries = checked_start(cfg, rank_0)
+        with torch.device("meta"):  # the run's model, its tensors' sizes alone
+            model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
+        model = lora.add_adapters(model, **lora.settings(cfg)) if cfg.lora_rank else model
+        plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
+                                   train_rows=len(splits.train))
+        figures = dict(peak_gb=round(plan.peak / 1e9, 2), parameters_m=round(model.num_params() / 1e6, 1))
+        if problem := plan.problem(resuming(cfg)):
+            raise UserError(problem)
     except UserError as e:
-        return check("failed", str(e)), 0
+        return check("failed", str(e), **figures)
     return check("ok", f"{len(splits.train)} training and {len(splits.val)} validation examples, {after_summaries} "
                        f"dialogues to summarize after training; {cfg.batch_size} sequences per step over {nproc} "
-                       f"process(es); init_from={cfg.init_from}"), len(splits.train)
+                       f"process(es); init_from={cfg.init_from}; out_dir {cfg.out_dir}: {plan.describe()} at the "
+                       f"peak for the run's {model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
 
 
-def disk(cfg, train_rows):
-    """The run's checkpoints at their peak against out_dir's room (the output quota counted), as train.py plans
-    them (run_folder.DiskPlan) for the run's model, built on the meta device."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
-    if cfg.lora_rank:
-        lora.add_adapters(model, **lora.settings(cfg))
-    plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
-                               train_rows=train_rows)
-    (room, limit), problem = plan.space, plan.problem(resuming(cfg))
-    figures = dict(peak_gb=round(plan.peak / 1e9, 2), room_gb=round(room / 1e9, 2), limited_by=limit,
-                   parameters_m=round(model.num_params() / 1e6, 1))
-    if problem:
-        return check("failed", problem, **figures)
-    return check("ok", f"out_dir {cfg.out_dir}: {plan.describe()} at the peak for the run's "
-                       f"{model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
-
-
-def error_line(output):
-    lines = [line for line in output.splitlines() if line.startswith(("error", "warning"))]
-    return lines[-1] if lines else (output.strip().splitlines() or [""])[-1][:300]
+def judged(cfg, start_ckpt, given, started):
+    """train.py's start up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this process,
+    eager; with max_time under its start-up deadline, a step and summaries timed. What max_time buys, or ''."""
+    cfg = replace(cfg, compile=False, backend="none")
+    with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started):
+        run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
+    steps, run = run.clock and 1 + run.clock.steps_left(run.state.step), None
+    gc.collect()  # what the run held on GPU 0, which the collective's processes share
+    torch.cuda.empty_cache()
+    return f"; max_time={cfg.max_time:g}: about {steps} steps fit (timed eagerly in one process)" if steps else ""
 
 
 def collective(cfg, nproc, device, timeout):
     """One all-reduce of 64 MB (NCCL's shared-memory and network transports both set up) between nproc processes
     under torchrun, for each NCCL setting in turn until one works."""
-    base = child_environ()
-    if device == "cuda":
-        base = {**nccl_flags(cfg), **base}  # as Runtime sets them: the user's own environment wins
-        tries = [base, *({**base, **setting} for setting in NCCL_SETTINGS)]
-    else:
-        tries = [base]
-    tried = []
+    base = {**(nccl_flags(cfg) if device == "cuda" else {}), **child_environ()}  # as Runtime: the user's own wins
+    tries, tried = [base, *({**base, **setting} for setting in NCCL_SETTINGS if device == "cuda")], []
     for env in tries:
         code, output = torchrun(["-m", "bench.preflight", "--collective", f"--device={device}",
                                  f"--dist_start_timeout={timeout}"], nproc, env, timeout + 60)
         nccl = nccl_in_effect(env) if device == "cuda" else "gloo"
-        tried.append(dict(setting=nccl, ok=code == 0,
-                          error=None if code == 0 else ("no answer" if code is None else error_line(output))))
+        said = [line for line in output.splitlines() if line.startswith(("error", "warning"))]  # else its last line
+        tried.append(dict(setting=nccl, ok=code == 0, error=None if code == 0 else "no answer" if code is None else
+                          (said or output.strip().splitlines() or [""])[-1][:300]))
         if code == 0:
             first = env is tries[0]
             detail = (f"{nproc} processes all-reduced 64 MB with {nccl}" +
@@ -160,7 +152,6 @@ def run_collective(argv):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from summarizer.backends import end_process_group, meet
     meet(cfg, device, int(os.environ["WORLD_SIZE"]))
     data = torch.ones(16 * 2**20, device=device)  # 64 MB of float32
     torch.distributed.all_reduce(data)
@@ -168,64 +159,69 @@ def run_collective(argv):
     end_process_group(device, clean=True, rank=int(os.environ["RANK"]))
 
 
-def say(name, checks):
-    print(f"{name:<14}{checks[name]['status']}: {checks[name]['detail']}", flush=True)
-
-
 def verdict(checks):
-    failed = [(name, c) for name, c in checks.items() if c["status"] == "failed"]
+    failed, not_run = ([name for name, c in checks.items() if c["status"] == status] for status in ("failed", NOT_RUN))
     if not failed:
-        return "go: every check that ran passed" + (
-            f" ({', '.join(n for n, c in checks.items() if c['status'] == NOT_RUN)} not run)"
-            if any(c["status"] == NOT_RUN for c in checks.values()) else "")
-    return "no-go: " + "; ".join(f"{name}: {c['detail']}" for name, c in failed)
+        return "go: every check that ran passed" + (f" ({', '.join(not_run)} not run)" if not_run else "")
+    return "no-go: " + "; ".join(f"{name}: {checks[name]['detail']}" for name in failed)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--report", default="", help=f"where the JSON report goes (default: out_dir/"
-                                                     f"{run_folder.PREFLIGHT}, beside the run's outputs)")
-    parser.add_argument("--nproc_per_node", type=int, default=0, help="the processes the run is launched with "
-                        "(default: one per GPU found, one on a CPU)")
+    started = time.monotonic() - (process_age() if argv is None else 0.0)  # what max_time counts from, as train.py's
+    parser = argparse.ArgumentParser(prog="python -m bench.preflight", usage=__doc__.split("\n\n")[1].strip(),
+                                     description=__doc__.partition("\n\n")[0], epilog="--key=value: any of "
+                                     "train.py's settings, over the preset's (python train.py --help lists them)")
+    parser.add_argument("--report", default="", help=f"the JSON report (default: out_dir/{run_folder.PREFLIGHT})")
+    parser.add_argument("--nproc_per_node", type=int, default=0, help="the run's processes (default: one per GPU)")
     parser.add_argument("--collective_timeout", type=int, default=60, help="seconds each collective try may take")
     parser.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
     args, settings = parser.parse_known_args(argv)
     if args.collective:
         with one_line_errors():
             return run_collective(settings)
-    with one_line_errors():  # a wrong setting is train.py's one line
-        cfg, _, _ = run_settings(settings, train.__doc__)
+    checks, cfg, nproc, cuda = dict(versions=versions()), None, 1, False
+    try:  # a wrong setting or a resume with nothing to resume: train.py's line, as the verdict
+        cfg, start_ckpt, _ = run_settings(settings, train.__doc__)
+    except UserError as e:
+        checks["train.py"] = check("failed", str(e))
+    if cfg:
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        # what the run will train in (bfloat16 on a T4 is refused here as there)
-        choose_precision(cfg.dtype, "cuda" if cuda else "cpu", torch.cuda.get_device_capability() if cuda else None)
-    device = "cuda" if cuda else "cpu"
-    nproc = args.nproc_per_node or (torch.cuda.device_count() if cuda else 1)
-    checks = dict(versions=versions(), gpus=gpus(cfg), shared_memory=shared_memory())
-    checks["train.py"], train_rows = start(cfg, nproc)
-    checks["disk"] = disk(cfg, train_rows)
-    for name in checks:
-        say(name, checks)
-    if nproc == 1:
-        checks["collective"] = check(NOT_RUN, "one process")
-    elif any(c["status"] == "failed" for c in checks.values()):  # what the run cannot start with: no GPU time spent
-        checks["collective"] = check(NOT_RUN, "the run cannot start")
-    else:
-        checks["collective"] = collective(cfg, nproc, device, args.collective_timeout)
-    say("collective", checks)
-    return finish(args, cfg, checks, device, nproc)
+        nproc = args.nproc_per_node or (torch.cuda.device_count() if cuda else 1)
+        checks.update(gpus=gpus(cfg), shared_memory=shared_memory(), **{"train.py": start(cfg, nproc)})
+        try:  # only where every check passed: seconds of the GPU's
+            if not any(c["status"] == "failed" for c in checks.values()):
+                checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)
+        except (UserError, torch.OutOfMemoryError) as e:
+            checks["train.py"].update(status="failed", detail=str(e).strip().partition("\n")[0])
+    print("\n".join(f"{name:<14}{c['status']}: {c['detail']}" for name, c in checks.items()), flush=True)
+    failed = any(c["status"] == "failed" for c in checks.values())  # what the run cannot start with: no GPU time spent
+    checks["collective"] = (check(NOT_RUN, "one process") if nproc == 1 else check(NOT_RUN, "the run cannot start")
+                            if failed else collective(cfg, nproc, "cuda" if cuda else "cpu", args.collective_timeout))
+    print(f"{'collective':<14}{checks['collective']['status']}: {checks['collective']['detail']}", flush=True)
+    return finish(args.report or report_path(settings), checks, "cuda" if cuda else "cpu", nproc)
 
 
-def finish(args, cfg, checks, device, nproc):
-    """The verdict line, the report written, the exit status."""
-    line = verdict(checks)
+def report_path(settings):
+    """out_dir/PREFLIGHT, out_dir as the presets and flags give it (a setting in error aside), else its default."""
+    out_dir = Config().out_dir
+    for arg in sorted(settings, key=lambda arg: arg.startswith("--")):  # the presets, then the flags, each alone
+        with contextlib.suppress(UserError):
+            out_dir = {key: value for key, value, _ in settings_given([arg])}.get("out_dir", out_dir)
+    return os.path.join(out_dir, run_folder.PREFLIGHT)
+
+
+def finish(path, checks, device, nproc):
+    """The verdict line, the report written (where it cannot be, one line says so), the exit status."""
+    line, path = verdict(checks), os.path.abspath(path)
     report = dict(verdict=line, go=line.startswith("go"), device=device, processes=nproc, checks=checks)
-    args.report = args.report or os.path.join(cfg.out_dir, run_folder.PREFLIGHT)
-    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    with atomic_write(args.report) as f:
-        json.dump(report, f, indent=2, default=str)
-    print(line)
-    print(f"report: {os.path.abspath(args.report)}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_write(path) as f:
+            json.dump(report, f, indent=2, default=str)
+        where = f"report: {path}"
+    except (OSError, UserError) as e:  # DiskFull is one
+        where = f"report: not written to {path} ({getattr(e, 'strerror', None) or e}): give --report=<a writable path>"
+    print(f"{line}\n{where}")
     return 0 if report["go"] else 1
 
 

@@ -57,12 +57,13 @@ class Run:
     peak_flops: float | None
 
 
-def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
+def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False):
     """The Run of `cfg` in `rt`, both from run_settings: `start_ckpt` the checkpoint the run continues or starts
     from (None: from scratch or GPT-2; a resume without it loads it here), `started` what max_time counts from
     (else now), `given` the keys the command line gave (a peak given again restarts a decay: resumed_schedule).
-    Rank 0 says what start-up does, a budget that start-up spends stops every rank, and the run is
-    announced before step 1."""
+    Rank 0 says what start-up does, a budget that start-up spends (or leaves no step) stops every rank, and only
+    once every check has passed is an earlier run set aside and the run announced before step 1; `verdict_only`
+    (bench/preflight.py's) stops before that, out_dir as it was."""
     started = time.monotonic() if started is None else started
     tracker, splits, after_summaries = checked_start(cfg, rt)
     starting = Starting(rt)
@@ -88,10 +89,16 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
         timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
         clock.prime(*time_step(cfg, rt, batches, state, module, starting),
                     time_decoding(cfg, rt, state, timed, decode_step, starting))
+        rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
     run = Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step, tracker, clock,
               sessions_done(state.schedule) + 1 >= cfg.sessions,
               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
+    if verdict_only:
+        return run
+    moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
+    if moved:
+        print(moved)
     announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
     return run
 
@@ -154,7 +161,7 @@ class Starting:
 def training_state(cfg, rt, model, resumed, splits, given):
     """(the TrainingState of `model` on this rank's device, continuing ckpt.pt's `resumed` if given; the disk plan,
     checked before any work; the notes of what start-up found). Loads the compiled work of the run this one
-    continues, starts from or replaces, and sets aside an earlier run's files in out_dir."""
+    continues, starts from or replaces."""
     base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
@@ -162,10 +169,6 @@ def training_state(cfg, rt, model, resumed, splits, given):
     # before anything compiles
     cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(path or (
         cfg.init_from if is_checkpoint(cfg.init_from) else os.path.join(cfg.out_dir, run_folder.CKPT)))))
-    # every input is checked: an earlier run's files can go aside
-    moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resumed else None
-    if moved:
-        print(moved)
     state = TrainingState.start(rt.parallel.shard(model.to(rt.device)), cfg, rt,
                                 train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
                                 lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)
@@ -321,6 +324,9 @@ def datasets(cfg, rt):
         raise UserError(problem)
     if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
         splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
+    if rt.is_main and len(splits.train) < cfg.batch_size:  # a step's rows run over the end of an epoch
+        splits.notes.append(f"note: {len(splits.train)} training rows for batch_size={cfg.batch_size}: each step "
+                            f"trains on some rows more than once; lower batch_size or bring more rows")
     after_summaries = len(splits.val) if cfg.evaluate_after else 0
     if cfg.predict_after:
         test = data.read_test(cfg)

@@ -82,9 +82,7 @@ def claimed(out_dir, is_main, stop_if, reads=None):
         make(out_dir, reads)
         handle = lock(out_dir)
         if handle is None:
-            who = training_in(out_dir) or describe_holder(None)  # None: it ended since
-            problem = (f"out_dir {out_dir} is in use by another training run ({who}): wait for it to end, or train "
-                       f"into another folder with --out_dir=...")
+            problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
     failed = True
     try:
         stop_if(problem)
@@ -98,6 +96,11 @@ def claimed(out_dir, is_main, stop_if, reads=None):
             if created and failed:
                 with contextlib.suppress(OSError):
                     os.rmdir(out_dir)  # only if empty
+
+
+def in_use(out_dir, who):
+    return (f"out_dir {out_dir} is in use by another training run ({who}): wait for it to end, or train into another "
+            f"folder with --out_dir=...")
 
 
 def lock(out_dir):
@@ -354,8 +357,8 @@ class DiskPlan:
             fixes.append("delete earlier runs kept there: " + ", ".join(earlier))
         if not self.cfg.lora_rank:
             fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
-        return (f"out_dir {out_dir} needs {gb(need)} more at its peak, {self.describe()}, and {gb(free)} is {limit}: "
-                + "; or ".join(fixes))
+        return (f"out_dir {out_dir} needs {gb(need - free)} more than the {gb(free)} {limit}: its peak is "
+                f"{self.describe()}: " + "; or ".join(fixes))
 
 
 GO_ON = ("free some space and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the "

@@ -143,8 +143,9 @@ def describe_schedule(schedule, it, max_iters, learning_rate_setting):
             plan = (f"cosine decay to min_lr {s['min_lr']:.2e} at iter {decay_end}, constant after it until iter "
                     f"{max_iters}")
         else:
-            plan = (f"cosine decay to {last:.2e} at iter {max_iters} (it would reach min_lr {s['min_lr']:.2e} at "
-                    f"iter {decay_end})")
+            plan = f"cosine decay to {last:.2e} at iter {max_iters}"
+            if f"{last:.2e}" != f"{s['min_lr']:.2e}":  # else it reads as two ends of one decay
+                plan += f" (it would reach min_lr {s['min_lr']:.2e} at iter {decay_end})"
         if it < s["warmup_iters"]:
             plan = f"warmup: rises to {s['peak_lr']:.2e} at iter {s['warmup_iters'] + 1}, then {plan}"
     return f"learning rate at iter {it + 1}: {lr:.2e}; {plan}"

@@ -35,12 +35,14 @@ def save_config(cfg, path):
 
 
 def changed_values(given):
-    """[(key, value, source)] for the keys whose value differs from the default, in config.py's order, with the
-    preset or the command line whose value holds (a flag beats a preset, whatever the order); `given`:
-    settings_given(argv)."""
+    """[(key, value, source)] for the keys whose value differs from the default, or from what a preset gave (a flag
+    back to the default overrides it), in config.py's order, with the preset or the command line whose value holds
+    (a flag beats a preset, whatever the order); `given`: settings_given(argv)."""
     defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
     source = {key: where for key, _, where in given}
-    return [(key, getattr(cfg, key), source[key]) for key in FIELDS if getattr(cfg, key) != getattr(defaults, key)]
+    moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode
+    return [(key, getattr(cfg, key), source[key]) for key in FIELDS
+            if getattr(cfg, key) != getattr(defaults, key) or key in moved]
 
 
 SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one

@@ -165,6 +165,13 @@ def test_start_up_names_the_changed_keys_and_where_they_came_from(tmp_path):
     assert "micro_batch_size=4 (command line)" in line and line.count("=") == 3
 
 
+
+def test_a_flag_back_to_the_default_over_a_presets_value_is_shown(tmp_path):
+    """--init_from=gpt2 (the default) over a preset's scratch decides the run: the settings block shows it."""
+    preset = tmp_path / "p.py"
+    preset.write_text("init_from = 'scratch'\n")
+    assert changed_settings([str(preset), "--init_from=gpt2"]) == "init_from='gpt2' (command line)"
+
 # ---- issue 37: durations, yes/no values, flags before presets, missing presets, the settings block --------------
 
 

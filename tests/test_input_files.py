@@ -1,8 +1,8 @@
 """The files train.py is given as CSVs (issues 37, 56): a file that is not a CSV (JSON, Parquet, Excel, an archive
 of several files...) is one line saying what its first bytes mean and how to make a CSV of it (the package that
 needs, where it is missing; a CSV name no file has); a compressed CSV (gzip, a zip of one CSV) is read as the CSV
-inside; validation rows that repeat training rows
-(evaluate.py's rule: same dialogue, or same id) and ids on more than one row are noted at start-up."""
+inside; validation rows that repeat training rows (evaluate.py's rule: same dialogue, or same id), ids on more than
+one row and fewer rows than a batch are noted at start-up."""
 import gzip
 import importlib.util
 import io
@@ -226,3 +226,13 @@ def test_a_summary_column_that_is_the_dialogue_or_id_column_is_one_line(column, 
     err = one_error_line(capsys, train.main, train_args(tmp_path, csv, f"--summary_column={column}"))
     assert f"the summary column '{column}' is also the {column} column: pass --summary_column=" in err
     assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_fewer_training_rows_than_a_batch_are_noted(tmp_path):
+    """A 5-row train_csv at batch_size=16: every step repeats rows, which a note says (the run goes on)."""
+    cfg = load_config([f"--train_csv={save_csv(tmp_path / 'train.csv', synthetic_rows(5, seed=0))}",
+                       f"--validation_csv={save_csv(tmp_path / 'val.csv', synthetic_rows(2, seed=1))}",
+                       "--batch_size=16", f"--data_cache_dir={tmp_path / 'cache'}"])
+    splits, _ = preparation.datasets(cfg, types.SimpleNamespace(is_main=True, barrier=data.no_op))
+    assert splits.notes == ["note: 5 training rows for batch_size=16: each step trains on some rows more than once; "
+                            "lower batch_size or bring more rows"]

@@ -10,8 +10,7 @@ import pytest
 
 import train
 from bench import preflight
-from config import load_config
-from conftest import HANG, REPO, one_error_line
+from conftest import HANG, ONE_STEP, REPO, held_by_another_process, tiny
 from summarizer import loading
 
 
@@ -26,29 +25,125 @@ def test_the_readmes_demo_preset_on_a_cpu_is_a_go_for_one_process(tmp_path, caps
     assert said["go"] is True and said["device"] == "cpu" and said["processes"] == 1
     assert said["verdict"] == "go: every check that ran passed (gpus, collective not run)"
     assert capsys.readouterr().out.splitlines()[-2] == said["verdict"]  # the last line before the report's path
-    assert list(said["checks"]) == ["versions", "gpus", "shared_memory", "train.py", "disk", "collective"]
+    assert list(said["checks"]) == ["versions", "gpus", "shared_memory", "train.py", "collective"]
     assert said["checks"]["train.py"]["detail"].startswith("1600 training and 100 validation examples")
-    assert said["checks"]["versions"]["torch"] and said["checks"]["disk"]["status"] == "ok"
+    assert said["checks"]["versions"]["torch"] and said["checks"]["train.py"]["parameters_m"] > 0
 
 
-@pytest.mark.parametrize("case", ["a sample submission of other ids", "GPT-2's weights out of reach",
-                                  "a misspelled CSV"])
-def test_what_train_py_refuses_before_its_model_is_a_no_go_in_train_pys_own_line(tmp_path, monkeypatch, capsys,
-                                                                                 case):
-    """The same code as train.py's start (preparation.checked_start), so the same line: a sample_submission_csv
-    whose ids are not test_csv's, init_from=gpt2 where the hub cannot be reached and the weights were never
-    downloaded (an internet-off Kaggle session), a CSV that is not there."""
-    sample = tmp_path / "sample_submission.csv"
-    sample.write_text("id,summary\ntest-0000,x\n")
-    argv = ["config/demo.py", f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}",
-            {"a sample submission of other ids": f"--sample_submission_csv={sample}",
-             "GPT-2's weights out of reach": "--init_from=gpt2",
-             "a misspelled CSV": "--train_csv=data/demo/trian.csv"}[case]]
+def train_verdict(capsys, argv):
+    """train.py's verdict on argv, run in this process: 'go' when it trains, else 'no-go: train.py: <its line>'."""
+    capsys.readouterr()
+    try:
+        train.main(argv)
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and "Traceback" not in err, err
+        return "no-go: train.py: " + [line for line in err.splitlines() if line.startswith("error: ")][-1][7:]
+    return "go"
+
+
+def preflight_verdict(capsys, argv):
+    """The preflight's verdict line on argv (the line before the report's), checked against its exit status."""
+    capsys.readouterr()
+    code = preflight.main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and out.splitlines()[-1].startswith("report: "), out + err
+    line = out.splitlines()[-2]
+    assert code == (0 if line.startswith("go") else 1), out
+    return line
+
+
+def said(line):
+    """What a verdict says: go, or the no-go's line (a budget's holds measured seconds: the key it names)."""
+    return "go" if line.startswith("go") else line.split(" ")[2] if "train.py: max_time=" in line else line
+
+
+def tiny_run(tmp_path, monkeypatch, write_csv):
+    """The flags of a tiny run of one step in tmp_path (the working folder), on its CSVs."""
+    monkeypatch.chdir(tmp_path)
+    write_csv("train.csv", 16)
+    write_csv("val.csv", 4, seed=1)
+    write_csv("test.csv", 4, seed=2, test=True)
+    return tiny(**{key[2:]: value for key, value in (flag.split("=") for flag in ONE_STEP)}, train_csv="train.csv",
+                validation_csv="val.csv", test_csv="test.csv", out_dir="out", data_cache_dir="cache")
+
+
+SITUATIONS = {  # the new user's table: each situation, as flags over a tiny run of one step (a str: in tmp_path)
+    "a run that starts": [],
+    "out_dir is a file": ["--out_dir=a-file"],
+    "out_dir under /proc": ["--out_dir=/proc/out"],
+    "out_dir under a file, which cannot be made": ["--out_dir=a-file/out"],
+    "out_dir with its output quota full": ["--output_quota_dir=.", "--output_quota_gb=0.0001"],
+    "a batch that micro-batches do not divide": ["--batch_size=30", "--micro_batch_size=8"],
+    "a block_size of no multiple of 8": ["--block_size=500"],
+    "a misspelled key": ["--max_itres=3"],
+    "a misspelled CSV": ["--train_csv=trian.csv"],
+    "a sample submission of other ids": ["--predict_after=True", "--sample_submission_csv=sample.csv"],
+    "GPT-2's weights out of reach": ["--init_from=gpt2"],
+    "a resume with no ckpt.pt": ["--init_from=resume"],
+    "a resume from a best.pt": ["--resume_from=trained/best.pt"],
+    "a budget start-up spends": ["--max_time=0.001"],
+    "a budget the summaries after the run take": ["--max_time=8", "--predict_after=True", "--gen_batch_size=1",
+                                                  "--max_new_tokens=64", "--test_csv=many.csv"],
+    "a budget with room for the run": ["--max_time=600"],
+}
+
+
+@pytest.mark.parametrize("situation", SITUATIONS)
+def test_the_preflights_verdict_is_train_pys(tmp_path, monkeypatch, capsys, write_csv, situation):
+    """Every refusal train.py gives before step 1 is the preflight's `no-go: train.py: <the same line>` (exit 1, no
+    traceback), and where train.py trains the preflight says go; both run here, train.py first (the preflight's
+    report is a file in out_dir). A budget's line holds seconds measured twice: the key it names is compared."""
     monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     monkeypatch.setattr(loading, "in_hub_cache", lambda name: False)
-    refused = one_error_line(capsys, train.main, argv).removeprefix("error: ")
-    assert preflight.main(argv) == 1
-    assert report(tmp_path / "out")["verdict"] == f"no-go: train.py: {refused}"
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "sample.csv").write_text("id,summary\ntest-0000,x\n")
+    base = tiny_run(tmp_path, monkeypatch, write_csv)
+    if situation == "a budget the summaries after the run take":
+        write_csv("many.csv", 5000, seed=3, test=True)
+    if situation == "a resume from a best.pt":
+        train.main([*base, "--out_dir=trained"])
+    argv = [*base, *SITUATIONS[situation]]
+    refused = train_verdict(capsys, argv)
+    assert said(preflight_verdict(capsys, argv)) == said(refused)
+    assert (refused == "go") == (situation in ("a run that starts", "a budget with room for the run"))
+
+
+@pytest.mark.slow
+def test_an_out_dir_another_training_run_holds_is_train_pys_no_go(tmp_path, monkeypatch, capsys, write_csv):
+    """The situation of the table that needs another process: a training run holding out_dir's lock."""
+    argv = tiny_run(tmp_path, monkeypatch, write_csv)
+    (tmp_path / "out").mkdir()
+    with held_by_another_process(tmp_path / "out") as pid:
+        refused = train_verdict(capsys, argv)
+        assert preflight_verdict(capsys, argv) == refused
+    assert f"is in use by another training run (pid {pid} " in refused
+
+
+def test_an_out_dir_it_cannot_write_is_one_line_of_its_own_not_the_disks(tmp_path, capsys):
+    """The report cannot go to an out_dir that is a file: one line says so, and the verdict names out_dir, not the
+    disk's room."""
+    (tmp_path / "out").write_text("")
+    assert preflight.main(["config/demo.py", f"--out_dir={tmp_path / 'out'}"]) == 1
+    verdict, where = capsys.readouterr().out.splitlines()[-2:]
+    assert verdict.startswith(f"no-go: train.py: out_dir {tmp_path / 'out'} is not writable") and "free" not in verdict
+    assert where == f"report: not written to {tmp_path / 'out' / 'preflight_report.json'} (File exists): give " \
+                    f"--report=<a writable path>"
+
+
+def test_a_wrong_setting_is_a_no_go_whose_report_goes_to_the_out_dir_the_command_line_gives(tmp_path, capsys):
+    assert preflight.main(["config/demo.py", "--max_itres=3", f"--out_dir={tmp_path / 'out'}"]) == 1
+    said = report(tmp_path / "out")
+    assert said["verdict"].startswith("no-go: train.py: unknown config key 'max_itres'") and "max_iters" in \
+        said["verdict"] and said["go"] is False
+
+
+def test_help_shows_the_preset_and_the_settings(capsys):
+    with pytest.raises(SystemExit):
+        preflight.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m bench.preflight <preset.py> [--key=value ...]") and "train.py's settings" \
+        in out
 
 
 def test_the_batch_is_split_over_the_processes_the_run_is_launched_with(tmp_path):
@@ -84,28 +179,18 @@ def test_two_processes_on_a_cpu_meet_in_a_gloo_collective_that_keeps_the_users_p
     assert said["checks"]["collective"] == {**said["checks"]["collective"], "status": "ok", "use": "gloo"}
 
 
-def test_a_disk_that_cannot_take_the_runs_checkpoints_is_a_no_go(tmp_path):
-    cfg = load_config([f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path}", "--output_quota_gb=0.01"])
-    disk = preflight.disk(cfg, train_rows=0)
-    assert disk["status"] == "failed" and "output quota" in disk["detail"]
-    line = preflight.verdict({"versions": preflight.check("ok", ""), "disk": disk,
-                              "gpus": preflight.check("not run", "no CUDA GPU")})
-    assert line.startswith("no-go: disk: out_dir ") and "--out_dir" in line
-
-
-def test_a_wrong_setting_is_one_line(capsys):
-    err = one_error_line(capsys, preflight.main, ["--device=cpu", "--max_itres=3"])
-    assert "unknown config key 'max_itres'" in err and "max_iters" in err
-
-
 def test_a_cuda_preset_without_a_gpu_is_a_no_go_that_says_how_to_get_one(tmp_path, monkeypatch):
     """The Kaggle preset on a machine without a GPU (an accelerator left at None) is a no-go with the line that
     fixes it, as train.py would stop at once; the disk line is the run's model's: GPT-2's (123.7M parameters as
     num_params counts them, the position table aside)."""
     monkeypatch.setattr(loading, "hub_reachable", lambda: False)  # no wait for a network this test does not need
-    argv = ["config/kaggle_t4x2.py", f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path / 'quota'}"]
+    monkeypatch.setattr(loading, "in_hub_cache", lambda name: True)  # as where the weights were attached
+    argv = ["config/kaggle_t4x2.py", f"--out_dir={tmp_path / 'out'}", f"--output_quota_dir={tmp_path / 'quota'}",
+            *(f"--{key}=data/demo/{key.removesuffix('_csv')}.csv" for key in ("train_csv", "validation_csv",
+                                                                              "test_csv", "sample_submission_csv"))]
     assert preflight.main(argv) == 1
     said = report(tmp_path / "out")
-    assert said["verdict"].startswith("no-go: gpus: device=cuda but no CUDA GPU is visible: on Kaggle, set the "
-                                      "notebook's accelerator to GPU T4 x2"), said
-    assert said["checks"]["disk"]["parameters_m"] == 123.7 and said["checks"]["disk"]["peak_gb"] > 2, said
+    assert said["verdict"] == ("no-go: gpus: device=cuda but no CUDA GPU is visible: on Kaggle, set the notebook's "
+                               "accelerator to GPU T4 x2 (Settings > Accelerator) and run again; on a machine without "
+                               "a GPU, add --device=cpu"), said  # what needs the GPU, not run
+    assert said["checks"]["train.py"]["parameters_m"] == 123.7 and said["checks"]["train.py"]["peak_gb"] > 2, said

@@ -12,6 +12,7 @@ import pytest
 
 import predict
 import train
+from bench import preflight
 from conftest import (
     HANG,
     REPO,
@@ -24,6 +25,7 @@ from conftest import (
     torchrun,
 )
 from summarizer import run_folder
+from summarizer.clock import RunClock
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,21 @@ def test_a_rerun_that_fails_on_its_input_leaves_the_earlier_run_where_it_was(csv
         assert {name: (out / name).read_bytes() for name in before} == before
         assert not list(out.glob("previous-run-*"))
     assert not os.path.exists(out / run_folder.LOCK) or run_folder.training_in(str(out)) is None
+
+
+def test_a_rerun_its_budget_refuses_before_step_1_leaves_the_folder_as_it_found_it(csvs, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The budget is the last check before step 1 (here its rule made to refuse): nothing is moved aside and no
+    config.json written before it passes, so the next resume finds ckpt.pt; the preflight leaves only its report."""
+    out = tmp_path / "out"
+    train.main(args(csvs, out, "--max_iters=4"))
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    monkeypatch.setattr(RunClock, "start_up_problem", lambda clock: f"max_time={clock.budget:g} leaves no step")
+    err = one_error_line(capsys, train.main, args(csvs, out, "--max_iters=8", "--max_time=15"))
+    assert err == "error: max_time=15 leaves no step"
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert preflight.main(args(csvs, out, "--max_iters=8", "--max_time=15")) == 1  # its verdict, the same way
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.name != run_folder.PREFLIGHT} == before
 
 
 def test_commands_that_miss_a_checkpoint_name_the_earlier_runs_copy(csvs, tmp_path, capsys):

@@ -20,7 +20,7 @@ from summarizer.compiling import use_compile
 from summarizer.errors import UserError
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
-from summarizer.schedule import learning_rate, lr_schedule
+from summarizer.schedule import describe_schedule, learning_rate, lr_schedule
 from summarizer.state import TrainingState
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)
@@ -143,6 +143,14 @@ def test_resume_with_a_new_lr_decay_iters_decays_from_the_current_lr(args, tmp_p
     assert all(a > b for a, b in zip(lrs[5:12], lrs[6:12], strict=False))  # and decays to min_lr at the new horizon
     assert lrs[11] > 2e-5 and f"cosine decay to {lrs[11]:.2e} at iter 12 (it would reach min_lr 2.00e-05 at iter 13)" \
         in capsys.readouterr().out
+
+
+def test_a_decay_whose_last_step_shows_min_lr_says_one_end():
+    """max_iters=300 decays to min_lr at iter 301, one after the last, whose LR already reads as min_lr: the line
+    names that one end, not two that read alike."""
+    schedule = lr_schedule({"warmup_iters": 10, "learning_rate": 6e-4, "min_lr": 3e-4, "lr_decay_iters": 0,
+                            "max_iters": 300})
+    assert describe_schedule(schedule, 150, 300, 6e-4).endswith("; cosine decay to 3.00e-04 at iter 300")
 
 
 @pytest.mark.slow
@@ -277,7 +285,8 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     assert len((out / "submission.csv").read_text().splitlines()) == 6
     os.replace(out / "best.pt", out / "ckpt.pt")
     cfg = load_config([*args, "--max_iters=3", "--init_from=resume"])
-    with pytest.raises(UserError, match="holds weights only"):
+    with pytest.raises(UserError, match="holds weights only .*: resume from the run's ckpt.pt, or train on from "
+                                        f"these weights in a new run: --init_from={out / 'ckpt.pt'} --out_dir="):
         train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
 
 

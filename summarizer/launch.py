@@ -77,12 +77,14 @@ def one_line_errors():
     except UserError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         sys.exit(2)
-    except torch.OutOfMemoryError as e:
-        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         print(f"interrupted{where}", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
+        sys.exit(1)
 
 
 @contextlib.contextmanager
@@ -91,11 +93,9 @@ def rank_error_lines():
     launcher's reports and the other ranks' errors (e.g. "connection closed by peer"), the root cause."""
     try:
         yield
-    except (UserError, torch.OutOfMemoryError):
-        raise
     except Exception as e:
         rank = os.environ.get("RANK")
-        if rank is None:
+        if rank is None or isinstance(e, UserError) or out_of_memory(e):
             raise
         if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
             print(f"error (rank {rank}): CUDA cannot start in a process forked from this notebook: train with "
@@ -237,14 +237,22 @@ def process_age():
     return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def out_of_memory(error):
+    """Whether `error` is an allocation failure, the one rule of every place that handles one: a GPU's
+    (torch.OutOfMemoryError) or the host's, on a CPU or in host RAM (e.g. under `ulimit -v`): torch's CPU allocator
+    raises a plain RuntimeError, Python a MemoryError."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: " in str(error))
+
+
 @contextlib.contextmanager
 def out_of_memory_hint(doing, settings):
-    """Re-raise a torch.OutOfMemoryError inside as one whose message is one line: what ran out of memory and the
-    settings to lower (entry points print it as `error: ...`)."""
+    """Re-raise an out-of-memory error inside as a torch.OutOfMemoryError whose message is one line: what ran out of
+    memory and the settings to lower (entry points print it as `error: ...`)."""
     try:
         yield
-    except torch.OutOfMemoryError as e:
-        if str(e).startswith("out of memory while"):  # already said by an inner hint
+    except Exception as e:
+        if not out_of_memory(e) or str(e).startswith("out of memory while"):  # already said by an inner hint
             raise
         detail = str(e).strip().partition("\n")[0]
         raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"

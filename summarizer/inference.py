@@ -142,7 +142,10 @@ def describe_checkpoint(ckpt):
 
 def describe_decoding(cfg, overridden=(), from_run=True):
     """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding and the
-    settings that are not defaults (max_new_tokens always), and where they come from."""
+    settings that are not defaults (max_new_tokens always), and where they come from. An extractive baseline has
+    none."""
+    if cfg.baseline in EXTRACTIVE:
+        return "none: lines of the dialogue"
     defaults = Config()
     kind = ("MBR" if cfg.mbr_samples else "beam search" if cfg.num_beams > 1 else
             "sampling" if cfg.temperature > 0 else "greedy")

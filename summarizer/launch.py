@@ -23,27 +23,41 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 class StopSignals:
     """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
     stop button) and SIGTERM (a session or job ending) stop the run: during start-up at once (one `interrupted`
-    line: nothing is saved yet); inside training() after its step in progress: the first one is `received`, and
-    notice() says so (the line, or None on ranks that print nothing), and a second Ctrl-C in a single process stops
-    at once, saying at_once() (what is saved; under torchrun a rank gets copies of one signal); after training,
-    quietly (an error that ended the loop says what is intact), under torchrun until the process ends when an error
-    leaves: the launcher's SIGTERM, sent as another rank fails, must not end this one before its error's line."""
+    line: nothing is saved yet); inside training() after the step that stop_signal(step) takes it for, which
+    notice(step) announces (the line, or None on ranks that print nothing); after training, quietly (an error that
+    ended the loop says what is intact), under torchrun until the process ends when an error leaves: the launcher's
+    SIGTERM, sent as another rank fails, must not end this one before its error's line. In a single process a second
+    Ctrl-C ends it at once, whatever it is doing, in one line: at_once() (what is saved; every write is atomic). Under
+    torchrun a rank gets copies of one signal."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
-        self.received, self.previous, self.phase = None, {}, "start-up"
+        self.received, self.previous, self.phase, self.wakeup = None, {}, "start-up", None
+        self.next_step = self.stop_after = None  # the step a signal now stops after; the one a received one does
 
     @contextlib.contextmanager
-    def training(self):
-        self.phase = "training"
+    def training(self, first_step):
+        self.phase, self.next_step = "training", first_step
         try:
             yield
         finally:
             self.phase = "ended"
 
+    def stop_signal(self, step):
+        """The signal to stop after `step` for, or None: asked once a step, before the ranks agree on it; a signal
+        from then on stops after the next step (the handler runs between any two lines: this order keeps the
+        notice true)."""
+        self.next_step = step + 1
+        return self.received if self.stop_after == step else None
+
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+            if not self.distributed:
+                read, write = os.pipe()
+                os.set_blocking(write, False)
+                self.wakeup = signal.set_wakeup_fd(write)
+                threading.Thread(target=self.second_ctrl_c, args=(read,), daemon=True).start()
         return self
 
     def __exit__(self, *exc):
@@ -51,18 +65,28 @@ class StopSignals:
             return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self.wakeup is not None:
+            os.close(signal.set_wakeup_fd(self.wakeup))  # the watching thread reads its end and ends
 
     def handle(self, signum, frame):
         if self.phase == "start-up":
             raise KeyboardInterrupt
         if self.received is None:
-            self.received = signum
-            line = self.notice and self.phase == "training" and self.notice()
+            self.received, self.stop_after = signum, self.next_step
+            line = self.notice and self.phase == "training" and self.notice(self.stop_after)
             if line:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT and not self.distributed:
-            print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
-            raise KeyboardInterrupt
+
+    def second_ctrl_c(self, fd):
+        """Python runs handle() between the main thread's bytecodes only: a C call (a backward, a save) holds it for
+        seconds, and two signals in it count once. The wakeup fd hears each, in this thread."""
+        with os.fdopen(fd, "rb", buffering=0) as heard:
+            count = 0
+            while byte := heard.read(1):
+                count += byte[0] in STOP_SIGNALS
+                if count > 1 and byte[0] == signal.SIGINT:
+                    print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
+                    os._exit(128 + signal.SIGINT)
 
 
 @contextlib.contextmanager

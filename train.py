@@ -234,8 +234,7 @@ class Trainer:
         stops = torch.zeros(2 + len(STOP_SIGNALS), device=rt.device)
         if rt.is_main:
             stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
-        signum = self.signals.stop_signal(step + 1)
-        if signum:
+        if signum := self.signals.stop_signal(step + 1):
             stops[2 + STOP_SIGNALS.index(signum)] = 1
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])

@@ -122,15 +122,12 @@ def repeats_ngram(text, n=REPEAT_N):
 
 
 def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
-    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (an evaluation there
-    of other weights, split, decoding or sweep moved aside first, a sweep's table with it); with a comparison, its
-    lines on stdout."""
+    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (first moving aside one
+    there of other weights, split, decoding or sweep, with its sweep); with a comparison, its lines on stdout."""
     out = inference.output_dir(cfg)
     made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
-    moved = run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES,
-                                              run_folder.SWEEP_CSV, run_folder.SWEEP_MD), "previous-eval", made_by)
-    if moved:
-        print(moved)
+    run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES, run_folder.SWEEP_CSV,
+                                      run_folder.SWEEP_MD), "previous-eval", made_by)
     if comparison is not None:
         report["compare"] = {"with": comparison.label, **comparison.stats}
     paths = [os.path.join(out, name) for name in run_folder.EVAL_FILES]

@@ -141,9 +141,8 @@ def describe_checkpoint(ckpt):
 
 
 def describe_decoding(cfg, overridden=(), from_run=True):
-    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding and the
-    settings that are not defaults (max_new_tokens always), and where they come from. An extractive baseline has
-    none."""
+    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding, the settings
+    that are not defaults (max_new_tokens always) and where they come from; 'none' for an extractive baseline."""
     if cfg.baseline in EXTRACTIVE:
         return "none: lines of the dialogue"
     defaults = Config()
@@ -251,10 +250,9 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                           seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
-            except Exception as e:  # what summarize_sharded keeps, and the size it halves
-                if not out_of_memory(e):
-                    raise
-                e.summaries, e.batch = summaries, len(batch)
+            except Exception as e:  # an out-of-memory's: what summarize_sharded keeps, and the size it halves
+                if out_of_memory(e):
+                    e.summaries, e.batch = summaries, len(batch)
                 raise
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)

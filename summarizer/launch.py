@@ -22,13 +22,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 
 class StopSignals:
     """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
-    stop button) and SIGTERM (a session or job ending) stop the run: during start-up at once (one `interrupted`
-    line: nothing is saved yet); inside training() after the step that stop_signal(step) takes it for, which
-    notice(step) announces (the line, or None on ranks that print nothing); after training, quietly (an error that
-    ended the loop says what is intact), under torchrun until the process ends when an error leaves: the launcher's
-    SIGTERM, sent as another rank fails, must not end this one before its error's line. In a single process a second
-    Ctrl-C ends it at once, whatever it is doing, in one line: at_once() (what is saved; every write is atomic). Under
-    torchrun a rank gets copies of one signal."""
+    stop button) and SIGTERM (a session or job ending) stop the run: in start-up at once (one `interrupted` line);
+    in training() after the step stop_signal() takes it for, which notice(step) announces (None: rank > 0), and alone
+    a second Ctrl-C ends it at once whatever it does, saying at_once() (what is saved); after training, quietly, under
+    torchrun until the process ends when an error leaves (the launcher's SIGTERM must not end it before its line)."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
@@ -44,9 +41,8 @@ class StopSignals:
             self.phase = "ended"
 
     def stop_signal(self, step):
-        """The signal to stop after `step` for, or None: asked once a step, before the ranks agree on it; a signal
-        from then on stops after the next step (the handler runs between any two lines: this order keeps the
-        notice true)."""
+        """The signal to stop after `step` for, or None: asked once a step, before the ranks agree; one that comes
+        later stops after the next step, as its notice says (handle() runs between any two lines: hence the order)."""
         self.next_step = step + 1
         return self.received if self.stop_after == step else None
 
@@ -78,8 +74,8 @@ class StopSignals:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
 
     def second_ctrl_c(self, fd):
-        """Python runs handle() between the main thread's bytecodes only: a C call (a backward, a save) holds it for
-        seconds, and two signals in it count once. The wakeup fd hears each, in this thread."""
+        """The wakeup fd hears each signal, here: handle() runs between the main thread's bytecodes only, which a C
+        call (a backward, a save) holds off for seconds, and there two signals count once."""
         with os.fdopen(fd, "rb", buffering=0) as heard:
             count = 0
             while byte := heard.read(1):
@@ -262,9 +258,8 @@ def process_age():
 
 
 def out_of_memory(error):
-    """Whether `error` is an allocation failure, the one rule of every place that handles one: a GPU's
-    (torch.OutOfMemoryError) or the host's, on a CPU or in host RAM (e.g. under `ulimit -v`): torch's CPU allocator
-    raises a plain RuntimeError, Python a MemoryError."""
+    """Whether `error` is an allocation failure, a GPU's or the host's (a CPU's or host RAM's, e.g. under `ulimit -v`:
+    torch's CPU allocator raises a plain RuntimeError): the one rule of every place that handles one."""
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(error, RuntimeError) and "DefaultCPUAllocator: " in str(error))
 

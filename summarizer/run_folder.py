@@ -168,20 +168,17 @@ def set_aside_earlier_run(out_dir):
 def set_aside_other_output(out, record, names, prefix, made_by):
     """Move `names` of folder `out` into out/<prefix>-<time>/ unless they were made alike: the JSON file `record`
     among them holds what made them, and each key of the dict `made_by` (weights, data, decoding) must match (no
-    record: unknown, so moved too). A command with other inputs then replaces nothing. A line saying so, or None."""
-    if not any(os.path.exists(os.path.join(out, name)) for name in names):
-        return None
+    record: unknown, so moved too). A command with other inputs then replaces nothing; one line says where they went."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
             made = dict(json.load(f))
     except (OSError, ValueError, TypeError):
         made = {}
     other = [key for key in made_by if made.get(key) != made_by[key]]
-    if not other:
-        return None
-    found, folder = move_aside(out, list(names), prefix)
-    was = "; ".join(str(made.get(key, "unrecorded")) for key in other)
-    return f"{out} held the output of other {' and '.join(other)} ({was}): moved its {', '.join(found)} to {folder}"
+    found, folder = move_aside(out, list(names), prefix) if other else ([], None)
+    if found:
+        was = "; ".join(str(made.get(key, "unrecorded")) for key in other)
+        print(f"{out} held the output of other {' and '.join(other)} ({was}): moved its {', '.join(found)} to {folder}")
 
 
 def unused(path, suffix=""):

@@ -54,10 +54,8 @@ def predict(cfg, explicit, rt):
         return None
     made_by = {"weights": run.weights, "test_csv": run.cfg.test_csv,
                "decoding": inference.describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}
-    moved = run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
-                                              run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
-    if moved:
-        print(moved)
+    run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
+                                      run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
     path = os.path.join(out, run_folder.SUBMISSION)
     write_submission(test.ids, summaries, path)
     with atomic_write(os.path.join(out, run_folder.SUBMISSION_RECORD)) as f:

@@ -152,11 +152,11 @@ class Trainer:
         if clock:  # every rank stops with rank 0's verdict
             rt.stop_if(clock.start_up_problem() if rt.is_main else None)
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
-        first_step = state.step + 1
+        first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
-        with self.run.tracker, self.signals.training(first_step), memory_hint(cfg, rt), bar:
+        with self.run.tracker, self.signals.training(lambda: self.next_stop), memory_hint(cfg, rt), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)
@@ -234,8 +234,9 @@ class Trainer:
         stops = torch.zeros(2 + len(STOP_SIGNALS), device=rt.device)
         if rt.is_main:
             stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
-        if signum := self.signals.stop_signal(step + 1):
-            stops[2 + STOP_SIGNALS.index(signum)] = 1
+        self.next_stop = step + 2  # first: a signal handled from here on is too late for this step's reduction
+        if self.signals.stop_after == step + 1:
+            stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)

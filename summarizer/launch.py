@@ -23,28 +23,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 class StopSignals:
     """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
     stop button) and SIGTERM (a session or job ending) stop the run: in start-up at once (one `interrupted` line);
-    in training() after the step stop_signal() takes it for, which notice(step) announces (None: rank > 0), and alone
-    a second Ctrl-C ends it at once whatever it does, saying at_once() (what is saved); after training, quietly, under
-    torchrun until the process ends when an error leaves (the launcher's SIGTERM must not end it before its line)."""
+    in training(next_step) after step `stop_after` = next_step() (the loop's count), which notice(step) announces
+    (None: rank > 0), and alone a second Ctrl-C ends it at once whatever it does, saying at_once() (what is saved);
+    after training quietly, under torchrun until the process ends when an error leaves (the launcher's SIGTERM must
+    not end it before its line)."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
         self.received, self.previous, self.phase, self.wakeup = None, {}, "start-up", None
-        self.next_step = self.stop_after = None  # the step a signal now stops after; the one a received one does
+        self.next_step, self.stop_after = None, None  # next_step(): where a signal now stops; the received one's
 
     @contextlib.contextmanager
-    def training(self, first_step):
-        self.phase, self.next_step = "training", first_step
+    def training(self, next_step):
+        self.phase, self.next_step = "training", next_step
         try:
             yield
         finally:
             self.phase = "ended"
-
-    def stop_signal(self, step):
-        """The signal to stop after `step` for, or None: asked once a step, before the ranks agree; one that comes
-        later stops after the next step, as its notice says (handle() runs between any two lines: hence the order)."""
-        self.next_step = step + 1
-        return self.received if self.stop_after == step else None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -68,7 +63,7 @@ class StopSignals:
         if self.phase == "start-up":
             raise KeyboardInterrupt
         if self.received is None:
-            self.received, self.stop_after = signum, self.next_step
+            self.received, self.stop_after = signum, self.next_step()
             line = self.notice and self.phase == "training" and self.notice(self.stop_after)
             if line:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)

@@ -137,20 +137,20 @@ def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_comman
 
 
 def test_a_signal_says_what_happens_at_that_moment(capsys):
-    """During start-up a signal stops at once (nothing is saved yet); in training it stops after the step that asks
-    next, which it announces; after training (an error ended the loop) it announces no save that cannot come."""
+    """During start-up a signal stops at once (nothing is saved yet); in training it stops after the step the loop
+    names, which it announces; after training (an error ended the loop) it announces no save that cannot come."""
     from summarizer.launch import StopSignals
     signals = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "",
                           distributed=False)
     with pytest.raises(KeyboardInterrupt):
         signals.handle(signal.SIGINT, None)
     assert signals.received is None and capsys.readouterr().err == ""
-    with signals.training(first_step=3):
+    with signals.training(lambda: 3):
         signals.handle(signal.SIGTERM, None)
+        assert signals.received == signal.SIGTERM and signals.stop_after == 3
         assert "SIGTERM: stopping after iter 3, then saving ckpt.pt" in capsys.readouterr().err
-        assert signals.stop_signal(3) == signal.SIGTERM
     ended = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "", distributed=True)
-    with ended.training(first_step=1):
+    with ended.training(lambda: 1):
         pass
     ended.handle(signal.SIGTERM, None)
     assert ended.received == signal.SIGTERM and capsys.readouterr().err == ""
@@ -229,7 +229,7 @@ def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(RuntimeError), StopSignals(None, lambda: "", distributed=True) as signals:
-            with signals.training(first_step=1):
+            with signals.training(lambda: 1):
                 raise RuntimeError("connection closed by peer")
         assert signal.getsignal(signal.SIGTERM) == signals.handle
         signals.handle(signal.SIGTERM, None)  # taken quietly: the error's line comes next

@@ -39,7 +39,7 @@ class StopSignals:
         try:
             yield
         finally:
-            self.phase = "ended"
+            self.phase, self.next_step = "ended", None  # it holds the loop, whose model must go before the backend
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -63,7 +63,7 @@ class StopSignals:
         if self.phase == "start-up":
             raise KeyboardInterrupt
         if self.received is None:
-            self.received, self.stop_after = signum, self.next_step()
+            self.received, self.stop_after = signum, self.next_step() if self.phase == "training" else None
             line = self.notice and self.phase == "training" and self.notice(self.stop_after)
             if line:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ decoding (an explicit --key=value changes decoding or data settings, never the t
 --baseline scores GPT-2 without fine-tuning or an untrained model (scratch, the preset's shape) with the
 command line's settings instead, into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json
 and eval_report.html (the page to read in a browser); --compare adds the paired ROUGE differences from
-another evaluation of the same dialogues, on stdout and in the report.
+another evaluation of the same dialogues, on stdout and in the report. Earlier files of other inputs move aside.
 """
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=2 predict.py [...]          the test set is sharded; rank 0 writes the file
 
 The prompt template and the decoding are the run's, read from the checkpoint; an explicit --key=value changes a
-decoding setting (e.g. --num_beams=4), a preset does not. An earlier submission.csv of other weights is moved
-aside, not overwritten.
+decoding setting (e.g. --num_beams=4), a preset does not. An earlier submission.csv of other weights, test_csv or
+decoding is moved aside, not overwritten.
 """
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 

@@ -81,9 +81,9 @@ def main(argv=None):
                 config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
                 print(settings_report(argv, config_json, from_run))
             go_on = continue_command(argv, rt.world_size)
-            ckpt, trainer = os.path.join(cfg.out_dir, run_folder.CKPT), None
-            signals = StopSignals(lambda: f"stopping after iter {trainer.run.state.step + 1}, then saving {ckpt}"
-                                  if rt.is_main else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
+            ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
+            signals = StopSignals(lambda step: f"stopping after iter {step}, then saving {ckpt}" if rt.is_main
+                                  else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
                     trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
@@ -150,11 +150,11 @@ class Trainer:
         a signal number or OUT_OF_TIME; None at max_iters)."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
         bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
-        first_step = state.step + 1
+        first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
-        with self.run.tracker, self.signals.training(), memory_hint(cfg, rt), bar:
+        with self.run.tracker, self.signals.training(lambda: self.next_stop), memory_hint(cfg, rt), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)
@@ -232,7 +232,8 @@ class Trainer:
         stops = torch.zeros(2 + len(STOP_SIGNALS), device=rt.device)
         if rt.is_main:
             stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
-        if self.signals.received:
+        self.next_stop = step + 2  # first: a signal handled from here on is too late for this step's reduction
+        if self.signals.stop_after == step + 1:
             stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])

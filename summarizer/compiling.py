@@ -14,6 +14,7 @@ from tqdm import tqdm
 from generate import decode_step, eager_step
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
+from summarizer.launch import out_of_memory
 from summarizer.run_folder import COMPILE_CACHE
 from summarizer.state import rng_state, set_rng_state
 
@@ -97,7 +98,7 @@ def compiler_error(error):
     import torch._inductor.exc as inductor  # loaded only when something failed
 
     causes = (error, getattr(error, "inner_exception", None), error.__cause__, error.__context__)
-    if any(isinstance(e, torch.OutOfMemoryError) for e in causes):
+    if any(out_of_memory(e) for e in causes):
         return False
     compiler = tuple(getattr(inductor, name) for name in ("InductorError", "CppCompileError", "InvalidCxxCompiler",
                                                          "CUDACompileError", "LoweringException")

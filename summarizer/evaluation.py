@@ -71,8 +71,6 @@ def evaluate(cfg, explicit, rt):
         return None
     frame = scored_frame(val, predictions)
     report = scores_report(frame, run, run.cfg, run.overridden)
-    if run.extractive:
-        report["decoding"] = "none: lines of the dialogue"
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
     write_evaluation(cfg, run, frame, report, comparison)
@@ -124,13 +122,12 @@ def repeats_ngram(text, n=REPEAT_N):
 
 
 def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
-    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (an evaluation of
-    other weights there moved aside first); with a comparison, its lines on stdout."""
+    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (first moving aside one
+    there of other weights, split, decoding or sweep, with its sweep); with a comparison, its lines on stdout."""
     out = inference.output_dir(cfg)
-    moved = run_folder.set_aside_other_weights(out, run_folder.EVAL_METRICS, run_folder.EVAL_FILES, "previous-eval",
-                                               run.weights)
-    if moved:
-        print(moved)
+    made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
+    run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES, run_folder.SWEEP_CSV,
+                                      run_folder.SWEEP_MD), "previous-eval", made_by)
     if comparison is not None:
         report["compare"] = {"with": comparison.label, **comparison.stats}
     paths = [os.path.join(out, name) for name in run_folder.EVAL_FILES]
@@ -265,16 +262,16 @@ def sweep(cfg, explicit, rt):
         return None
     best, pick = against_the_best(rows, frames)
     table = format_sweep(rows)
+    print(table)
+    report = scores_report(frames[pick], run, configs[pick], [*run.overridden, *settings[pick]])
+    report["setting"], report["sweep"] = rows[pick]["setting"], cfg.sweep
+    comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
+    write_evaluation(cfg, run, frames[pick], report, comparison, sweep_rows=rows)  # first: it moves an earlier aside
     paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)
     with atomic_write(paths[1]) as f:
         f.write(table + "\n")
-    print(table)
-    report = scores_report(frames[pick], run, configs[pick], [*run.overridden, *settings[pick]])
-    report["setting"] = rows[pick]["setting"]
-    comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
-    write_evaluation(cfg, run, frames[pick], report, comparison, sweep_rows=rows)
     print(f"wrote {paths[0]} and {paths[1]}")
     print(f"best ROUGE-L {rows[best]['rougeL']:.4f}: {rows[best]['setting']}; the fastest setting a paired test "
           f"cannot tell from it: {rows[pick]['setting']} (ROUGE-L {rows[pick]['rougeL_vs_best']:+.4f} "

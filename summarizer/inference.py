@@ -21,7 +21,7 @@ from generate import generate
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.errors import DiskFull, UserError
-from summarizer.launch import out_of_memory_hint
+from summarizer.launch import out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape
 from summarizer.memory import generation_batches, generation_memory
 
@@ -142,8 +142,10 @@ def describe_checkpoint(ckpt):
 
 
 def describe_decoding(cfg, overridden=(), from_run=True):
-    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding and the
-    settings that are not defaults (max_new_tokens always), and where they come from."""
+    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding, the settings
+    that are not defaults (max_new_tokens always) and where they come from; 'none' for an extractive baseline."""
+    if cfg.baseline in EXTRACTIVE:
+        return "none: lines of the dialogue"
     defaults = Config()
     kind = ("MBR" if cfg.mbr_samples else "beam search" if cfg.num_beams > 1 else
             "sampling" if cfg.temperature > 0 else "greedy")
@@ -246,8 +248,9 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                           seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
-            except torch.OutOfMemoryError as e:  # what summarize_sharded keeps, and the size it halves
-                e.summaries, e.batch = summaries, len(batch)
+            except Exception as e:  # an out-of-memory's: what summarize_sharded keeps, and the size it halves
+                if out_of_memory(e):
+                    e.summaries, e.batch = summaries, len(batch)
                 raise
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
@@ -302,7 +305,9 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
                              contextlib.nullcontext() if held else rt.autocast(), progress=progress and rt.is_main,
                              rank=rt.rank, world_size=rt.world_size, memory=memory, decode_step=decode_step)
             failed = None
-        except torch.OutOfMemoryError as e:  # told to every rank below: none waits for this one's shard
+        except Exception as e:  # told to every rank below: none waits for this one's shard
+            if not out_of_memory(e):
+                raise
             mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}")
         shards = rt.all_gather_objects((mine, failed))
         for i, column in zip(todo, zip(*(shard for shard, _ in shards), strict=True), strict=True):

@@ -22,28 +22,33 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 
 class StopSignals:
     """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
-    stop button) and SIGTERM (a session or job ending) stop the run: during start-up at once (one `interrupted`
-    line: nothing is saved yet); inside training() after its step in progress: the first one is `received`, and
-    notice() says so (the line, or None on ranks that print nothing), and a second Ctrl-C in a single process stops
-    at once, saying at_once() (what is saved; under torchrun a rank gets copies of one signal); after training,
-    quietly (an error that ended the loop says what is intact), under torchrun until the process ends when an error
-    leaves: the launcher's SIGTERM, sent as another rank fails, must not end this one before its error's line."""
+    stop button) and SIGTERM (a session or job ending) stop the run: in start-up at once (one `interrupted` line);
+    in training(next_step) after step `stop_after` = next_step() (the loop's count), which notice(step) announces
+    (None: rank > 0), and alone a second Ctrl-C ends it at once whatever it does, saying at_once() (what is saved);
+    after training quietly, under torchrun until the process ends when an error leaves (the launcher's SIGTERM must
+    not end it before its line)."""
 
     def __init__(self, notice, at_once, distributed):
         self.notice, self.at_once, self.distributed = notice, at_once, distributed
-        self.received, self.previous, self.phase = None, {}, "start-up"
+        self.received, self.previous, self.phase, self.wakeup = None, {}, "start-up", None
+        self.next_step, self.stop_after = None, None  # next_step(): where a signal now stops; the received one's
 
     @contextlib.contextmanager
-    def training(self):
-        self.phase = "training"
+    def training(self, next_step):
+        self.phase, self.next_step = "training", next_step
         try:
             yield
         finally:
-            self.phase = "ended"
+            self.phase, self.next_step = "ended", None  # it holds the loop, whose model must go before the backend
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+            if not self.distributed:
+                read, write = os.pipe()
+                os.set_blocking(write, False)
+                self.wakeup = signal.set_wakeup_fd(write)
+                threading.Thread(target=self.second_ctrl_c, args=(read,), daemon=True).start()
         return self
 
     def __exit__(self, *exc):
@@ -51,18 +56,28 @@ class StopSignals:
             return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self.wakeup is not None:
+            os.close(signal.set_wakeup_fd(self.wakeup))  # the watching thread reads its end and ends
 
     def handle(self, signum, frame):
         if self.phase == "start-up":
             raise KeyboardInterrupt
         if self.received is None:
-            self.received = signum
-            line = self.notice and self.phase == "training" and self.notice()
+            self.received, self.stop_after = signum, self.next_step() if self.phase == "training" else None
+            line = self.notice and self.phase == "training" and self.notice(self.stop_after)
             if line:
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT and not self.distributed:
-            print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
-            raise KeyboardInterrupt
+
+    def second_ctrl_c(self, fd):
+        """The wakeup fd hears each signal, here: handle() runs between the main thread's bytecodes only, which a C
+        call (a backward, a save) holds off for seconds, and there two signals count once."""
+        with os.fdopen(fd, "rb", buffering=0) as heard:
+            count = 0
+            while byte := heard.read(1):
+                count += byte[0] in STOP_SIGNALS
+                if count > 1 and byte[0] == signal.SIGINT:
+                    print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
+                    os._exit(128 + signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -77,12 +92,14 @@ def one_line_errors():
     except UserError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         sys.exit(2)
-    except torch.OutOfMemoryError as e:
-        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         print(f"interrupted{where}", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
+        sys.exit(1)
 
 
 @contextlib.contextmanager
@@ -91,11 +108,9 @@ def rank_error_lines():
     launcher's reports and the other ranks' errors (e.g. "connection closed by peer"), the root cause."""
     try:
         yield
-    except (UserError, torch.OutOfMemoryError):
-        raise
     except Exception as e:
         rank = os.environ.get("RANK")
-        if rank is None:
+        if rank is None or isinstance(e, UserError) or out_of_memory(e):
             raise
         if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
             print(f"error (rank {rank}): CUDA cannot start in a process forked from this notebook: train with "
@@ -207,14 +222,21 @@ def process_age():
     return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def out_of_memory(error):
+    """Whether `error` is an allocation failure, a GPU's or the host's (a CPU's or host RAM's, e.g. under `ulimit -v`:
+    torch's CPU allocator raises a plain RuntimeError): the one rule of every place that handles one."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: " in str(error))
+
+
 @contextlib.contextmanager
 def out_of_memory_hint(doing, settings):
-    """Re-raise a torch.OutOfMemoryError inside as one whose message is one line: what ran out of memory and the
-    settings to lower (entry points print it as `error: ...`)."""
+    """Re-raise an out-of-memory error inside as a torch.OutOfMemoryError whose message is one line: what ran out of
+    memory and the settings to lower (entry points print it as `error: ...`)."""
     try:
         yield
-    except torch.OutOfMemoryError as e:
-        if str(e).startswith("out of memory while"):  # already said by an inner hint
+    except Exception as e:
+        if not out_of_memory(e) or str(e).startswith("out of memory while"):  # already said by an inner hint
             raise
         detail = str(e).strip().partition("\n")[0]
         raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"

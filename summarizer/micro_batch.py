@@ -9,7 +9,7 @@ import torch
 
 import data
 from model import Targets
-from summarizer.launch import memory_hint
+from summarizer.launch import memory_hint, out_of_memory
 from summarizer.memory import nbytes, parameter_bytes
 from summarizer.state import rng_state, set_rng_state
 
@@ -24,7 +24,9 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
         try:
             peak_step(cfg, rt, model, train_set)
             mine = None
-        except torch.OutOfMemoryError as e:  # left here, the error frees what the step held
+        except Exception as e:  # left here, the error frees what the step held
+            if not out_of_memory(e):
+                raise
             mine = f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}"
         failed = [m for m in rt.all_gather_objects(mine) if m]
         if not failed:

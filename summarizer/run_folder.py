@@ -21,7 +21,7 @@ from summarizer.memory import nbytes
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
 SUBMISSION, SWEEP_CSV, SWEEP_MD = "submission.csv", "sweep.csv", "sweep.md"
-SUBMISSION_RECORD = "submission.json"  # which weights wrote submission.csv (Kaggle's file has room for no more)
+SUBMISSION_RECORD = "submission.json"  # what made submission.csv: weights, test_csv, decoding (Kaggle's has no room)
 COMPILE_CACHE = "compile_cache.bin"  # the run's compiled work (torch's Mega-Cache), for later processes
 LOCK = ".lock"  # flock'ed by the training run that writes into the folder; holds who that is
 EVAL_FILES = (EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT)
@@ -168,21 +168,20 @@ def set_aside_earlier_run(out_dir):
             f"--init_from=resume instead)")
 
 
-def set_aside_other_weights(out, record, names, prefix, weights):
-    """Move `names` of folder `out` into out/<prefix>-<time>/ when other weights wrote them: the JSON file `record`
-    among them names its weights (none, or no record beside them: unknown, so moved too). Scoring or summarizing
-    with other weights into a folder then replaces nothing. A line saying so, or None."""
-    if not any(os.path.exists(os.path.join(out, name)) for name in names):
-        return None
+def set_aside_other_output(out, record, names, prefix, made_by):
+    """Move `names` of folder `out` into out/<prefix>-<time>/ unless they were made alike: the JSON file `record`
+    among them holds what made them, and each key of the dict `made_by` (weights, data, decoding) must match (no
+    record: unknown, so moved too). A command with other inputs then replaces nothing; one line says where they went."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
-            made_by = json.load(f).get("weights")
-    except (OSError, ValueError, AttributeError):
-        made_by = None
-    if made_by == weights:
-        return None
-    found, folder = move_aside(out, list(names), prefix)
-    return f"{out} held the output of other weights ({made_by or 'unnamed'}): moved its {', '.join(found)} to {folder}"
+            made = dict(json.load(f))
+    except (OSError, ValueError, TypeError):
+        made = {}
+    other = [key for key in made_by if made.get(key) != made_by[key]]
+    found, folder = move_aside(out, list(names), prefix) if other else ([], None)
+    if found:
+        was = "; ".join(str(made.get(key, "unrecorded")) for key in other)
+        print(f"{out} held the output of other {' and '.join(other)} ({was}): moved its {', '.join(found)} to {folder}")
 
 
 def unused(path, suffix=""):

@@ -52,15 +52,14 @@ def predict(cfg, explicit, rt):
     summaries = inference.summaries(run, prompts, rt)
     if not rt.is_main:
         return None
-    moved = run_folder.set_aside_other_weights(out, run_folder.SUBMISSION_RECORD,
-                                               (run_folder.SUBMISSION, run_folder.SUBMISSION_RECORD),
-                                               "previous-submission", run.weights)
-    if moved:
-        print(moved)
+    made_by = {"weights": run.weights, "test_csv": run.cfg.test_csv,
+               "decoding": inference.describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}
+    run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
+                                      run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
     path = os.path.join(out, run_folder.SUBMISSION)
     write_submission(test.ids, summaries, path)
     with atomic_write(os.path.join(out, run_folder.SUBMISSION_RECORD)) as f:
-        json.dump({"weights": run.weights, "test_csv": run.cfg.test_csv}, f, indent=2)
+        json.dump(made_by, f, indent=2)
     if test.empty:
         print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")
     empty = sum(not s.split() for s in summaries)

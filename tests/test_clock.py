@@ -71,7 +71,7 @@ def virtual(monkeypatch):
         def timed_step(trainer, it):
             clock.step = it
             if it == stop_at:
-                trainer.signals.received = signal.SIGINT
+                trainer.signals.handle(signal.SIGINT, None)
             done = step(trainer, it)
             clock.trained = clock.now
             return done

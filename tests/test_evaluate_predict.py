@@ -240,3 +240,35 @@ def test_extractive_baselines_score_lines_of_each_dialogue_with_the_same_report(
     predict.main([*flags, "--baseline=first_line"])
     submitted = pd.read_csv(tmp_path / "out" / "baseline-first_line" / "submission.csv")
     assert list(submitted["summary"]) == expected["first_line"]
+
+
+# ---- issue 65: nothing overwritten ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command, data, record", [(predict, "test_csv", "submission.json"),
+                                                    (evaluate, "validation_csv", "eval_metrics.json")])
+def test_outputs_of_other_data_or_decoding_are_moved_aside_and_the_same_inputs_replace_them(
+        command, data, record, tiny_hf_dir, tmp_path, capsys):
+    """The same weights with another test_csv (predict.py) or validation split (evaluate.py), or another decoding:
+    the earlier files move into previous-*-<time>/, in one line that says what differed and where they went; the
+    same inputs again replace them."""
+    first, second = (save_csv(tmp_path / f"{name}.csv", synthetic_rows(n, seed=n)) for name, n in (("a", 6), ("b", 3)))
+    out = tmp_path / "out" / f"baseline-{os.path.basename(tiny_hf_dir)}"
+    flags = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=4", "--block_size=128",
+             f"--baseline={tiny_hf_dir}",
+             f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}", "--sample_submission_csv="]
+
+    def written():
+        return {p.name: p.read_text() for p in out.iterdir() if p.is_file()}
+    command.main([*flags, f"--{data}={first}"])
+    command.main([*flags, f"--{data}={first}"])  # the same inputs: the same files, replaced
+    assert not [p for p in out.iterdir() if p.is_dir()]
+    before, said = written(), []
+    for changed, was in ((f"--{data}={second}", first), ("--num_beams=2", "greedy: max_new_tokens=4")):
+        capsys.readouterr()
+        command.main([*flags, f"--{data}={second}", changed])
+        line = [line for line in capsys.readouterr().out.splitlines() if "held the output of other" in line]
+        aside = sorted(p for p in out.iterdir() if p.is_dir())[-1]
+        assert len(line) == 1 and line[0].endswith(f" to {aside}") and was in line[0], line
+        assert {p.name: p.read_text() for p in aside.iterdir()} == before
+        before, said = written(), [*said, line[0]]
+    assert "other decoding" in said[1] and json.loads((out / record).read_text())["decoding"].startswith("beam")

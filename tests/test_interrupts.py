@@ -1,6 +1,7 @@
 """A run that is stopped (Ctrl-C, a notebook's stop button, the end of a session) finishes its step on every rank,
 writes ckpt.pt, prints the command that continues it and ends without a traceback; continuing gives the losses of
 one uninterrupted run, each step logged once."""
+import ast
 import json
 import os
 import shlex
@@ -135,29 +136,90 @@ def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_comman
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == STEPS
 
 
-def test_a_signal_says_what_happens_at_that_moment(tmp_path, capsys):
-    """During start-up a signal stops at once (nothing is saved yet); in training it asks for a save after the
-    step, and a second Ctrl-C names what is saved, or that nothing is; after training (an error ended the loop) it
-    announces no save that cannot come."""
+def test_a_signal_says_what_happens_at_that_moment(capsys):
+    """During start-up a signal stops at once (nothing is saved yet); in training it stops after the step the loop
+    names, which it announces; after training (an error ended the loop) it announces no save that cannot come."""
     from summarizer.launch import StopSignals
-    from train import saved_so_far
-    signals = StopSignals(lambda: "stopping after iter 3, then saving ckpt.pt", lambda: saved_so_far(str(tmp_path)),
+    signals = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "",
                           distributed=False)
     with pytest.raises(KeyboardInterrupt):
         signals.handle(signal.SIGINT, None)
     assert signals.received is None and capsys.readouterr().err == ""
-    with signals.training():
+    with signals.training(lambda: 3):
         signals.handle(signal.SIGTERM, None)
-        assert signals.received == signal.SIGTERM
+        assert signals.received == signal.SIGTERM and signals.stop_after == 3
         assert "SIGTERM: stopping after iter 3, then saving ckpt.pt" in capsys.readouterr().err
-        with pytest.raises(KeyboardInterrupt):
-            signals.handle(signal.SIGINT, None)
-        assert f"second Ctrl-C: stopping at once; nothing is saved in {tmp_path} yet" in capsys.readouterr().err
-    ended = StopSignals(lambda: "stopping after iter 3, then saving ckpt.pt", lambda: "", distributed=True)
-    with ended.training():
+    ended = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "", distributed=True)
+    with ended.training(lambda: 1):
         pass
     ended.handle(signal.SIGTERM, None)
     assert ended.received == signal.SIGTERM and capsys.readouterr().err == ""
+
+
+def test_a_signal_after_a_steps_stop_check_announces_and_saves_the_next_step(write_csv, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A SIGINT during step 3's update, after the ranks agreed not to stop: the run announces iter 4, and trains and
+    saves iter 4."""
+    import torch
+
+    import train
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def clip_then_signal(*args, **kwargs):  # the update, after the step's one reduction
+        calls.append(len(calls))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return clip(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_signal)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit:
+        train.main([*ARGS, f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'cache'}",
+                    f"--out_dir={out}", "--n_layer=1", "--n_embd=32"])
+    assert exit.value.code == 128 + signal.SIGINT
+    assert f"SIGINT: stopping after iter 4, then saving {out / 'ckpt.pt'}" in capsys.readouterr().err
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == max(logged_iters(out)) == 4
+
+
+BUSY = """import hashlib, sys
+import train
+from model import GPT
+forward, steps = GPT.forward, []
+
+
+def busy(model, *args, **kwargs):  # step 3 spends a minute in one C call, as a long backward or save would
+    steps.append(model.training)
+    if sum(steps) == 3 * 2:  # 2 micro-batches a step
+        print("busy", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10**8)
+        print("busy no more", flush=True)
+    return forward(model, *args, **kwargs)
+
+
+GPT.forward = busy
+train.main(sys.argv[2:])  # after start()'s train.py
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_run_at_once_whatever_it_does_in_one_line(write_csv, tmp_path):
+    """Two Ctrl-C 0.3 s apart while the run is in one long C call (Python runs no handler there): the process ends
+    before that call returns, in one line naming the intact checkpoints."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    args = [*ARGS, f"--train_csv={write_csv('train.csv', 48)}", f"--data_cache_dir={tmp_path / 'cache'}",
+            f"--out_dir={out}", "--eval_interval=2"]
+    process = start([sys.executable, "-c", BUSY], args, log)
+    deadline = time.monotonic() + HANG
+    while "busy" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    for _ in range(2):
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    process.wait(timeout=HANG)
+    output = log.read_text()
+    assert process.returncode == 128 + signal.SIGINT and "busy no more" not in output, output[-3000:]
+    intact = f"intact: {out / 'best.pt'} (iter 2), {out / 'ckpt.pt'} (iter 2)"  # the line loads them to say so
+    assert output.rstrip().endswith(f"second Ctrl-C: stopping at once; {intact}") and "Traceback" not in output
 
 
 def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_its_error_line():
@@ -167,7 +229,7 @@ def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(RuntimeError), StopSignals(None, lambda: "", distributed=True) as signals:
-            with signals.training():
+            with signals.training(lambda: 1):
                 raise RuntimeError("connection closed by peer")
         assert signal.getsignal(signal.SIGTERM) == signals.handle
         signals.handle(signal.SIGTERM, None)  # taken quietly: the error's line comes next
@@ -190,13 +252,25 @@ def test_the_docs_say_what_a_stop_does_before_the_first_step_and_after_a_killed_
     assert "ChildFailedError" in killed and "`error (rank N)` line above it is the one to act on" in killed, killed
 
 
+def test_every_script_hands_ctrl_c_to_quiet_start_around_its_imports():
+    """The test below shows train.py's imports end in one line; each script holds it: quiet_start's two calls
+    enclose every import after its own."""
+    for script in ("train.py", "evaluate.py", "predict.py", "export.py"):
+        with open(os.path.join(REPO, script), encoding="utf-8") as f:
+            lines = [ast.unparse(node) for node in ast.parse(f.read()).body]
+        imports = [i for i, line in enumerate(lines) if line.startswith(("import ", "from "))]
+        until, imported = lines.index("quiet_start.until_imported(__name__)"), lines.index(
+            "quiet_start.imported(__name__)")
+        assert lines[imports[0]] == "from summarizer import quiet_start" and imports[0] + 1 == until, script
+        assert until < imports[1] and imports[-1] < imported, script
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, after", [("train.py", 0.3), ("predict.py", 0.3), ("evaluate.py", 0.3)])
-def test_ctrl_c_while_a_script_imports_is_one_line(script, after):
-    """SIGINT a moment after start, while torch is imported: one line, exit 130, no traceback."""
-    process = subprocess.Popen([sys.executable, script, "--device=cpu"], cwd=REPO, stdout=subprocess.PIPE,
+def test_ctrl_c_while_a_script_imports_is_one_line():
+    """SIGINT a moment after train.py starts, while torch is imported: one line, exit 130, no traceback."""
+    process = subprocess.Popen([sys.executable, "train.py", "--device=cpu"], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    time.sleep(after)
+    time.sleep(0.3)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=HANG)
     assert process.returncode == 128 + signal.SIGINT and err.strip() == "interrupted", err[-2000:]

@@ -1,7 +1,9 @@
-"""Out of memory: never taken for a failed torch.compile (in training's compile warm-up it propagates with the hint to
-lower --micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no eager
+"""Out of memory, a GPU's or the host's (on a CPU or in host RAM, torch's CPU allocator raises a RuntimeError):
+never taken for a failed torch.compile (in training's compile warm-up it propagates with the hint to lower
+--micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no eager
 retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
-and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays."""
+and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays and its
+one line names what to lower."""
 import json
 import os
 
@@ -58,30 +60,51 @@ def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, ca
 
 # ---- an out-of-memory error that a smaller batch avoids -----------------------------------------------------------
 
-# What a GPU raises (torch.OutOfMemoryError, its message's first line); the tests raise it on a CPU where a GPU would.
+# What runs out of memory: a GPU (torch.OutOfMemoryError, its message's first line: the tests raise it on a CPU where a
+# GPU would) or the host, on a CPU or in host RAM (the CPU allocator's own RuntimeError, for a tensor no machine holds).
 GPU_SAYS = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which 1.12 GiB "
             "is free.")
+KINDS = ["GPU", "host"]
 
 
-def out_of_memory_above(monkeypatch, method, rows, limit):
-    """GPT.<method> raises a GPU's out-of-memory error when rows(its arguments) is above `limit`."""
+def run_out_of_memory(kind):
+    if kind == "GPU":
+        raise torch.OutOfMemoryError(GPU_SAYS)
+    torch.empty(1 << 50, dtype=torch.uint8)
+
+
+def says(kind):
+    """The first line of the error that running out of memory on `kind` raises."""
+    with pytest.raises(RuntimeError) as error:
+        run_out_of_memory(kind)
+    return str(error.value).strip().partition("\n")[0]
+
+
+def out_of_memory_above(monkeypatch, method, rows, limit, kind):
+    """GPT.<method> runs out of memory on `kind` when rows(its arguments) is above `limit`."""
     original = getattr(GPT, method)
 
     def limited(model, *args, **kwargs):
         if rows(*args) > limit:
-            raise torch.OutOfMemoryError(GPU_SAYS)
+            run_out_of_memory(kind)
         return original(model, *args, **kwargs)
     monkeypatch.setattr(GPT, method, limited)
 
 
-def training_above(monkeypatch, limit):
+def training_above(monkeypatch, limit, kind="GPU"):
     """A training forward of more than `limit` rows runs out of memory."""
-    out_of_memory_above(monkeypatch, "forward", lambda idx, *rest: len(idx), limit)
+    out_of_memory_above(monkeypatch, "forward", lambda idx, *rest: len(idx), limit, kind)
 
 
-def generation_above(monkeypatch, limit):
+def generation_above(monkeypatch, limit, kind="GPU"):
     """A generation batch of more than `limit` prompts runs out of memory (at its prefill)."""
-    out_of_memory_above(monkeypatch, "prefill", lambda prompts, *rest: len(prompts), limit)
+    out_of_memory_above(monkeypatch, "prefill", lambda prompts, *rest: len(prompts), limit, kind)
+
+
+def test_an_out_of_memory_is_an_allocation_failure_and_no_other_error():
+    """The GPU's and the host's are each tested where they are handled below; Python's too, and nothing else."""
+    from summarizer.launch import out_of_memory
+    assert out_of_memory(MemoryError()) and not out_of_memory(RuntimeError("shape '[2, 3]' is invalid for size 7"))
 
 
 @pytest.fixture
@@ -106,18 +129,20 @@ def trained_weights(out_dir):
     return ckpt["model"], ckpt["config"]
 
 
-def test_out_of_memory_under_auto_lowers_the_micro_batch_and_trains_as_the_smaller_one(run_args, tmp_path,
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_of_memory_under_auto_lowers_the_micro_batch_and_trains_as_the_smaller_one(kind, run_args, tmp_path,
                                                                                       monkeypatch, capsys):
-    """micro_batch_size=auto chooses 8 on a CPU; where 8 and 4 rows run out of memory, the run trains at 2, as a run
-    at 2 from the start trains, keeps 2 in ckpt.pt and says what it lowered and why in one line."""
+    """micro_batch_size=auto chooses 8 on a CPU; where 8 and 4 rows run out of memory (the GPU's or the host's), the
+    run trains at 2, as a run at 2 from the start trains, keeps 2 in ckpt.pt and says what it lowered and why in one
+    line."""
     with monkeypatch.context() as patched:
-        training_above(patched, 2)
+        training_above(patched, 2, kind)
         train.main(run_args(tmp_path / "auto", "--micro_batch_size=auto"))
     out = capsys.readouterr().out
     train.main(run_args(tmp_path / "two", "--micro_batch_size=2"))
     lowered = [line for line in out.splitlines() if line.startswith("micro_batch_size=auto:")]
     assert len(lowered) == 1 and lowered[0].startswith("micro_batch_size=auto: 8 (the plan's peak ")
-    assert lowered[0].endswith(f"; out of memory at 8 and 4 (rank 0: {GPU_SAYS}): lowered to 2")
+    assert lowered[0].endswith(f"; out of memory at 8 and 4 (rank 0: {says(kind)}): lowered to 2")
     assert "8 sequences per step = 2 per micro-batch x 1 process(es) x 4 accumulation steps" in out
     weights, config = trained_weights(tmp_path / "auto")
     expected, _ = trained_weights(tmp_path / "two")
@@ -128,9 +153,10 @@ def test_out_of_memory_under_auto_lowers_the_micro_batch_and_trains_as_the_small
         assert torch.equal(weights[name], tensor), name
 
 
-def test_a_micro_batch_size_the_user_set_stays_and_out_of_memory_ends_the_run_in_one_line(run_args, tmp_path,
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_micro_batch_size_the_user_set_stays_and_out_of_memory_ends_the_run_in_one_line(kind, run_args, tmp_path,
                                                                                            monkeypatch, capsys):
-    training_above(monkeypatch, 2)
+    training_above(monkeypatch, 2, kind)
     line = one_error_line(capsys, train.main, run_args(tmp_path / "out", "--micro_batch_size=8"), code=1)
     assert line.startswith("error: out of memory while training on micro-batches of 8 sequences: lower "
                            "--micro_batch_size (now 8")
@@ -164,10 +190,11 @@ def test_evaluations_and_the_after_run_lower_a_generation_batch_and_write_the_sm
     assert len(written) == 2 and written == summarized_files(tmp_path / "four")
 
 
-@pytest.mark.parametrize("command", [evaluate, predict])
+@pytest.mark.parametrize("command, kind", [(evaluate, "GPU"), (predict, "GPU"), (predict, "host")])
 def test_evaluate_and_predict_lower_a_generation_batch_and_write_the_smaller_batchs_summaries(
-        command, csvs, run_args, tmp_path, monkeypatch, capsys):
-    """evaluate.py and predict.py, where 8 prompts run out of memory and 2 do not: the summaries of batches of 2."""
+        command, kind, csvs, run_args, tmp_path, monkeypatch, capsys):
+    """evaluate.py and predict.py, where 8 prompts run out of memory (the GPU's or the host's) and 2 do not: the
+    summaries of batches of 2."""
     train.main(run_args(tmp_path / "run", "--micro_batch_size=8"))
     ckpt = tmp_path / "run" / "best.pt"
 
@@ -177,12 +204,12 @@ def test_evaluate_and_predict_lower_a_generation_batch_and_write_the_smaller_bat
                       f"--gen_batch_size={gen_batch_size}"])
     capsys.readouterr()
     with monkeypatch.context() as patched:
-        generation_above(patched, 2)
+        generation_above(patched, 2, kind)
         summarize(tmp_path / "eight", 8)
     out = capsys.readouterr().out
     summarize(tmp_path / "two", 2)
     assert [line for line in out.splitlines() if "out of memory" in line] == [
-        f"out of memory while summarizing 8 and then 4 dialogues at a time (rank 0: {GPU_SAYS}): went on in "
+        f"out of memory while summarizing 8 and then 4 dialogues at a time (rank 0: {says(kind)}): went on in "
         f"batches of at most 2 (gen_batch_size=2 from now on in this process)"]
     written = summarized_files(tmp_path / "eight")
     assert len(written) == 1 and written == summarized_files(tmp_path / "two")

@@ -226,7 +226,8 @@ def time_step(cfg, rt, batches, state, module, starting):
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    return seconds * grad_accum_steps(cfg, rt.world_size), batches(state.step).tokens
+    batch = batches(state.step)
+    return seconds * len(batch.micro_batches), batch.tokens
 
 
 def time_decoding(cfg, rt, state, prompts, decode_step, starting):

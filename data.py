@@ -573,9 +573,8 @@ class LengthGroupedSampler:
     resuming at step k needs only k. How a global batch is cut into micro-batches is deal's.
     """
 
-    def __init__(self, lengths, batch_size, seed, group_steps=GROUP_STEPS):
-        self.lengths = np.asarray(lengths)
-        self.batch_size, self.seed, self.group_steps = batch_size, seed, group_steps
+    def __init__(self, lengths, batch_size, seed):
+        self.lengths, self.batch_size, self.seed = np.asarray(lengths), batch_size, seed
 
     def stream(self, start, count):
         """Example indices at positions [start, start + count) of the endless stream of epoch permutations."""
@@ -587,18 +586,17 @@ class LengthGroupedSampler:
 
     def global_batch(self, step):
         """Example indices of `step`'s global batch, shortest first."""
-        group, slot = divmod(step, self.group_steps)
-        size = self.group_steps * self.batch_size
+        group, slot = divmod(step, GROUP_STEPS)
+        size = GROUP_STEPS * self.batch_size
         members = self.stream(group * size, size)
         by_length = members[np.argsort(self.lengths[members], kind="stable")]
-        k = np.random.default_rng([self.seed, 1, group]).permutation(self.group_steps)[slot]
+        k = np.random.default_rng([self.seed, 1, group]).permutation(GROUP_STEPS)[slot]
         return by_length[k * self.batch_size:(k + 1) * self.batch_size]
 
 
-# A micro-batch costs its forward's and backward's kernel launches whatever its rows: about half a millisecond
-# compiled, what an H200 spends on some 256 padded positions of gpt2 (~500k tokens/s at 40% MFU). A cut that saves
-# fewer costs more than it saves. On a slower GPU a position costs more, so there these cuts pad a little more than
-# its best; SAMSum at batch 256: 4% of positions padding, in about 8 micro-batches (the goal: at most 10%, 5% at 16).
+# A micro-batch costs its forward's and backward's launches whatever its rows: about half a millisecond compiled,
+# what an H200 spends on some 256 padded positions of gpt2 (~500k tokens/s at 40% MFU); a slower GPU, where a position
+# costs more, pads a little more than its best. SAMSum at batch 256: 4% of positions padding, in ~8 micro-batches.
 MICRO_BATCH_COST = 256
 
 
@@ -612,32 +610,28 @@ def cut(widths, targets, max_tokens, max_targets, count=0):
     padded positions plus MICRO_BATCH_COST per micro-batch are least, no micro-batch over max_tokens positions
     (rows x its widest) or max_targets `targets`; exactly `count` micro-batches when given (one row fits alone)."""
     n, ends = len(widths), np.arange(len(widths) + 1)
-    rows = ends[None, :] - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
-    positions = rows * np.concatenate([[0], widths])[None, :]
-    held = np.concatenate([[0], np.cumsum(targets)])
-    fits = (rows > 0) & (positions <= max_tokens) & (held[None, :] - held[:, None] <= max_targets)
+    rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
+    positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
+    fits = (rows > 0) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
     cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf)
     # layer k: the least cost of rows 0..end-1 in k micro-batches. k of them cost at least every row's own width
     # plus k x MICRO_BATCH_COST: no layer past that bound can beat the best found
-    best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], []
-    while len(starts) < (count or n) and (count or widths.sum() + MICRO_BATCH_COST * (len(starts) + 1) < min(
-            totals, default=np.inf)):
+    best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], [np.inf]
+    while len(starts) < (count or n) and (count or widths.sum() + MICRO_BATCH_COST * (len(starts) + 1) < min(totals)):
         total = best[:, None] + cost
         starts.append(total.argmin(0))
         best = total.min(0)
         totals.append(best[n])
     found = [n]
-    for layer in reversed(starts[:count or 1 + int(np.argmin(totals))]):
+    for layer in reversed(starts[:count or int(np.argmin(totals))]):
         found.append(int(layer[found[-1]]))
     return found[::-1]
 
 
 def deal(widths, targets, max_tokens, max_targets, world_size=1):
-    """Every rank's micro-batches (positions in the global batch) of a global batch sorted by length (padded
-    `widths`, `targets` per row): its rows dealt to the ranks in a snake, so each rank's are about as long as the
-    others', then each rank's cut (cut) into as many micro-batches as the rank that needs most, so every rank
-    syncs its gradients at the same micro-step; longest first (an out-of-memory shows on the first one, and the
-    allocator's biggest blocks are reused by the rest)."""
+    """Every rank's micro-batches (positions in a global batch sorted by length, of padded `widths`): its rows dealt
+    to the ranks in a snake, each rank's cut into as many as the rank that needs most (every rank syncs at the same
+    micro-step); longest first, so an out-of-memory shows on the first and the rest reuse its blocks."""
     shares = np.arange(len(widths)).reshape(-1, world_size)
     shares[1::2] = shares[1::2, ::-1]
     count = max(len(cut(widths[share], targets[share], max_tokens, max_targets)) - 1 for share in shares.T)
@@ -665,8 +659,7 @@ class TrainBatches:
         self.rank, self.world_size = rank, world_size
         self.sampler = LengthGroupedSampler(examples.lengths, cfg.batch_size, cfg.seed)
         self.targets = examples.target_counts(cfg.train_on_prompt)
-        # the memory plan's micro-batch (summarizer/memory.py): micro_batch_size rows as wide as the longest, each
-        # with the most targets a row has. No cut micro-batch holds more positions or targets.
+        # no more positions or targets than the memory plan's micro-batch: micro_batch_size rows of the longest's
         self.limits = (cfg.micro_batch_size * int(padded_width(examples.lengths.max() - 1)),
                        cfg.micro_batch_size * int(self.targets.max()))
 

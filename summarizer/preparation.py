@@ -226,8 +226,7 @@ def time_step(cfg, rt, batches, state, module, starting):
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    batch = batches(state.step)
-    return seconds * len(batch.micro_batches), batch.tokens
+    return seconds * len(batches(state.step).micro_batches), batches(state.step).tokens
 
 
 def time_decoding(cfg, rt, state, prompts, decode_step, starting):

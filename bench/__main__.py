@@ -305,7 +305,8 @@ def cut_micro_batches(args, device, model):
                    dict(section="train", figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
                         target=">= 1.3 (H100/H200)"),
                    dict(section="train", figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
-                        f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, {device}")]
+                        f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, "
+                        f"{device}")]
 
 
 # MBR's candidates: samples at temperature 0.7 among the 50 most likely tokens, none below probability 0.02

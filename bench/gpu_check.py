@@ -90,9 +90,9 @@ def plan(args, folder):
             for name, argv in sections]
 
 
-def run_section(argv, limit):
-    """{status: ok, failed or timed out; seconds; rows: the JSON objects it printed; output: its last lines}. A
-    section out of time is ended with every process it started."""
+def run_section(argv, limit, jsonl=None):
+    """{status: ok, failed or timed out; seconds; rows: the JSON objects it printed, then `jsonl`'s; output: its last
+    lines}. A section out of time is ended with every process it started."""
     start = time.monotonic()
     with subprocess.Popen(argv, cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True) as process:
@@ -106,6 +106,9 @@ def run_section(argv, limit):
     for line in output.splitlines():
         with contextlib.suppress(ValueError):
             rows += [json.loads(line)] if line.startswith("{") else []
+    if jsonl and os.path.isfile(jsonl):
+        with open(jsonl) as f:
+            rows += [json.loads(line) for line in f]
     return dict(status=status, seconds=round(time.monotonic() - start, 1), command=" ".join(argv), rows=rows,
                 output=output[-3000:])
 
@@ -123,12 +126,12 @@ def figures(sections):
 
 
 def run_check(sections, report_path, header):
-    """Runs the sections [(name, argv, limit)] in turn, the report (header, each section's result so far, the
-    figures) written after each; the report."""
+    """Runs the sections [(name, argv, limit, jsonl)] (plan's) in turn, the report (header, each section's result so
+    far, the figures) written after each; the report."""
     report = dict(header, sections={}, passed=True)
-    for name, argv, limit in sections:
+    for name, argv, limit, jsonl in sections:
         print(f"{name}: {' '.join(argv)}", flush=True)
-        result = report["sections"][name] = run_section(argv, limit)
+        result = report["sections"][name] = run_section(argv, limit, jsonl)
         report.update(figures=figures(report["sections"]), passed=report["passed"] and result["status"] == "ok")
         with atomic_write(report_path) as f:
             json.dump(report, f, indent=1)

@@ -284,7 +284,8 @@ def cut_micro_batches(args, device, model):
             real, cut, count = real + batch.tokens, cut + batch.positions, count + len(batch.micro_batches)
         rows += [dict(section="train", figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
                       uncut=1 - real / uncut, micro_batches=count / 16, target="<= 0.10" if micro > 16 else "<= 0.05")]
-    cut_rows = args.cut_rows or (256 if device.type == "cuda" else 8)
+    big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 60 * 2**30  # H100/H200
+    cut_rows = args.cut_rows or (256 if big else 32 if device.type == "cuda" else 8)  # a T4 fits 32 rows of gpt2
     batches = data.TrainBatches(examples, Config(batch_size=cut_rows, micro_batch_size=cut_rows))
     cut = [xy for step in range(data.GROUP_STEPS) for xy in batches(step).micro_batches]
     uncut = [data.collate(examples, batches.sampler.global_batch(step)) for step in range(data.GROUP_STEPS)]
@@ -416,7 +417,8 @@ def main():
     parser.add_argument("--gen_batch", type=int, default=16)
     parser.add_argument("--naive_prompts", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=32)
-    parser.add_argument("--cut_rows", type=int, help="rows of the global batch timed cut and uncut (256; 16 on CPU)")
+    parser.add_argument("--cut_rows", type=int, help="rows of the global batches timed cut and "
+                        "uncut (256 on a GPU of 60 GiB or more, 32 on a smaller one, 8 on a CPU)")
     parser.add_argument("--train_batches", type=int, default=2)
     parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")

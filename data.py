@@ -553,8 +553,7 @@ def collate(examples, indices, train_on_prompt=False):
     int64 tensors of shape (len(indices), longest x rounded up to a multiple of 8)."""
     lengths = examples.lengths[indices] - 1
     width = padded_width(int(lengths.max()))
-    x = np.full((len(indices), width), EOT_ID, np.int64)
-    y = np.full((len(indices), width), -1, np.int64)
+    x, y = np.full((len(indices), width), EOT_ID, np.int64), np.full((len(indices), width), -1, np.int64)
     for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
         sequence = examples.sequence(i)
         x[row, :n] = sequence[:-1]
@@ -613,14 +612,12 @@ def cut(widths, targets, max_tokens, max_targets, count=0):
     rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
     positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
     fits = (rows > 0) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
-    cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf)
-    # layer k: the least cost of rows 0..end-1 in k micro-batches. k of them cost at least every row's own width
-    # plus k x MICRO_BATCH_COST: no layer past that bound can beat the best found
+    cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf).astype(np.float32)  # integers, exact below 2^24
+    # layer k: the least cost of rows 0..end-1 in k micro-batches, never below the rows' widths + k x MICRO_BATCH_COST
     best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], [np.inf]
     while len(starts) < (count or n) and (count or widths.sum() + MICRO_BATCH_COST * (len(starts) + 1) < min(totals)):
-        total = best[:, None] + cost
-        starts.append(total.argmin(0))
-        best = total.min(0)
+        starts.append((best[:, None] + cost).argmin(0))
+        best = best[starts[-1]] + cost[starts[-1], ends]
         totals.append(best[n])
     found = [n]
     for layer in reversed(starts[:count or int(np.argmin(totals))]):
@@ -634,9 +631,11 @@ def deal(widths, targets, max_tokens, max_targets, world_size=1):
     micro-step); longest first, so an out-of-memory shows on the first and the rest reuse its blocks."""
     shares = np.arange(len(widths)).reshape(-1, world_size)
     shares[1::2] = shares[1::2, ::-1]
-    count = max(len(cut(widths[share], targets[share], max_tokens, max_targets)) - 1 for share in shares.T)
-    return [[share[a:b] for a, b in itertools.pairwise(cut(widths[share], targets[share], max_tokens, max_targets,
-                                                            count))][::-1] for share in shares.T]
+    free = [cut(widths[share], targets[share], max_tokens, max_targets) for share in shares.T]
+    count = max(map(len, free)) - 1
+    cuts = [ends if len(ends) == count + 1 else cut(widths[share], targets[share], max_tokens, max_targets, count)
+            for share, ends in zip(shares.T, free, strict=True)]
+    return [[share[a:b] for a, b in itertools.pairwise(ends)][::-1] for share, ends in zip(shares.T, cuts, strict=True)]
 
 
 @dataclass
@@ -681,9 +680,8 @@ def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
     by_length = indices[np.argsort(examples.lengths[indices], kind="stable")]
-    chunks = [by_length[s:s + micro_batch_size] for s in range(0, len(by_length), micro_batch_size)]
-    for chunk in chunks[rank::world_size]:
-        yield collate(examples, chunk, train_on_prompt)
+    for start in range(rank * micro_batch_size, len(by_length), world_size * micro_batch_size):
+        yield collate(examples, by_length[start:start + micro_batch_size], train_on_prompt)
 
 
 # ---- what a file holds, by its first bytes --------------------------------------------------------------------

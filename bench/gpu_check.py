@@ -101,6 +101,9 @@ def run_section(argv, limit, jsonl=None):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, status = process.communicate()[0], f"timed out after {limit} s"
+        except BaseException:  # the check is stopped (Ctrl-C, SIGTERM): so is every process of the section
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
     status = status or ("ok" if process.returncode == 0 else f"failed (exit status {process.returncode})")
     rows = []
     for line in output.splitlines():
@@ -334,6 +337,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.part:
         return part(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a section's processes end with it
     args.report, args.samsum_csv = os.path.abspath(args.report), os.path.abspath(args.samsum_csv)
     if not os.path.isfile(args.samsum_csv):
         print(f"error: no SAMSum CSV at {args.samsum_csv}: pass --samsum_csv=<samsum-validation.csv>", file=sys.stderr)

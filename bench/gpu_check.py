@@ -117,12 +117,15 @@ def run_section(argv, limit, jsonl=None):
 
 
 def figures(sections):
-    """FIGURES' values as the sections found them (None where none did) and whether each meets its target."""
-    found = []
+    """FIGURES' values as the sections found them (None where none did: a section's own only if it ran to its end)
+    and whether each meets its target."""
+    found, rows = [], [row for s in sections.values() for row in s.get("rows", [])]
     for what, section, key, op, target in FIGURES:
-        value = sections.get(section, {}).get(key) if section else next(
-            (row.get("value") if row.get("figure") == key else row[key] for s in sections.values()
-             for row in s.get("rows", []) if key in (row.get("figure"), *row)), None)
+        if section:
+            value = sections[section][key] if sections.get(section, {}).get("status") == "ok" else None
+        else:  # a bench figure, or a key of a row
+            value = next((row.get("value") if row.get("figure") == key else row[key] for row in rows
+                          if key in (row.get("figure"), *row)), None)
         met = None if value is None or op is None else value <= target if op == "<=" else value >= target
         found.append(dict(figure=what, value=value, target=f"{op} {target}" if op else None, met=met))
     return found

@@ -99,10 +99,10 @@ def run_section(argv, limit, jsonl=None):
         try:
             output, status = process.communicate(timeout=limit)[0], None
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            end_group(process.pid)
             output, status = process.communicate()[0], f"timed out after {limit} s"
         except BaseException:  # the check is stopped (Ctrl-C, SIGTERM): so is every process of the section
-            os.killpg(process.pid, signal.SIGKILL)
+            end_group(process.pid)
             raise
     status = status or ("ok" if process.returncode == 0 else f"failed (exit status {process.returncode})")
     rows = []
@@ -114,6 +114,12 @@ def run_section(argv, limit, jsonl=None):
             rows += [json.loads(line) for line in f]
     return dict(status=status, seconds=round(time.monotonic() - start, 1), command=" ".join(argv), rows=rows,
                 output=output[-3000:])
+
+
+def end_group(pid):
+    """Every process of the section whose first process is `pid` (its own session) ends."""
+    with contextlib.suppress(ProcessLookupError):  # all ended already
+        os.killpg(pid, signal.SIGKILL)
 
 
 def figures(sections):
@@ -294,7 +300,7 @@ def preset_row(name, device, total_gib, folder, csv):
         torch.cuda.empty_cache()
 
 
-def presets_memory(args, device, folder, csv):
+def presets_memory(args, device, capability, folder, csv):
     """The presets' rows (CUDA only) and their checks: each peak within MEMORY_TOLERANCE of the prediction."""
     if device.type != "cuda":
         return [], []
@@ -314,8 +320,7 @@ def part(args):
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as folder:
         csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
-        run = matrix if args.part == "matrix" else presets_memory
-        rows, found = run(args, device, capability, folder, csv) if run is matrix else run(args, device, folder, csv)
+        rows, found = (matrix if args.part == "matrix" else presets_memory)(args, device, capability, folder, csv)
     for row in rows + [dict(c, figure=f"check: {c['figure']}") for c in found]:
         print(json.dumps(row))
     return 0 if all(c["passed"] for c in found) else 1

@@ -313,8 +313,10 @@ class Training:
     dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
     batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and "
                                   "accumulation", Scope.TRAINED, why="the rows of each step", bound=POSITIVE)
-    micro_batch_size: int | str = option(8, "sequences per forward pass on one rank; auto = the most that the run's "
-                                            "memory plan fits on its GPU (dividing batch_size exactly)", Scope.RUN,
+    micro_batch_size: int | str = option(8, "a forward pass's size on one rank: at most the positions of this many "
+                                            "of the longest rows (a step's rows are cut where padding is least); auto "
+                                            "= the most the run's memory plan fits on its GPU (dividing batch_size)",
+                                         Scope.RUN,
                                          bound=Bound(lambda v: v == "auto" or (type(v) is int and v > 0),
                                                      "must be a number > 0 or auto"))
     max_iters: int = option(300, "optimizer steps", Scope.TRAINING, bound=POSITIVE)

@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import os
 import re
@@ -538,9 +539,8 @@ def collate(examples, indices, train_on_prompt=False):
     """x = seq[:-1] padded with EOT_ID, y = seq[1:] with -1 where the target is a prompt token or padding;
     int64 tensors of shape (len(indices), longest x rounded up to a multiple of 8)."""
     lengths = examples.lengths[indices] - 1
-    width = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
-    x = np.full((len(indices), width), EOT_ID, np.int64)
-    y = np.full((len(indices), width), -1, np.int64)
+    width = padded_width(int(lengths.max()))
+    x, y = np.full((len(indices), width), EOT_ID, np.int64), np.full((len(indices), width), -1, np.int64)
     for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
         sequence = examples.sequence(i)
         x[row, :n] = sequence[:-1]
@@ -556,14 +556,11 @@ class LengthGroupedSampler:
     The data is an endless stream of per-epoch permutations (nothing is dropped at an epoch's end). Every
     GROUP_STEPS global batches come from one slice of it, sorted by length, cut into global batches, taken in a
     shuffled order; so which examples make step k depends on neither world size nor micro-batch size, and
-    resuming at step k needs only k. A global batch is cut into micro-batches of neighbours in length, which are
-    dealt to ranks in a snake so every rank gets as many micro-batches and about as many tokens as the others.
+    resuming at step k needs only k. How a global batch is cut into micro-batches is deal's.
     """
 
-    def __init__(self, lengths, batch_size, micro_batch_size, seed, group_steps=GROUP_STEPS):
-        self.lengths = np.asarray(lengths)
-        self.batch_size, self.micro_batch_size, self.seed = batch_size, micro_batch_size, seed
-        self.group_steps = group_steps
+    def __init__(self, lengths, batch_size, seed):
+        self.lengths, self.batch_size, self.seed = np.asarray(lengths), batch_size, seed
 
     def stream(self, start, count):
         """Example indices at positions [start, start + count) of the endless stream of epoch permutations."""
@@ -575,34 +572,69 @@ class LengthGroupedSampler:
 
     def global_batch(self, step):
         """Example indices of `step`'s global batch, shortest first."""
-        group, slot = divmod(step, self.group_steps)
-        size = self.group_steps * self.batch_size
+        group, slot = divmod(step, GROUP_STEPS)
+        size = GROUP_STEPS * self.batch_size
         members = self.stream(group * size, size)
         by_length = members[np.argsort(self.lengths[members], kind="stable")]
-        k = np.random.default_rng([self.seed, 1, group]).permutation(self.group_steps)[slot]
+        k = np.random.default_rng([self.seed, 1, group]).permutation(GROUP_STEPS)[slot]
         return by_length[k * self.batch_size:(k + 1) * self.batch_size]
 
-    def micro_batches(self, step, rank=0, world_size=1):
-        """Rank `rank`'s micro-batches of example indices for `step`."""
-        return self.split(self.global_batch(step), rank, world_size)
 
-    def split(self, batch, rank=0, world_size=1):
-        """Rank `rank`'s micro-batches of a global batch, longest first (so an out-of-memory shows on the first
-        one, and the allocator's biggest blocks are reused by the rest)."""
-        rounds = batch.reshape(-1, world_size, self.micro_batch_size).copy()
-        rounds[1::2] = rounds[1::2, ::-1]
-        return list(rounds[::-1, rank])
+# A micro-batch costs its forward's and backward's launches whatever its rows: about half a millisecond compiled,
+# what an H200 spends on some 256 padded positions of gpt2 (~500k tokens/s at 40% MFU); a slower GPU, where a position
+# costs more, pads a little more than its best. SAMSum at batch 256: 4% of positions padding, in ~8 micro-batches.
+MICRO_BATCH_COST = 256
+
+
+def padded_width(tokens):
+    """The width a micro-batch of rows of at most `tokens` input tokens is padded to (arrays too)."""
+    return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def cut(widths, targets, max_tokens, max_targets, count=0):
+    """[0, end of micro-batch 1, ..., len(widths)]: rows sorted by width (padded `widths`, ascending) cut where
+    padded positions plus MICRO_BATCH_COST per micro-batch are least, no micro-batch over max_tokens positions
+    (rows x its widest) or max_targets `targets`; exactly `count` micro-batches when given (one row fits alone)."""
+    n, ends = len(widths), np.arange(len(widths) + 1)
+    rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
+    positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
+    fits = (rows > 0) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
+    cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf).astype(np.float32)  # integers, exact below 2^24
+    # layer k: the least cost of rows 0..end-1 in k micro-batches, never below the rows' widths + k x MICRO_BATCH_COST
+    best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], [np.inf]
+    while len(starts) < (count or n) and (count or widths.sum() + MICRO_BATCH_COST * (len(starts) + 1) < min(totals)):
+        starts.append((best[:, None] + cost).argmin(0))
+        best = best[starts[-1]] + cost[starts[-1], ends]
+        totals.append(best[n])
+    found = [n]
+    for layer in reversed(starts[:count or int(np.argmin(totals))]):
+        found.append(int(layer[found[-1]]))
+    return found[::-1]
+
+
+def deal(widths, targets, max_tokens, max_targets, world_size=1):
+    """Every rank's micro-batches (positions in a global batch sorted by length, of padded `widths`): its rows dealt
+    to the ranks in a snake, each rank's cut into as many as the rank that needs most (every rank syncs at the same
+    micro-step); longest first, so an out-of-memory shows on the first and the rest reuse its blocks."""
+    shares = np.arange(len(widths)).reshape(-1, world_size)
+    shares[1::2] = shares[1::2, ::-1]
+    free = [cut(widths[share], targets[share], max_tokens, max_targets) for share in shares.T]
+    count = max(map(len, free)) - 1
+    cuts = [ends if len(ends) == count + 1 else cut(widths[share], targets[share], max_tokens, max_targets, count)
+            for share, ends in zip(shares.T, free, strict=True)]
+    return [[share[a:b] for a, b in itertools.pairwise(ends)][::-1] for share, ends in zip(shares.T, cuts, strict=True)]
 
 
 @dataclass
 class GlobalBatch:
     """One optimizer step's batch: this rank's micro-batches, and counts over every rank's share, computed once:
-    input tokens (padding aside), supervised targets (the summed loss is divided by them) and the sum of squared
-    sequence lengths (attention's FLOPs)."""
+    input tokens (padding aside), supervised targets (the summed loss is divided by them), the sum of squared
+    sequence lengths (attention's FLOPs) and input positions (padding included)."""
     micro_batches: list
     tokens: int
     targets: int
     attended: int
+    positions: int
 
 
 class TrainBatches:
@@ -611,15 +643,20 @@ class TrainBatches:
     def __init__(self, examples, cfg, rank=0, world_size=1):
         self.examples, self.train_on_prompt = examples, cfg.train_on_prompt
         self.rank, self.world_size = rank, world_size
-        self.sampler = LengthGroupedSampler(examples.lengths, cfg.batch_size, cfg.micro_batch_size, cfg.seed)
+        self.sampler = LengthGroupedSampler(examples.lengths, cfg.batch_size, cfg.seed)
         self.targets = examples.target_counts(cfg.train_on_prompt)
+        # no more positions or targets than the memory plan's micro-batch: micro_batch_size rows of the longest's
+        self.limits = (cfg.micro_batch_size * int(padded_width(examples.lengths.max() - 1)),
+                       cfg.micro_batch_size * int(self.targets.max()))
 
     def __call__(self, step):
         indices = self.sampler.global_batch(step)
         inputs = self.examples.lengths[indices] - 1
-        return GlobalBatch([collate(self.examples, part, self.train_on_prompt)
-                            for part in self.sampler.split(indices, self.rank, self.world_size)],
-                           int(inputs.sum()), int(self.targets[indices].sum()), int((inputs ** 2).sum()))
+        widths = padded_width(inputs)
+        ranks = deal(widths, self.targets[indices], *self.limits, self.world_size)
+        return GlobalBatch([collate(self.examples, indices[part], self.train_on_prompt) for part in ranks[self.rank]],
+                           int(inputs.sum()), int(self.targets[indices].sum()), int((inputs ** 2).sum()),
+                           sum(len(part) * int(widths[part].max()) for parts in ranks for part in parts))
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
@@ -630,22 +667,8 @@ def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
     by_length = indices[np.argsort(examples.lengths[indices], kind="stable")]
-    chunks = [by_length[s:s + micro_batch_size] for s in range(0, len(by_length), micro_batch_size)]
-    for chunk in chunks[rank::world_size]:
-        yield collate(examples, chunk, train_on_prompt)
-
-
-def padding_fraction(lengths, batch_size, micro_batch_size, steps, seed=0):
-    """Fraction of x positions that are padding over `steps` training steps, for sequences of `lengths` tokens
-    (prompt + summary + EOS)."""
-    sampler = LengthGroupedSampler(lengths, batch_size, micro_batch_size, seed)
-    inputs = np.asarray(lengths) - 1
-    real = padded = 0
-    for step in range(steps):
-        for indices in sampler.micro_batches(step):
-            real += int(inputs[indices].sum())
-            padded += -(-int(inputs[indices].max()) // PAD_MULTIPLE) * PAD_MULTIPLE * len(indices)
-    return 1 - real / padded
+    for start in range(rank * micro_batch_size, len(by_length), world_size * micro_batch_size):
+        yield collate(examples, by_length[start:start + micro_batch_size], train_on_prompt)
 
 
 # ---- what a file holds, by its first bytes --------------------------------------------------------------------

@@ -172,7 +172,9 @@ class Trainer:
                                     f"stopped: {saved_so_far(cfg.out_dir)}; {fix}")
                 out_of_time = done.steps_left == 0  # this session ended at its budget
                 stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
-                         "tokens_per_s": done.batch.tokens / seconds, "ms_per_iter": 1000 * seconds}
+                         "tokens_per_s": done.batch.tokens / seconds, "ms_per_iter": 1000 * seconds,
+                         "padded_fraction": 1 - done.batch.tokens / done.batch.positions,
+                         "micro_batches": len(done.batch.micro_batches)}
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
                         stats["compile_s"] = self.run.compile_seconds

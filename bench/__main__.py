@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: ours vs transformers vs the naive approach, same weights, same process; and ROUGE
 against speed of the decoding methods.
 
-python -m bench [--section=data|train|generate|decode|memory|compile|all] [--model=small|gpt2] [--json]
+python -m bench [--section=train|generate|decode|memory|compile|all] [--model=small|gpt2] [--json]
 """
 import argparse
 import contextlib
@@ -25,7 +25,7 @@ from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import summary_end_token
-from config import PROMPT_TEMPLATE, Decoding, load_config
+from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT
@@ -212,17 +212,6 @@ def training_examples(n, samsum_csv):
                          prompt_lens=np.array([len(p) for p, _ in pairs]), ids=[], dialogues=[], summaries=[]), source
 
 
-def bench_data(args, device):
-    examples, source = training_examples(args.data_examples, args.samsum_csv)
-    rows = [dict(section="data", figure="padding_fraction_fixed_1024",
-                 value=1 - float((examples.lengths - 1).mean()) / 1024)]
-    for micro in (8, 16):
-        rows.append(dict(section="data", figure=f"padding_fraction_ours_micro_batch_{micro}",
-                         value=data.padding_fraction(examples.lengths, 256, micro, steps=50), target="<= 0.10"))
-    rows.append(dict(section="data", figure="setup", value=f"{len(examples)} {source} examples, batch 256, 50 steps"))
-    return rows
-
-
 def bench_train(args, device):
     """Forward + backward throughput in real (non-pad) tokens/s on identical length-grouped micro-batches:
     ours; transformers' GPT2LMHeadModel (same weights, attention mask, labels); and the reference notebook's
@@ -230,9 +219,8 @@ def bench_train(args, device):
     hf, ours = make_models(args.model, device)
     hf.train(), ours.train()
     examples, source = training_examples(args.train_batches * args.micro_batch, args.samsum_csv)
-    sampler = data.LengthGroupedSampler(examples.lengths, len(examples), args.micro_batch, seed=0)
-    batches = [data.collate(examples, idx) for idx in sampler.micro_batches(0)]
-    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    by_length = np.argsort(examples.lengths, kind="stable").reshape(-1, args.micro_batch)
+    batches = [tuple(t.to(device) for t in data.collate(examples, idx)) for idx in by_length]
     real_tokens = int((examples.lengths - 1).sum())
     F = torch.nn.functional
     # Padded to 1024, every micro-batch costs the same whatever its rows: time one, credit it the average
@@ -264,7 +252,7 @@ def bench_train(args, device):
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
-    return [
+    return cut_micro_batches(args, device, ours) + [
         dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
         dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
              peak_mb=memory["transformers"]),
@@ -278,6 +266,48 @@ def bench_train(args, device):
              f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
              f"median of {args.repeats}, {device}"),
     ]
+
+
+def cut_micro_batches(args, device, model):
+    """The fraction of padded positions over 16 global batches of 256 SAMSum rows at micro_batch_size 256 and 16:
+    micro_batch_size rows neighbours in length (uncut, as before the cuts) against the cuts (data.deal); then real
+    tokens/s, forward and backward under the GPU's autocast, of one group of global batches of cut_rows rows (every
+    length), each as one uncut micro-batch against its cut micro-batches (micro_batch_size=cut_rows: the same peak
+    memory)."""
+    examples, source = training_examples(818, args.samsum_csv)
+    rows = []
+    for micro in (256, 16):
+        batches, real, uncut, cut, count = data.TrainBatches(examples, Config(micro_batch_size=micro)), 0, 0, 0, 0
+        for step in range(16):
+            batch, inputs = batches(step), examples.lengths[batches.sampler.global_batch(step)] - 1
+            uncut += sum(len(c) * int(data.padded_width(c.max())) for c in inputs.reshape(-1, micro))
+            real, cut, count = real + batch.tokens, cut + batch.positions, count + len(batch.micro_batches)
+        rows += [dict(section="train", figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
+                      uncut=1 - real / uncut, micro_batches=count / 16, target="<= 0.10" if micro > 16 else "<= 0.05")]
+    big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 60 * 2**30  # H100/H200
+    cut_rows = args.cut_rows or (256 if big else 32 if device.type == "cuda" else 8)  # a T4 fits 32 rows of gpt2
+    batches = data.TrainBatches(examples, Config(batch_size=cut_rows, micro_batch_size=cut_rows))
+    cut = [xy for step in range(data.GROUP_STEPS) for xy in batches(step).micro_batches]
+    uncut = [data.collate(examples, batches.sampler.global_batch(step)) for step in range(data.GROUP_STEPS)]
+    t4 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8  # no bfloat16 before Ampere
+    autocast = torch.autocast(device.type, torch.float16 if t4 else torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(micro_batches):
+        for x, y in micro_batches:
+            with autocast:
+                loss = model(x.to(device), y.to(device))[1]
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+    _, seconds, _ = interleaved({"cut": lambda: step(cut), "uncut": lambda: step(uncut)}, device, args.repeats)
+    tokens = sum(batches(step).tokens for step in range(data.GROUP_STEPS))
+    return rows + [dict(section="train", figure="real_tokens_per_s_cut", value=tokens / seconds["cut"],
+                        micro_batches=len(cut) / data.GROUP_STEPS),
+                   dict(section="train", figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
+                   dict(section="train", figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
+                        target=">= 1.3 (H100/H200)"),
+                   dict(section="train", figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
+                        f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, "
+                        f"{device}")]
 
 
 # MBR's candidates: samples at temperature 0.7 among the 50 most likely tokens, none below probability 0.02
@@ -368,7 +398,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     return rows
 
 
-SECTIONS = {"data": bench_data, "train": bench_train, "generate": bench_generate, "decode": bench_decode,
+EXTRA = ("_gib", "fits_t4", "uncut", "micro_batches")  # a row's keys the table shows beside its value
+SECTIONS = {"train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
             "compile": bench_compile.bench_compile}
 
@@ -386,7 +417,8 @@ def main():
     parser.add_argument("--gen_batch", type=int, default=16)
     parser.add_argument("--naive_prompts", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=32)
-    parser.add_argument("--data_examples", type=int, default=818)
+    parser.add_argument("--cut_rows", type=int, help="rows of the global batches timed cut and "
+                        "uncut (256 on a GPU of 60 GiB or more, 32 on a smaller one, 8 on a CPU)")
     parser.add_argument("--train_batches", type=int, default=2)
     parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
@@ -407,7 +439,7 @@ def main():
                 extra = f"  (target {row['target']})" if "target" in row else ""
                 extra += f"  peak {row['peak_mb']:.0f} MiB" if "peak_mb" in row else ""
                 extra += "".join(f"  {key} {value:.2f}" if isinstance(value, float) else f"  {key} {value}"
-                                 for key, value in row.items() if key.endswith(("_gib", "fits_t4")))
+                                 for key, value in row.items() if key.endswith(EXTRA))
                 print(f"{row['section']:<9} {row['figure']:<44} {value}{extra}")
 
 

@@ -103,7 +103,7 @@ def count_step(args, before):
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
                     "reduce_once": bool(rt.parallel.reduce_once),
-                    "micro_steps": grad_accum_steps(trainer.run.cfg, rt.world_size)}
+                    "micro_steps": len(trainer.run.batches(0).micro_batches)}
     finally:
         fsdp.fully_shard = shard
 

@@ -1,63 +1,157 @@
-"""The CUDA-only code paths on a real GPU, asserted, in one table and one JSON report to attach to an issue. For each
-precision (fp32, fp16 + GradScaler, bf16) with torch.compile off and on: the real Trainer's tokens/s, MFU and peak
-memory; the batched generator's greedy tokens/s and MBR-16 summaries/s with rows ending at an EOS, and whether
-compiled greedy output equals eager; inductor's graph breaks and compilations in training and in decoding, and
-decoding's host syncs per step. Then the run's trials: each 16-bit row's losses against float32's, and the Kaggle
-preset's decoding of real dialogues, compiled. Then, for the Kaggle presets that run in one process and fit the GPU,
-the peak torch.cuda.max_memory_allocated of two Trainer steps of the run prepare() builds next to python -m bench
---section=memory's prediction. Random weights; SAMSum's validation dialogues when ../shared has them, else random
-ones: nothing to download. Exit status 1 if any check fails.
+"""The GPU check: what a run does on a real GPU, in sections, each a command with its own time limit; its JSON report
+(gpu_check_report.json) is written after each section, so a section that fails or runs out of time keeps what the
+earlier ones found.
 
-    bash bench/gpu_check.sh                           GPT-2 (124M) shapes on the first GPU
-    python -m bench.gpu_check --device=cpu --model=tiny --dtypes=float32 --compile=False,True --iters=3
+--quick, within 6 minutes on an H100/H200 or a T4 (QUICK's seconds): the preflight; the README's path on SAMSum
+(train.py from scratch with max_time, evaluate.py, predict.py: their seconds, and the run's metrics.jsonl); python -m
+bench's train and generate sections, ours beside transformers. The report's figures (FIGURES) read from them: decode
+ms a step against the bandwidth floor, graph capture seconds, the cut micro-batches against one uncut (real tokens/s
+and padded positions), predict.py's seconds. Without --quick, every bench section, then the matrix (float32, float16
+with a GradScaler and bfloat16, torch.compile off and on, at GPT-2 shapes: the Trainer's tokens/s, MFU, peak memory,
+graph breaks; each 16-bit precision's losses against float32's) and the Kaggle presets' peak training memory
+against python -m bench --section=memory's. Needs the project, its requirements and SAMSum's CSV (--samsum_csv):
+nothing to download. Exit status 1 if a section fails.
+
+    bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]
+    python -m bench.gpu_check --part=matrix --device=cpu --model=tiny --dtypes=float32 --iters=3      one part
 """
 import argparse
 import contextlib
-import functools
 import gc
 import io
 import json
 import math
 import os
-import random
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+import time
 
 import torch
 
-import data
 import train
-from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, synchronize, timed, training_csv
+from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchronize, training_csv
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
-from config import Decoding, load_config, read_preset
-from generate import generate
-from model import GPT, PRETRAINED, GPTConfig
-from summarizer import inference, mbr
-from summarizer.compiling import CompiledDecodeStep
+from config import load_config, read_preset
+from model import PRETRAINED
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.loading import trained_shape
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 
-MBR16 = dict(mbr_samples=16, temperature=0.7, top_k=50, epsilon=0.02, mbr_include_beam=True)
-LIMITS = {"train_graph_breaks": 0, "train_compilations": 2, "decode_graph_breaks": 0, "decode_compilations": 2,
-          "decode_host_syncs_per_step": 1}
-# A random model's top two logits are often closer than 16-bit rounding, which fused kernels do in another order: a
-# few rows may take the other token at such a near-tie and go on differently. A wrong compiled step (a cache slot,
-# the mask) changes nearly every row.
-GREEDY_AGREEMENT = {"float32": 1.0, "float16": 0.75, "bfloat16": 0.75}
+PRESET = "config/kaggle_t4x2.py"
+# --quick's sections and their seconds: 330 in all, within 6 minutes with the start. train.py's max_time leaves its
+# section's start (imports, tokenizing) and its last save room.
+QUICK = {"preflight": 35, "train": 110, "evaluate": 35, "predict": 50, "bench train": 50, "bench generate": 50}
+QUICK_MAX_TIME = 70
+# The report's figures: (what, the section it is read from or None for any bench row, figure or key, target); the
+# targets are issue 66's on an H100/H200
+FIGURES = [("decode ms a step", None, "decode_ms_per_step", "<=", 2),
+           ("bandwidth floor ms a step", None, "bandwidth_floor_ms_per_step", None, None),
+           ("graph capture s", None, "graph_capture_s", None, None),
+           ("generate: ours / transformers", None, "eos:speedup_vs_transformers", ">=", 4),
+           ("cut micro-batches / one uncut, real tokens/s", None, "cut_speedup_vs_uncut", ">=", 1.3),
+           ("padded fraction, micro_batch_size=256", None, "padded_fraction_micro_batch_256", "<=", 0.10),
+           ("padded fraction, micro_batch_size=16", None, "padded_fraction_micro_batch_16", "<=", 0.05),
+           ("predict.py s, start to submission.csv", "predict", "seconds", "<=", 15)]
+LIMITS = {"train_graph_breaks": 0, "train_compilations": 2}
 # bench_memory leaves out backward's transient buffers (a block's gradients in flight, the loss's) and the
 # allocator's rounding: a quarter more than predicted is still the prediction working, not a new memory cost.
 MEMORY_TOLERANCE = 1.25
 FP16_TOLERANCE = 0.02  # relative: 16-bit autocast's losses over the same steps against float32's
-WARM_BATCHES = 4  # decoded after the first (compiling) batch, for the warm rate
-DEMO_TEST_CSV = os.path.join(ROOT, "data", "demo", "test.csv")
 
+
+# ---- the sections ------------------------------------------------------------------------------------------------
+
+def plan(args, folder):
+    """[(name, argv, seconds it may take or None, a JSON-lines file of its figures or None)]: the check's sections in
+    order, the run's files in `folder` (train.py's figures are its metrics.jsonl)."""
+    py, csv = sys.executable, args.samsum_csv
+    run = [f"--out_dir={folder}/run", f"--device={args.device}"]
+    trains = [PRESET, "--init_from=scratch", f"--train_csv={csv}", f"--data_cache_dir={folder}/cache", *run]
+    predicts = [f"--test_csv={csv}", "--sample_submission_csv="]
+    bench = [py, "-m", "bench", "--model=gpt2", f"--device={args.device}", f"--samsum_csv={csv}", "--json"]
+    sections = [("preflight", [py, "-m", "bench.preflight", *trains, *predicts,
+                               f"--report={os.path.join(os.path.dirname(args.report), 'preflight_report.json')}"]),
+                ("train", [py, "train.py", *trains, *predicts, f"--max_time={QUICK_MAX_TIME}"]),
+                ("evaluate", [py, "evaluate.py", PRESET, *run]),
+                ("predict", [py, "predict.py", PRESET, *run, *predicts])]
+    part = [py, "-m", "bench.gpu_check", *(f"--{k}={getattr(args, k)}" for k in (
+        "model", "device", "samsum_csv", "dtypes", "compile", "iters", "micro_batch_size", "presets"))]
+    sections += ([(f"bench {s}", [*bench, f"--section={s}", "--repeats=2"]) for s in ("train", "generate")]
+                 if args.quick else [("bench", [*bench, "--section=all"]), ("matrix", [*part, "--part=matrix"]),
+                                     ("presets", [*part, "--part=presets"])])
+    return [(name, argv, QUICK[name] if args.quick else None, f"{folder}/run/metrics.jsonl" * (name == "train") or None)
+            for name, argv in sections]
+
+
+def run_section(argv, limit, jsonl=None):
+    """{status: ok, failed or timed out; seconds; rows: the JSON objects it printed, then `jsonl`'s; output: its last
+    lines}. A section out of time is ended with every process it started."""
+    start = time.monotonic()
+    with subprocess.Popen(argv, cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True) as process:
+        try:
+            output, status = process.communicate(timeout=limit)[0], None
+        except subprocess.TimeoutExpired:
+            end_group(process.pid)
+            output, status = process.communicate()[0], f"timed out after {limit} s"
+        except BaseException:  # the check is stopped (Ctrl-C, SIGTERM): so is every process of the section
+            end_group(process.pid)
+            raise
+    status = status or ("ok" if process.returncode == 0 else f"failed (exit status {process.returncode})")
+    rows = []
+    for line in output.splitlines():
+        with contextlib.suppress(ValueError):
+            rows += [json.loads(line)] if line.startswith("{") else []
+    if jsonl and os.path.isfile(jsonl):
+        with open(jsonl) as f:
+            rows += [json.loads(line) for line in f]
+    return dict(status=status, seconds=round(time.monotonic() - start, 1), command=" ".join(argv), rows=rows,
+                output=output[-3000:])
+
+
+def end_group(pid):
+    """Every process of the section whose first process is `pid` (its own session) ends."""
+    with contextlib.suppress(ProcessLookupError):  # all ended already
+        os.killpg(pid, signal.SIGKILL)
+
+
+def figures(sections):
+    """FIGURES' values as the sections found them (None where none did: a section's own only if it ran to its end)
+    and whether each meets its target."""
+    found, rows = [], [row for s in sections.values() for row in s.get("rows", [])]
+    for what, section, key, op, target in FIGURES:
+        if section:
+            value = sections[section][key] if sections.get(section, {}).get("status") == "ok" else None
+        else:  # a bench figure, or a key of a row
+            value = next((row.get("value") if row.get("figure") == key else row[key] for row in rows
+                          if key in (row.get("figure"), *row)), None)
+        met = None if value is None or op is None else value <= target if op == "<=" else value >= target
+        found.append(dict(figure=what, value=value, target=f"{op} {target}" if op else None, met=met))
+    return found
+
+
+def run_check(sections, report_path, header):
+    """Runs the sections [(name, argv, limit, jsonl)] (plan's) in turn, the report (header, each section's result so
+    far, the figures) written after each; the report."""
+    report = dict(header, sections={}, passed=True)
+    for name, argv, limit, jsonl in sections:
+        print(f"{name}: {' '.join(argv)}", flush=True)
+        result = report["sections"][name] = run_section(argv, limit, jsonl)
+        report.update(figures=figures(report["sections"]), passed=report["passed"] and result["status"] == "ok")
+        with atomic_write(report_path) as f:
+            json.dump(report, f, indent=1)
+        print(f"{name}: {result['status']} in {result['seconds']:.0f} s ({len(result['rows'])} figures)", flush=True)
+    return report
+
+
+# ---- the matrix: precision and compile ------------------------------------------------------------------------
 
 def train_case(args, dtype, compile, folder, csv):
     """Median tokens/s, MFU, ms/iter and peak memory over args.iters Trainer steps, the first third not counted
@@ -87,62 +181,16 @@ def train_case(args, dtype, compile, folder, csv):
     return dict(row, train_graph_breaks=breaks, train_compilations=graphs) if compile else row
 
 
-@contextlib.contextmanager
-def host_syncs(counts):
-    """Adds to counts["syncs"] the host's waits for the device inside, as bench_compile counts them: value reads
-    and value-shaped ops, seen by Python modes on any device, eager code only (CUDA's set_sync_debug_mode would
-    also flag every blocking copy of an index list to the device, which waits for no result); to counts["steps"]
-    the decoding steps (bench_compile.decoding_steps)."""
-    with bench_compile.decoding_steps() as steps, bench_compile.Waits() as waits:
-        yield
-    counts["syncs"] += waits.syncs
-    counts["steps"] += len(steps)
-
-
-def generate_case(args, dtype, compile, device, prompts, eager):
-    """Greedy tokens/s and MBR-16 summaries/s of batched generate() with a real EOS pattern, each timed after a
-    warm-up call. Compiled: the decode step's graph breaks and graphs over all calls (calibration, every batch
-    size, rows ending) and how many greedy outputs equal the eager ones. Eager: host syncs per decoding step."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**MODELS[args.model])).to(device).eval()
-    bench_compile.fresh_compiles()
-    step = CompiledDecodeStep() if compile else None
-    greedy_decoding = Decoding(max_new_tokens=args.max_new_tokens)
-    with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
-        if dtype not in eager:
-            eager[dtype] = {"eos": bench_compile.summary_end_token(model, prompts, args.max_new_tokens)}
-        eos, counts = eager[dtype]["eos"], dict(syncs=0, steps=0)
-        greedy_call = functools.partial(generate, model, prompts, greedy_decoding, eos_token_id=eos,
-                                        decode_step=step)
-        mbr_call = functools.partial(generate, model, prompts, replace(greedy_decoding, **MBR16), eos_token_id=eos,
-                                     seed=0, mbr_pick=mbr.pick, decode_step=step)
-        for call in (greedy_call, mbr_call):  # the first call compiles and warms up; eager, its host syncs counted
-            with contextlib.nullcontext() if compile else host_syncs(counts):
-                call()
-        greedy, greedy_s = timed(greedy_call, device)
-        _, mbr_s = timed(mbr_call, device)
-    row = dict(eos_token_id=eos, greedy_tokens_per_s=sum(map(len, greedy)) / greedy_s,
-               mbr16_summaries_per_s=len(prompts) / mbr_s, decode_compiled=not (step is None or step.failed))
-    if not compile:
-        eager[dtype]["greedy"] = greedy
-        return dict(row, decode_host_syncs_per_step=counts["syncs"] / counts["steps"])
-    row.update(decode_graph_breaks=bench_compile.graph_breaks(), decode_compilations=bench_compile.graphs_compiled())
-    if "greedy" in eager[dtype]:
-        row["greedy_same"] = sum(a == b for a, b in zip(greedy, eager[dtype]["greedy"], strict=True))
-    return row
-
-
 def failed(e):
     return f"{type(e).__name__}: {str(e).strip()[:200]}"
 
 
-def case(args, dtype, compile, device, capability, folder, csv, prompts, eager):
-    """One table row: the training and generation figures of (dtype, compile), or why they could not be had."""
-    row = dict(dtype=dtype, compile=compile, gen_prompts=len(prompts))
+def case(args, dtype, compile, device, capability, folder, csv):
+    """One matrix row: the training figures of (dtype, compile), or why they could not be had."""
+    row = dict(figure=f"{dtype} {'compiled' if compile else 'eager'}", dtype=dtype, compile=compile)
     try:
         _, use_scaler = choose_precision(dtype, device.type, capability)
         row.update(train_case(args, dtype, compile, folder, csv))
-        row.update(generate_case(args, dtype, compile, device, prompts, eager))
     except UserError as e:
         return dict(row, note=f"not run: {e}")
     except Exception as e:  # e.g. out of memory: the other cases still run
@@ -151,10 +199,50 @@ def case(args, dtype, compile, device, capability, folder, csv, prompts, eager):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    notes = (["GradScaler"] * use_scaler
-             + ["training compile failed, ran eagerly"] * (compile and not row["train_compiled"])
-             + ["decode compile failed, ran eagerly"] * (compile and not row["decode_compiled"]))
-    return dict(row, note=", ".join(notes))
+    return dict(row, note=", ".join(["GradScaler"] * use_scaler + ["training compile failed, ran eagerly"] * (
+        compile and not row["train_compiled"])))
+
+
+def precision(run_losses, reference_losses, dtype):
+    """The run's dtype against float32 over the same steps: a non-finite loss fails (an fp16 overflow); else each
+    step's loss is compared by how far it moved from the first step's (what training did), relative to how far
+    float32's moved; random weights make every first loss about ln(vocab) in any dtype, so the sizes alone say
+    nothing."""
+    if not run_losses or not reference_losses:
+        return check(NOT_RUN, "a training run failed")
+    figures = dict(losses=run_losses, float32_losses=reference_losses)
+    if not all(math.isfinite(loss) for loss in run_losses):
+        return check("failed", f"{dtype} training gave a non-finite loss ({run_losses}) where float32's were "
+                               f"finite: an overflow; train with --dtype=float32 (or bfloat16 on Ampere or newer)",
+                     **figures)
+    moved = [reference_losses[0] - loss for loss in reference_losses]
+    scale = max(abs(m) for m in moved)
+    if scale < 1e-3 * abs(reference_losses[0]):
+        return check(NOT_RUN, f"float32's loss moved by {scale:.2g} in {len(moved)} steps, too little to compare "
+                              f"{dtype} with: raise --iters", **figures)
+    worst = max(abs((run_losses[0] - a) - m) for a, m in zip(run_losses, moved, strict=True)) / scale
+    figures["max_relative_difference"] = worst
+    if worst > FP16_TOLERANCE:
+        return check("failed", f"{dtype} training moved the loss differently from float32 by up to "
+                               f"{100 * worst:.1f}% of float32's change (more than {100 * FP16_TOLERANCE:g}%): train "
+                               f"with --dtype=float32 and report it", **figures)
+    return check("ok", f"{dtype} training moved the loss within {100 * worst:.2f}% of float32's change", **figures)
+
+
+def matrix(args, device, capability, folder, csv):
+    """The matrix's rows, each 16-bit row's losses against float32's, and its checks."""
+    rows = [case(args, dtype, compile == "True", device, capability, folder, csv)
+            for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
+    reference = next((row["losses"] for row in rows if row["dtype"] == "float32" and "losses" in row), [])
+    trials = [dict(precision(row.get("losses", []), reference, row["dtype"]), figure=f"{row['figure']}: losses "
+                   f"against float32") for row in rows if row["dtype"] != "float32"]
+    found = [dict(figure=f"{row['figure']}: runs", value=row["error"], passed=False) for row in rows if "error" in row]
+    found += [dict(figure=f"{row['figure']}: {key}", value=row[key], target=limit, passed=row[key] <= limit)
+              for row in rows for key, limit in LIMITS.items() if key in row]
+    found += [dict(figure=f"{row['figure']}: train_compiled", value=row["train_compiled"], passed=row["train_compiled"])
+              for row in rows if row["compile"] and "train_compiled" in row]
+    found += [dict(figure=t["figure"], value=t["detail"], passed=t["status"] != "failed") for t in trials]
+    return rows + trials, found
 
 
 # ---- the presets' memory ----------------------------------------------------------------------------------------
@@ -167,9 +255,9 @@ def predicted_gib(name, mode, x, y):
 
 
 def widest_step(batches, steps):
-    """(the step among `steps` whose global batch holds the widest micro-batch, that micro-batch (x, y))."""
-    widest = {step: max(batches(step).micro_batches, key=lambda xy: xy[0].shape[1]) for step in range(steps)}
-    step = max(widest, key=lambda s: widest[s][0].shape[1])
+    """(the step among `steps` whose global batch holds the micro-batch of the most positions, that one (x, y))."""
+    widest = {step: max(batches(step).micro_batches, key=lambda xy: xy[0].numel()) for step in range(steps)}
+    step = max(widest, key=lambda s: widest[s][0].numel())
     return step, widest[step]
 
 
@@ -212,209 +300,66 @@ def preset_row(name, device, total_gib, folder, csv):
         torch.cuda.empty_cache()
 
 
-# ---- the run's trials: fp16 against fp32, the run's decoding ---------------------------------------------------
-
-def precision(run_losses, reference_losses, dtype):
-    """The run's dtype against float32 over the same steps: a non-finite loss fails (an fp16 overflow); else each
-    step's loss is compared by how far it moved from the first step's (what training did), relative to how far
-    float32's moved; random weights make every first loss about ln(vocab) in any dtype, so the sizes alone say
-    nothing."""
-    if not run_losses or not reference_losses:
-        return check(NOT_RUN, "a training run failed")
-    figures = dict(losses=run_losses, float32_losses=reference_losses)
-    if not all(math.isfinite(loss) for loss in run_losses):
-        return check("failed", f"{dtype} training gave a non-finite loss ({run_losses}) where float32's were "
-                               f"finite: an overflow; train with --dtype=float32 (or bfloat16 on Ampere or newer)",
-                     **figures)
-    moved = [reference_losses[0] - loss for loss in reference_losses]
-    scale = max(abs(m) for m in moved)
-    if scale < 1e-3 * abs(reference_losses[0]):
-        return check(NOT_RUN, f"float32's loss moved by {scale:.2g} in {len(moved)} steps, too little to compare "
-                              f"{dtype} with: raise --iters", **figures)
-    worst = max(abs((run_losses[0] - a) - m) for a, m in zip(run_losses, moved, strict=True)) / scale
-    figures["max_relative_difference"] = worst
-    if worst > FP16_TOLERANCE:
-        return check("failed", f"{dtype} training moved the loss differently from float32 by up to "
-                               f"{100 * worst:.1f}% of float32's change (more than {100 * FP16_TOLERANCE:g}%): train "
-                               f"with --dtype=float32 and report it", **figures)
-    return check("ok", f"{dtype} training moved the loss within {100 * worst:.2f}% of float32's change", **figures)
+def presets_memory(args, device, capability, folder, csv):
+    """The presets' rows (CUDA only) and their checks: each peak within MEMORY_TOLERANCE of the prediction."""
+    if device.type != "cuda":
+        return [], []
+    total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    rows = [dict(preset_row(p, device, total_gib, folder, csv), figure=f"preset {p}") for p in args.presets.split(",")
+            if p]
+    found = [dict(figure=f"{p['preset']}: trains", value=p["error"], passed=False) for p in rows if "error" in p]
+    found += [dict(figure=f"{p['preset']}: peak GiB", value=round(p["peak_gib"], 2), target=round(
+        MEMORY_TOLERANCE * p["predicted_gib"], 2), passed=p["peak_gib"] <= MEMORY_TOLERANCE * p["predicted_gib"])
+              for p in rows if "peak_gib" in p]
+    return rows, found
 
 
-def decoding(cfg, shape, dtype, device):
-    """The run's decoding as predict.py runs it: prompts of real dialogues (test_csv, else the demo's) in the batches
-    generation_batches makes, through inference.summarize with a compiled decode step, random weights in the run's
-    dtype. The first batch pays the compile; WARM_BATCHES more give the warm summaries/s and count the graphs new
-    prompt lengths and batch sizes compile. Random weights never end a summary early: every one runs to
-    max_new_tokens, an upper bound on what trained weights take."""
-    if not os.path.isfile(cfg.test_csv):
-        cfg = replace(cfg, test_csv=DEMO_TEST_CSV)
-    bench_compile.fresh_compiles()
-    with device:
-        model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
-    prompts, _ = inference.Summarizer(model, cfg).prompts(data.read_test(cfg).dialogues)
-    first, rest = prompts[:cfg.gen_batch_size], prompts[cfg.gen_batch_size:cfg.gen_batch_size * (1 + WARM_BATCHES)]
-    step, seconds, graphs = CompiledDecodeStep(), [], []
-    try:
-        for batch in (first, rest):
-            compiled = bench_compile.graphs_compiled()
-            seconds.append(timed(functools.partial(inference.summarize, model, batch, cfg, contextlib.nullcontext(),
-                                                   decode_step=step), device)[1])
-            graphs.append(bench_compile.graphs_compiled() - compiled)
-    except torch.OutOfMemoryError as e:
-        return check("failed", f"out of memory decoding {cfg.gen_batch_size} prompts: lower --gen_batch_size or "
-                               f"--gen_memory_gb ({str(e).splitlines()[0]})")
-    finally:
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    warm = seconds[1] / max(len(rest), 1)
-    lengths = sorted(len(p) for p in first + rest)
-    figures = dict(compile_seconds=round(max(seconds[0] - warm * len(first), 0.0), 1),
-                   summaries_per_s=round(1 / warm, 1) if warm else None, prompts=len(first) + len(rest),
-                   prompt_tokens=[lengths[0], lengths[-1]], graphs_first_batch=graphs[0],
-                   graphs_warm_batches=graphs[1], compiled=not step.failed)
-    said = (f"{figures['prompts']} real dialogues ({lengths[0]}-{lengths[-1]} prompt tokens, up to "
-            f"{cfg.max_new_tokens} new): compiled in {figures['compile_seconds']:.0f} s ({graphs[0]} graph(s)), then "
-            f"{figures['summaries_per_s']} summaries/s with {graphs[1]} more graph(s) as lengths varied (random "
-            f"weights run every summary to max_new_tokens: an upper bound)")
-    if step.failed:
-        return check("failed", f"{said}; torch.compile fell back to eager (its warning above): decoding works, "
-                               f"slower", **figures)
-    return check("ok", said, **figures)
-
-
-def trials(rows, device, capability):
-    """{name: check} of the run's trials on a GPU: each 16-bit row's losses against float32's (eager) over the
-    same steps, and the decoding of the Kaggle preset, in the dtype it trains in on this GPU."""
-    reference = next((row["losses"] for row in rows if row["dtype"] == "float32" and "losses" in row), [])
-    found = {f"{row['dtype']} {'compiled' if row['compile'] else 'eager'}: losses against float32":
-             precision(row.get("losses", []), reference, row["dtype"]) for row in rows if row["dtype"] != "float32"}
-    cfg = load_config([os.path.join(ROOT, "config", "kaggle_t4x2.py"), f"--device={device.type}"])
-    dtype, _ = choose_precision(cfg.dtype, device.type, capability)
-    found["the Kaggle preset's decoding"] = decoding(cfg, trained_shape(cfg), dtype, device)
-    return found
-
-
-# ---- the checks, the tables, the report -------------------------------------------------------------------------
-
-def checks(rows, presets, trials):
-    """Every assertion as {check, value, target, passed}."""
-    found = []
-
-    def add(label, value, target, passed):
-        found.append(dict(check=label, value=value, target=target, passed=bool(passed)))
-    for row in rows:
-        label = f"{row['dtype']} {'compiled' if row['compile'] else 'eager'}"
-        if "error" in row:
-            add(f"{label}: runs", row["error"], "no error", False)
-        for key, limit in LIMITS.items():
-            if key in row:
-                add(f"{label}: {key}", row[key], f"{'==' if limit == 0 else '<='} {limit}", row[key] <= limit)
-        for key in ("train_compiled", "decode_compiled"):
-            if row["compile"] and key in row:
-                add(f"{label}: {key}", row[key], True, row[key])
-        if "greedy_same" in row:
-            needed = math.ceil(GREEDY_AGREEMENT.get(row["dtype"], 1.0) * row["gen_prompts"])
-            add(f"{label}: greedy rows equal to eager", row["greedy_same"], f">= {needed} of {row['gen_prompts']}",
-                row["greedy_same"] >= needed)
-    for p in presets:
-        if "error" in p:
-            add(f"{p['preset']}: trains", p["error"], "no error", False)
-        if "peak_gib" in p:
-            limit = MEMORY_TOLERANCE * p["predicted_gib"]
-            add(f"{p['preset']}: peak GiB", round(p["peak_gib"], 2), f"<= {limit:.2f} (predicted x {MEMORY_TOLERANCE})",
-                p["peak_gib"] <= limit)
-    for name, trial in trials.items():
-        add(name, f"{trial['status']}: {trial['detail']}", "not failed", trial["status"] != "failed")
-    return found
-
-
-def cell(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
-def print_table(columns, rows):
-    """columns: (title, key, format spec); numbers right-aligned, text (spec "") left-aligned."""
-    lines = [[title for title, _, _ in columns]] + [[cell(row.get(key), spec) for _, key, spec in columns]
-                                                   for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
-    for line in lines:
-        print(" ".join(format(text, f"{'>' if spec else '<'}{w}")
-                       for text, (_, _, spec), w in zip(line, columns, widths, strict=True)).rstrip())
-
-
-CASE_COLUMNS = [("dtype", "dtype", ""), ("compile", "compile", ""), ("train tok/s", "train_tokens_per_s", ".0f"),
-                ("MFU", "train_mfu", ".1%"), ("ms/iter", "train_ms_per_iter", ".0f"),
-                ("peak GiB", "train_peak_mem_gb", ".2f"), ("loss", "loss", ".3f"),
-                ("greedy tok/s", "greedy_tokens_per_s", ".0f"), ("MBR-16 sum/s", "mbr16_summaries_per_s", ".1f"),
-                ("greedy=eager", "greedy_same", "d"), ("train graphs", "train_compilations", "d"),
-                ("breaks", "train_graph_breaks", "d"), ("decode graphs", "decode_compilations", "d"),
-                ("breaks", "decode_graph_breaks", "d"), ("syncs/step", "decode_host_syncs_per_step", ".2f"),
-                ("note", "note", "")]
-PRESET_COLUMNS = [("preset", "preset", ""), ("mode", "mode", ""), ("micro-batch", "micro_batch_size", "d"),
-                  ("width", "width", "d"), ("predicted GiB", "predicted_gib", ".2f"), ("peak GiB", "peak_gib", ".2f"),
-                  ("note", "note", "")]
+def part(args):
+    """--part=matrix or presets in this process: its rows and checks as JSON lines; 1 if a check fails."""
+    device = torch.device(args.device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory() as folder:
+        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
+        rows, found = (matrix if args.part == "matrix" else presets_memory)(args, device, capability, folder, csv)
+    for row in rows + [dict(c, figure=f"check: {c['figure']}") for c in found]:
+        print(json.dumps(row))
+    return 0 if all(c["passed"] for c in found) else 1
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the sections that fit 6 minutes (QUICK)")
+    parser.add_argument("--part", choices=["matrix", "presets"], help="one part of the full check, in this process")
     parser.add_argument("--model", default="gpt2", choices=list(MODELS))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV; random dialogues without it")
+    parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV (id, dialogue, summary)")
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     parser.add_argument("--compile", default="False,True", help="False, True or both (eager first)")
-    parser.add_argument("--iters", type=int, default=30, help="training steps per case")
+    parser.add_argument("--iters", type=int, default=30, help="training steps per matrix case")
     parser.add_argument("--micro_batch_size", type=int, default=8)
-    parser.add_argument("--gen_prompts", type=int, help="prompts per generation figure (32; 8 on CPU, whose MBR-16 "
-                        "is slow)")
-    parser.add_argument("--max_new_tokens", type=int, default=64, help="> 4: EOS is picked among later tokens")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--presets", default=",".join(PRESETS),
                         help="the models whose Kaggle preset's peak training memory is measured, on CUDA only ('' "
                         "for none)")
     parser.add_argument("--report", default="gpu_check_report.json", help="where the JSON report is written")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    args.gen_prompts = args.gen_prompts or (32 if device.type == "cuda" else 8)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rng = random.Random(0)
-    longest = MODELS[args.model]["block_size"] - args.max_new_tokens
-    prompts = [[rng.randrange(50256) for _ in range(rng.randint(min(64, longest), min(256, longest)))]
-               for _ in range(args.gen_prompts)]
-    eager = {}  # per dtype: the EOS every row of that dtype uses, the eager greedy outputs
-    presets, tried = [], {}
+    if args.part:
+        return part(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a section's processes end with it
+    args.report, args.samsum_csv = os.path.abspath(args.report), os.path.abspath(args.samsum_csv)
+    if not os.path.isfile(args.samsum_csv):
+        print(f"error: no SAMSum CSV at {args.samsum_csv}: pass --samsum_csv=<samsum-validation.csv>", file=sys.stderr)
+        return 2
+    smi = ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"]
+    gpu = subprocess.run(smi, capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else None
+    os.makedirs(os.path.dirname(args.report), exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
-        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
-        rows = [case(args, dtype, compile == "True", device, capability, folder, csv, prompts, eager)
-                for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
-        if device.type == "cuda":
-            total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-            presets = [preset_row(p, device, total_gib, folder, csv) for p in args.presets.split(",") if p]
-            tried = trials(rows, device, capability)
-    found = checks(rows, presets, tried)
-
-    print(f"\n{args.model} shapes, micro-batch {args.micro_batch_size}, {args.iters} training steps per row; "
-          f"generation {len(prompts)} prompts x up to {args.max_new_tokens} new tokens, greedy and MBR-16, EOS = "
-          f"the token the model emits most (a random model never ends otherwise); {name}"
-          f"{f' (compute capability {capability[0]}.{capability[1]})' if capability else ''}, "
-          f"torch {torch.__version__}")
-    print_table(CASE_COLUMNS, rows)
-    if presets:
-        print("\npeak training memory of the presets (random weights, widest SAMSum-like micro-batch, two per step, "
-              "eager, through the Trainer) against python -m bench --section=memory's prediction")
-        print_table(PRESET_COLUMNS, presets)
-    for name, trial in tried.items():
-        print(f"{name}: {trial['status']}: {trial['detail']}")
-    print(f"\nchecks: {sum(c['passed'] for c in found)} of {len(found)} passed")
-    for c in found:
-        print(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['value']} (target {c['target']})")
-    report = dict(device=name, capability=capability, torch=torch.__version__, cuda=torch.version.cuda,
-                  args=vars(args), rows=rows, presets=presets, trials=tried, checks=found,
-                  passed=all(c["passed"] for c in found))
-    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    with atomic_write(args.report) as f:
-        json.dump(report, f, indent=1)
-    print(f"report: {os.path.abspath(args.report)}")
+        report = run_check(plan(args, folder), args.report, dict(gpu=gpu, torch=torch.__version__, quick=args.quick,
+                                                                  args=vars(args)))
+    for f in report["figures"]:
+        print(f"{f['figure']}: {f['value']}" + (f" (target {f['target']}: {'met' if f['met'] else 'not met'})"
+                                                 if f["met"] is not None else ""))
+    print(f"report: {args.report} (attach it to an issue)")
     return 0 if report["passed"] else 1
 
 

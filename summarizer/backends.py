@@ -261,7 +261,7 @@ class FSDP(DDP):
         self.model = None  # the sharded model, once shard() ran
 
     def plan(self, reduce_once, dtype, is_main):
-        """fsdp_reduce_once (False without accumulation; 'auto': decided by shard) and the compute dtype."""
+        """fsdp_reduce_once ('auto': decided by shard) and the compute dtype."""
         self.reduce_once, self.dtype, self.is_main = reduce_once, dtype, is_main
 
     def shard(self, model):

@@ -225,7 +225,7 @@ def time_step(cfg, rt, batches, state, module, starting):
         starting("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    return seconds * grad_accum_steps(cfg, rt.world_size), batches(state.step).tokens
+    return seconds * len(batches(state.step).micro_batches), batches(state.step).tokens
 
 
 def time_decoding(cfg, rt, state, prompts, decode_step, starting):

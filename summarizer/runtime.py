@@ -9,7 +9,6 @@ import traceback
 import torch
 import torch.distributed.fsdp
 
-from config import grad_accum_steps
 from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend
 from summarizer.compiling import (
     CACHED_COMPILE_S,
@@ -92,9 +91,8 @@ class Runtime:
         self.decided_by = [f"Accelerate's {name}={value}" for name, value in
                            (("mixed_precision", accelerate_precision), ("dynamo_backend", accelerate_dynamo))
                            if value != "no"]
-        if self.backend == "fsdp":
-            accumulates = cfg.micro_batch_size == "auto" or grad_accum_steps(cfg, self.world_size) > 1
-            self.parallel.plan(cfg.fsdp_reduce_once if accumulates else False, self.dtype, self.is_main)
+        if self.backend == "fsdp":  # a step's micro-batches are cut where padding is least: any step may accumulate
+            self.parallel.plan(cfg.fsdp_reduce_once, self.dtype, self.is_main)
 
     def load_compiled_work(self, folder):
         """Before anything compiles: the compiled work a run saved in `folder`, when it was made here (the line that

@@ -254,37 +254,84 @@ def lognormal_lengths(n, seed=0):
     return np.clip(rng.lognormal(np.log(156), 0.6, n), 30, 792).astype(int)
 
 
+def dealt(lengths, batch, micro_batch_size, world_size=1, targets=None):
+    """deal's micro-batches of global batch `batch` (example indices), as example indices per rank, within the plan's
+    micro-batch: micro_batch_size rows as wide as the longest of `lengths`, each with the most targets."""
+    targets = lengths // 4 if targets is None else targets
+    limits = micro_batch_size * data.padded_width(lengths.max() - 1), micro_batch_size * targets.max()
+    ranks = data.deal(data.padded_width(lengths[batch] - 1), targets[batch], *limits, world_size)
+    return [[batch[part] for part in parts] for parts in ranks]
+
+
+def padded(lengths, micro_batches):
+    return sum(len(b) * int(data.padded_width(lengths[b].max() - 1)) for b in micro_batches)
+
+
 @pytest.mark.parametrize("micro_batch_size", [2, 4])
-def test_ranks_together_see_what_one_process_sees(micro_batch_size):
+def test_ranks_together_see_what_one_process_sees_in_as_many_micro_batches_each(micro_batch_size):
     lengths = lognormal_lengths(37)
     batch_size = 16
-    single = LengthGroupedSampler(lengths, batch_size, micro_batch_size, seed=3)
-    other_micro = LengthGroupedSampler(lengths, batch_size, 8, seed=3)
+    sampler = LengthGroupedSampler(lengths, batch_size, seed=3)
+    counts = set()
     for step in range(12):
-        expected = sorted(single.global_batch(step).tolist())
-        assert len(expected) == batch_size and sorted(other_micro.global_batch(step).tolist()) == expected
+        batch = sampler.global_batch(step)
         for world_size in (1, 2, 4):
-            per_rank = [single.micro_batches(step, rank, world_size) for rank in range(world_size)]
-            assert len({len(batches) for batches in per_rank}) == 1
-            assert len(per_rank[0]) == batch_size // (micro_batch_size * world_size)
-            assert all(len(b) == micro_batch_size for batches in per_rank for b in batches)
-            seen = sorted(i for batches in per_rank for b in batches for i in b.tolist())
-            assert seen == expected
+            per_rank = dealt(lengths, batch, micro_batch_size, world_size)
+            assert len({len(batches) for batches in per_rank}) == 1  # every rank syncs at the same micro-step
+            counts.add(len(per_rank[0]))
+            assert sorted(i for batches in per_rank for b in batches for i in b) == sorted(batch.tolist())
+    assert len(counts) > 1  # the count follows the lengths
+
+
+def cost(widths, ends):
+    return sum((b - a) * widths[b - 1] + data.MICRO_BATCH_COST for a, b in itertools.pairwise(ends))
+
+
+def test_the_cut_is_the_least_padding_and_micro_batches_by_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 9))
+        widths = np.sort(rng.integers(1, 80, n)) * 8
+        targets = rng.integers(1, 20, n)
+        max_tokens, max_targets = int(rng.integers(1, 5)) * widths[-1], int(rng.integers(1, 4)) * targets.max()
+        feasible = {}  # micro-batch count -> costs of every cut that keeps each within the limits
+        for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
+            ends = [0, *inner, n]
+            parts = list(itertools.pairwise(ends))
+            if all((b - a) * widths[b - 1] <= max_tokens and targets[a:b].sum() <= max_targets for a, b in parts):
+                feasible.setdefault(len(parts), []).append(cost(widths, ends))
+        assert cost(widths, data.cut(widths, targets, max_tokens, max_targets)) == min(map(min, feasible.values()))
+        for count, costs in feasible.items():
+            ends = data.cut(widths, targets, max_tokens, max_targets, count)
+            assert len(ends) == count + 1 and cost(widths, ends) == min(costs)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 16])
+def test_no_micro_batch_holds_more_than_the_plans_rows_times_width_or_targets(micro_batch_size):
+    lengths = lognormal_lengths(2000)
+    targets = np.random.default_rng(1).integers(1, 80, len(lengths))
+    sampler = LengthGroupedSampler(lengths, 64, seed=0)
+    for step in range(10):
+        for world_size in (1, 2):
+            for batches in dealt(lengths, sampler.global_batch(step), micro_batch_size, world_size, targets):
+                for b in batches:
+                    assert padded(lengths, [b]) <= micro_batch_size * data.padded_width(lengths.max() - 1)
+                    assert targets[b].sum() <= micro_batch_size * targets.max()
 
 
 def test_resuming_at_step_k_continues_the_same_stream():
     lengths = lognormal_lengths(50)
-    before = LengthGroupedSampler(lengths, 8, 2, seed=5)
-    stream = [[b.tolist() for b in before.micro_batches(step, 1, 2)] for step in range(30)]
-    resumed = LengthGroupedSampler(lengths, 8, 2, seed=5)
-    assert [[b.tolist() for b in resumed.micro_batches(step, 1, 2)] for step in range(17, 30)] == stream[17:]
-    reseeded = LengthGroupedSampler(lengths, 8, 2, seed=6)
-    assert [[b.tolist() for b in reseeded.micro_batches(step, 1, 2)] for step in range(30)] != stream
+    before = LengthGroupedSampler(lengths, 8, seed=5)
+    stream = [before.global_batch(step).tolist() for step in range(30)]
+    resumed = LengthGroupedSampler(lengths, 8, seed=5)
+    assert [resumed.global_batch(step).tolist() for step in range(17, 30)] == stream[17:]
+    reseeded = LengthGroupedSampler(lengths, 8, seed=6)
+    assert [reseeded.global_batch(step).tolist() for step in range(30)] != stream
 
 
 def test_every_example_is_seen_once_per_epoch_and_epochs_reshuffle():
     n, batch_size = 50, 8
-    sampler = LengthGroupedSampler(lognormal_lengths(n), batch_size, 4, seed=0)
+    sampler = LengthGroupedSampler(lognormal_lengths(n), batch_size, seed=0)
     steps = n * 16 // batch_size  # 16 epochs end exactly at a step boundary
     seen = np.concatenate([sampler.global_batch(step) for step in range(steps)])
     assert np.array_equal(np.bincount(seen, minlength=n), np.full(n, 16))
@@ -292,19 +339,21 @@ def test_every_example_is_seen_once_per_epoch_and_epochs_reshuffle():
     assert sorted(first) == sorted(second) == list(range(n)) and not np.array_equal(first, second)
 
 
-def test_micro_batches_group_by_length_and_balance_ranks():
+def test_micro_batches_go_longest_first_and_balance_ranks():
     lengths = lognormal_lengths(4000)
-    sampler = LengthGroupedSampler(lengths, 256, 8, seed=0)
-    batches = sampler.micro_batches(0)
+    batch = LengthGroupedSampler(lengths, 256, seed=0).global_batch(0)
+    batches, = dealt(lengths, batch, 8)
     assert all(lengths[a].max() >= lengths[b].max() for a, b in itertools.pairwise(batches))
-    tokens = [sum(int(lengths[b].max()) for b in sampler.micro_batches(0, rank, 4)) for rank in range(4)]
+    tokens = [padded(lengths, batches) for batches in dealt(lengths, batch, 8, 4)]
     assert max(tokens) / min(tokens) < 1.1
 
 
-@pytest.mark.parametrize("micro_batch_size", [8, 16])
-def test_padding_stays_under_ten_percent_on_samsum_like_lengths(micro_batch_size):
-    lengths = lognormal_lengths(14732)
-    assert 0 < data.padding_fraction(lengths, 256, micro_batch_size, steps=20) <= 0.10
+@pytest.mark.parametrize("micro_batch_size, most", [(256, 0.10), (16, 0.05)])
+def test_cut_micro_batches_pad_little_on_samsum_like_lengths(micro_batch_size, most):
+    lengths = lognormal_lengths(818)
+    sampler = LengthGroupedSampler(lengths, 256, seed=0)
+    batches = [b for step in range(8) for b in dealt(lengths, sampler.global_batch(step), micro_batch_size)[0]]
+    assert 0 < 1 - (lengths[np.concatenate(batches)] - 1).sum() / padded(lengths, batches) <= most
 
 
 def test_global_target_count_matches_the_ranks_batches(tmp_path):
@@ -317,7 +366,10 @@ def test_global_target_count_matches_the_ranks_batches(tmp_path):
         for step in (0, 1, 5):
             both = [r(step) for r in ranks]
             batches = [xy for batch in both for xy in batch.micro_batches]
-            assert len(batches) == 8 and all(x.shape[0] == 2 and x.shape[1] <= cfg.block_size for x, _ in batches)
+            assert len(both[0].micro_batches) == len(both[1].micro_batches)
+            assert all(x.numel() <= 2 * data.padded_width(train.lengths.max() - 1) for x, _ in batches)
+            assert sum(x.shape[0] for x, _ in batches) == 16
+            assert both[0].positions == both[1].positions == sum(x.numel() for x, _ in batches)
             assert both[0].targets == both[1].targets == sum(int((y != -1).sum()) for _, y in batches)
             if train_on_prompt:  # every input token but padding is a target: the counts of the inputs
                 rows = [int(n) for _, y in batches for n in (y != -1).sum(1)]

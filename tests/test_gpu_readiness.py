@@ -1,13 +1,15 @@
 """The code paths that real users run on CUDA (Kaggle's T4: compute capability 7.5, fp16 + GradScaler, no bf16),
 proven on CPU: precision from faked device properties, torch.compile (inductor) against eager, the compile
-fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check and its trials of a run (fp16 against
-fp32, the run's compiled decoding). fp16's GradScaler: tests/test_fp16.py."""
+fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check (its sections, the report after each;
+fp16 against fp32). fp16's GradScaler: tests/test_fp16.py."""
+import argparse
 import copy
 import json
 import math
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -412,23 +414,67 @@ def test_a_forked_worker_that_cannot_use_cuda_says_to_use_torchrun(monkeypatch, 
 
 # ---- bench/gpu_check ----------------------------------------------------------------------------------------
 
+def test_the_report_is_written_after_each_section_and_keeps_what_finished(tmp_path):
+    """Each section is a command within its seconds: the report is on disk before the next one starts (the second
+    reads it), a failing section and one out of time are said so, and the sections after them still run."""
+    from bench import gpu_check
+    report, python = tmp_path / "report.json", [sys.executable, "-c"]
+    seen = ("import json, sys; sections = json.load(open(sys.argv[1]))['sections']; "
+            "print(json.dumps({'figure': 'seen', 'value': list(sections)}))")
+    sections = [("first", [*python, "print('{\"figure\": \"cut_speedup_vs_uncut\", \"value\": 1.5}')"], 60, None),
+                ("second", [*python, seen, str(report)], 60, None),
+                ("fails", [*python, "raise SystemExit(3)"], 60, None),
+                ("hangs", [*python, "import time; print('started', flush=True); time.sleep(60)"], 2, None),
+                ("after", [*python, "print('done')"], 60, None)]
+    done = gpu_check.run_check(sections, str(report), dict(quick=True))
+    assert done == json.loads(report.read_text()) and not done["passed"]
+    found = done["sections"]
+    assert list(found) == ["first", "second", "fails", "hangs", "after"]
+    assert found["second"]["rows"] == [{"figure": "seen", "value": ["first"]}]
+    assert [found[name]["status"] for name in found] == [
+        "ok", "ok", "failed (exit status 3)", "timed out after 2 s", "ok"]
+    assert "started" in found["hangs"]["output"] and found["hangs"]["seconds"] < 30
+    figures = {f["figure"]: f for f in done["figures"]}
+    assert figures["cut micro-batches / one uncut, real tokens/s"] == dict(
+        figure="cut micro-batches / one uncut, real tokens/s", value=1.5, target=">= 1.3", met=True)
+    assert figures["decode ms a step"]["value"] is None  # a figure no section gave
+
+
+def test_the_quick_plan_fits_six_minutes_and_runs_the_readmes_path_then_bench(tmp_path):
+    from bench import gpu_check
+    args = argparse.Namespace(quick=True, samsum_csv="/data/samsum.csv", device="cuda", report=str(tmp_path / "r.json"),
+                              model="gpt2", dtypes="float32", compile="False", iters=3, micro_batch_size=8, presets="")
+    sections = gpu_check.plan(args, "/tmp/run")
+    assert [name for name, *_ in sections] == ["preflight", "train", "evaluate", "predict", "bench train",
+                                              "bench generate"]
+    assert sum(limit for _, _, limit, _ in sections) <= 330  # with the start, within 6 minutes
+    argv = {name: " ".join(argv) for name, argv, *_ in sections}
+    assert "train.py config/kaggle_t4x2.py --init_from=scratch --train_csv=/data/samsum.csv" in argv["train"]
+    assert f"--max_time={gpu_check.QUICK_MAX_TIME}" in argv["train"]
+    assert gpu_check.QUICK_MAX_TIME < gpu_check.QUICK["train"]  # its start and its save fit the section's seconds
+    assert "evaluate.py config/kaggle_t4x2.py --out_dir=/tmp/run/run" in argv["evaluate"]
+    assert "predict.py config/kaggle_t4x2.py --out_dir=/tmp/run/run" in argv["predict"]
+    assert "--test_csv=/data/samsum.csv" in argv["predict"]
+    assert "bench.preflight config/kaggle_t4x2.py" in argv["preflight"]
+    assert all("--json" in argv[f"bench {s}"] and f"--section={s}" in argv[f"bench {s}"] for s in ("train", "generate"))
+    assert sections[1][3] == "/tmp/run/run/metrics.jsonl"  # train.py's padded_fraction and micro_batches
+    full = gpu_check.plan(argparse.Namespace(**dict(vars(args), quick=False)), "/tmp/run")
+    assert [name for name, *_ in full][4:] == ["bench", "matrix", "presets"] and full[0][2] is None
+
+
 @pytest.mark.slow
-def test_gpu_check_script_parses_and_its_python_runs_on_cpu(tmp_path, capsys):
+def test_gpu_check_script_parses_and_its_matrix_runs_on_cpu(capsys):
     assert subprocess.run(["bash", "-n", os.path.join(REPO, "bench", "gpu_check.sh")]).returncode == 0
     from bench import gpu_check
-    report = tmp_path / "report.json"
-    assert gpu_check.main(["--device=cpu", "--model=tiny", "--dtypes=float32,float16", "--compile=False", "--iters=2",
-                           "--gen_prompts=2", "--max_new_tokens=8", f"--report={report}"]) == 0
-    out = capsys.readouterr().out
-    assert "checks: 2 of 2 passed" in out and f"report: {report}" in out
-    result = json.loads(report.read_text())
-    assert result["device"] == "cpu" and result["passed"] and result["presets"] == []  # no peak memory on CPU
-    assert [(c["check"], c["passed"]) for c in result["checks"]] == [
-        (f"{dtype} eager: decode_host_syncs_per_step", True) for dtype in ("float32", "float16")]
-    for row, dtype in zip(result["rows"], ("float32", "float16"), strict=True):
-        assert row["dtype"] == dtype and row["compile"] is False and row["train_tokens_per_s"] > 0
-        assert row["train_mfu"] is None and row["mbr16_summaries_per_s"] > 0  # no MFU on CPU
-        assert row["decode_host_syncs_per_step"] == 1 and ("GradScaler" in row["note"]) == (dtype == "float16")
+    assert gpu_check.main(["--part=matrix", "--device=cpu", "--model=tiny", "--dtypes=float32,float16",
+                           "--compile=False", "--iters=2", "--max_new_tokens=8"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cases = [row for row in rows if row["figure"] in ("float32 eager", "float16 eager")]
+    assert [row["dtype"] for row in cases] == ["float32", "float16"]
+    for row in cases:
+        assert row["compile"] is False and row["train_tokens_per_s"] > 0 and row["train_mfu"] is None  # no MFU on CPU
+        assert ("GradScaler" in row["note"]) == (row["dtype"] == "float16")
+    assert any(row["figure"] == "check: float16 eager: losses against float32" for row in rows)
 
 
 def test_the_precision_trial_fails_on_an_overflow_and_compares_what_training_changed():
@@ -442,18 +488,3 @@ def test_the_precision_trial_fails_on_an_overflow_and_compares_what_training_cha
     assert moved_less["status"] == "failed" and "float16 training moved the loss" in moved_less["detail"]
     still = gpu_check.precision([10.83, 10.83, 10.83, 10.83], [10.83] * 4, "float16")
     assert still["status"] == "not run" and "--iters" in still["detail"]
-
-
-def test_the_decoding_trial_compiles_the_runs_decoding_at_its_shapes(fresh_dynamo):
-    """What the GPU runs, here on the CPU at a tiny shape: real dialogues (the demo's test.csv) through predict.py's
-    summarize, in generation_batches' batches; the first batch's compile apart from the warm rate."""
-    from bench import gpu_check
-    cfg = load_config(["--block_size=256", "--max_new_tokens=8", "--gen_batch_size=3", "--device=cpu",
-                       "--mbr_samples=2", "--temperature=0.7", "--test_csv=data/demo/test.csv"])  # MBR's choice too
-    tiny_shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=256)
-    said = gpu_check.decoding(cfg, tiny_shape, "float32", torch.device("cpu"))
-    assert said["status"] == "ok" and said["compiled"] and said["prompts"] == 3 * (1 + gpu_check.WARM_BATCHES), said
-    low, high = said["prompt_tokens"]
-    assert low < high <= 256 - 8  # real lengths, cut to fit block_size
-    assert said["graphs_first_batch"] >= 1 and said["summaries_per_s"] > 0
-    assert said["detail"].startswith(f"15 real dialogues ({low}-{high} prompt tokens, up to 8 new): compiled in ")

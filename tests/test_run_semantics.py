@@ -305,3 +305,18 @@ def test_grad_norm_is_the_norm_before_clipping(args):
     done = trainer.train_step(0)
     grad_norm, skipped = done.grad_norm, done.skipped
     assert grad_norm == pytest.approx(expected, rel=1e-5) and expected > 1e-3 and not skipped
+
+
+# ---- micro-batches cut where padding is least -------------------------------------------------------------
+
+def test_the_first_steps_loss_is_one_row_micro_batches_and_metrics_say_how_it_was_cut(args, tmp_path):
+    """The cuts change how a global batch is split, never the step: its loss is divided by the global batch's
+    targets, so micro_batch_size=8 (cut where padding is least) gives micro_batch_size=1's loss."""
+    rows = {}
+    for micro in (1, 8):
+        out = tmp_path / f"micro{micro}"
+        train.main([*args, "--max_iters=1", "--dtype=float32", f"--micro_batch_size={micro}", f"--out_dir={out}"])
+        rows[micro] = metrics(out)[0]
+    assert rows[8]["loss"] == pytest.approx(rows[1]["loss"], abs=1e-5)
+    assert 1 <= rows[8]["micro_batches"] < 8 and 0 <= rows[8]["padded_fraction"] < 0.2
+    assert rows[1]["micro_batches"] <= 8  # rows short enough share a micro-batch within 1 x the longest row

@@ -42,11 +42,11 @@ from summarizer.launch import (
     StopSignals,
     full_disk_keeps_checkpoints,
     lost_rank_keeps_checkpoints,
-    memory_hint,
     notebook_launch,
     one_line_errors,
     process_age,
     rank_error_lines,
+    training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
 from summarizer.metrics import rouge
@@ -154,7 +154,7 @@ class Trainer:
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
-        with self.run.tracker, self.signals.training(lambda: self.next_stop), memory_hint(cfg, rt), bar:
+        with self.run.tracker, self.signals.training(lambda: self.next_stop), training_memory_hint(cfg, rt), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)

@@ -33,7 +33,7 @@ from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors, process_age
 from summarizer.loading import resuming, trained_shape
-from summarizer.preparation import checked_start, prepare, run_settings
+from summarizer.preparation import check_before_model, prepare, run_settings
 from summarizer.runtime import Runtime, choose_precision
 
 SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
@@ -84,9 +84,9 @@ def shared_memory():
             else check("ok", f"/dev/shm {free} MiB free", **figures))
 
 
-def start(cfg, nproc):
+def start(cfg, start_ckpt, nproc):
     """train.py's checks before it builds its model, in its order and lines, as rank 0 of `nproc` processes meets
-    them: the precision, out_dir made (one it cannot write is not the disk's), checked_start, the disk plan."""
+    them: the precision, out_dir made (one it cannot write is not the disk's), check_before_model, the disk plan."""
     rank_0, figures = types.SimpleNamespace(world_size=nproc, is_main=True, barrier=data.no_op), {}
     try:
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
@@ -94,9 +94,9 @@ def start(cfg, nproc):
         run_folder.make(cfg.out_dir)
         if who := run_folder.training_in(cfg.out_dir):
             raise UserError(run_folder.in_use(cfg.out_dir, who))
-        _, splits, after_summaries = checked_start(cfg, rank_0)
+        _, splits, after_summaries = check_before_model(cfg, rank_0)
         with torch.device("meta"):  # the run's model, its tensors' sizes alone
-            model = GPT(GPTConfig(**trained_shape(cfg), vocab_size=50304))
+            model = GPT(GPTConfig(**trained_shape(cfg, start_ckpt), vocab_size=50304))
         model = lora.add_adapters(model, **lora.settings(cfg)) if cfg.lora_rank else model
         plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
                                    train_rows=len(splits.train))
@@ -187,7 +187,7 @@ def main(argv=None):
     if cfg:
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
         nproc = args.nproc_per_node or (torch.cuda.device_count() if cuda else 1)
-        checks.update(gpus=gpus(cfg), shared_memory=shared_memory(), **{"train.py": start(cfg, nproc)})
+        checks.update(gpus=gpus(cfg), shared_memory=shared_memory(), **{"train.py": start(cfg, start_ckpt, nproc)})
         try:  # only where every check passed: seconds of the GPU's
             if not any(c["status"] == "failed" for c in checks.values()):
                 checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)

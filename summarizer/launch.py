@@ -243,7 +243,7 @@ def out_of_memory_hint(doing, settings):
                                      + (f" ({detail})" if detail else "")) from None
 
 
-def memory_hint(cfg, rt):
+def training_memory_hint(cfg, rt):
     """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
     n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
     return out_of_memory_hint(f"training on micro-batches of {n} sequences",

@@ -59,10 +59,12 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
     return model, None
 
 
-def source_shape(source):
+def source_shape(source, ckpt=None):
     """What `source` fixes of the shape, read without its weights: the ModelShape keys and block_size of a GPT-2
-    name, a local transformers folder (its config.json) or a checkpoint; None for 'scratch' or a source that is
-    not there (build_model says why)."""
+    name, a local transformers folder (its config.json) or a checkpoint (`ckpt`, if loaded already); None for
+    'scratch' or a source that is not there (build_model says why)."""
+    if ckpt is not None:
+        return dict(ckpt["model_args"])
     if source in PRETRAINED:
         return {**PRETRAINED[source], "bias": True, "block_size": GPT2_POSITIONS}
     if os.path.isfile(source):
@@ -84,11 +86,10 @@ def resume_path(cfg):
     return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
 
 
-def trained_shape(cfg):
-    """The ModelShape keys and block_size of the model a run of `cfg` trains: its source's shape (init_from, or the
-    checkpoint it resumes), cut to cfg.block_size, or cfg's own for a model from scratch."""
-    source = resume_path(cfg) if resuming(cfg) else cfg.init_from
-    shape = source_shape(source) or {key: getattr(cfg, key) for key in keys(ModelShape)}
+def trained_shape(cfg, start_ckpt):
+    """The ModelShape keys and block_size of the model a run of `cfg` trains: its source's shape (the checkpoint it
+    resumes or starts from, `start_ckpt`, else init_from), cut to cfg.block_size, or cfg's own from scratch."""
+    shape = source_shape(cfg.init_from, start_ckpt) or {key: getattr(cfg, key) for key in keys(ModelShape)}
     return {**{key: shape[key] for key in keys(ModelShape)}, "block_size": min(cfg.block_size,
                                                                                shape.get("block_size", math.inf))}
 
@@ -121,14 +122,14 @@ def check_named(source, key, others=()):
                     f"checkpoint" + (f": did you mean --{key}={close[0]}?" if close else ""))
 
 
-def check_shape(cfg, explicit, source, key="init_from"):
+def check_shape(cfg, explicit, source, key="init_from", ckpt=None):
     """One line, before any work, when cfg asks `source` for what it cannot be: a folder that is no model
     (check_folder), a block_size longer than its positions (a shorter one cuts them), or a shape flag given in
-    `explicit` (--key=value) that is not its own."""
+    `explicit` (--key=value) that is not its own. `ckpt`: the checkpoint at `source`, if loaded already."""
     if source != "scratch":
         check_named(source, key, ("resume",) if key == "init_from" else ())
         check_folder(source, key)
-    shape = source_shape(source) if cfg else None
+    shape = source_shape(source, ckpt) if cfg else None
     if shape is None:
         return
     if cfg.block_size > shape["block_size"]:

@@ -9,7 +9,7 @@ import torch
 
 import data
 from model import Targets
-from summarizer.launch import memory_hint, out_of_memory
+from summarizer.launch import out_of_memory, training_memory_hint
 from summarizer.memory import nbytes, parameter_bytes
 from summarizer.state import rng_state, set_rng_state
 
@@ -35,7 +35,7 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
         met = failed[0]
         smaller = [rows for rows in range(1, cfg.micro_batch_size) if per_rank % rows == 0]
         if not smaller:
-            with memory_hint(cfg, rt):
+            with training_memory_hint(cfg, rt):
                 raise torch.OutOfMemoryError(met)
         tried.append(str(cfg.micro_batch_size))
         cfg = replace(cfg, micro_batch_size=smaller[-1])

@@ -16,7 +16,7 @@ from summarizer import inference, run_folder
 from summarizer.clock import RunClock
 from summarizer.compiling import CompiledModule, compile_model
 from summarizer.errors import UserError
-from summarizer.launch import memory_hint
+from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     check_shape,
     from_hub_cache,
@@ -65,20 +65,19 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     once every check has passed is an earlier run set aside and the run announced before step 1; `verdict_only`
     (bench/preflight.py's) stops before that, out_dir as it was."""
     started = time.monotonic() if started is None else started
-    tracker, splits, after_summaries = checked_start(cfg, rt)
-    starting = Starting(rt)
-    starting("building the model")
+    tracker, splits, after_summaries = check_before_model(cfg, rt)
+    say_start_up(rt, "building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, starting)
+    cfg, chosen = auto_micro_batch(cfg, rt, model, splits)
     tracker.cfg = cfg  # the tracker logs the chosen settings
     state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
     decode_step, decoding = run_decoding(cfg, rt, state, len(prompts), after_summaries)
-    module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state, starting)
+    module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after_summaries,
@@ -87,8 +86,8 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
                          validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
-        clock.prime(*time_step(cfg, rt, batches, state, module, starting),
-                    time_decoding(cfg, rt, state, timed, decode_step, starting))
+        clock.prime(*time_step(cfg, rt, batches, state, module),
+                    time_decoding(cfg, rt, state, timed, decode_step))
         rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
     run = Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step, tracker, clock,
@@ -103,19 +102,19 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     return run
 
 
-def auto_micro_batch(cfg, rt, model, splits, starting):
+def auto_micro_batch(cfg, rt, model, splits):
     """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak;
     the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
     if cfg.micro_batch_size != "auto":
         return cfg, None
-    starting("planning memory for micro_batch_size=auto")
+    say_start_up(rt, "planning memory for micro_batch_size=auto")
     rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
     cfg = replace(cfg, micro_batch_size=rows)
     # under FSDP the peak is a sharded model's, which runs only with the other ranks (a rank out of memory would
     # leave them waiting): the plan's choice stands
     if rt.backend == "fsdp":
         return cfg, chosen
-    starting("running a step on the longest rows")
+    say_start_up(rt, "running a step on the longest rows")
     return micro_batch_that_runs(cfg, rt, model.to(rt.device), splits.train, chosen)
 
 
@@ -146,16 +145,11 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
     save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
 
 
-class Starting:
+def say_start_up(rt, what):
     """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next (a budget that
     start-up spends ends it where it is: train.py's start_up_deadline, with this line as what it was doing)."""
-
-    def __init__(self, rt):
-        self.rt = rt
-
-    def __call__(self, what):
-        if self.rt.is_main:
-            print(f"start-up: {what} ...", flush=True)
+    if rt.is_main:
+        print(f"start-up: {what} ...", flush=True)
 
 
 def training_state(cfg, rt, model, resumed, splits, given):
@@ -189,16 +183,16 @@ def run_decoding(cfg, rt, state, rouge_summaries, after_summaries):
                        + inference.decode_steps(after_summaries, cfg, rt.world_size), state.model.config.n_layer)
 
 
-def step_module(cfg, rt, batches, state, starting):
+def step_module(cfg, rt, batches, state):
     """(what a step calls: the model, compiled when the runtime compiles (tried on the first micro-batch, on the
     device) and wrapped by the backend; the CompiledModule in it, or None; what runs under torch.compile, in
     words, for the start line; the seconds the step's compile took, or None)."""
     module, compiled, seconds = state.model, "eager", None
     if rt.compile_training:
         x, found = first_micro_batch(batches, state.step, rt.device)
-        starting("compiling the training step")
+        say_start_up(rt, "compiling the training step")
         start = time.perf_counter()
-        with memory_hint(cfg, rt):
+        with training_memory_hint(cfg, rt):
             module = compile_model(module, lambda m: m(x, found)[1], rt.autocast())
         if isinstance(module, CompiledModule):
             seconds = time.perf_counter() - start
@@ -208,34 +202,34 @@ def step_module(cfg, rt, batches, state, starting):
     return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled, seconds
 
 
-def time_step(cfg, rt, batches, state, module, starting):
+def time_step(cfg, rt, batches, state, module):
     """Before step 1 of a run with max_time: (the seconds of a warm step, its tokens), from the first micro-batch
     (the step's longest) run forward and backward twice, the first paying the one-time costs (compiling, first
     calls). Announced, and a budget spent stops the run; leaves no gradients and draws no random numbers."""
     rng = rng_state()
     x, found = first_micro_batch(batches, state.step, rt.device)
-    starting("timing a training step (its first call pays the one-time costs)")
-    with memory_hint(cfg, rt):
+    say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
+    with training_memory_hint(cfg, rt):
         for _ in range(2):
             start = time.perf_counter()
             with rt.autocast():
                 _, loss = module(x, found)
             loss.backward()
             seconds = time.perf_counter() - start
-        starting("timing a training step (warm)")
+        say_start_up(rt, "timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
     return seconds * len(batches(state.step).micro_batches), batches(state.step).tokens
 
 
-def time_decoding(cfg, rt, state, prompts, decode_step, starting):
+def time_decoding(cfg, rt, state, prompts, decode_step):
     """Before step 1 of a run with max_time that summarizes: [(seconds, summaries)] of a batch of `prompts`
     decoded twice, the first paying the one-time costs; weights not yet trained run to max_new_tokens (an upper
     bound). Announced, and a budget spent stops the run; draws no random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
-        starting(f"timing a batch of {len(prompts)} summaries")
+        say_start_up(rt, f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(2):
             start = time.perf_counter()
@@ -272,7 +266,7 @@ def run_settings(argv, usage=None):
         given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
         cfg, changed = resolve(cfg, given, start_ckpt["config"], path, use)
         from_run = FromRun(path, own_keys(use), changed)
-    check_shape(cfg, flags, cfg.init_from)
+    check_shape(cfg, flags, cfg.init_from, ckpt=None if resuming(cfg) else start_ckpt)
     check_validation(cfg)
     return cfg, start_ckpt, from_run
 
@@ -294,28 +288,28 @@ def validation_problem(cfg, rows):
 
 def check_validation(cfg):
     """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
-    split or a CSV leaves are counted by datasets())."""
+    split or a CSV leaves are counted by read_inputs())."""
     if not cfg.validation_csv and cfg.val_fraction == 0:
         problem = validation_problem(cfg, 0)
         if problem:
             raise UserError(problem)
 
 
-def checked_start(cfg, rt):
+def check_before_model(cfg, rt):
     """What a run checks before it builds its model, train.py's start and bench/preflight.py's alike, each problem in
     its one line: the batch's split over rt's ranks (micro_batch_size=auto's is checked as it is chosen), the loggers
     log_to names, the weights init_from names (reachable, or in the hub's cache), the inputs and the sample
-    submission (datasets). (the Tracker, the train/validation Splits, the dialogues summarized after the run)."""
+    submission (read_inputs). (the Tracker, the train/validation Splits, the dialogues summarized after the run)."""
     if cfg.micro_batch_size != "auto":
         grad_accum_steps(cfg, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
         from_hub_cache(cfg.init_from)
-    splits, after_summaries = datasets(cfg, rt)
+    splits, after_summaries = read_inputs(cfg, rt)
     return tracker, splits, after_summaries
 
 
-def datasets(cfg, rt):
+def read_inputs(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
     splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)

@@ -184,7 +184,7 @@ def set_aside_other_output(out, record, names, prefix, made_by):
         print(f"{out} held the output of other {' and '.join(other)} ({was}): moved its {', '.join(found)} to {folder}")
 
 
-def unused(path, suffix=""):
+def free_path(path, suffix=""):
     """`path + suffix`, or the first of path-2, path-3, ... (before the suffix) that does not exist."""
     candidate, n = path + suffix, 1
     while os.path.exists(candidate):
@@ -201,7 +201,7 @@ def move_aside(out_dir, names, prefix):
         return [], None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
     stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
-    folder = unused(os.path.join(out_dir, f"{prefix}-{stamp}"))
+    folder = free_path(os.path.join(out_dir, f"{prefix}-{stamp}"))
     os.makedirs(folder)
     for name in found:
         os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
@@ -214,7 +214,7 @@ def keep_best_of_metric(out_dir, metric):
     best = os.path.join(out_dir, BEST)
     if not os.path.exists(best):
         return None
-    kept = unused(os.path.join(out_dir, f"best-{metric}"), ".pt")
+    kept = free_path(os.path.join(out_dir, f"best-{metric}"), ".pt")
     os.replace(best, kept)
     return kept
 

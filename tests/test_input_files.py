@@ -177,13 +177,13 @@ def test_the_note_counts_as_evaluate_does(tmp_path):
     other[1]["id"] = "d0-7"
     val = save_csv(tmp_path / "val.csv", other)
     rt = types.SimpleNamespace(is_main=True, barrier=data.no_op)
-    splits, _ = preparation.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
+    splits, _ = preparation.read_inputs(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
                                             f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
     assert data.repeated_rows(splits.val, splits.train.fingerprints()).tolist() == [True, True, False, False]
     assert [note for note in splits.notes if "2 of 4 validation rows repeat training rows" in note
             and f"validation_csv {val} shares rows with train_csv {csv}" in note]
     pd.DataFrame([{"dialogue": r["dialogue"], "summary": r["summary"]} for r in other[1:]]).to_csv(val, index=False)
-    splits, _ = preparation.datasets(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
+    splits, _ = preparation.read_inputs(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
                                             f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
     assert not [note for note in splits.notes if "repeat" in note]  # ids count only where both CSVs have them
 
@@ -233,6 +233,6 @@ def test_fewer_training_rows_than_a_batch_are_noted(tmp_path):
     cfg = load_config([f"--train_csv={save_csv(tmp_path / 'train.csv', synthetic_rows(5, seed=0))}",
                        f"--validation_csv={save_csv(tmp_path / 'val.csv', synthetic_rows(2, seed=1))}",
                        "--batch_size=16", f"--data_cache_dir={tmp_path / 'cache'}"])
-    splits, _ = preparation.datasets(cfg, types.SimpleNamespace(is_main=True, barrier=data.no_op))
+    splits, _ = preparation.read_inputs(cfg, types.SimpleNamespace(is_main=True, barrier=data.no_op))
     assert splits.notes == ["note: 5 training rows for batch_size=16: each step trains on some rows more than once; "
                             "lower batch_size or bring more rows"]

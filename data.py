@@ -104,12 +104,9 @@ GROUP_STEPS = 4
 CACHE_VERSION = 2  # bump when the meaning of the cached arrays changes
 
 
-def _read_as_cp1252(err):
-    """Decoding error handler: a byte that is not valid UTF-8 is read as Windows-1252 (what Excel writes)."""
-    return err.object[err.start:err.end].decode("cp1252", errors="replace"), err.end
-
-
-codecs.register_error("utf8-else-cp1252", _read_as_cp1252)
+# a byte that is not valid UTF-8 is read as Windows-1252 (what Excel writes)
+codecs.register_error("utf8-else-cp1252",
+                      lambda err: (err.object[err.start:err.end].decode("cp1252", errors="replace"), err.end))
 
 
 def clean_text(text):
@@ -244,14 +241,6 @@ def rows_with_no_id(frame, ids, key, path):
     starts = 2 + np.concatenate([[0], np.cumsum(breaks.to_numpy() + 1)[:-1]])  # the header is line 1
     lines = ", ".join(str(starts[i]) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
     return f"{key} {path} has {len(missing)} row(s) with no id (line {lines})"
-
-
-def split_rows(n, val_fraction, seed):
-    """(train rows, validation rows), sorted: a hold-out of round(n * val_fraction) rows (at least one when the
-    fraction is > 0) drawn with `seed`, so every rank and every run gets the same split."""
-    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
-    order = np.random.default_rng(seed).permutation(n)
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
 # ---- rows of text -> token sequences ----------------------------------------------------------------------
@@ -497,7 +486,10 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
             notes += table_notes(val_table, "validation_csv")
         train = Examples.from_rows(table, arrays, np.arange(len(table.ids)))
     else:
-        train_rows, val_rows = split_rows(len(table.ids), cfg.val_fraction, cfg.split_seed)
+        # a hold-out of round(n * val_fraction) rows (one at least) drawn with split_seed: every rank, every run alike
+        n_val = max(1, round(len(table.ids) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+        order = np.random.default_rng(cfg.split_seed).permutation(len(table.ids))
+        train_rows, val_rows = np.sort(order[n_val:]), np.sort(order[:n_val])
         if not len(train_rows):
             raise UserError(f"train_csv {table.path} has {len(table.ids)} usable row(s), all held out for "
                             f"validation (val_fraction={cfg.val_fraction:g} holds out one at least): add rows, or pass "

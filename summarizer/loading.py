@@ -237,11 +237,6 @@ def weights_digest(state_dict):
     return digest.hexdigest()
 
 
-def lora_base_reference(source, model):
-    """What a LoRA ckpt.pt keeps of its frozen base instead of its weights: where it came from and their hash."""
-    return {"init_from": source, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
-
-
 def base_weights(ckpt, path, source, model, resuming):
     """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
     the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight). Where it
@@ -332,4 +327,6 @@ def kept_lora_base(cfg, model, ckpt):
     if ckpt is not None:
         reference = ckpt.get("lora_base")  # none: the adapters sit on a scratch base, which ckpt.pt holds
         return reference and {**reference, "init_from": lora_base_moved_to(cfg) or reference["init_from"]}
-    return None if cfg.init_from == "scratch" else lora_base_reference(cfg.init_from, model)
+    if cfg.init_from == "scratch":
+        return None
+    return {"init_from": cfg.init_from, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}

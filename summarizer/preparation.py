@@ -76,7 +76,11 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    decode_step, decoding = run_decoding(cfg, rt, state, len(prompts), after_summaries)
+    # the decode step of every evaluation's ROUGE summaries and of the after-run's: compiled or eager
+    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
+    decode_step, decoding = rt.decoding(evaluations * inference.decode_steps(len(prompts), cfg, rt.world_size)
+                                        + inference.decode_steps(after_summaries, cfg, rt.world_size),
+                                        state.model.config.n_layer)
     module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
@@ -175,14 +179,6 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def run_decoding(cfg, rt, state, rouge_summaries, after_summaries):
-    """(the decode step of every evaluation's `rouge_summaries` summaries and of evaluate_after/predict_after's, in
-    this process: compiled or eager; what it is, in words)."""
-    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
-    return rt.decoding(evaluations * inference.decode_steps(rouge_summaries, cfg, rt.world_size)
-                       + inference.decode_steps(after_summaries, cfg, rt.world_size), state.model.config.n_layer)
-
-
 def step_module(cfg, rt, batches, state):
     """(what a step calls: the model, compiled when the runtime compiles (tried on the first micro-batch, on the
     device) and wrapped by the backend; the CompiledModule in it, or None; what runs under torch.compile, in
@@ -267,7 +263,9 @@ def run_settings(argv, usage=None):
         cfg, changed = resolve(cfg, given, start_ckpt["config"], path, use)
         from_run = FromRun(path, own_keys(use), changed)
     check_shape(cfg, flags, cfg.init_from, ckpt=None if resuming(cfg) else start_ckpt)
-    check_validation(cfg)
+    # the settings alone leave no validation rows (the rows a split or a CSV leaves are counted by read_inputs)
+    if not cfg.validation_csv and cfg.val_fraction == 0 and (problem := validation_problem(cfg, 0)):
+        raise UserError(problem)
     return cfg, start_ckpt, from_run
 
 
@@ -284,15 +282,6 @@ def validation_problem(cfg, rows):
         return (f"{source} to choose best.pt by best_metric={cfg.best_metric!r}: pass --validation_csv=<a CSV> or "
                 f"--val_fraction=0.05, or --best_metric=last to keep the last save as best.pt")
     return None
-
-
-def check_validation(cfg):
-    """One line, before any work, when the settings alone leave no validation rows that the run needs (the rows a
-    split or a CSV leaves are counted by read_inputs())."""
-    if not cfg.validation_csv and cfg.val_fraction == 0:
-        problem = validation_problem(cfg, 0)
-        if problem:
-            raise UserError(problem)
 
 
 def check_before_model(cfg, rt):

@@ -405,8 +405,7 @@ class Evaluation:
         problems = []
         if self.best_metric == "rougeL" and self.rouge_samples == 0:
             problems.append("best_metric='rougeL' needs rouge_samples > 0 (or use best_metric='val_loss')")
-        unknown = [d for d in self.log_to.split(",") if d and d not in LOG_DESTINATIONS]
-        if unknown:
+        if unknown := [d for d in self.log_to.split(",") if d and d not in LOG_DESTINATIONS]:
             problems.append(f"log_to={self.log_to!r}: {unknown[0]!r} is not one of {', '.join(LOG_DESTINATIONS)} "
                             f"(comma-separated, no spaces)")
         return problems
@@ -524,8 +523,7 @@ class Config(*reversed(GROUPS)):
     checkpoint's saved config); the groups above name the settings that belong together."""
 
     def __post_init__(self):
-        problems = self.problems()
-        if problems:
+        if problems := self.problems():
             raise UserError("; ".join(problems))
 
     def problems(self):

@@ -700,8 +700,7 @@ def csv_content(raw, path, key):
         raise UserError(f"{key} {path} is a compressed file that cannot be unpacked ({e}): unpack it yourself, or "
                         f"download it again") from None
     head = raw[:512].removeprefix(codecs.BOM_UTF8).lstrip().lower()
-    found = next((kind for kind in NOT_CSV if head.startswith(kind[0].lower())), None)
-    if found:
+    if found := next((kind for kind in NOT_CSV if head.startswith(kind[0].lower())), None):
         raise UserError(f"{key} {path} is {container}{found[1]}, not a CSV: {conversion(*found[2:], path, key)}")
     if BINARY.intersection(raw[:512]) and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         first = raw[:8]

@@ -223,8 +223,7 @@ def export(cfg, explicit=()):
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    note = training_note(run.path)
-    if note:
+    if note := training_note(run.path):
         print(note)
     print(f"exported {run.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
     return target

@@ -104,8 +104,7 @@ def main(argv=None):
                 # under torchrun a non-zero status would add the launcher's failure report to a clean stop
                 sys.exit(0 if rt.distributed else 128 + stopped_by)
             if stopped_by == OUT_OF_TIME and rt.is_main:
-                short = cut_short(schedule, step)
-                if short:
+                if short := cut_short(schedule, step):
                     print(short)
                 print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
                       f"{clock.ending()}; {ckpt} holds it; continue with:\n"

@@ -148,8 +148,7 @@ def load_checkpoint(path, key="ckpt"):
     so (naming the flag `key` that took the path) and which other checkpoints beside it are intact."""
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
-        training = None if os.path.isdir(path) else run_folder.training_in(os.path.dirname(path) or ".")
-        if training:
+        if training := (None if os.path.isdir(path) else run_folder.training_in(os.path.dirname(path) or ".")):
             raise UserError(f"checkpoint {path} does not exist yet: a training run writes into "
                             f"{os.path.dirname(path) or '.'} ({training}) and has not saved yet: wait for its first "
                             f"save (after its first evaluation), then run this again")
@@ -186,8 +185,7 @@ def complete_archive(path):
 def intact_neighbours(path):
     """Which of the other checkpoints in `path`'s folder load, as the clause that ends a corrupted-file error."""
     folder = os.path.dirname(os.path.abspath(path))
-    intact = intact_in(folder, besides=path)
-    if not intact:
+    if not (intact := intact_in(folder, besides=path)):
         return f"no other checkpoint in {folder} is intact"
     use = ("start from its weights with --init_from=<that file>" if os.path.basename(path) == "ckpt.pt"
            else "score one with --ckpt=<that file>")

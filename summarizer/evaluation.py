@@ -184,8 +184,7 @@ def read_evaluation(where):
         raise UserError(f"--compare={where}: {path} does not exist; give an out_dir that evaluate.py wrote into, "
                         f"or its {run_folder.EVAL_PREDICTIONS}")
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    missing = [c for c in ("id", "dialogue", "reference", "prediction", *COMPARED) if c not in frame]
-    if missing:
+    if missing := [c for c in ("id", "dialogue", "reference", "prediction", *COMPARED) if c not in frame]:
         raise UserError(f"--compare={where}: {path} has no {', '.join(missing)} column(s); it is not an "
                         f"{run_folder.EVAL_PREDICTIONS} that evaluate.py wrote")
     try:
@@ -209,8 +208,7 @@ def matched(other, val, where):
     other = other.set_index("id").loc[list(val.ids)].reset_index()
     for column, texts in (("dialogue", val.dialogues), ("reference", val.summaries)):
         # compared by words: a CSV round trip may change line endings
-        differ = [i for i, (a, b) in enumerate(zip(other[column], texts, strict=True)) if a.split() != b.split()]
-        if differ:
+        if differ := [i for i, (a, b) in enumerate(zip(other[column], texts, strict=True)) if a.split() != b.split()]:
             raise UserError(f"{refused}: {len(differ)} of the {len(ours)} ids have another {column} there "
                             f"(e.g. id {val.ids[differ[0]]})")
     return other

@@ -35,8 +35,7 @@ def atomic_write(path, mode="w"):
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        full = isinstance(e, OSError) and disk_full(path, e)
-        if full:
+        if full := isinstance(e, OSError) and disk_full(path, e):
             raise full from None
         raise
 
@@ -44,8 +43,7 @@ def atomic_write(path, mode="w"):
 def left_by_a_dead_process(name):
     """The file an atomic_write temp file named `name` was to become, when the process that wrote it is gone (killed
     while saving: nothing will rename or remove it); None for any other name, or a live process's temp file."""
-    match = re.fullmatch(r"(.+)\.tmp(\d+)", name)
-    if not match:
+    if not (match := re.fullmatch(r"(.+)\.tmp(\d+)", name)):
         return None
     try:
         os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists

@@ -64,8 +64,7 @@ class StopSignals:
             raise KeyboardInterrupt
         if self.received is None:
             self.received, self.stop_after = signum, self.next_step() if self.phase == "training" else None
-            line = self.notice and self.phase == "training" and self.notice(self.stop_after)
-            if line:
+            if line := self.notice and self.phase == "training" and self.notice(self.stop_after):
                 print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
 
     def second_ctrl_c(self, fd):

@@ -100,8 +100,7 @@ def check_folder(source, key):
     if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, weights))
                                         for weights in ("model.safetensors", "pytorch_model.bin")):
         return
-    checkpoints = [name for name in ("best.pt", "ckpt.pt") if os.path.isfile(os.path.join(source, name))]
-    if checkpoints:
+    if checkpoints := [name for name in ("best.pt", "ckpt.pt") if os.path.isfile(os.path.join(source, name))]:
         raise UserError(f"{key}={source} is a run's folder, not a model: name its checkpoint, "
                         f"--{key}={os.path.join(source, checkpoints[0])} (its weights; continuing the run is "
                         f"--init_from=resume --resume_from={os.path.join(source, 'ckpt.pt')})")

@@ -28,13 +28,11 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
             if not out_of_memory(e):
                 raise
             mine = f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}"
-        failed = [m for m in rt.all_gather_objects(mine) if m]
-        if not failed:
+        if not (failed := [m for m in rt.all_gather_objects(mine) if m]):
             return cfg, chosen + (f"; out of memory at {' and '.join(tried)} ({met}): lowered to "
                                   f"{cfg.micro_batch_size}" if tried else "")
         met = failed[0]
-        smaller = [rows for rows in range(1, cfg.micro_batch_size) if per_rank % rows == 0]
-        if not smaller:
+        if not (smaller := [rows for rows in range(1, cfg.micro_batch_size) if per_rank % rows == 0]):
             with training_memory_hint(cfg, rt):
                 raise torch.OutOfMemoryError(met)
         tried.append(str(cfg.micro_batch_size))

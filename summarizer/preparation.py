@@ -99,8 +99,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
     if verdict_only:
         return run
-    moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resuming(cfg) else None
-    if moved:
+    if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
     announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
     return run
@@ -302,8 +301,7 @@ def read_inputs(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
     splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
-    problem = validation_problem(cfg, len(splits.val))
-    if problem:
+    if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)
     if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
         splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])

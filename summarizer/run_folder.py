@@ -46,8 +46,7 @@ def make(path, reads=None):
         keep = f" and keep reading {reads.partition('=')[2]} with {reads}" if reads else ""
         raise UserError(f"out_dir {path} is not writable ({e.strerror}): choose another with --out_dir=<a writable "
                         f"folder>{keep}") from None
-    removed = remove_left_temp_files(path)
-    if removed:
+    if removed := remove_left_temp_files(path):
         print(removed)
 
 
@@ -196,8 +195,7 @@ def free_path(path, suffix=""):
 def move_aside(out_dir, names, prefix):
     """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
     moved, the folder), or ([], None)."""
-    found = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
-    if not found:
+    if not (found := [name for name in names if os.path.exists(os.path.join(out_dir, name))]):
         return [], None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
     stamp = datetime.datetime.fromtimestamp(newest).strftime("%Y%m%d-%H%M%S")
@@ -229,8 +227,7 @@ def earlier_copies(path):
 def missing_file_hint(path, use):
     """The clause that ends a 'does not exist' line: where an earlier run's copy is, and the flag `use` that
     takes it; '' when there is none."""
-    copies = earlier_copies(path)
-    if not copies:
+    if not (copies := earlier_copies(path)):
         return ""
     return f"; an earlier run's is {copies[0]} (a fresh run moved it there): use it with {use}={copies[0]}"
 

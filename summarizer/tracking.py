@@ -134,8 +134,7 @@ def log_row(out_dir, row, tracker):
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
     except OSError as e:
-        full = disk_full(path, e)
-        if full:
+        if full := disk_full(path, e):
             raise full from None
         raise
     tracker.log(row)
@@ -177,8 +176,7 @@ def plot_metrics(jsonl_path, png_path, title=""):
     ax_loss.set_title("loss")
     ax_loss.legend()
     for key in ("rouge1", "rouge2", "rougeL"):
-        points = [(r["iter"], r[key]) for r in evals if key in r]
-        if points:
+        if points := [(r["iter"], r[key]) for r in evals if key in r]:
             ax_rouge.plot(*zip(*points, strict=True), "o-", label=key)
             ax_rouge.legend()
     ax_rouge.set_xlabel("iter")

@@ -22,9 +22,8 @@ FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
 
 
 class Rate:
-    """Seconds per unit of one kind of work. Its first sample pays the kind's one-time costs (a compile, first calls)
-    and is kept apart: the rate is the median of the last WINDOW warm samples, the first sample's own until one
-    exists (an upper bound)."""
+    """Seconds per unit of one kind of work: the median of the last WINDOW warm samples; the first sample, which pays
+    the one-time costs (a compile, first calls), is kept apart and stands alone until a warm one exists."""
 
     def __init__(self):
         self.first = None  # (seconds, units)
@@ -68,10 +67,8 @@ def used_up(budget, took, doing):
 
 @contextlib.contextmanager
 def start_up_deadline(budget, started, now=time.monotonic):
-    """While inside, until step 1: a budget of `budget` seconds from `started` that start-up spends (a big model on a
-    CPU can take minutes before its first step) ends the run there, whatever it is doing, in one line; no budget
-    (None), no deadline. A timer (SIGALRM) needs the main thread; elsewhere the checks between the phases stand
-    alone."""
+    """Until step 1: a budget from `started` that start-up spends (a big model on a CPU takes minutes) ends the run
+    there in one line. A timer (SIGALRM) needs the main thread; elsewhere the checks between the phases stand."""
     if budget is None or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -89,11 +86,9 @@ def start_up_deadline(budget, started, now=time.monotonic):
 
 
 class RunClock:
-    """max_time's seconds for this process, from `started` (its start on the command line). The loop feeds it the
-    seconds and tokens of each step (steps differ in length: the pace is per token, a step costs the mean tokens of a
-    global batch, `step_tokens`), of each evaluation with its save apart from its summaries, and of the summaries; it
-    answers how many more steps fit after the one about to start (steps_left), which decides both the stop and the
-    learning rate's cooldown, so that it reaches min_lr at the last step whatever the pace did."""
+    """max_time's seconds for this process, from `started`. The loop feeds it the seconds and tokens of each step
+    (the pace is per token: steps differ in length), evaluation and summary; steps_left decides both the stop and
+    the cooldown, so the learning rate reaches min_lr at the last step whatever the pace did."""
 
     def __init__(self, budget, started=None, now=time.monotonic, eval_interval=1, rouge_summaries=0,
                  after_summaries=0, after_evaluations=0, step_tokens=1, validation_tokens=0, save_bytes=0):
@@ -112,9 +107,8 @@ class RunClock:
         self.last_call = None  # (when steps_left last answered 0, the seconds it expected the rest to take)
 
     def prime(self, step_seconds, tokens, decodings=()):
-        """Before step 1: a warm training step took `step_seconds` for `tokens` tokens (the pace until a step is
-        measured), and each of `decodings`, (seconds, summaries), a batch of summaries, the first paying the
-        one-time costs."""
+        """Before step 1: a warm step took `step_seconds` for `tokens` tokens (the pace until a step is measured);
+        `decodings`: (seconds, summaries) of batches of summaries, the first paying the one-time costs."""
         self.primed = step_seconds / tokens
         for seconds, summaries in decodings:
             self.summaries.add(seconds, summaries)
@@ -159,9 +153,8 @@ class RunClock:
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
     def after_run(self):
-        """The seconds evaluate_after and predict_after take: their summaries at the warm rate (they decode with the
-        graphs this run's evaluations compiled: nothing compiles again), and for each of them its loading of
-        best.pt and its writing as an evaluation's rest."""
+        """The seconds evaluate_after and predict_after take: their summaries at the warm rate (nothing compiles
+        again), and for each its loading and writing as an evaluation's rest."""
         if not self.after_summaries:
             return 0.0
         rest = self.evaluations.per_unit() or 0.0
@@ -180,9 +173,8 @@ class RunClock:
         return self.evaluation() + self.after_run() + self.margin()
 
     def steps_left(self, it, tokens=None):
-        """How many steps fit after step `it` (0-based), the one about to start, of `tokens`: its own time, steps of
-        the mean length after it, each evaluation that falls due on the way and the reserve counted, at the warm
-        rates measured so far; None before a step was timed."""
+        """How many steps fit after step `it` (0-based, of `tokens`), the evaluations that fall due and the reserve
+        counted, at the warm rates so far; None before a step was timed."""
         if self.per_token() is None:
             return None
         step, evaluation = self.step(), self.evaluation()
@@ -202,9 +194,7 @@ class RunClock:
 
     def settled(self, it, tokens=None):
         """Whether the steps left before step `it` (0-based, of `tokens`) are an estimate to start a cooldown on,
-        which cannot be undone: it rests on warm rates alone, or no evaluation can come before the end to measure
-        one better (a first evaluation pays its one-time costs; before one, a guess stands for it),
-        even if evaluations cost nothing."""
+        which cannot be undone: it rests on warm rates alone, or no evaluation can come to measure one better."""
         if self.evaluations.warm or self.per_token() is None:
             return True
         steps_alone = (self.left() - self.step(tokens) - self.after_run() - self.margin()) / self.step()
@@ -262,9 +252,8 @@ class RunClock:
         return ", ".join(parts) or "nothing measured yet"
 
     def budget_line(self, step, max_iters, at_min_lr, session, sessions):
-        """What max_time buys, before step `step` + 1 of session `session` (1-based) of `sessions`: the steps that
-        fit at the pace measured now, and what the clock does with them (`at_min_lr`: the run's LR has ended its
-        decay, and stays there)."""
+        """What max_time buys before step `step` + 1 of session `session` (1-based) of `sessions`, at the pace
+        measured now (`at_min_lr`: the run's LR has ended its decay, and stays there)."""
         fit = 1 + self.steps_left(step)
         line = (f"max_time={self.budget:g} ({describe_duration(self.budget)}): {self.left():.0f} s left after "
                 f"start-up buy about {fit} steps ({self.describe()}; re-measured every step)")

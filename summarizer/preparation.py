@@ -38,10 +38,8 @@ from summarizer.tracking import Tracker, peak_flops, resumed_history
 
 @dataclass
 class Run:
-    """What the loop needs of a prepared run: its settings (micro_batch_size chosen), the training state (what
-    ckpt.pt holds), its batches and the module a step calls (compiled and wrapped), the validation rows and the
-    prompts its ROUGE decodes with `decode_step`, the tracker, max_time's clock (or None), whether this is the
-    last session the run is planned over, and the GPU's peak FLOPS (for mfu; None on a CPU)."""
+    """What the loop needs of a prepared run (cfg with micro_batch_size chosen; module: compiled and wrapped; clock:
+    max_time's, or None; last_session: of those the run is planned over; peak_flops: for mfu, None on a CPU)."""
     cfg: object
     state: TrainingState
     batches: data.TrainBatches
@@ -58,12 +56,9 @@ class Run:
 
 
 def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False):
-    """The Run of `cfg` in `rt`, both from run_settings: `start_ckpt` the checkpoint the run continues or starts
-    from (None: from scratch or GPT-2; a resume without it loads it here), `started` what max_time counts from
-    (else now), `given` the keys the command line gave (a peak given again restarts a decay: resumed_schedule).
-    Rank 0 says what start-up does, a budget that start-up spends (or leaves no step) stops every rank, and only
-    once every check has passed is an earlier run set aside and the run announced before step 1; `verdict_only`
-    (bench/preflight.py's) stops before that, out_dir as it was."""
+    """The Run of run_settings' `cfg` and `start_ckpt` in `rt`; `started`: what max_time counts from (else now);
+    `given`: the keys the command line gave (resumed_schedule). Only once every check has passed is an earlier run
+    set aside and the run announced: `verdict_only` (bench/preflight.py's) stops before that, out_dir as it was."""
     started = time.monotonic() if started is None else started
     tracker, splits, after_summaries = check_before_model(cfg, rt)
     say_start_up(rt, "building the model")
@@ -122,9 +117,8 @@ def auto_micro_batch(cfg, rt, model, splits):
 
 
 def announce(run, rt, notes, train_rows, runs, chosen, disk):
-    """Rank 0, before step 1: the notes of start-up, then the rows, the batch, the model and what runs (`runs`, in
-    words), the micro-batch micro_batch_size=auto chose (in words, or None), the disk plan and what max_time buys;
-    config.json. LoRA on random weights is warned of."""
+    """Rank 0, before step 1: the notes of start-up, the rows, the batch, the model, what runs (`runs`), auto's
+    micro-batch (`chosen`, or None), the disk plan and what max_time buys; config.json."""
     if not rt.is_main:
         return
     cfg, state, clock = run.cfg, run.state, run.clock
@@ -156,9 +150,8 @@ def say_start_up(rt, what):
 
 
 def training_state(cfg, rt, model, resumed, splits, given):
-    """(the TrainingState of `model` on this rank's device, continuing ckpt.pt's `resumed` if given; the disk plan,
-    checked before any work; the notes of what start-up found). Loads the compiled work of the run this one
-    continues, starts from or replaces."""
+    """(the TrainingState of `model`, continuing `resumed` if given; the disk plan, checked before any work; the
+    notes of start-up), the compiled work of the run this one continues, starts from or replaces loaded."""
     base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
@@ -179,9 +172,8 @@ def training_state(cfg, rt, model, resumed, splits, given):
 
 
 def step_module(cfg, rt, batches, state):
-    """(what a step calls: the model, compiled when the runtime compiles (tried on the first micro-batch, on the
-    device) and wrapped by the backend; the CompiledModule in it, or None; what runs under torch.compile, in
-    words, for the start line; the seconds the step's compile took, or None)."""
+    """(what a step calls: the model, compiled if the runtime compiles, wrapped by the backend; the CompiledModule in
+    it, or None; what runs compiled, in words; the seconds the compile took, or None)."""
     module, compiled, seconds = state.model, "eager", None
     if rt.compile_training:
         x, found = first_micro_batch(batches, state.step, rt.device)
@@ -198,9 +190,8 @@ def step_module(cfg, rt, batches, state):
 
 
 def time_step(cfg, rt, batches, state, module):
-    """Before step 1 of a run with max_time: (the seconds of a warm step, its tokens), from the first micro-batch
-    (the step's longest) run forward and backward twice, the first paying the one-time costs (compiling, first
-    calls). Announced, and a budget spent stops the run; leaves no gradients and draws no random numbers."""
+    """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
+    run twice, the first paying the one-time costs. Leaves no gradients and draws no random numbers."""
     rng = rng_state()
     x, found = first_micro_batch(batches, state.step, rt.device)
     say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
@@ -218,9 +209,8 @@ def time_step(cfg, rt, batches, state, module):
 
 
 def time_decoding(cfg, rt, state, prompts, decode_step):
-    """Before step 1 of a run with max_time that summarizes: [(seconds, summaries)] of a batch of `prompts`
-    decoded twice, the first paying the one-time costs; weights not yet trained run to max_new_tokens (an upper
-    bound). Announced, and a budget spent stops the run; draws no random numbers."""
+    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded twice, the first paying
+    the one-time costs (untrained weights run to max_new_tokens: an upper bound). Draws no random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
@@ -248,11 +238,9 @@ def validation_tokens(cfg, val_set):
 
 
 def run_settings(argv, usage=None):
-    """(the run's Config, the checkpoint it continues or starts from or None, what the settings block says of that
-    checkpoint: its path, the keys this command decides, what the flags changed) from the command line, checked
-    before any work: a run from a checkpoint takes its settings but what the flags change (resolve), then the
-    source's shape and the validation rows the run needs. A resume continues the run: only a flag changes it; a
-    new run from the weights is a new run of the run's recipe: a preset changes it too."""
+    """(the run's Config, the checkpoint it continues or starts from or None, the settings block's FromRun) from the
+    command line, checked before any work. A resume continues the run: only a flag changes it; a new run from the
+    weights is a new run of the run's recipe: a preset changes it too."""
     cfg, flags = load_config(argv, usage), flags_given(argv)
     path, start_ckpt = start_checkpoint(cfg)
     from_run = None
@@ -284,10 +272,8 @@ def validation_problem(cfg, rows):
 
 
 def check_before_model(cfg, rt):
-    """What a run checks before it builds its model, train.py's start and bench/preflight.py's alike, each problem in
-    its one line: the batch's split over rt's ranks (micro_batch_size=auto's is checked as it is chosen), the loggers
-    log_to names, the weights init_from names (reachable, or in the hub's cache), the inputs and the sample
-    submission (read_inputs). (the Tracker, the train/validation Splits, the dialogues summarized after the run)."""
+    """(the Tracker, the Splits, the dialogues summarized after the run) once train.py's and bench/preflight.py's
+    checks before the model pass: the batch's split, the loggers, init_from's weights, the inputs."""
     if cfg.micro_batch_size != "auto":
         grad_accum_steps(cfg, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work

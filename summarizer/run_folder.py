@@ -33,10 +33,8 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and check that a file can be written there, before any work whose results would be lost;
-    print what remove_left_temp_files removed. `reads`: the flag naming the checkpoint the command takes from
-    out_dir (--ckpt=<its best.pt>, a resume's --resume_from=<its ckpt.pt>), which a command with another out_dir
-    must then give."""
+    """Create the folder and check that a file can be written there, before any work whose results would be lost.
+    `reads`: the flag naming the checkpoint the command takes from out_dir, which another out_dir must then give."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -51,9 +49,8 @@ def make(path, reads=None):
 
 
 def remove_left_temp_files(folder):
-    """Remove the temp files of the folder's files (RUN_FILES, PREFLIGHT) that a process killed while saving left (a
-    0-byte plot, a half-written checkpoint of gigabytes: Kaggle keeps 20 GB); a live process's are its own. The line
-    that says what went and how many bytes, or None."""
+    """Remove the temp files a process killed while saving left (a half-written checkpoint of gigabytes: Kaggle
+    keeps 20 GB); a live process's are its own. The line that says what went, or None."""
     removed, freed = [], 0
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -71,10 +68,9 @@ def remove_left_temp_files(folder):
 
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
-    """Rank 0 makes out_dir and holds its lock until the body ends: an OS advisory lock (flock) on out_dir/.lock,
-    so a run that crashed leaves no lock behind, only the file. A folder another run holds stops every rank at
-    once, in one line naming the holder, before anything is written. The lock file goes when the run ends, and a
-    folder this run made goes too if the run failed before writing into it."""
+    """Rank 0 makes out_dir and holds its lock (flock on out_dir/.lock: a crashed run leaves none) until the body
+    ends; a folder another run holds stops every rank before anything is written. A folder this run made goes
+    if the run failed before writing into it."""
     created = not os.path.exists(out_dir)
     handle, problem = None, None
     if is_main:
@@ -156,9 +152,8 @@ def training_in(out_dir):
 
 
 def set_aside_earlier_run(out_dir):
-    """Move the files of an earlier run in out_dir (RUN_FILES, and best-<metric>.pt files) into
-    out_dir/previous-run-<its time>/, so a fresh run neither appends to its metrics nor overwrites its checkpoints.
-    Returns a line saying so, or None. Call it once every input of the run has been checked."""
+    """Move an earlier run's files into out_dir/previous-run-<its time>/, so a fresh run neither appends to its
+    metrics nor overwrites its checkpoints; a line saying so, or None. Call it once every check has passed."""
     best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
     if not found:
@@ -362,9 +357,8 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 
 def save_problem(writes, iter_num, quota):
-    """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces
-    until it is complete, within the filesystem's free space and the output `quota`; else the line that says which
-    cannot and what is kept. Nothing is written or removed."""
+    """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces,
+    within the free space and the output `quota`; else the line that says which cannot and what is kept."""
     free, limit = room(writes[0][0], quota)
     for path, state in writes:
         need = checkpoint_bytes(state)

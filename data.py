@@ -135,11 +135,9 @@ NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
 
 
 def read_frame(path, key, missing_hint=None):
-    """A CSV file as (its bytes, a DataFrame of strings with stripped column names), read whatever its encoding
-    (BOM, Windows-1252 bytes, UTF-16 with a BOM) or compression (gzip, a zip of one CSV), or UserError naming the
-    file, the config key and what to do; a file that is not a CSV (JSON, Parquet, Excel, a zip of several files,
-    binary data) is named as what it is (csv_content), a text of one column (a web page, a Git LFS pointer) as not
-    a CSV of rows."""
+    """A CSV file as (its bytes, a DataFrame of strings with stripped column names), whatever its encoding or
+    compression, or UserError naming the file, the config key and what to do (csv_content names a file that is not
+    a CSV; a text of one column, a web page or a Git LFS pointer, is not a CSV of rows)."""
     if os.path.isdir(path):
         stem = key.split("_")[0]  # the CSVs named like the key (train.csv for train_csv) are listed first
         csvs = sorted((name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip"))),
@@ -328,10 +326,9 @@ def no_op():
 
 
 def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
-    """(tokenize_table's arrays, notes): built once by the main rank and saved in data_cache_dir, while the other
-    ranks wait at `barrier`; later runs load them. The file name carries a hash of everything the tokens depend
-    on. A data_cache_dir that cannot be written (a read-only checkout) gives way to out_dir/.cache/data, and a
-    note says so."""
+    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir under a hash of all they
+    depend on, while the others wait at `barrier`; a data_cache_dir that cannot be written gives way to
+    out_dir/.cache/data, with a note."""
     key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
                                TOKENIZER_ID)).encode()).hexdigest()
     name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{key[:16]}.npz"
@@ -619,9 +616,8 @@ def deal(widths, targets, max_tokens, max_targets, world_size=1):
 
 @dataclass
 class GlobalBatch:
-    """One optimizer step's batch: this rank's micro-batches, and counts over every rank's share, computed once:
-    input tokens (padding aside), supervised targets (the summed loss is divided by them), the sum of squared
-    sequence lengths (attention's FLOPs) and input positions (padding included)."""
+    """One optimizer step's batch: this rank's micro-batches, and counts over every rank's share: tokens, targets
+    (the summed loss is divided by them), attended (squared lengths: attention's FLOPs), positions (with padding)."""
     micro_batches: list
     tokens: int
     targets: int
@@ -652,9 +648,8 @@ class TrainBatches:
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
-    """Rank `rank`'s share of the validation micro-batches, length-sorted so padding stays small. Ranks may get
-    one micro-batch more or less than each other: sum the loss and targets, then all-reduce once.
-    max_batches > 0 keeps a fixed random subset of max_batches * micro_batch_size examples."""
+    """Rank `rank`'s share of the length-sorted validation micro-batches (ranks may differ by one: sum, then
+    all-reduce once); max_batches > 0 keeps a fixed random subset of max_batches * micro_batch_size examples."""
     indices = np.arange(len(examples))
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]

@@ -157,9 +157,8 @@ def nccl_in_effect(environ):
 
 
 def meet(cfg, device, world_size):
-    """Start the process group and run one collective within dist_start_timeout seconds, so that a rank that
-    never arrives or a transport that fails (NCCL's, at its setup) stops every rank in one line at start-up,
-    naming what to change; later collectives may take dist_timeout seconds each."""
+    """Start the process group and run one collective within dist_start_timeout seconds: a rank that never arrives
+    or a transport that fails stops every rank in one line at start-up; later ones may take dist_timeout each."""
     nccl = device.type == "cuda"
     bound = min((cfg.dist_start_timeout, "dist_start_timeout"), (cfg.dist_timeout, "dist_timeout"))
     start = datetime.timedelta(seconds=bound[0])
@@ -222,9 +221,8 @@ def end_process_group(device, clean, rank):
 
 
 def watch_exit(seconds, line):
-    """Start a watchdog process that writes `line` to stderr and kills this process if it is still alive `seconds`
-    from now. A process, not a thread: a thread needs the GIL, which a hung teardown may hold. It learns of this
-    process's end from a pipe whose only writer is this process (the fd stays open until the process ends)."""
+    """A watchdog process that writes `line` and kills this process if it is alive `seconds` from now (a thread
+    needs the GIL, which a hung teardown may hold); it learns of our end from a pipe only we write to."""
     read, write = os.pipe()  # not inherited by later children (PEP 446): only this process holds `write`
     subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
                      pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

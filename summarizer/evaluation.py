@@ -233,11 +233,9 @@ def comparison_line(t, stats, label, n):
 
 
 def sweep(cfg, explicit, rt):
-    """Score every decoding setting of cfg.sweep (each on top of the run's decoding) on the validation split with
-    one loaded model: a table on stdout and in sweep.csv and sweep.md in inference.output_dir, the recommended
-    setting's evaluation files (write_evaluation, the table in its report), and that setting as flags for
-    predict.py: the fastest whose ROUGE-L a paired test cannot tell from the best's. Every setting is checked
-    before any work. Returns the table's rows on rank 0, None on the other ranks."""
+    """Score every decoding setting of cfg.sweep on the validation split with one loaded model: a table (stdout,
+    sweep.csv, sweep.md), the recommended setting's evaluation files, and that setting as flags for predict.py: the
+    fastest whose ROUGE-L a paired test cannot tell from the best's. The table's rows on rank 0, else None."""
     settings = sweep_settings(cfg.sweep)
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")

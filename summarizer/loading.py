@@ -60,9 +60,8 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
 
 
 def source_shape(source, ckpt=None):
-    """What `source` fixes of the shape, read without its weights: the ModelShape keys and block_size of a GPT-2
-    name, a local transformers folder (its config.json) or a checkpoint (`ckpt`, if loaded already); None for
-    'scratch' or a source that is not there (build_model says why)."""
+    """The ModelShape keys and block_size `source` fixes, read without its weights (`ckpt`: its checkpoint, if loaded
+    already); None for 'scratch' or a source that is not there (build_model says why)."""
     if ckpt is not None:
         return dict(ckpt["model_args"])
     if source in PRETRAINED:
@@ -213,9 +212,8 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
 
 
 def own_copies(state):
-    """The tensors of `state` (read from a checkpoint's mmap) copied into this process's memory once each: one
-    copy of the weights in host memory, and no tensor that keeps the file mapped, whose disk space would stay
-    in use after a save replaces it."""
+    """The tensors of `state` (a checkpoint's mmap) copied into memory once each: no tensor keeps the file mapped,
+    whose disk space would stay in use after a save replaces it."""
     copies, owned = {}, {}
     for key, tensor in state.items():
         storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
@@ -301,9 +299,8 @@ def lora_base_moved_to(cfg):
 
 
 def model_to_train(cfg, start_ckpt=None):
-    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says: 'scratch', a GPT-2 name or local
-    transformers directory, a checkpoint file, or 'resume' (resume_path); with LoRA adapters (base frozen) when
-    lora_rank > 0. `start_ckpt`: the checkpoint run_settings loaded and resolved cfg against (else loaded here)."""
+    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says, with LoRA adapters when lora_rank >
+    0. `start_ckpt`: the checkpoint run_settings loaded and resolved cfg against (else loaded here)."""
     if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg, ckpt=start_ckpt)
         if cfg.lora_rank:

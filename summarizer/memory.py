@@ -63,9 +63,8 @@ def parameter_bytes(model, backend, world_size):
 
 
 def saved_bytes(model, x, targets, autocast):
-    """{"block": bytes, "rest": bytes, "input": bytes}: the distinct storages autograd keeps for backward in one
-    forward of (x, targets) under `autocast`, split by whether the first block or the rest of the model saved them
-    first; and the first block's input (what a checkpointed block keeps)."""
+    """{"block", "rest", "input"}: bytes of the storages autograd keeps in one forward of (x, targets), by whether
+    the first block or the rest saved them first, and the first block's input (what a checkpointed block keeps)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept, owner, where, inputs = {}, {}, ["rest"], []
 
@@ -183,9 +182,8 @@ class Workload:
 
 
 def plan(run, rows, rates, budget):
-    """The Plan of `run` at micro-batches of `rows` (each as long as its longest row), with ActivationRates, on a
-    GPU whose plan may fill `budget` bytes (the evaluation's generation batches take half of what the rest leaves,
-    as generation_memory sizes them)."""
+    """The Plan of `run` at micro-batches of `rows` (each as long as its longest row), on a GPU whose plan may fill
+    `budget` bytes (generation takes half of what the rest leaves, as generation_memory sizes it)."""
     cfg, model = run.cfg, run.model
     weights, grads, optimizer = parameter_bytes(model, run.backend, run.world_size)
     activations = rates.bytes(rows, run.longest_row, rows * run.most_targets, model.config.n_layer,
@@ -265,9 +263,8 @@ CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
 def generation_memory(cfg, device):
-    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (the
-    rest for activations, logits and the allocator's slack), else CPU_GEN_MEMORY_GB. Free counts what PyTorch's
-    caching allocator holds unused (e.g. a training step's activations, freed before an evaluation)."""
+    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (counting
+    what the caching allocator holds unused), else CPU_GEN_MEMORY_GB."""
     if cfg.gen_memory_gb:
         return cfg.gen_memory_gb * 2**30
     if device.type == "cuda":
@@ -293,9 +290,8 @@ def kv_cache_bytes(model_config, rows, length, dtype):
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
-    """This rank's batches of prompt indices: length-sorted (left padding stays small), each at most batch_size
-    prompts whose KV cache (cache_rows_per_prompt x the batch's longest prompt + max_new_tokens slots) fits
-    `memory` bytes (one prompt at least), and every world_size-th of them."""
+    """This rank's (every world_size-th) batches of prompt indices, length-sorted (left padding stays small): at most
+    batch_size prompts whose KV cache fits `memory` bytes (one prompt at least)."""
     rows = cache_rows_per_prompt(decoding)
     batches = []
     for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):

@@ -15,10 +15,9 @@ from summarizer.state import rng_state, set_rng_state
 
 
 def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
-    """(cfg with the largest micro-batch, from the one the plan chose down, whose peak_step runs on every rank; the
-    start line's words: `chosen`, the plan's, and what an out-of-memory error met and lowered). Every rank tells
-    the others whether it ran, so all choose alike and none waits; the next smaller micro-batch divides a rank's
-    rows per step, so batch_size stays exact. Out of memory at one row ends the run, as a fixed micro-batch's does."""
+    """(cfg with the largest micro-batch, from the plan's down, whose peak_step runs on every rank; the start line's
+    words). Every rank tells the others whether it ran, so all choose alike and none waits; a smaller one divides a
+    rank's rows per step, so batch_size stays exact."""
     per_rank, tried, met = cfg.batch_size // rt.world_size, [], None
     while True:
         try:
@@ -40,10 +39,8 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
 
 
 def peak_step(cfg, rt, model, train_set):
-    """A step's peak on `model` before any backend wraps it (no collective: a rank out of memory leaves it alone):
-    forward and backward of a micro-batch of the longest training rows, beside the bytes the plan counts that
-    backward does not allocate (AdamW's moments, DDP's copy of the gradients). Leaves no gradients and draws no
-    random numbers."""
+    """A step's peak on `model` before any backend wraps it (no collective: a rank out of memory leaves it alone),
+    beside the bytes the plan counts that backward does not allocate. Leaves no gradients, draws no random numbers."""
     rng = rng_state()
     rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
     x, y = data.collate(train_set, rows, cfg.train_on_prompt)

@@ -26,12 +26,9 @@ def configure_optimizer(model, cfg, device_type):
 
 @dataclass
 class TrainingState:
-    """What ckpt.pt holds and a resumed run restores: the model as the backend shards it, AdamW, the fp16
-    GradScaler, the LR schedule, the optimizer steps done (`step`, saved as iter_num), the best score so far, the
-    steps fp16 skipped, and each rank's RNG. The sampler needs no state of its own: a step's batch is a function
-    of the step. What every checkpoint says of the run: where its weights started (`base`: its first session's
-    init_from, kept through resumes as the config's), the training rows (inference refuses to score them), the
-    validation split's digest and a LoRA base's reference."""
+    """What ckpt.pt holds and a resumed run restores (`step`: the optimizer steps done, saved as iter_num; the
+    sampler needs no state: a step's batch is a function of the step), and what every checkpoint says of the run:
+    `base`, its first session's init_from; the training rows, which inference refuses to score."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -70,9 +67,8 @@ class TrainingState:
         return better
 
     def save(self, cfg, rt, metrics, best):
-        """Rank 0 writes ckpt.pt, and with `best` best.pt (weights, config, metrics); the others wait. A LoRA run's
-        ckpt.pt keeps its adapters and where its base comes from; its best.pt the merged weights. A save that
-        cannot fit on the disk stops every rank with one line before anything is written."""
+        """Rank 0 writes ckpt.pt, and with `best` best.pt (a LoRA run's: the merged weights); the others wait. A save
+        that cannot fit on the disk stops every rank with one line before anything is written."""
         rng = rt.all_gather_objects(rng_state())
         model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
         writes = []

@@ -107,10 +107,8 @@ def drop_rows_after(jsonl_path, iter_num):
 
 
 def resumed_history(ckpt_path, out_dir, step):
-    """metrics.jsonl of a run resumed at `step` from `ckpt_path`: its rows to that step, each step logged once (the
-    steps after it run again); a run continued into another folder (a new session) first brings the earlier
-    sessions' rows from the checkpoint's folder, or says that they are not there. The note that says what was done,
-    or None."""
+    """metrics.jsonl of a run resumed at `step` from `ckpt_path`: its rows to that step (the later steps run again);
+    a run continued into another folder first brings the earlier sessions' rows. The note saying so, or None."""
     path, earlier = os.path.join(out_dir, METRICS), os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), METRICS)
     if not os.path.isfile(path) and os.path.abspath(path) != earlier:
         if not os.path.isfile(earlier):
@@ -141,8 +139,7 @@ def log_row(out_dir, row, tracker):
 
 
 def progress_postfix(stats, skipped=None, left=None):
-    """The progress bar's figures of a step: loss, LR, tokens/s, ms/it, MFU and peak memory where measured, with
-    fp16 the skipped steps, and under max_time what the budget leaves as its clock re-measures it every step
+    """The progress bar's figures of a step, and under max_time what the budget leaves as its clock re-measures it
     (`left`: seconds, steps that fit): the start line's estimate is never the only one."""
     postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
                "ms/it": f"{stats['ms_per_iter']:.0f}"}

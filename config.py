@@ -160,9 +160,8 @@ def parse_targets(value):
 
 
 def sweep_keys():
-    """What evaluate.py --sweep may vary: the decoding settings but the summary budget (max_new_tokens: the run's
-    prompts were cut to leave room for it, so it is the run's, changed with --max_new_tokens), the sampling seed
-    and the generation batch."""
+    """What evaluate.py --sweep may vary: the decoding settings but max_new_tokens (the run's prompts were cut to
+    leave room for it), the sampling seed and the generation batch."""
     return (*(key for key in keys(Decoding) if key != "max_new_tokens"), "seed", "gen_batch_size")
 
 
@@ -589,10 +588,9 @@ READS = {"train.py": TRAINING_KEYS,
 # ---- what a later command takes from a run ----------------------------------------------------------------------
 
 def resolve(cfg, given, saved, path, use):
-    """(the Config a command runs with, [(key, the run's value, this command's)] for what `given` changed) from the
-    command's `cfg` (defaults, presets, flags), the keys it gave (`given`), the settings `saved` of the run whose
-    checkpoint is at `path`, and what the command does with it (a Use), by TAKES. A key given with the run's value
-    is no change; one given against a value the command must take from the run stops in one line."""
+    """(the Config a command runs with, [(key, the run's value, this command's)] for what the keys it gave changed)
+    from its `cfg` and the settings `saved` of the run at `path`, by TAKES for its `use`. A key given against a value
+    the command must take from the run stops in one line."""
     values, changed = {}, []
     for key, f in FIELDS.items():
         take, mine = TAKES[f.metadata["scope"]][use], getattr(cfg, key)
@@ -621,9 +619,8 @@ def own_keys(use):
 # ---- a command line, read --------------------------------------------------------------------------------------
 
 def load_config(argv, usage=None, command="train.py"):
-    """The checked Config that a command line asks for: presets in their order, then --key=value flags, which beat
-    any preset whatever the order; --help prints the command's usage, how a command line is read and the keys the
-    command reads, and exits."""
+    """The checked Config a command line asks for: presets in their order, then --key=value flags, which beat any
+    preset whatever the order; --help prints the usage and the keys the command reads, and exits."""
     if "-h" in argv or "--help" in argv:
         command_line.print_help(usage, help_text(command))
         raise SystemExit(0)

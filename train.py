@@ -8,10 +8,8 @@
 Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
 time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
-# Reads top to bottom: main, then the Trainer's loop (fit, train_step), which stops at max_iters, at a stop signal
-# (summarizer/launch.py) or when the run's clock (summarizer/clock.py) leaves no room for another step. What a run
-# is built from is summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's
-# TrainingState.
+# Reads top to bottom: main, then the Trainer's loop (fit, train_step). What a run is built from is
+# summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's TrainingState.
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)

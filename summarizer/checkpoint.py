@@ -143,9 +143,8 @@ def not_an_archive(path):
 
 
 def load_checkpoint(path, key="ckpt"):
-    """The Checkpoint in the file at `path`, upgraded to format FORMAT; refuses anything that is not plain tensors
-    and containers. A missing file, one that is no checkpoint, or a truncated or damaged one is one line that says
-    so (naming the flag `key` that took the path) and which other checkpoints beside it are intact."""
+    """The Checkpoint in the file at `path`, upgraded to format FORMAT (plain tensors and containers only); a file
+    missing, no checkpoint or damaged is one line naming the flag `key` and which checkpoints beside it are intact."""
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         if training := (None if os.path.isdir(path) else run_folder.training_in(os.path.dirname(path) or ".")):

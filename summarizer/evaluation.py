@@ -62,9 +62,8 @@ def validation_run(cfg, explicit, rt):
 
 
 def evaluate(cfg, explicit, rt):
-    """ROUGE of the run on its whole validation split: a table on stdout, eval_predictions.csv, eval_metrics.json
-    and eval_report.html in inference.output_dir; with cfg.compare, the paired differences from that evaluation.
-    Returns the report on rank 0, None on the other ranks."""
+    """ROUGE of the run on its whole validation split, on stdout and in the evaluation files (write_evaluation); with
+    cfg.compare, the paired differences from that evaluation. The report on rank 0, None on the others."""
     run, val, prompts, other = validation_run(cfg, explicit, rt)
     predictions = inference.summaries(run, prompts, rt)
     if not rt.is_main:
@@ -278,9 +277,8 @@ def sweep(cfg, explicit, rt):
 
 
 def against_the_best(rows, frames):
-    """Each row gets its ROUGE-L difference from the best setting's, paired over the dialogues, with its 95%
-    interval; within_best_ci95 when the interval holds 0 (the difference is noise on this many dialogues).
-    Returns (the best row's index, the fastest such row's index)."""
+    """Each row gets its paired ROUGE-L difference from the best setting's with its 95% interval, within_best_ci95
+    when that holds 0 (noise on this many dialogues). Returns (the best row's index, the fastest such row's)."""
     best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
     for row, frame in zip(rows, frames, strict=True):
         difference, ci95 = paired_bootstrap(frame["rougeL"], frames[best]["rougeL"])

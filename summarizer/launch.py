@@ -81,9 +81,8 @@ class StopSignals:
 
 @contextlib.contextmanager
 def one_line_errors():
-    """For entry points: a UserError ends the command in one `error: ...` line (exit 2), an out-of-memory in one
-    line too (exit 1; out_of_memory_hint says what to lower), Ctrl-C in one `interrupted` line (exit 130). Under
-    torchrun the line names the rank."""
+    """For entry points: a UserError is one `error: ...` line (exit 2), an out-of-memory one line too (exit 1),
+    Ctrl-C one `interrupted` line (exit 130); under torchrun the line names the rank."""
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank else ""
     try:
@@ -172,9 +171,8 @@ def lost_rank_keeps_checkpoints(folder, go_on):
 
 
 def notebook_launch(main, argv, num_processes, port):
-    """Run main(argv + --backend=accelerate) in `num_processes` processes forked by Accelerate's
-    notebook_launcher, one per GPU. Nothing in the notebook may have used CUDA before; where forked workers cannot
-    use CUDA at all, they say to use the notebook's torchrun cell instead. Errors end in one line (exit 2)."""
+    """Run main(argv + --backend=accelerate) in `num_processes` processes forked by Accelerate's notebook_launcher,
+    one per GPU (nothing in the notebook may have used CUDA before). Errors end in one line (exit 2)."""
     try:
         load_config(argv)  # a mistake in the arguments ends here, before any process starts
         if torch.cuda.is_initialized():

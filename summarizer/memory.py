@@ -2,13 +2,10 @@
 what micro_batch_size=auto chooses by (no probing: summarizer/micro_batch.py runs the choice's peak once, and
 lowers it only on an out-of-memory error) and what bench --section=memory reports.
 - Weights, gradients and AdamW's state are the model's own tensors: under FSDP one rank's shards plus the units it
-  gathers while computing (the root and two blocks); under DDP its gradient buckets, a second copy of the
-  gradients.
-- Activations are what autograd keeps for backward, measured on a one-block model of the run's width (its LoRA
-  adapters and dropout included) over a short probe under the run's autocast: a block's bytes per token, the rest's
-  per token and per target (only targets go through lm_head). scaled_dot_product_attention keeps O(T) state, so a
-  micro-batch's bytes are these rates times its rows, length and targets. A checkpointed block keeps its input
-  only, and backward recomputes one block at a time.
+  gathers while computing; under DDP its gradient buckets, a second copy of the gradients.
+- Activations are what autograd keeps for backward, measured on a one-block model of the run's width over a short
+  probe under the run's autocast: per token, and per target (only targets go through lm_head). Attention keeps O(T)
+  state, so a micro-batch's bytes are these rates times its rows, length and targets.
 - The evaluation holds the weights and AdamW's state (gradients freed), the copy ROUGE decodes with (train.
   rouge_model: in the run's dtype, gathered under FSDP) and one generation batch's KV cache and logits.
 - A LoRA run's save builds, on rank 0, the merged float32 copy of every adapted weight.

@@ -28,11 +28,9 @@ def learning_rate(it, schedule):
 
 def advance(schedule, it, steps_left=None, settled=True, ended=False, last_session=True):
     """(the LR of step `it`, the schedule after it), the one call of a training step. Under max_time in the last
-    session (`steps_left`: the steps the budget leaves after this one, else None) the cooldown starts on an estimate
-    the clock calls `settled` (no first evaluation can still change it much), then follows the steps left to min_lr
-    at the last step; the schedule keeps how far it came, where it began, and where a last step had to drop further
-    than STEEPEST of its shape's steps (cut_short). A session that ended at its budget (`ended`) is counted, the
-    last one of the run leaving the floor at min_lr."""
+    session (`steps_left`: what the budget leaves after this step, else None) the cooldown starts on a `settled`
+    estimate, then follows the steps left to min_lr at the last step. A session ended at its budget (`ended`) is
+    counted, the run's last leaving the floor at min_lr."""
     cooling = steps_left is not None and last_session and (settled or "cooldown" in schedule)
     if cooling and not decayed(it, schedule):  # at min_lr, nothing cools down
         progress, done = cooldown_progress(it, schedule, steps_left), schedule.get("cooldown", 0.0)
@@ -59,11 +57,9 @@ def cooldown_length(it, schedule, steps_left):
 
 
 def cooldown_progress(it, schedule, steps_left):
-    """How far the cooldown is at step `it`, from 0 (not started) to 1 (min_lr, at the last step). It starts where
-    the steps left are the shape's (cooldown_length), then spreads what is left of it evenly over the steps left:
-    with a steady pace that is the shape's own step, a faster pace lengthens it, and it never goes back. A step
-    moves it at most STEEPEST times the shape's step: a pace slow for a moment shortens the cooldown without a
-    cliff; one slow to the end cuts it short, and its last step drops to min_lr (cut_short says so)."""
+    """How far the cooldown is at step `it`, from 0 to 1 (min_lr, at the last step): what is left of it spread evenly
+    over the steps left, never going back, a step at most STEEPEST times the shape's step: a pace slow for a moment
+    shortens it without a cliff; one slow to the end cuts it short (cut_short says so)."""
     if steps_left == 0:
         return 1.0
     done, length = schedule.get("cooldown", 0.0), cooldown_length(it, schedule, steps_left)
@@ -72,9 +68,8 @@ def cooldown_progress(it, schedule, steps_left):
 
 
 def cut_short(schedule, steps):
-    """The line of a session that ended after `steps` steps whose last step had to drop the LR further than STEEPEST
-    of the cooldown shape's steps (the steps left fell near the budget's end faster than it could follow), else
-    None."""
+    """The line of a session ended after `steps` steps whose last step had to drop the LR further than STEEPEST of
+    the cooldown shape's steps, else None."""
     it, lr = schedule.get("cut_short", (None, None))
     if it != steps - 1:
         return None
@@ -102,12 +97,10 @@ def sessions_done(schedule):
 
 def resumed_schedule(schedule, saved, cfg, it, given=()):
     """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
-    max_iters does not stretch its decay: the LR stays at min_lr after it), except that a run stopped inside a
-    warmup that outlasted its decay (max_iters < warmup_iters) finishes the warmup and decays to the new horizon.
-    A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
-    learning_rate from that peak instead; so does a learning_rate the command line gave (`given`: its keys) once the
-    decay has ended, even the saved one: a peak asked for is the peak the run trains at. (warmup_iters is fixed by
-    training: config.Scope.)"""
+    max_iters does not stretch its decay), but a warmup that outlasted its decay finishes and decays to the new
+    horizon. A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
+    learning_rate from that peak; so does one the command line gave (`given`) once the decay has ended, even the
+    saved one: a peak asked for is the peak the run trains at."""
     changed = {k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]}
     if "learning_rate" in given and decayed(it, schedule):
         changed.add("learning_rate")

@@ -94,10 +94,9 @@ def settings_report(argv, config_json, from_run=None):
 
 
 def pack(segments, first, indent, width=SETTINGS_WIDTH):
-    """Segments (lists of words) in lines of at most `width` characters, apart by ' | ', a segment's words apart
-    by spaces: a segment that does not fit the line's rest starts the next line, and one that fits no line is
-    broken between its words (a word longer than a line stands alone on its own). The first line starts with
-    `first`, the others with `indent`."""
+    """Segments (lists of words) in lines of at most `width` characters, apart by ' | ': a segment that does not fit
+    the line's rest starts the next line, one that fits no line breaks between its words; the first line starts
+    with `first`, the others with `indent`."""
     lines, line = [], first
     for segment in segments:
         whole = " ".join(segment)

@@ -95,9 +95,8 @@ class TrainingState:
         rt.barrier()
 
     def restore(self, ckpt, cfg, rt, path, given=()):
-        """Continue the checkpoint's run: its optimizer, scaler, step, best score, RNG and LR schedule, with the
-        hyperparameters this run's config changed applied (`given`: the keys its command line gave, which
-        resumed_schedule reads). Returns the lines that say so."""
+        """Continue the checkpoint's run with what this run's config changed applied (`given`: the keys its command
+        line gave, for resumed_schedule). Returns the lines that say so."""
         saved = ckpt["config"]
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "

@@ -96,10 +96,9 @@ def competition_file(name, fallback):
 
 
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
-    """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, allowed values, range rule
-    (a Bound), for a value given as text its parser (text or value -> value, UserError naming the key), for what a
-    resume takes from the run whatever the flags (Scope.SHAPE, Scope.TRAINED) why it cannot change, and whether it
-    is a path (given with ~, from a flag, a preset or a notebook's list, it is expanded as a shell would)."""
+    """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, choices, Bound, parser of a
+    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), and whether it is a path (its ~
+    expanded as a shell would)."""
     if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
         raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
     metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,

@@ -259,10 +259,9 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule, for training, evaluation, prediction and the export's model card alike: a prompt
-    is the template's head tokens + the first `max_dialogue` tokens of the dialogue + its tail tokens, at most
-    block_size - max_new_tokens tokens, so a summary of max_new_tokens still fits. The end of a long dialogue
-    is what is cut. Training cuts a dialogue further only when its reference summary is longer than that."""
+    """The one truncation rule, for training, evaluation, prediction and the model card alike: head + the first
+    `max_dialogue` tokens of the dialogue + tail, so a summary of max_new_tokens still fits block_size. Training cuts
+    a dialogue further only when its reference summary is longer than that."""
     head: list
     tail: list
     max_dialogue: int
@@ -299,9 +298,8 @@ def encode_example(dialogue, summary, fmt, block_size):
 
 
 def tokenize_table(table, fmt, block_size, progress=False):
-    """Arrays over every row of `table` (prompts as PromptFormat `fmt` makes them): row i is
-    tokens[offsets[i]:offsets[i+1]] (empty when skipped), prompt_lens[i] of them the prompt; cut[i] says the
-    dialogue was shortened."""
+    """Arrays over every row of `table`: row i is tokens[offsets[i]:offsets[i+1]] (empty when skipped),
+    prompt_lens[i] of them the prompt; cut[i] says the dialogue was shortened."""
     enc = get_tokenizer()
     n, chunk = len(table.dialogues), 1024
     lengths, prompt_lens, cut = np.zeros(n, np.int64), np.zeros(n, np.int32), np.zeros(n, bool)
@@ -419,9 +417,8 @@ class Examples:
 
 
 def repeated_rows(val, trained):
-    """The one rule of which validation rows a model trained on: a bool array over the Examples `val`, True where a
-    row's dialogue (whitespace-normalised), or its id where both CSVs have ids, is one of `trained`'s
-    (Examples.fingerprints() of the training rows, as a checkpoint keeps them)."""
+    """The one rule of which validation rows a model trained on: True where a row of `val` has a dialogue (or, where
+    both CSVs have ids, an id) among `trained`'s (Examples.fingerprints(), as a checkpoint keeps them)."""
     seen = np.isin(text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
     if val.has_ids and trained["ids"] is not None:  # a row with no id is no id's repeat
         seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy()) & (np.array(val.ids) != "")
@@ -540,13 +537,9 @@ def collate(examples, indices, train_on_prompt=False):
 
 
 class LengthGroupedSampler:
-    """Which examples each optimizer step trains on, as a pure function of (lengths, seed, step).
-
-    The data is an endless stream of per-epoch permutations (nothing is dropped at an epoch's end). Every
-    GROUP_STEPS global batches come from one slice of it, sorted by length, cut into global batches, taken in a
-    shuffled order; so which examples make step k depends on neither world size nor micro-batch size, and
-    resuming at step k needs only k. How a global batch is cut into micro-batches is deal's.
-    """
+    """Which examples each optimizer step trains on, as a pure function of (lengths, seed, step): an endless stream
+    of per-epoch permutations, every GROUP_STEPS global batches from one slice of it, sorted by length and taken in
+    a shuffled order; so step k depends on neither world size nor micro-batch size, and resuming needs only k."""
 
     def __init__(self, lengths, batch_size, seed):
         self.lengths, self.batch_size, self.seed = np.asarray(lengths), batch_size, seed

@@ -80,9 +80,8 @@ def save_tokenizer(folder, block_size):
 
 
 def model_card(ckpt, trained, run, fmt, name):
-    """README.md of the folder: what the model is, how it was trained (`trained`: the checkpoint's config) and
-    scored, and how to prompt and decode it (`run`: the config inference resolved), with the code that builds a
-    prompt as our PromptFormat `fmt` does, long dialogues cut the same way."""
+    """README.md of the folder: what the model is, how it was trained (`trained`) and scored, and how to prompt and
+    decode it (`run`), with the code that builds a prompt as our PromptFormat `fmt` does."""
     metrics, rows = ckpt["metrics"], ckpt["train_rows"]
     training = (f"{os.path.basename(trained.train_csv)}: {len(rows['dialogues'])} training rows (CSV digest "
                 f"{rows['digest'][:16]})")

@@ -1,8 +1,6 @@
-"""The run's clock under max_time: what the budget has left; what each kind of work costs warm (a training token,
-an evaluation and its save, a summary) apart from its one-time costs (compiling, first calls, the first save); how
-many steps still fit, with the margin the pace's own spread asks for; and from that, when training stops and how far
-the learning rate has cooled down (summarizer/schedule.py). train.py's loop asks it before each step. Time comes from
-`now`, which tests replace with a virtual clock."""
+"""The run's clock under max_time: what each kind of work costs warm apart from its one-time costs, how many steps
+still fit with the margin the pace's spread asks for, and so when training stops and how far the learning rate has
+cooled down (summarizer/schedule.py). Time comes from `now`, which tests replace with a virtual clock."""
 import contextlib
 import math
 import signal

@@ -30,9 +30,8 @@ def agreement(candidates, metric="rougeL"):
 
 
 def mbr_select(candidates, counts, metric="rougeL"):
-    """Index of the candidate with the highest mean `metric` F1 against the other candidates, where candidate i
-    stands for counts[i] identical samples (its copies count as others, scoring 1.0 when not empty). Ties go to
-    the earlier candidate."""
+    """Index of the candidate with the highest mean `metric` F1 against the others, candidate i standing for
+    counts[i] identical samples (its copies count as others, scoring 1.0 when not empty); ties go to the earlier."""
     scores, total = agreement(candidates, metric), sum(counts)
     utility = [(sum(c * a for c, a in zip(counts, row, strict=True)) - row[i]) / max(1, total - 1)
                for i, row in enumerate(scores)]

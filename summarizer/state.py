@@ -49,9 +49,8 @@ class TrainingState:
                    torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
-        """Whether `metric` of an evaluation's stats beats the best so far (then it becomes the best): a higher
-        ROUGE, or the same ROUGE (0 at the first evaluations of a run) with a lower validation loss; a lower
-        val_loss. A non-finite score never does; with best_metric=last, every save is the best."""
+        """Whether `metric` of an evaluation's stats beats the best so far, which it becomes: a higher ROUGE, or the
+        same (0 early in a run) with a lower val_loss; a lower val_loss; with best_metric=last, every save."""
         if metric == "last":
             return True
         score, best, val_loss = stats[metric], self.best_score, stats["val_loss"]

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import export
 import train
@@ -182,3 +183,15 @@ def test_a_resumed_runs_checkpoint_keeps_its_base_which_the_exports_card_names(r
     assert load_checkpoint(str(tmp_path / "next" / "ckpt.pt"))["config"]["init_from"] == "scratch"
     export.main([f"--ckpt={tmp_path / 'next' / 'best.pt'}", f"--export_dir={tmp_path / 'hf'}"])
     assert "| base model | scratch (init_from) |" in (tmp_path / "hf" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("start", ["weights", "resume"])
+def test_trains_start_reads_its_start_checkpoint_once(run, tmp_path, monkeypatch, start):
+    _, out, cache = run
+    path = out / ("best.pt" if start == "weights" else "ckpt.pt")
+    argv = ([f"--init_from={path}", f"--out_dir={tmp_path / 'new'}"] if start == "weights" else
+            [f"--resume_from={path}", "--init_from=resume", f"--out_dir={tmp_path / 'next'}"])
+    reads, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or load(f, *a, **k))
+    train.main([*argv, "--max_iters=3", cache])
+    assert reads.count(str(path)) == 1

@@ -263,10 +263,8 @@ class FSDP(DDP):
         self.reduce_once, self.dtype, self.is_main = reduce_once, dtype, is_main
 
     def shard(self, model):
-        """Shard the model in place with fully_shard: one unit per block, then the root (embeddings, ln_f, the tied
-        lm_head). Its parameters become fp32 DTensors (build the optimizer after this); with a 16-bit dtype each
-        unit is all-gathered in that dtype and its gradients are reduce-scattered in fp32. Decides
-        fsdp_reduce_once='auto'."""
+        """Shard the model in place with fully_shard, one unit per block, then the root; its parameters become fp32
+        DTensors (build the optimizer after this), gathered in a 16-bit dtype. Decides fsdp_reduce_once='auto'."""
         if self.reduce_once == "auto":
             self.reduce_once = self.reduce_once_fits(model)
         policy = torch.distributed.fsdp.MixedPrecisionPolicy()
@@ -280,9 +278,8 @@ class FSDP(DDP):
         return model
 
     def reduce_once_fits(self, model):
-        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per
-        optimizer step holds (reduce_once_bytes); activations are not counted. On the CPU, yes. Rank 0 says why
-        not."""
+        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per step
+        holds (activations not counted); rank 0 says why not."""
         if self.device.type != "cuda":
             return True
         held, kept = reduce_once_bytes(model, self.world_size, getattr(torch, self.dtype))

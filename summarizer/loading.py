@@ -121,9 +121,8 @@ def check_named(source, key, others=()):
 
 
 def check_shape(cfg, explicit, source, key="init_from", ckpt=None):
-    """One line, before any work, when cfg asks `source` for what it cannot be: a folder that is no model
-    (check_folder), a block_size longer than its positions (a shorter one cuts them), or a shape flag given in
-    `explicit` (--key=value) that is not its own. `ckpt`: the checkpoint at `source`, if loaded already."""
+    """One line, before any work, when cfg asks `source` for what it cannot be (a block_size longer than its
+    positions, a shape flag in `explicit` not its own). `ckpt`: the checkpoint at `source`, if loaded already."""
     if source != "scratch":
         check_named(source, key, ("resume",) if key == "init_from" else ())
         check_folder(source, key)
@@ -235,10 +234,8 @@ def weights_digest(state_dict):
 
 
 def base_weights(ckpt, path, source, model, resuming):
-    """The frozen base of a LoRA ckpt.pt, rebuilt from `source` (else where the run took it) and checked against
-    the hash it was trained with, as state dict keys of `model` with adapters (…base_layer.weight). Where it
-    cannot be, the line says how to go on: a resume names the base's new place beside --resume_from; another
-    command scores best.pt, which holds the merged weights."""
+    """The frozen base of a LoRA ckpt.pt under `model`'s keys, rebuilt from `source` (else where the run took it)
+    and checked against its hash; where it cannot be, the line says how to go on."""
     reference = ckpt["lora_base"]
     source = source or reference["init_from"]
     go_on = (f"continue with --resume_from={path} --init_from=<where the base is now: a GPT-2 "

@@ -117,9 +117,8 @@ class ActivationRates:
 
     @classmethod
     def measure(cls, config, lora_settings, dtype):
-        """The rates of a model like `config` (its width, heads, vocabulary, dropout), with LoRA adapters where
-        lora_settings has a rank, trained in `dtype` (16-bit ones under autocast), from three probes on the CPU:
-        two lengths with one target, and every position a target."""
+        """The rates of a model like `config` (with lora_settings' adapters) trained in `dtype`, from three probes
+        on the CPU: two lengths with one target, and every position a target."""
         torch.manual_seed(0)
         one = GPT(GPTConfig(**{**asdict(config), "n_layer": 1, "block_size": PROBE_TOKENS}))
         if lora_settings["lora_rank"]:

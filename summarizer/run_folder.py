@@ -163,9 +163,8 @@ def set_aside_earlier_run(out_dir):
 
 
 def set_aside_other_output(out, record, names, prefix, made_by):
-    """Move `names` of folder `out` into out/<prefix>-<time>/ unless they were made alike: the JSON file `record`
-    among them holds what made them, and each key of the dict `made_by` (weights, data, decoding) must match (no
-    record: unknown, so moved too). A command with other inputs then replaces nothing; one line says where they went."""
+    """Move `names` of folder `out` into out/<prefix>-<time>/, saying so in one line, unless every key of `made_by`
+    matches what the JSON file `record` among them says made them (no record: moved too)."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
             made = dict(json.load(f))
@@ -297,10 +296,9 @@ def checkpoint_bytes(state):
 
 
 class DiskPlan:
-    """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (the trained
-    weights, of a LoRA run with small_lora only its adapters, and AdamW's two moments of each), best.pt (the
-    merged weights), both with the train_rows' fingerprints, and the second copy of the larger one while an
-    atomic save replaces it; plus the export when export_dir is set."""
+    """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
+    adapters alone, and AdamW's moments), best.pt (the merged weights), and the second copy of the larger one while
+    an atomic save replaces it."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once

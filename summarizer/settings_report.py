@@ -35,9 +35,8 @@ def save_config(cfg, path):
 
 
 def changed_values(given):
-    """[(key, value, source)] for the keys whose value differs from the default, or from what a preset gave (a flag
-    back to the default overrides it), in config.py's order, with the preset or the command line whose value holds
-    (a flag beats a preset, whatever the order); `given`: settings_given(argv)."""
+    """[(key, value, source)] for the keys whose value differs from the default or from what a preset gave, in
+    config.py's order, with the preset or the command line whose value holds; `given`: settings_given(argv)."""
     defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
     source = {key: where for key, _, where in given}
     moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode

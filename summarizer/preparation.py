@@ -14,13 +14,12 @@ from config import Use, flags_given, grad_accum_steps, load_config, own_keys, re
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import RunClock, used_up
-from summarizer.compiling import CompiledModule, compile_model
+from summarizer.compiling import CompiledModule
 from summarizer.errors import UserError
 from summarizer.launch import memory_hint
 from summarizer.loading import (
     check_shape,
     from_hub_cache,
-    is_checkpoint,
     kept_lora_base,
     model_to_train,
     resume_path,
@@ -40,17 +39,15 @@ from summarizer.tracking import Tracker, peak_flops, resumed_history
 class Run:
     """What the loop needs of a prepared run: its settings (micro_batch_size chosen), the training state (what
     ckpt.pt holds), its batches and the module a step calls (compiled and wrapped), the validation rows and the
-    prompts its ROUGE decodes with `decode_step`, the tracker, max_time's clock (or None), whether this is the
+    prompts its ROUGE decodes, the tracker, max_time's clock (or None), whether this is the
     last session the run is planned over, and the GPU's peak FLOPS (for mfu; None on a CPU)."""
     cfg: object
     state: TrainingState
     batches: data.TrainBatches
     module: torch.nn.Module
     compiled_module: CompiledModule | None
-    compile_seconds: float | None
     val_set: object
     rouge_prompts: list
-    decode_step: object
     tracker: Tracker
     clock: RunClock | None
     last_session: bool
@@ -76,8 +73,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    decode_step, decoding = run_decoding(cfg, rt, state, len(prompts), after_summaries)
-    module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state, starting)
+    module, compiled_module, compiled = step_module(cfg, rt, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after_summaries,
@@ -87,12 +83,12 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=()):
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
         clock.prime(*time_step(cfg, rt, batches, state, module, starting),
-                    time_decoding(cfg, rt, state, timed, decode_step, starting))
+                    time_decoding(cfg, rt, state, timed, starting))
     # max_time's cooldown comes in the last of the sessions the run is planned over
-    run = Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step, tracker, clock,
+    run = Run(cfg, state, batches, module, compiled_module, val_set, prompts, tracker, clock,
               sessions_done(state.schedule) + 1 >= cfg.sessions,
               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
-    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
+    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {rt.greedy_decoding()}", chosen, disk)
     return run
 
 
@@ -157,15 +153,11 @@ class Starting:
 
 def training_state(cfg, rt, model, resumed, splits, given):
     """(the TrainingState of `model` on this rank's device, continuing ckpt.pt's `resumed` if given; the disk plan,
-    checked before any work; the notes of what start-up found). Loads the compiled work of the run this one
-    continues, starts from or replaces, and sets aside an earlier run's files in out_dir."""
+    checked before any work; the notes of what start-up found). Sets aside an earlier run's files in out_dir."""
     base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
     path = resume_path(cfg) if resumed else None
-    # before anything compiles
-    cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(path or (
-        cfg.init_from if is_checkpoint(cfg.init_from) else os.path.join(cfg.out_dir, run_folder.CKPT)))))
     # every input is checked: an earlier run's files can go aside
     moved = run_folder.set_aside_earlier_run(cfg.out_dir) if rt.is_main and not resumed else None
     if moved:
@@ -174,7 +166,7 @@ def training_state(cfg, rt, model, resumed, splits, given):
                                 train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
                                 lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-    notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
+    notes = list(splits.notes)
     if resumed:
         notes += state.restore(resumed, cfg, rt, path, given)
         if rt.is_main:
@@ -182,31 +174,16 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def run_decoding(cfg, rt, state, rouge_summaries, after_summaries):
-    """(the decode step of every evaluation's `rouge_summaries` summaries and of evaluate_after/predict_after's, in
-    this process: compiled or eager; what it is, in words)."""
-    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
-    return rt.decoding(evaluations * inference.decode_steps(rouge_summaries, cfg, rt.world_size)
-                       + inference.decode_steps(after_summaries, cfg, rt.world_size), state.model.config.n_layer)
-
-
-def step_module(cfg, rt, batches, state, starting):
-    """(what a step calls: the model, compiled when the runtime compiles (tried on the first micro-batch, on the
-    device) and wrapped by the backend; the CompiledModule in it, or None; what runs under torch.compile, in
-    words, for the start line; the seconds the step's compile took, or None)."""
-    module, compiled, seconds = state.model, "eager", None
+def step_module(cfg, rt, state):
+    """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
+    after a compiler failure: EagerFallback) and wrapped by the backend; the CompiledModule in it, or None; what
+    runs under torch.compile, in words, for the start line)."""
+    module, compiled = state.model, "eager"
     if rt.compile_training:
-        x, found = first_micro_batch(batches, state.step, rt.device)
-        starting("compiling the training step")
-        start = time.perf_counter()
-        with memory_hint(cfg, rt):
-            module = compile_model(module, lambda m: m(x, found)[1], rt.autocast())
-        if isinstance(module, CompiledModule):
-            seconds = time.perf_counter() - start
-            compiled = f"torch.compile (compiled in {seconds:.0f} s)"
-    elif rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
-        compiled = f"eager training ({rt.backend}), torch.compile decoding"
-    return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled, seconds
+        module, compiled = CompiledModule(module), "torch.compile (compiled at step 1)"
+    elif rt.compile:  # the backend trains eagerly (FSDP)
+        compiled = f"eager training ({rt.backend})"
+    return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled
 
 
 def time_step(cfg, rt, batches, state, module, starting):
@@ -229,7 +206,7 @@ def time_step(cfg, rt, batches, state, module, starting):
     return seconds * grad_accum_steps(cfg, rt.world_size), batches(state.step).tokens
 
 
-def time_decoding(cfg, rt, state, prompts, decode_step, starting):
+def time_decoding(cfg, rt, state, prompts, starting):
     """Before step 1 of a run with max_time that summarizes: [(seconds, summaries)] of a batch of `prompts`
     decoded twice, the first paying the one-time costs; weights not yet trained run to max_new_tokens (an upper
     bound). Announced, and a budget spent stops the run; draws no random numbers."""
@@ -240,7 +217,7 @@ def time_decoding(cfg, rt, state, prompts, decode_step, starting):
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(2):
             start = time.perf_counter()
-            inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=decode_step)
+            inference.summarize_sharded(model, prompts, cfg, rt, progress=False)
             timed.append((time.perf_counter() - start, len(prompts)))
         set_rng_state(rng)
     return timed

@@ -37,7 +37,7 @@ from config import Decoding, load_config, read_preset
 from generate import generate
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import inference, mbr
-from summarizer.compiling import CompiledDecodeStep
+from summarizer.compiling import StepGraphs
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.loading import trained_shape
@@ -106,16 +106,16 @@ def generate_case(args, dtype, compile, device, prompts, eager):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODELS[args.model])).to(device).eval()
     bench_compile.fresh_compiles()
-    step = CompiledDecodeStep() if compile else None
+    step = StepGraphs() if compile and device.type == "cuda" else None
     greedy_decoding = Decoding(max_new_tokens=args.max_new_tokens)
     with torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
         if dtype not in eager:
             eager[dtype] = {"eos": bench_compile.summary_end_token(model, prompts, args.max_new_tokens)}
         eos, counts = eager[dtype]["eos"], dict(syncs=0, steps=0)
         greedy_call = functools.partial(generate, model, prompts, greedy_decoding, eos_token_id=eos,
-                                        decode_step=step)
+                                        greedy_steps=step)
         mbr_call = functools.partial(generate, model, prompts, replace(greedy_decoding, **MBR16), eos_token_id=eos,
-                                     seed=0, mbr_pick=mbr.pick, decode_step=step)
+                                     seed=0, mbr_pick=mbr.pick, greedy_steps=step)
         for call in (greedy_call, mbr_call):  # the first call compiles and warms up; eager, its host syncs counted
             with contextlib.nullcontext() if compile else host_syncs(counts):
                 call()
@@ -253,12 +253,12 @@ def decoding(cfg, shape, dtype, device):
         model = GPT(GPTConfig(**shape, vocab_size=50304)).to(getattr(torch, dtype)).eval()
     prompts, _ = inference.Summarizer(model, cfg).prompts(data.read_test(cfg).dialogues)
     first, rest = prompts[:cfg.gen_batch_size], prompts[cfg.gen_batch_size:cfg.gen_batch_size * (1 + WARM_BATCHES)]
-    step, seconds, graphs = CompiledDecodeStep(), [], []
+    step, seconds, graphs = StepGraphs(), [], []
     try:
         for batch in (first, rest):
             compiled = bench_compile.graphs_compiled()
             seconds.append(timed(functools.partial(inference.summarize, model, batch, cfg, contextlib.nullcontext(),
-                                                   decode_step=step), device)[1])
+                                                   greedy_steps=step), device)[1])
             graphs.append(bench_compile.graphs_compiled() - compiled)
     except torch.OutOfMemoryError as e:
         return check("failed", f"out of memory decoding {cfg.gen_batch_size} prompts: lower --gen_batch_size or "

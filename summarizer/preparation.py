@@ -178,12 +178,11 @@ def step_module(cfg, rt, state):
     """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
     after a compiler failure: EagerFallback) and wrapped by the backend; the CompiledModule in it, or None; what
     runs under torch.compile, in words, for the start line)."""
-    module, compiled = state.model, "eager"
-    if rt.compile_training:
-        module, compiled = CompiledModule(module), "torch.compile (compiled at step 1)"
-    elif rt.compile:  # the backend trains eagerly (FSDP)
-        compiled = f"eager training ({rt.backend})"
-    return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled
+    compiled = CompiledModule(state.model) if rt.compile_training else None
+    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
+    words = ("torch.compile (compiled at step 1)" if compiled else
+             f"eager training ({rt.backend})" if rt.compile else "eager")
+    return rt.parallel.wrap(compiled or state.model), compiled, words
 
 
 def time_step(cfg, rt, batches, state, module, starting):

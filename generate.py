@@ -44,12 +44,12 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     if d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size:
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
         graphed = greedy_steps is not None and not torch.is_autocast_enabled(device.type)
-        return greedy(model, prompts, d.max_new_tokens, processors, greedy_steps if graphed else EagerSteps(),
+        return greedy(model, prompts, d.max_new_tokens, processors, greedy_steps if graphed else None,
                       compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
-    run = Decoder(model, step_for(device), processors, eos_token_id, compact_below, 1)
+    run = Decoder(model, forward_step, processors, eos_token_id, compact_below, 1)
 
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
@@ -126,8 +126,7 @@ class DecodeState:
         slot = self.prompt_len + self.generated
         self.history[:, slot] = next_tokens
         self.slot_filled[:, slot] = True
-        # a compiled step guards on strides, of one-row batches too: always (1, 1)
-        self.tokens = next_tokens.clone(memory_format=torch.contiguous_format)[:, None]
+        self.tokens = next_tokens[:, None]
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
         self.generated += 1
@@ -393,36 +392,25 @@ def static_step(model, batch):
     its slots from its padding to that slot, through a mask built on the device. Every shape is the batch's."""
     slots = torch.arange(batch.caches[0].max_len, device=batch.pad.device)
     mask = (slots >= batch.pad[:, None]) & (slots <= batch.slot)
-    return step_for(batch.pad.device)(model, batch.tokens, batch.positions, batch.slot, batch.caches,
-                                      mask[:, None, None, :])
-
-
-class EagerSteps:
-    """Greedy's static-shape step run eagerly, on the batch where it lies (a CPU, or no graphs)."""
-    pads_rows = False  # a CPU computes every row: no row is added to make a bucket
-
-    def hold(self, model, batch):
-        return batch
-
-    def __call__(self, model, batch):
-        return static_step(model, batch)
+    return forward_step(model, batch.tokens, batch.positions, batch.slot, batch.caches, mask[:, None, None, :])
 
 
 def greedy(model, prompts, max_new, processors, steps, compact_below):
     """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
     which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
     READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
-    at most compact_below of it), padded up to a power of two (from 8) where `steps` pads rows (graphs, so that
-    few shapes are captured); padding rows repeat a running row. `steps` (EagerSteps or StepGraphs) holds the
-    batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
+    at most compact_below of it). `steps` (StepGraphs, or None: eagerly) holds the batch and runs the step; with
+    it, rows are padded up to a power of two (from 8) so that few shapes are captured, with copies of a running
+    row. Returns, per prompt, its new tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = min(-(-(P + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, model.config.block_size)
     caches = [KVCache(slots) for _ in model.transformer.h]
     logits = model.prefill(prompts, caches)
     pad = torch.tensor([P - len(p) for p in prompts], device=device)
-    batch = steps.hold(model, GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None],
-                                          torch.tensor([P - 1], device=device), pad, caches))
+    batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
+                        pad, caches)
+    batch = steps.hold(model, batch) if steps else batch
     out = torch.full((len(prompts), max_new), eos, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     owners, results = list(range(len(prompts))), [None] * len(prompts)  # owners: a row's prompt, None: padding
@@ -437,16 +425,16 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
             if not running:
                 return results
             rows = len(owners)
-            smaller = row_bucket(len(running), rows) if steps.pads_rows else len(running)
+            smaller = row_bucket(len(running), rows) if steps else len(running)
             if smaller < rows and len(running) <= compact_below * rows:
                 keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
-                batch = steps.hold(model, batch.select_rows(keep))
+                batch = steps.hold(model, batch.select_rows(keep)) if steps else batch.select_rows(keep)
                 out, done, tokens = out[keep], done[keep], tokens[keep]
                 owners = [owners[i] for i in running] + [None] * (smaller - len(running))
         batch.tokens.copy_(tokens[:, None])
         batch.positions.add_(1)
         batch.slot.add_(1)
-        logits = steps(model, batch)
+        logits = steps(model, batch) if steps else static_step(model, batch)
     ended_rows(out.tolist(), owners, results, eos, last=True)
     return results
 
@@ -473,18 +461,9 @@ def row_bucket(running, rows):
 # ---- the forward step --------------------------------------------------------------------------------------------
 
 def forward_step(model, tokens, positions, input_pos, kv_caches, mask):
-    """Next-token logits of one decode step, on a GPU."""
-    return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
-
-
-def cpu_forward_step(model, tokens, positions, input_pos, kv_caches, mask):
-    """The CPU's decode step. Below 64 rows the CPU BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x
-    faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
+    """Next-token logits of one decode step. Below 64 rows a CPU's BLAS runs lm_head, most of a decode step, as
+    W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
     hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
-    if hidden.size(0) >= 64:
-        return model.lm_head(hidden)
-    return (model.lm_head.weight @ hidden.t()).t()
-
-
-def step_for(device):
-    return cpu_forward_step if device.type == "cpu" else forward_step
+    if hidden.device.type == "cpu" and hidden.size(0) < 64:
+        return (model.lm_head.weight @ hidden.t()).t()
+    return model.lm_head(hidden)

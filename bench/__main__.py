@@ -212,7 +212,8 @@ def predict_batch_parts(model, prompts, max_new, args, device):
             return output
         return run
     patches = [(summarizer, "prompts", "tokenizing"), (model, "prefill", "prefill"),
-               (type(steps or generate_module.EagerSteps()), "__call__", "decode_steps"),
+               (compiling.StepGraphs, "__call__", "decode_steps") if steps else
+               (generate_module, "static_step", "decode_steps"),
                (inference, "generate", "generate")]
     originals = [getattr(owner, name) for owner, name, _ in patches]
     for owner, name, part in patches:

@@ -128,8 +128,6 @@ class StepGraphs:
     bucket its small inputs, and for every bucket one KV storage per layer, sized for the largest, whose front
     each bucket's caches view. The first replay of a bucket is checked against the eager step; a capture error or
     a disagreement decodes eagerly from then on, with one line. release() frees graphs and buffers."""
-    pads_rows = True  # rows up to a bucket: few shapes, few captures
-
     def __init__(self, capture=capture_graph):
         self.capture, self.failed = capture, False
         self.release()

@@ -399,9 +399,8 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
     """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
     which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
     READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
-    at most compact_below of it). `steps` (StepGraphs, or None: eagerly) holds the batch and runs the step; with
-    it, rows are padded up to a power of two (from 8) so that few shapes are captured, with copies of a running
-    row. Returns, per prompt, its new tokens cut before EOS."""
+    at most compact_below of it; padding rows copy a running row). `steps` (StepGraphs, or None: eagerly) holds
+    the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = min(-(-(P + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, model.config.block_size)
@@ -425,7 +424,8 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
             if not running:
                 return results
             rows = len(owners)
-            smaller = row_bucket(len(running), rows) if steps else len(running)
+            # padded up to a power of two from 8 (at most the batch) where graphs replay: few shapes to capture
+            smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if steps else len(running)
             if smaller < rows and len(running) <= compact_below * rows:
                 keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
                 batch = steps.hold(model, batch.select_rows(keep)) if steps else batch.select_rows(keep)
@@ -451,11 +451,6 @@ def ended_rows(tokens, owners, results, eos, last=False):
         else:
             running.append(i)
     return running
-
-
-def row_bucket(running, rows):
-    """The batch bucket of `running` rows: the next power of two from 8, at most the batch's `rows`."""
-    return min(rows, max(8, 1 << (running - 1).bit_length()))
 
 
 # ---- the forward step --------------------------------------------------------------------------------------------

@@ -157,29 +157,26 @@ class StepGraphs:
     def __call__(self, model, batch):
         """The step's logits: the bucket's graph replayed, captured and checked at its first use."""
         key = (model, len(batch.pad), batch.caches[0].max_len)
-        if self.failed:
-            return static_step(model, batch)
-        if key not in self.graphs:
+        if not self.failed and key not in self.graphs:
             try:
                 graph, logits, expected = self.capture(lambda: static_step(model, batch))
                 graph.replay()
-                agree = (torch.equal(logits.argmax(-1), expected.argmax(-1))
-                         and torch.allclose(logits.float(), expected.float(), rtol=1e-2, atol=1e-2))
+                agree = torch.equal(logits.argmax(-1), expected.argmax(-1)) and torch.allclose(
+                    logits.float(), expected.float(), rtol=1e-2, atol=1e-2)
+                why = None if agree else "its first replay disagreed with the eager step"
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # the step's own errors meet the eager step again below
-                return self.fall_back(f"capture failed ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})",
-                                      model, batch)
-            if not agree:
-                return self.fall_back("its first replay disagreed with the eager step", model, batch)
-            self.graphs[key] = graph, logits
-            return logits
+                why = f"capture failed ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+            if why:
+                tqdm.write(f"warning: CUDA graph {why}; decoding eagerly from now on", file=sys.stderr)
+                self.failed = True
+                self.release()
+            else:
+                self.graphs[key] = graph, logits
+                return logits
+        if self.failed:
+            return static_step(model, batch)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
-
-    def fall_back(self, why, model, batch):
-        tqdm.write(f"warning: CUDA graph {why}; decoding eagerly from now on", file=sys.stderr)
-        self.failed = True
-        self.release()
-        return static_step(model, batch)

@@ -415,10 +415,9 @@ class System:
     device: str = option("auto", "auto, cpu, cuda or cuda:N", Scope.COMMAND)
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
                         Scope.COMMAND, ("auto", "float32", "bfloat16", "float16"))
-    compile: bool | str = option("auto", "torch.compile the training and decoding steps: auto = on CUDA only (on CPU "
-                                         "compiling costs more than a short run saves), and the decoding only where "
-                                         "its steps repay the compile; True/False = on/off anywhere; a run's "
-                                         "compiled work is kept in out_dir/compile_cache.bin for later commands",
+    compile: bool | str = option("auto", "torch.compile the training step and replay greedy decoding's steps as "
+                                         "CUDA graphs: auto = on CUDA only (on CPU compiling costs more than a "
+                                         "short run saves); True/False = on/off anywhere (graphs on CUDA only)",
                                  Scope.COMMAND, ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",

@@ -1,6 +1,7 @@
 """Decoding, in the spirit of gpt-fast's generate.py: the decode state over the model's KV caches, transformers'
 logits processors, greedy and sampled decoding, beam search with n-best lists, the candidates of minimum Bayes
-risk (MBR) decoding, and the decode step (compiled by the caller). Token ids in, token ids out."""
+risk (MBR) decoding, and greedy decoding on static shapes (as CUDA graphs where the caller captures it). Token ids
+in, token ids out."""
 import copy
 from typing import NamedTuple
 
@@ -19,33 +20,36 @@ class Sequence(NamedTuple):
 
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
-             decode_step=None, compact_below=None):
+             greedy_steps=None, compact_below=None):
     """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
     by prompt, num_return_sequences new-token lists cut before EOS.
-    - temperature=0: greedy; num_beams>1: transformers' beam search (early_stopping=False), whose n-best are the
-      best finished hypotheses, best first.
+    - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
+      (early_stopping=False), whose n-best are the best finished hypotheses, best first.
     - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; identical samples adjacent.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, counts, metric) -> index chooses (summarizer.mbr.pick).
-    decode_step: the decode step (decode_step compiled, or None for eager). compact_below: running rows at most this
-    fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every row costs compute,
-    0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
+    greedy_steps: how greedy's static-shape steps run (summarizer.compiling.StepGraphs: as CUDA graphs; None:
+    eagerly). compact_below: running rows at most this fraction of the batch are copied into a smaller one (None:
+    1.0 on a CPU, where every row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended
+    rows)."""
     d = decoding
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
         return []
-    asked = len(prompts)
-    # a compiled step specializes a batch of one row (a recompile, and a second graph): it never gets one
-    min_rows = 1 if decode_step is None else 2
-    prompts = [list(p) for p in prompts] + [list(prompts[0])] * (min_rows - len(prompts))
+    prompts = [list(p) for p in prompts]
     device = model.lm_head.weight.device
+    if compact_below is None:
+        compact_below = 1.0 if device.type == "cpu" else 0.5
+    processors = LogitsProcessors(d, eos_token_id)
+    if d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size:
+        # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
+        graphed = greedy_steps is not None and not torch.is_autocast_enabled(device.type)
+        return greedy(model, prompts, d.max_new_tokens, processors, greedy_steps if graphed else None,
+                      compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
-    if compact_below is None:
-        compact_below = 1.0 if device.type == "cpu" else 0.5
-    run = Decoder(model, decode_step or eager_step(device), LogitsProcessors(d, eos_token_id), eos_token_id,
-                  compact_below, min_rows)
+    run = Decoder(model, forward_step, processors, eos_token_id, compact_below, 1)
 
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
@@ -68,7 +72,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         else:
             samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
             results = [[s for s, n in row for _ in range(n)] for row in samples]
-    return [s.tokens for row in results[:asked] for s in row]
+    return [s.tokens for row in results for s in row]
 
 
 def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
@@ -122,8 +126,7 @@ class DecodeState:
         slot = self.prompt_len + self.generated
         self.history[:, slot] = next_tokens
         self.slot_filled[:, slot] = True
-        # a compiled step guards on strides, of one-row batches too: always (1, 1)
-        self.tokens = next_tokens.clone(memory_format=torch.contiguous_format)[:, None]
+        self.tokens = next_tokens[:, None]
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
         self.generated += 1
@@ -170,7 +173,11 @@ class LogitsProcessors:
             if banned:
                 scores = scores.index_put(tuple(torch.tensor(banned, device=scores.device).t()),
                                           torch.tensor(-float("inf"), device=scores.device))
-        if state.generated < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
+        return self.no_early_eos(scores, state.generated)
+
+    def no_early_eos(self, scores, generated):
+        """EOS masked while fewer than min_new_tokens are generated (a new tensor then)."""
+        if generated < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
             scores = scores.clone()
             scores[:, self.eos_token_id] = -float("inf")
         return scores
@@ -198,12 +205,12 @@ class LogitsProcessors:
 class Decoder:
     """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
 
-    def __init__(self, model, decode_step, processors, eos_token_id, compact_below, min_rows):
-        self.model, self.decode_step, self.processors, self.eos = model, decode_step, processors, eos_token_id
+    def __init__(self, model, forward_step, processors, eos_token_id, compact_below, min_rows):
+        self.model, self.forward_step, self.processors, self.eos = model, forward_step, processors, eos_token_id
         self.compact_below, self.min_rows = compact_below, min_rows
 
     def next_logits(self, state, kv_caches):
-        return self.decode_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
+        return self.forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
                                 state.decode_mask())
 
     def sample(self, logits, state, kv_caches, streams, counts):
@@ -355,23 +362,103 @@ def cut_at_eos(tokens, eos_token_id):
     return tokens[:tokens.index(eos_token_id)] if eos_token_id in tokens else tokens
 
 
-# ---- the decode step -------------------------------------------------------------------------------------------
+# ---- greedy on static shapes -----------------------------------------------------------------------------------
 
-def decode_step(model, tokens, positions, input_pos, kv_caches, mask):
-    """Next-token logits of one decode step: what a caller compiles (torch.compile(decode_step, dynamic=True,
-    fullgraph=True)) and passes to generate as `decode_step`."""
-    return model.forward_cached(tokens, positions, input_pos, kv_caches, mask)
+SLOTS_BUCKET = 64  # the cache slots a step attends, rounded up to a multiple of this: one shape for many lengths
+READ_EVERY = 8  # greedy steps between the host's reads of the tokens (which rows ended)
 
 
-def cpu_decode_step(model, tokens, positions, input_pos, kv_caches, mask):
-    """The eager CPU step. Below 64 rows the CPU BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x
-    faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included). Compiled steps (the
-    GPU's) keep x @ W^T: one layout, no guard on the number of rows, rows the argmax reads contiguously."""
+class GreedyBatch(NamedTuple):
+    """What greedy's static-shape step reads and writes, fixed in shape: the last tokens (rows, 1), their
+    positions (rows, 1), the cache slot they go into (1,), each row's left padding (rows,) and the KV caches
+    (rows, heads, slots, head_dim). The step updates them in place, so a CUDA graph of it can be replayed."""
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot: torch.Tensor
+    pad: torch.Tensor
+    caches: list
+
+    def tensors(self):
+        return [self.tokens, self.positions, self.slot, self.pad, *(t for c in self.caches for t in (c.k, c.v))]
+
+    def select_rows(self, rows):
+        """A new batch of the rows given by index tensor `rows` (kept or repeated), copied."""
+        return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.pad[rows],
+                           [cache.select_rows(rows) for cache in self.caches])
+
+
+def static_step(model, batch):
+    """Next-token logits of one greedy step: the batch's tokens written at its cache slot, each row attending to
+    its slots from its padding to that slot, through a mask built on the device. Every shape is the batch's."""
+    slots = torch.arange(batch.caches[0].max_len, device=batch.pad.device)
+    mask = (slots >= batch.pad[:, None]) & (slots <= batch.slot)
+    return forward_step(model, batch.tokens, batch.positions, batch.slot, batch.caches, mask[:, None, None, :])
+
+
+def greedy(model, prompts, max_new, processors, steps, compact_below):
+    """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
+    which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
+    READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
+    at most compact_below of it; padding rows copy a running row). `steps` (StepGraphs, or None: eagerly) holds
+    the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
+    device, eos = model.lm_head.weight.device, processors.eos_token_id
+    P = max(len(p) for p in prompts)
+    slots = min(-(-(P + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, model.config.block_size)
+    caches = [KVCache(slots) for _ in model.transformer.h]
+    logits = model.prefill(prompts, caches)
+    pad = torch.tensor([P - len(p) for p in prompts], device=device)
+    batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
+                        pad, caches)
+    batch = steps.hold(model, batch) if steps else batch
+    out = torch.full((len(prompts), max_new), eos, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    owners, results = list(range(len(prompts))), [None] * len(prompts)  # owners: a row's prompt, None: padding
+    for step in range(max_new):
+        tokens = processors.no_early_eos(logits.float(), step).argmax(dim=-1).masked_fill_(done, eos)
+        out[:, step] = tokens
+        done |= tokens == eos
+        if step + 1 == max_new:
+            break
+        if (step + 1) % READ_EVERY == 0:
+            running = ended_rows(out[:, :step + 1].tolist(), owners, results, eos)  # the host's one read
+            if not running:
+                return results
+            rows = len(owners)
+            # padded up to a power of two from 8 (at most the batch) where graphs replay: few shapes to capture
+            smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if steps else len(running)
+            if smaller < rows and len(running) <= compact_below * rows:
+                keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
+                batch = steps.hold(model, batch.select_rows(keep)) if steps else batch.select_rows(keep)
+                out, done, tokens = out[keep], done[keep], tokens[keep]
+                owners = [owners[i] for i in running] + [None] * (smaller - len(running))
+        batch.tokens.copy_(tokens[:, None])
+        batch.positions.add_(1)
+        batch.slot.add_(1)
+        logits = steps(model, batch) if steps else static_step(model, batch)
+    ended_rows(out.tolist(), owners, results, eos, last=True)
+    return results
+
+
+def ended_rows(tokens, owners, results, eos, last=False):
+    """Record in results[prompt] the tokens of each batch row that ended in EOS (every row at the `last` step);
+    returns the indices of the rows still running."""
+    running = []
+    for i, (row, owner) in enumerate(zip(tokens, owners, strict=True)):
+        if owner is None or results[owner] is not None:
+            continue
+        if eos in row or last:
+            results[owner] = cut_at_eos(row, eos)
+        else:
+            running.append(i)
+    return running
+
+
+# ---- the forward step --------------------------------------------------------------------------------------------
+
+def forward_step(model, tokens, positions, input_pos, kv_caches, mask):
+    """Next-token logits of one decode step. Below 64 rows a CPU's BLAS runs lm_head, most of a decode step, as
+    W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
     hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
-    if hidden.size(0) >= 64:
-        return model.lm_head(hidden)
-    return (model.lm_head.weight @ hidden.t()).t()
-
-
-def eager_step(device):
-    return cpu_decode_step if device.type == "cpu" else decode_step
+    if hidden.device.type == "cpu" and hidden.size(0) < 64:
+        return (model.lm_head.weight @ hidden.t()).t()
+    return model.lm_head(hidden)

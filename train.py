@@ -14,7 +14,6 @@ from summarizer import quiet_start  # the standard library alone: first, before 
 
 quiet_start.until_imported(__name__)
 import collections
-import contextlib
 import math
 import os
 import shlex
@@ -92,9 +91,6 @@ def main(argv=None):
                     step, clock, schedule = trainer.run.state.step, trainer.run.clock, trainer.run.state.schedule
                 finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
                     trainer = None
-            # the compiled work is a cache: a folder that cannot keep it costs later commands a compile, no more
-            with contextlib.suppress(OSError, DiskFull):
-                rt.save_compiled_work(cfg.out_dir)
             if stopped_by in STOP_SIGNALS:
                 if rt.is_main:
                     print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: "
@@ -174,7 +170,7 @@ class Trainer:
                          "micro_batches": len(done.batch.micro_batches)}
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
-                        stats["compile_s"] = self.run.compile_seconds
+                        stats["compile_s"] = seconds  # the first step's, its compile included
                     if self.run.compiled_module.fallback.failed:
                         stats["compile_fallback"] = self.run.compiled_module.fallback.why
                 if state.scaler.is_enabled():
@@ -265,8 +261,7 @@ class Trainer:
         if run.rouge_prompts:
             start = time.perf_counter()
             model = inference.rouge_model(self.model, run.cfg, rt)
-            predictions = inference.summarize_sharded(model, run.rouge_prompts, run.cfg, rt, progress=False,
-                                                      decode_step=run.decode_step)
+            predictions = inference.summarize_sharded(model, run.rouge_prompts, run.cfg, rt, progress=False)
             if run.clock:
                 run.clock.summarized(time.perf_counter() - start, len(predictions))
             metrics.update(rouge(predictions, run.val_set.summaries[:len(predictions)]))

@@ -21,14 +21,16 @@ import numpy as np
 import torch
 
 import data
+import generate as generate_module
 from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
-from bench.compile import summary_end_token
+from bench.compile import Waits, decoding_steps, summary_end_token
 from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT
+from summarizer import compiling, inference
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
 
@@ -130,10 +132,100 @@ def bench_generate(args, device):
     for scenario, eos in [("no_eos", EOT_ID), ("eos", summary_end_token(ours, prompts, max_new))]:
         rows += [dict(row, figure=f"{scenario}:{row['figure']}") for row in
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
+    rows += greedy_step_figures(ours, prompts, max_new, args, device)
     rows.append(dict(section="generate", figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
                      f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
                      f"median of {args.repeats}, {device}"))
     return rows
+
+
+def greedy_steps(device, captures=None):
+    """How the benchmark runs greedy steps: as CUDA graphs on a GPU (each capture's seconds appended to
+    `captures`), eagerly on a CPU."""
+    if device.type != "cuda":
+        return None
+
+    def capture(step):
+        start = time.perf_counter()
+        captured = compiling.capture_graph(step)
+        captures is not None and captures.append(time.perf_counter() - start)
+        return captured
+    return compiling.StepGraphs(capture)
+
+
+def greedy_step_figures(model, prompts, max_new, args, device):
+    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms (max_new tokens less one
+    token's, per step) against the floor of reading the weights and the attended KV slots once at the measured
+    bandwidth; the host's reads per step; the seconds CUDA graph capture took; and predict.py's batch as its parts."""
+    batch = sorted(prompts, key=len)[-args.gen_batch:]
+    captures = []
+    steps = greedy_steps(device, captures)
+    run = functools.partial(generate, model, batch, eos_token_id=-1, greedy_steps=steps)
+    run(Decoding(max_new))  # captures the graphs and warms up
+    one, full = (statistics.median(timed(functools.partial(run, Decoding(n)), device)[1] for _ in range(args.repeats))
+                 for n in (1, max_new))
+    weight = model.lm_head.weight
+    slots = min(-(-(max(map(len, batch)) + max_new) // generate_module.SLOTS_BUCKET) * generate_module.SLOTS_BUCKET,
+                model.config.block_size)
+    kv = len(batch) * model.config.n_layer * 2 * model.config.n_embd * slots * weight.element_size()
+    read = sum(p.numel() for p in model.parameters()) * weight.element_size() + kv
+    with decoding_steps() as counted, Waits() as waits:
+        generate(model, batch, Decoding(max_new), eos_token_id=-1, greedy_steps=steps)
+    source = torch.empty(2**28, dtype=torch.uint8, device=device)  # the bandwidth a 256 MiB copy reaches
+    copy_s = min(timed(functools.partial(torch.empty_like(source).copy_, source), device)[1] for _ in range(3))
+    return [dict(section="generate", figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
+            dict(section="generate", figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
+                 bytes_read_per_step=read),
+            dict(section="generate", figure="graph_capture_s", value=sum(captures) if captures else None),
+            dict(section="generate", figure="host_reads_per_greedy_step", value=waits.syncs / len(counted),
+                 target="<= 1/8"),
+            *predict_batch_parts(model, batch, max_new, args, device)]
+
+
+def predict_batch_parts(model, prompts, max_new, args, device):
+    """predict.py's batch (inference.summarize of gen_batch dialogues, from their text) timed whole, then as its
+    parts, each timed on its own in a second run: tokenizing, prefill, decode steps, the greedy loop's own host
+    work per step (generate's time less prefill and steps), and per batch (summarize's time less generate's:
+    batch planning, progress bar, detokenizing). The parts must sum to the whole within 10%."""
+    dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
+    cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
+    summarizer = inference.Summarizer(model, cfg)
+    steps = greedy_steps(device)
+
+    def batch():
+        summarize(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
+    batch()  # warm-up (and captures)
+    whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
+    spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "greedy_bookkeeping", "generate", "summarize"),
+                          0.0)
+
+    def clocked(part, fn):
+        def run(*a, **kw):
+            output, seconds = timed(lambda: fn(*a, **kw), device)
+            spent[part] += seconds
+            return output
+        return run
+    patches = [(summarizer, "prompts", "tokenizing"), (model, "prefill", "prefill"),
+               (compiling.StepGraphs, "__call__", "decode_steps") if steps else
+               (generate_module, "static_step", "decode_steps"),
+               (inference, "generate", "generate")]
+    originals = [getattr(owner, name) for owner, name, _ in patches]
+    for owner, name, part in patches:
+        setattr(owner, name, clocked(part, getattr(owner, name)))
+    try:
+        clocked("summarize", batch)()
+    finally:
+        for (owner, name, _), original in zip(patches, originals, strict=True):
+            setattr(owner, name, original)
+        del model.prefill  # the instance attribute: the class's method again
+    parts = dict(tokenizing=spent["tokenizing"], prefill=spent["prefill"], decode_steps=spent["decode_steps"],
+                 greedy_bookkeeping=spent["generate"] - spent["prefill"] - spent["decode_steps"],
+                 per_batch=spent["summarize"] - spent["tokenizing"] - spent["generate"])
+    return [*(dict(section="generate", figure=f"predict_batch:{name}_ms", value=1000 * seconds)
+              for name, seconds in parts.items()),
+            dict(section="generate", figure="predict_batch:whole_ms", value=1000 * whole),
+            dict(section="generate", figure="predict_batch:parts_sum_vs_whole", value=sum(parts.values()) / whole,
+                 target="0.9 to 1.1")]
 
 
 @torch.inference_mode()
@@ -172,7 +264,9 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     naive_picks = list(range(0, len(flat), max(1, len(flat) // args.naive_prompts)))[:args.naive_prompts]
 
     greedy = Decoding(max_new_tokens=max_new)
-    candidates = {"ours": lambda: [row for batch in batches for row in generate(ours, batch, greedy, eos)],
+    steps = greedy_steps(device)
+    candidates = {"ours": lambda: [row for batch in batches for row in generate(ours, batch, greedy, eos,
+                                                                                  greedy_steps=steps)],
                   "transformers": lambda: hf_greedy(hf, batches, max_new, eos, device)}
     if with_naive:
         candidates["naive"] = lambda: naive_greedy(ours, [flat[i] for i in naive_picks], max_new, eos, device)

@@ -7,7 +7,6 @@ a module under torchrun, it is train_counts' worker.
 import collections
 import contextlib
 import dataclasses
-import io
 import json
 import os
 import sys
@@ -23,8 +22,6 @@ from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_qui
 from config import Decoding, part
 from generate import LogitsProcessors, generate
 from summarizer import inference, mbr, memory
-from summarizer.evaluation import evaluate
-from summarizer.runtime import Runtime
 
 aten = torch.ops.aten
 
@@ -157,19 +154,19 @@ def kv_cache_traffic():
 
 @contextlib.contextmanager
 def decoding_steps():
-    """Counts decoding steps, each one LogitsProcessors.penalize call: every row's next token, in greedy,
+    """Counts decoding steps, each one LogitsProcessors.no_early_eos call: every row's next token, in greedy,
     sampling and beam search alike (MBR's greedy and sampled candidates share a prefill, so forward passes
     would undercount them). Yields a list whose length is the count."""
-    steps, penalize = [], LogitsProcessors.penalize
+    steps, no_early_eos = [], LogitsProcessors.no_early_eos
 
     def counted(self, *args):
         steps.append(1)
-        return penalize(self, *args)
-    LogitsProcessors.penalize = counted
+        return no_early_eos(self, *args)
+    LogitsProcessors.no_early_eos = counted
     try:
         yield steps
     finally:
-        LogitsProcessors.penalize = penalize
+        LogitsProcessors.no_early_eos = no_early_eos
 
 
 def decode_counts(model, prompts, cfg, compact_below=0.5):
@@ -216,17 +213,10 @@ def bench_compile(args, device):
         # a demo model trained briefly: it ends its summaries with a real <|endoftext|>
         cfg = train_quietly([*demo_arguments(folder), f"--out_dir={folder}/demo", "--max_iters=60",
                              "--eval_interval=60", "--rouge_samples=0", "--best_metric=val_loss"])
-        evaluated = dataclasses.replace(cfg, compile=True, gen_batch_size=64)
-        with counted_compiles() as (counter, breaks), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()), Runtime(evaluated) as rt:
-            evaluate(evaluated, set(), rt)
         run = inference.open_run(dataclasses.replace(cfg, ckpt=""))
         prompts, _ = run.prompts(data.load_datasets(run.cfg).val.dialogues)
         syncs, casts, kv = decode_counts(run.model.eval(), prompts, dataclasses.replace(run.cfg, gen_batch_size=64))
-        rows += [dict(section="compile", figure="decode:compilations", value=counter.compilations["decode"],
-                      target="1"),
-                 dict(section="compile", figure="decode:graph_breaks", value=breaks(), target="0"),
-                 dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1"),
+        rows += [dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1/8"),
                  dict(section="compile", figure="decode:weight_casts_per_step", value=casts, target="0"),
                  dict(section="compile", figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25")]
     from bench import fsdp as bench_fsdp

@@ -1,22 +1,16 @@
-"""Compiling, one owner: whether a command compiles (use_compile), the one fallback to eager of training and of
-decoding (EagerFallback: CompiledModule, CompiledDecodeStep), whether compiling a command's decode step pays for
-itself (decode_compile_pays), and the compiled work a run keeps beside its checkpoints (compile_cache.bin). The
-Runtime holds the choices a process makes with it."""
+"""Compiling, one owner: whether a command compiles (use_compile), the training step under torch.compile with its
+fallback to eager (EagerFallback, CompiledModule), and greedy decoding's steps as CUDA graphs with theirs
+(StepGraphs). The Runtime holds the choices a process makes with it."""
 import contextlib
-import importlib.metadata
-import json
-import os
 import sys
 
 import torch
 from tqdm import tqdm
 
-from generate import decode_step, eager_step
+from generate import GreedyBatch, static_step
+from model import KVCache
 from summarizer.errors import UserError
-from summarizer.files import atomic_write
 from summarizer.launch import out_of_memory
-from summarizer.run_folder import COMPILE_CACHE
-from summarizer.state import rng_state, set_rng_state
 
 
 def use_compile(requested, device_type, accelerate_dynamo="no"):
@@ -32,63 +26,6 @@ def use_compile(requested, device_type, accelerate_dynamo="no"):
                             f"accelerate config, --dynamo_backend or ACCELERATE_DYNAMO_BACKEND): drop one of them")
         return True
     return requested is True or (requested == "auto" and device_type == "cuda")
-
-
-# What compiling generate's decode step costs and saves on a GPU: compile=auto compiles a command's decoding when the
-# steps it will run save more than the compile takes (decode_compile_pays). Python's and the kernel launches' time
-# per module call is what a compiled step saves; a GPT-2 block is about ten module calls.
-DECODE_COMPILE_S = 30.0  # a cold compile of the decode step (the first H100 run's first batch: 35-45 s with it)
-CACHED_COMPILE_S = 8.0  # with the run's compiled work loaded (compile_cache.bin): Dynamo traces again, no more
-SAVED_PER_BLOCK_S = 2.5e-4  # per decode step and transformer block
-
-
-def decode_compile_pays(decode_steps, n_layer, compile_seconds):
-    """(whether compiling the decode step repays itself over `decode_steps` steps of an n_layer model, the words
-    that say so)."""
-    saved = decode_steps * n_layer * SAVED_PER_BLOCK_S
-    return saved > compile_seconds, (f"{decode_steps} decode steps of {n_layer} blocks save ~{saved:.0f} s, "
-                                     f"{'more' if saved > compile_seconds else 'less'} than the "
-                                     f"~{compile_seconds:.0f} s a compile takes")
-
-
-def compiled_by():
-    """What compiled work is valid for: this torch, Triton and Python."""
-    try:
-        triton_version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:  # a CPU build
-        triton_version = None
-    return {"torch": torch.__version__, "triton": triton_version, "python": ".".join(map(str, sys.version_info[:2]))}
-
-
-def load_compile_cache(folder, device_name):
-    """Bring back the compiled work a run saved in `folder` (save_compile_cache) when this torch, Triton, Python
-    and device made it: (loaded, the line that says what happened, or None where there is no file)."""
-    path = os.path.join(folder, COMPILE_CACHE)
-    if not os.path.isfile(path):
-        return False, None
-    try:  # a damaged or foreign file costs a compile, not the run
-        with open(path, "rb") as f:
-            made_by, artifacts = json.loads(f.readline()), f.read()
-        here = {**compiled_by(), "device": device_name}
-        if made_by != here:
-            differ = ", ".join(f"{key} {made_by.get(key)} (here {value})" for key, value in here.items()
-                               if made_by.get(key) != value)
-            return False, f"{path} was compiled for another {differ}: compiling afresh"
-        info = torch.compiler.load_cache_artifacts(artifacts)
-    except Exception as e:
-        return False, f"{path} cannot be read ({type(e).__name__}: {e}): compiling afresh"
-    count = sum(len(names) for names in info.artifacts.values()) if info else 0
-    return count > 0, f"compiled work: {count} artifact(s) from {path}"
-
-
-def save_compile_cache(folder, device_name):
-    """Write what this process compiled (inductor's kernels, AOTAutograd's graphs, autotuning) to
-    folder/compile_cache.bin, with what it is valid for; nothing when nothing was compiled."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved:
-        with atomic_write(os.path.join(folder, COMPILE_CACHE), "wb") as f:
-            f.write(json.dumps({**compiled_by(), "device": device_name}).encode() + b"\n")
-            f.write(saved[0])
 
 
 def compiler_error(error):
@@ -169,34 +106,76 @@ class CompiledModule(torch.nn.Module):
         return self.fallback(*args)
 
 
-class CompiledDecodeStep(EagerFallback):
-    """generate's decode step under torch.compile (compiled at its first call), eager after a compiler failure. A
-    process has one at most (Runtime.decoding): training's ROUGE decoding, evaluate_after and predict_after run
-    the graphs it compiled."""
+def capture_graph(step):
+    """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly): the warm-up runs on a
+    side stream, as capture wants, and the step's writes (its KV slot) are the same in warm-up and replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # lazy initialization (cuBLAS, kernels chosen at a first call) stays out of the graph
+            expected = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output, expected
 
-    def __init__(self):
-        compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
-        super().__init__(compiled, eager_decode_step, "decoding eagerly")
 
+class StepGraphs:
+    """Greedy's static-shape step (generate.static_step) as a CUDA graph per (model, rows, slots) bucket, captured
+    at its first use by `capture` (capture_graph) and replayed. The batch is held in fixed buffers (hold): per
+    bucket its small inputs, and for every bucket one KV storage per layer, sized for the largest, whose front
+    each bucket's caches view. The first replay of a bucket is checked against the eager step; a capture error or
+    a disagreement decodes eagerly from then on, with one line. release() frees graphs and buffers."""
+    def __init__(self, capture=capture_graph):
+        self.capture, self.failed = capture, False
+        self.release()
 
-def eager_decode_step(model, *args):
-    return eager_step(model.lm_head.weight.device)(model, *args)
+    def release(self):
+        self.graphs, self.inputs, self.storage = {}, {}, []
 
+    def hold(self, model, batch):
+        """The batch copied into this bucket's fixed buffers (as it is once graphs failed)."""
+        if self.failed:
+            return batch
+        first = batch.caches[0].k
+        if not self.storage or self.storage[0].numel() < first.numel() or self.storage[0].dtype != first.dtype:
+            self.release()  # the graphs read the storage they were captured on: they go with it
+            self.storage = [cache.k.new_empty(first.numel()) for cache in batch.caches for _ in "kv"]
+        key = (model, len(batch.pad), batch.caches[0].max_len)
+        if key not in self.inputs:
+            caches = [KVCache(batch.caches[0].max_len) for _ in batch.caches]
+            for i, cache in enumerate(caches):
+                cache.k, cache.v = (self.storage[2 * i + j][:first.numel()].view(first.shape) for j in range(2))
+            self.inputs[key] = GreedyBatch(*(torch.empty_like(t) for t in batch[:4]), caches)
+        held = self.inputs[key]
+        for target, source in zip(held.tensors(), batch.tensors(), strict=True):
+            target.copy_(source)
+        return held
 
-def compile_model(module, trial, autocast):
-    """A CompiledModule of the GPT `module`, tried now on trial(compiled) -> a loss, forward and backward, because
-    compiling happens lazily at the first call; the eager module, with one warning line (EagerFallback's), if the
-    compiler fails there. Leaves no gradients behind and draws no random numbers."""
-    rng, compiled = rng_state(), CompiledModule(module)
-
-    def forward_backward():
-        with autocast:
-            loss = trial(compiled.compiled)
-        loss.sum().backward()
-    tried = EagerFallback(forward_backward, lambda: None, "training eagerly")
-    try:
-        tried()
-        return module if tried.failed else compiled
-    finally:
-        module.zero_grad(set_to_none=True)
-        set_rng_state(rng)
+    def __call__(self, model, batch):
+        """The step's logits: the bucket's graph replayed, captured and checked at its first use."""
+        key = (model, len(batch.pad), batch.caches[0].max_len)
+        if not self.failed and key not in self.graphs:
+            try:
+                graph, logits, expected = self.capture(lambda: static_step(model, batch))
+                graph.replay()
+                agree = torch.equal(logits.argmax(-1), expected.argmax(-1)) and torch.allclose(
+                    logits.float(), expected.float(), rtol=1e-2, atol=1e-2)
+                why = None if agree else "its first replay disagreed with the eager step"
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # the step's own errors meet the eager step again below
+                why = f"capture failed ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+            if why:
+                tqdm.write(f"warning: CUDA graph {why}; decoding eagerly from now on", file=sys.stderr)
+                self.failed = True
+                self.release()
+            else:
+                self.graphs[key] = graph, logits
+                return logits
+        if self.failed:
+            return static_step(model, batch)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits

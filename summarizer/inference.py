@@ -20,7 +20,7 @@ from config import Config, Decoding, Split, Use, keys, part, resolve
 from generate import generate
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
-from summarizer.errors import DiskFull, UserError
+from summarizer.errors import UserError
 from summarizer.launch import out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape
 from summarizer.memory import generation_batches, generation_memory
@@ -103,8 +103,7 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
 
 def load_run(cfg, explicit, rt, describe_data):
     """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
-    decoding), then the model on rt's device in eval mode, and the compiled work its run saved beside the
-    checkpoint (when this process compiles and that work was made here). The weights are cast once to rt's dtype
+    decoding), then the model on rt's device in eval mode. The weights are cast once to rt's dtype
     (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype), so no decode step casts them again."""
     run = open_run(cfg, explicit)
     if run.extractive:
@@ -117,10 +116,6 @@ def load_run(cfg, explicit, rt, describe_data):
         note = training_note(run.path)
         if note:
             print(note)
-    if run.path:
-        cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(run.path)))
-        if cached and rt.is_main:
-            print(cached)
     run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
     return run
 
@@ -225,12 +220,13 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, decode_step=None):
+def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, greedy_steps=None):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
     generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
     rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
     same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
-    single-process output. decode_step: generate's decode step (CompiledDecodeStep, or None for eager)."""
+    single-process output. greedy_steps: how greedy steps run (compiling.StepGraphs, released at the end so that
+    training gets its memory back; None: eagerly)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
@@ -247,7 +243,7 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                          seed=cfg.seed, mbr_pick=mbr.pick, decode_step=decode_step)
+                                          seed=cfg.seed, mbr_pick=mbr.pick, greedy_steps=greedy_steps)
             except Exception as e:  # an out-of-memory's: what summarize_sharded keeps, and the size it halves
                 if out_of_memory(e):
                     e.summaries, e.batch = summaries, len(batch)
@@ -260,35 +256,24 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     finally:
         bar.close()
         model.train(was_training)
+        if greedy_steps:
+            greedy_steps.release()
     return summaries
 
 
 def summaries(run, prompts, rt, cfg=None):
     """A summary per prompt (run.prompts), in order, on every rank: the run's model decoding them as `cfg` (else
-    the run's config) says, sharded across the ranks, compiled or eager as rt.decoding decides (rank 0 says which
-    and why before the first); or an extractive baseline's lines of each dialogue."""
+    the run's config) says, sharded across the ranks (rank 0 says how greedy decodes); or an extractive baseline's
+    lines of each dialogue."""
     if run.extractive:
         return [" ".join(EXTRACTIVE[run.extractive][0](utterances(dialogue))) for dialogue in prompts]
     cfg = cfg or run.cfg
-    decided = rt.decode_choice is not None
-    step, words = rt.decoding(decode_steps(len(prompts), cfg, rt.world_size), run.model.config.n_layer)
-    if rt.is_main and not decided:
-        print(f"summarizing {len(prompts)} dialogues: {words}")
-    done = summarize_sharded(run.model, prompts, cfg, rt, decode_step=step)
-    # compiled afresh by this command (a training run keeps what its process compiled itself): a later one need not
-    if step is not None and not decided and not rt.compiled_work and run.path:
-        with contextlib.suppress(OSError, DiskFull):  # a read-only or full folder (a Kaggle input) keeps none
-            rt.save_compiled_work(os.path.dirname(os.path.abspath(run.path)))
-    return done
+    if rt.is_main:
+        print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
+    return summarize_sharded(run.model, prompts, cfg, rt)
 
 
-def decode_steps(prompts, cfg, world_size):
-    """The decode steps that summarizing `prompts` dialogues takes on a rank, at most: max_new_tokens for each of
-    its batches of gen_batch_size."""
-    return math.ceil(prompts / (cfg.gen_batch_size * world_size)) * cfg.max_new_tokens
-
-
-def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
+def summarize_sharded(model, prompts, cfg, rt, progress=True):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
     in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast. A
     generation batch out of memory on any rank halves that batch's size on every rank, as gen_batch_size for the
@@ -303,7 +288,7 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
         try:
             mine = summarize(model, [prompts[i] for i in todo], lowered,
                              contextlib.nullcontext() if held else rt.autocast(), progress=progress and rt.is_main,
-                             rank=rt.rank, world_size=rt.world_size, memory=memory, decode_step=decode_step)
+                             rank=rt.rank, world_size=rt.world_size, memory=memory, greedy_steps=rt.greedy_steps)
             failed = None
         except Exception as e:  # told to every rank below: none waits for this one's shard
             if not out_of_memory(e):
@@ -332,7 +317,7 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True, decode_step=None):
 
 def rouge_model(model, cfg, rt):
     """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
-    plain GPT, its weights in rt's dtype), so that they run the graphs this decoding compiled (Runtime.decode_step):
+    plain GPT, its weights in rt's dtype, so that greedy decoding runs as CUDA graphs on a GPU, without autocast):
     the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
     under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
     and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""

@@ -14,13 +14,12 @@ from config import Use, flags_given, grad_accum_steps, load_config, own_keys, re
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import RunClock
-from summarizer.compiling import CompiledModule, compile_model
+from summarizer.compiling import CompiledModule
 from summarizer.errors import UserError
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     check_shape,
     from_hub_cache,
-    is_checkpoint,
     kept_lora_base,
     model_to_train,
     resume_path,
@@ -45,10 +44,8 @@ class Run:
     batches: data.TrainBatches
     module: torch.nn.Module
     compiled_module: CompiledModule | None
-    compile_seconds: float | None
     val_set: object
     rouge_prompts: list
-    decode_step: object
     tracker: Tracker
     clock: RunClock | None
     last_session: bool
@@ -71,12 +68,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    # the decode step of every evaluation's ROUGE summaries and of the after-run's: compiled or eager
-    evaluations = (cfg.max_iters - state.step) // cfg.eval_interval + 1
-    decode_step, decoding = rt.decoding(evaluations * inference.decode_steps(len(prompts), cfg, rt.world_size)
-                                        + inference.decode_steps(after_summaries, cfg, rt.world_size),
-                                        state.model.config.n_layer)
-    module, compiled_module, compiled, seconds = step_module(cfg, rt, batches, state)
+    module, compiled_module, compiled = step_module(cfg, rt, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after_summaries,
@@ -85,18 +77,17 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
                          validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
-        clock.prime(*time_step(cfg, rt, batches, state, module),
-                    time_decoding(cfg, rt, state, timed, decode_step))
+        clock.prime(*time_step(cfg, rt, batches, state, module), time_decoding(cfg, rt, state, timed))
         rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
-    run = Run(cfg, state, batches, module, compiled_module, seconds, val_set, prompts, decode_step, tracker, clock,
+    run = Run(cfg, state, batches, module, compiled_module, val_set, prompts, tracker, clock,
               sessions_done(state.schedule) + 1 >= cfg.sessions,
               peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
     if verdict_only:
         return run
     if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
-    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {decoding}", chosen, disk)
+    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {rt.greedy_decoding()}", chosen, disk)
     return run
 
 
@@ -151,19 +142,16 @@ def say_start_up(rt, what):
 
 def training_state(cfg, rt, model, resumed, splits, given):
     """(the TrainingState of `model`, continuing `resumed` if given; the disk plan, checked before any work; the
-    notes of start-up), the compiled work of the run this one continues, starts from or replaces loaded."""
+    notes of start-up)."""
     base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
     path = resume_path(cfg) if resumed else None
-    # before anything compiles
-    cached = rt.load_compiled_work(os.path.dirname(os.path.abspath(path or (
-        cfg.init_from if is_checkpoint(cfg.init_from) else os.path.join(cfg.out_dir, run_folder.CKPT)))))
     state = TrainingState.start(rt.parallel.shard(model.to(rt.device)), cfg, rt,
                                 train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
                                 lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
-    notes = list(splits.notes) + ([cached] if cached and rt.is_main else [])
+    notes = list(splits.notes)
     if resumed:
         notes += state.restore(resumed, cfg, rt, path, given)
         if rt.is_main:
@@ -171,22 +159,15 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def step_module(cfg, rt, batches, state):
-    """(what a step calls: the model, compiled if the runtime compiles, wrapped by the backend; the CompiledModule in
-    it, or None; what runs compiled, in words; the seconds the compile took, or None)."""
-    module, compiled, seconds = state.model, "eager", None
-    if rt.compile_training:
-        x, found = first_micro_batch(batches, state.step, rt.device)
-        say_start_up(rt, "compiling the training step")
-        start = time.perf_counter()
-        with training_memory_hint(cfg, rt):
-            module = compile_model(module, lambda m: m(x, found)[1], rt.autocast())
-        if isinstance(module, CompiledModule):
-            seconds = time.perf_counter() - start
-            compiled = f"torch.compile (compiled in {seconds:.0f} s)"
-    elif rt.compile:  # the backend trains eagerly (FSDP): decoding compiles alone
-        compiled = f"eager training ({rt.backend}), torch.compile decoding"
-    return rt.parallel.wrap(module), module if isinstance(module, CompiledModule) else None, compiled, seconds
+def step_module(cfg, rt, state):
+    """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
+    after a compiler failure: EagerFallback) and wrapped by the backend; the CompiledModule in it, or None; what
+    runs under torch.compile, in words, for the start line)."""
+    compiled = CompiledModule(state.model) if rt.compile_training else None
+    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
+    words = ("torch.compile (compiled at step 1)" if compiled else
+             f"eager training ({rt.backend})" if rt.compile else "eager")
+    return rt.parallel.wrap(compiled or state.model), compiled, words
 
 
 def time_step(cfg, rt, batches, state, module):
@@ -208,7 +189,7 @@ def time_step(cfg, rt, batches, state, module):
     return seconds * len(batches(state.step).micro_batches), batches(state.step).tokens
 
 
-def time_decoding(cfg, rt, state, prompts, decode_step):
+def time_decoding(cfg, rt, state, prompts):
     """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded twice, the first paying
     the one-time costs (untrained weights run to max_new_tokens: an upper bound). Draws no random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
@@ -218,7 +199,7 @@ def time_decoding(cfg, rt, state, prompts, decode_step):
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(2):
             start = time.perf_counter()
-            inference.summarize_sharded(model, prompts, cfg, rt, progress=False, decode_step=decode_step)
+            inference.summarize_sharded(model, prompts, cfg, rt, progress=False)
             timed.append((time.perf_counter() - start, len(prompts)))
         set_rng_state(rng)
     return timed

@@ -10,15 +10,7 @@ import torch
 import torch.distributed.fsdp
 
 from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend
-from summarizer.compiling import (
-    CACHED_COMPILE_S,
-    DECODE_COMPILE_S,
-    CompiledDecodeStep,
-    decode_compile_pays,
-    load_compile_cache,
-    save_compile_cache,
-    use_compile,
-)
+from summarizer.compiling import StepGraphs, use_compile
 from summarizer.errors import UserError
 
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
@@ -80,9 +72,8 @@ class Runtime:
         # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly, its decoding
         # (a gathered copy of the weights) compiles
         self.compile_training = self.compile and self.backend != "fsdp"
-        self.compile_rule = "auto" if cfg.compile == "auto" and accelerate_dynamo == "no" else "set"
-        self.compiled_work = None  # None: not looked for yet; then whether a run's compile_cache.bin was loaded
-        self.decode_choice = None  # (the decode step, the words): the process's first decoding decides
+        # greedy decoding as CUDA graphs where compile applies on a GPU (compile=False: eager, a way out)
+        self.greedy_steps = StepGraphs() if self.compile and self.device.type == "cuda" else None
         self.gen_batch_size = None  # lowered by a generation batch out of memory: every later one in this process
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
@@ -94,36 +85,9 @@ class Runtime:
         if self.backend == "fsdp":  # a step's micro-batches are cut where padding is least: any step may accumulate
             self.parallel.plan(cfg.fsdp_reduce_once, self.dtype, self.is_main)
 
-    def load_compiled_work(self, folder):
-        """Before anything compiles: the compiled work a run saved in `folder`, when it was made here (the line that
-        says what came of it, or None where there is none). A process looks once: a training run's after-run
-        decodes with what the run compiled and loaded already."""
-        if not self.compile or self.compiled_work is not None:
-            return None
-        self.compiled_work, line = load_compile_cache(folder, self.device_name)
-        return line
-
-    def save_compiled_work(self, folder):
-        """Rank 0 keeps what this process compiled in `folder`, for later processes (load_compiled_work)."""
-        if self.compile and self.is_main:
-            save_compile_cache(folder, self.device_name)
-
-    def decoding(self, decode_steps, n_layer):
-        """(generate's decode step for this process's decoding: a CompiledDecodeStep, or None for eager; words that
-        say which and why). The first call decides for the process, so a training run's after-run decodes with the
-        graphs its evaluations compiled: compile=True compiles, False does not, and auto compiles on a GPU when
-        the `decode_steps` of the caller's work (a training run: its evaluations and its after-run) repay it."""
-        if self.decode_choice is None:
-            if self.compile_rule == "auto" and self.compile:
-                pays, why = decode_compile_pays(decode_steps, n_layer,
-                                                CACHED_COMPILE_S if self.compiled_work else DECODE_COMPILE_S)
-                why = f"compile=auto: {why}"
-            else:
-                pays = self.compile
-                why = f"compile={self.compile}" if self.compile_rule == "set" else "compile=auto: on a GPU only"
-            self.decode_choice = (CompiledDecodeStep() if pays else None,
-                                  f"{'torch.compile' if pays else 'eager'} decoding ({why})")
-        return self.decode_choice
+    def greedy_decoding(self):
+        """How this process runs its decode steps, in words."""
+        return "greedy steps replayed as CUDA graphs" if self.greedy_steps else "eager decode steps"
 
     def describe(self, compiled):
         """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what

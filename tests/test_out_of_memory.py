@@ -1,6 +1,6 @@
 """Out of memory, a GPU's or the host's (on a CPU or in host RAM, torch's CPU allocator raises a RuntimeError):
-never taken for a failed torch.compile (in training's compile warm-up it propagates with the hint to lower
---micro_batch_size and ends train.py in one error line; in a compiled decode step it propagates, with no eager
+never taken for a failed torch.compile (in training's compiled step it propagates with the hint to lower
+--micro_batch_size and ends train.py in one error line; in a CUDA graph's capture it propagates, with no eager
 retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
 and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays and its
 one line names what to lower."""
@@ -14,12 +14,10 @@ import evaluate
 import generate
 import predict
 import train
-from config import Decoding, load_config
+from config import Decoding
 from conftest import metrics, one_error_line, run, tiny, torchrun
 from model import GPT
 from summarizer import compiling
-from summarizer.preparation import prepare
-from summarizer.runtime import Runtime
 
 
 @pytest.fixture
@@ -30,14 +28,10 @@ def args(write_csv, tmp_path):
             "--max_iters=1", "--compile=True", "--rouge_samples=0", "--best_metric=val_loss"]
 
 
-def test_an_out_of_memory_in_the_compile_warm_up_propagates(args, monkeypatch, capfd):
+def test_an_out_of_memory_in_the_compiled_step_propagates(args, monkeypatch, capfd):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: out_of_memory)
-    cfg = load_config(args)
-    with pytest.raises(torch.OutOfMemoryError, match="lower --micro_batch_size \\(now 8"):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
-    capfd.readouterr()
     with pytest.raises(SystemExit) as exit:
         train.main(args)
     err = capfd.readouterr().err
@@ -45,17 +39,15 @@ def test_an_out_of_memory_in_the_compile_warm_up_propagates(args, monkeypatch, c
     assert err.strip().splitlines()[-1].startswith("error: out of memory while training on micro-batches of 8")
 
 
-def test_an_out_of_memory_in_the_compiled_decode_step_propagates(tiny_hf_dir, capfd):
-    from model import GPT
+def test_an_out_of_memory_in_a_graph_capture_propagates(tiny_hf_dir, capfd):
     model = GPT.from_pretrained(tiny_hf_dir).eval()
-    step = compiling.CompiledDecodeStep()
 
-    def out_of_memory(*args):
+    def out_of_memory(step):
         raise torch.OutOfMemoryError("CUDA out of memory.")
-    step.compiled = out_of_memory
+    graphs = compiling.StepGraphs(capture=out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        generate.generate(model, [[1, 2, 3]], Decoding(4), decode_step=step)
-    assert not step.failed and "torch.compile failed" not in capfd.readouterr().err  # no eager retry
+        generate.generate(model, [[1, 2, 3]], Decoding(4), greedy_steps=graphs)
+    assert not graphs.failed and "CUDA graph" not in capfd.readouterr().err  # no eager retry
 
 
 # ---- an out-of-memory error that a smaller batch avoids -----------------------------------------------------------

@@ -29,6 +29,7 @@ from config import PROMPT_TEMPLATE, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT
+from summarizer import mbr
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
 
@@ -130,6 +131,7 @@ def bench_generate(args, device):
     for scenario, eos in [("no_eos", EOT_ID), ("eos", summary_end_token(ours, prompts, max_new))]:
         rows += [dict(row, figure=f"{scenario}:{row['figure']}") for row in
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
+    rows += kv_reads(ours, batches[len(batches) // 2], max_new)
     rows.append(dict(section="generate", figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
                      f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
                      f"median of {args.repeats}, {device}"))
@@ -200,6 +202,44 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
                  value=f"{naive_matches}/{len(naive_picks)}", target=f"{len(naive_picks)}/{len(naive_picks)}"),
         ]
     return rows
+
+
+def kv_bytes_per_step(model, prompts, decoding):
+    """KV-cache bytes the attention reads per decode step and prompt in one generate() of `prompts` (no EOS):
+    the slots each layer attends, a shared prompt's (SharedPromptCache) once for all of its rows."""
+    read, calls = [0], [0]
+
+    def count(module, args):
+        x, cache, mask, lengths = args[0], args[1], args[3], args[4]
+        if lengths is None:
+            calls[0] += 1
+            prompt = getattr(cache, "prompt_k", None)  # a shared prompt's (prompts, heads, P, head_dim)
+            slots = (x.size(0) * mask.size(-1) if prompt is None
+                     else prompt.size(0) * prompt.size(2) + x.size(0) * (mask.size(-1) - prompt.size(2)))
+            read[0] += 2 * slots * cache.k.size(1) * cache.k.size(3) * cache.k.element_size()
+
+    hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
+    try:
+        generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return read[0] * model.config.n_layer / calls[0] / len(prompts)
+
+
+def kv_reads(model, prompts, max_new):
+    """KV bytes read per decode step and prompt by greedy and by MBR-16's samples, against the floor: each
+    prompt's own keys and values read once (its tokens, no padding, no generated slots)."""
+    slot = 2 * model.config.n_layer * model.config.n_embd * model.lm_head.weight.element_size()
+    floor = slot * statistics.mean(map(len, prompts))
+    greedy = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new))
+    samples = dict(MBR_SAMPLING, mbr_samples=16, mbr_include_beam=False)  # the samples' decoding alone
+    mbr16 = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new, **samples))
+    return [dict(section="generate", figure="kv_bytes_per_step_floor", value=floor),
+            dict(section="generate", figure="kv_bytes_per_step_greedy", value=greedy, vs_floor=greedy / floor),
+            dict(section="generate", figure="kv_bytes_per_step_mbr16", value=mbr16, vs_floor=mbr16 / floor),
+            dict(section="generate", figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16 / greedy,
+                 target="<= 1.3")]
 
 
 def training_examples(n, samsum_csv):

@@ -91,13 +91,10 @@ def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
 
 
 def mbr_choice(best, samples, mbr_pick, metric):
-    """The MBR choice among `best` (the greedy/beam result, or nothing) and the distinct `samples` (Sequences),
-    each counted as often as it was drawn; ties go to the greedy/beam result, then to the most frequent sample."""
-    distinct = {}
-    for s in samples:
-        distinct.setdefault(tuple(s.tokens), [s, 0])[1] += 1
-    candidates = [(s, 1) for s in best] + sorted(distinct.values(), key=lambda pair: -pair[1])
-    return candidates[mbr_pick([s.tokens for s, _ in candidates], [n for _, n in candidates], metric)][0]
+    """The MBR choice among `best` (the greedy/beam result, or nothing) and the `samples` (Sequences, identical ones
+    each a candidate: they agree with each other); ties go to the greedy/beam result, then to the earlier sample."""
+    candidates = best + samples
+    return candidates[mbr_pick([s.tokens for s in candidates], [1] * len(candidates), metric)]
 
 
 class DecodeState:
@@ -209,13 +206,11 @@ class Decoder:
                                 state.decode_mask())
 
     def sample(self, logits, state, kv_caches, streams, per_prompt):
-        """Greedy (streams None) or sampled decoding of per_prompt continuations of each prompt, in as many rows,
-        which share the prompt's keys and values (SharedPromptCache). Each running row draws one uniform number a
-        step from its prompt's numpy random stream streams[r], in row order, and its token by inverse CDF: what a
-        prompt draws depends on nothing but its stream and itself. Rows that end stay in the batch, ignored, until
-        the rows of the prompts still running are at most compact_below of the batch (and at least min_rows):
-        only then are those prompts' caches copied into a smaller batch. Each step waits for the device once, to
-        read the tokens drawn; the rest is bookkeeping on the host. Returns, per prompt, its Sequences."""
+        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
+        values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
+        uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
+        ignored, until the running prompts' rows are at most compact_below of the batch (and at least min_rows):
+        then those are copied into a smaller batch. Each step waits for the device once, to read its tokens."""
         n, max_new, device = per_prompt, state.max_len - state.prompt_len, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         expand = torch.arange(logits.size(0), device=device).repeat_interleave(n)
@@ -228,7 +223,8 @@ class Decoder:
                 drawn = scores.argmax(dim=-1)
             else:
                 warped, ids = self.processors.warp(scores)
-                drawn = inverse_cdf(warped.softmax(dim=-1), uniforms(rows, streams))
+                u = torch.tensor([[streams[row[0]].random() if row else 0.0] for row in rows], dtype=torch.float64)
+                drawn = inverse_cdf(warped.softmax(dim=-1), u)
                 drawn = (drawn if ids is None else ids.gather(1, drawn))[:, 0]
             for i, token in enumerate(drawn.tolist()):  # the step's one wait for the device
                 if rows[i] is not None and (token == self.eos or step == max_new - 1):
@@ -317,19 +313,10 @@ def beam_tensors(B, K, max_new, eos, device):
 
 
 def share_prompts(kv_caches, state, per_prompt):
-    """Each layer's prefilled cache as a SharedPromptCache for per_prompt rows of each prompt: its prompt slots,
-    read where they are, with the pad slots masked."""
+    """Each layer's prefilled cache as a SharedPromptCache of per_prompt rows a prompt: the prompt slots in place."""
     P = state.prompt_len
-    pad_mask = torch.zeros(state.slot_filled[:, None, None, :P].shape, device=state.history.device)
-    pad_mask.masked_fill_(~state.slot_filled[:, None, None, :P], -float("inf"))
-    return [SharedPromptCache(c.k[:, :, :P], c.v[:, :, :P], pad_mask, per_prompt, state.max_len - P)
+    return [SharedPromptCache(c.k[:, :, :P], c.v[:, :, :P], state.slot_filled[:, :P], per_prompt, state.max_len - P)
             for c in kv_caches]
-
-
-def uniforms(rows, streams):
-    """(rows, 1) uniform numbers in [0, 1): a running row's next from its prompt's stream, in row order; ended
-    rows (None) 0."""
-    return torch.tensor([[streams[row[0]].random() if row else 0.0] for row in rows], dtype=torch.float64)
 
 
 def inverse_cdf(probs, u):

@@ -79,13 +79,13 @@ class KVCache:
 
 
 class SharedPromptCache:
-    """One layer's keys and values while `per_prompt` rows continue each prompt (MBR's samples, beam search's
-    beams): the prompts' (prompts, heads, P, head_dim), as the prefill left them, read once a step for all of a
-    prompt's rows (shared_prompt_attention), with the mask of their pad slots (prompts, 1, 1, P: 0 or -inf,
-    float32); and each row's generated slots (rows, heads, max_new, head_dim), a prompt's rows one after another."""
+    """One layer's keys and values while `per_prompt` rows (samples, beams) continue each prompt: the prompts' (prompts,
+    heads, P, head_dim), read once a step for all their rows, with their `filled` slots (prompts, P); and each row's
+    generated slots (rows, heads, max_new, head_dim), a prompt's rows one after another."""
 
-    def __init__(self, k, v, pad_mask, per_prompt, max_new):
-        self.prompt_k, self.prompt_v, self.pad_mask, self.per_prompt = k, v, pad_mask, per_prompt
+    def __init__(self, k, v, filled, per_prompt, max_new):
+        self.prompt_k, self.prompt_v, self.per_prompt = k, v, per_prompt
+        self.pad_mask = torch.zeros(filled.shape, device=k.device).masked_fill(~filled, -float("inf"))[:, None, None]
         self.k = k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3))
         self.v = torch.zeros_like(self.k)
 
@@ -111,17 +111,16 @@ class SharedPromptCache:
 
 
 def shared_prompt_attention(q, k, v, cache):
-    """One decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for all of
-    the prompt's rows as one (per_prompt, head_dim) x (head_dim, P) product, and over the row's own generated
-    slots k, v: one softmax, in float32 (fp16 scores and sums would round and overflow)."""
+    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for its rows, and
+    over the row's own slots k, v: one softmax, in float32 (in fp16, scores and sums would round and overflow)."""
     B, H, P, D = cache.prompt_k.shape
     q = q * D ** -0.5
     prompt = q.view(B, -1, H, D).transpose(1, 2) @ cache.prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
     prompt = (prompt.float() + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
     probs = torch.cat((prompt, (q @ k.transpose(2, 3)).float()), dim=-1).softmax(dim=-1)
     from_prompt = probs[..., :P].to(v.dtype).reshape(B, -1, H, P).transpose(1, 2) @ cache.prompt_v
-    from_own = probs[..., P:].to(v.dtype) @ v
-    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D).float() + from_own.float()).to(v.dtype)
+    from_own = (probs[..., P:].to(v.dtype) @ v).float()
+    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D).float() + from_own).to(v.dtype)
 
 
 class CausalSelfAttention(nn.Module):

@@ -140,8 +140,7 @@ def test_shared_prompt_attention_equals_full_cache_attention(dtype):
                     for _ in range(2))
     q = torch.randn(prompts * per_prompt, H, 1, D, generator=g).mul(3).to(dtype).float()
     real = torch.arange(P)[None, :] >= pad[:, None]
-    cache = SharedPromptCache(k.to(dtype), v.to(dtype), torch.zeros(prompts, 1, 1, P).masked_fill(
-        ~real[:, None, None], -float("inf")), per_prompt, max_new)
+    cache = SharedPromptCache(k.to(dtype), v.to(dtype), real, per_prompt, max_new)
     cache.k[:, :, :generated], cache.v[:, :, :generated] = own_k.to(dtype), own_v.to(dtype)
     got = shared_prompt_attention(q.to(dtype), cache.k[:, :, :generated], cache.v[:, :, :generated], cache)
 

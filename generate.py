@@ -315,8 +315,8 @@ def beam_tensors(B, K, max_new, eos, device):
 def share_prompts(kv_caches, state, per_prompt):
     """Each layer's prefilled cache as a SharedPromptCache of per_prompt rows a prompt: the prompt slots in place."""
     P = state.prompt_len
-    return [SharedPromptCache(c.k[:, :, :P], c.v[:, :, :P], state.slot_filled[:, :P], per_prompt, state.max_len - P)
-            for c in kv_caches]
+    return [SharedPromptCache(c.k[:, :, :P].contiguous(), c.v[:, :, :P].contiguous(), state.slot_filled[:, :P],
+                              per_prompt, state.max_len - P) for c in kv_caches]
 
 
 def inverse_cdf(probs, u):

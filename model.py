@@ -89,12 +89,12 @@ class SharedPromptCache:
         self.k = k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3))
         self.v = torch.zeros_like(self.k)
 
-    def update(self, input_pos, k, v, length):
-        """Write k, v at slots input_pos (the prompt's P slots first); return the generated slots up to `length`."""
-        P = self.prompt_k.size(2)
-        self.k.index_copy_(2, input_pos - P, k)
-        self.v.index_copy_(2, input_pos - P, v)
-        return self.k[:, :, :length - P], self.v[:, :, :length - P]
+    def update(self, input_pos, k, v):
+        """Write k, v at slots input_pos (the prompt's P slots first); return every generated slot (static shapes:
+        shared_prompt_attention masks those after input_pos)."""
+        self.k.index_copy_(2, input_pos - self.prompt_k.size(2), k)
+        self.v.index_copy_(2, input_pos - self.prompt_k.size(2), v)
+        return self.k, self.v
 
     def reorder_rows(self, rows, generated):
         """Reorder the rows in place within their prompts (beam search's step): their first `generated` slots."""
@@ -110,14 +110,16 @@ class SharedPromptCache:
         return selected
 
 
-def shared_prompt_attention(q, k, v, cache):
+def shared_prompt_attention(q, k, v, cache, input_pos):
     """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for its rows, and
     over the row's own slots k, v: one softmax, in float32 (in fp16, scores and sums would round and overflow)."""
     B, H, P, D = cache.prompt_k.shape
     q = q * D ** -0.5
     prompt = q.view(B, -1, H, D).transpose(1, 2) @ cache.prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
     prompt = (prompt.float() + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
-    probs = torch.cat((prompt, (q @ k.transpose(2, 3)).float()), dim=-1).softmax(dim=-1)
+    own = (q @ k.transpose(2, 3)).float().masked_fill(torch.arange(k.size(2), device=q.device) > input_pos - P,
+                                                      -math.inf)
+    probs = torch.cat((prompt, own), dim=-1).softmax(dim=-1)
     from_prompt = probs[..., :P].to(v.dtype).reshape(B, -1, H, P).transpose(1, 2) @ cache.prompt_v
     from_own = (probs[..., P:].to(v.dtype) @ v).float()
     return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D).float() + from_own).to(v.dtype)
@@ -151,7 +153,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
         elif isinstance(kv_cache, SharedPromptCache):
-            y = shared_prompt_attention(q, *kv_cache.update(input_pos, k, v, mask.size(-1)), kv_cache)
+            y = shared_prompt_attention(q, *kv_cache.update(input_pos, k, v), kv_cache, input_pos)
         else:
             k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -218,7 +218,7 @@ def kv_bytes_per_step(model, prompts, decoding):
             prompt_slots = x.size(0) * P if prompt is None else prompt.size(0) * P
             slot = 2 * cache.k.size(1) * cache.k.size(3) * cache.k.element_size()
             read[0] += prompt_slots * slot
-            read[1] += (prompt_slots + x.size(0) * calls[0]) * slot
+            read[1] += (prompt_slots + x.size(0) * (calls[0] if prompt is None else cache.k.size(2))) * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
     try:

@@ -142,7 +142,7 @@ def test_shared_prompt_attention_equals_full_cache_attention(dtype):
     real = torch.arange(P)[None, :] >= pad[:, None]
     cache = SharedPromptCache(k.to(dtype), v.to(dtype), real, per_prompt, max_new)
     cache.k[:, :, :generated], cache.v[:, :, :generated] = own_k.to(dtype), own_v.to(dtype)
-    got = shared_prompt_attention(q.to(dtype), cache.k[:, :, :generated], cache.v[:, :, :generated], cache)
+    got = shared_prompt_attention(q.to(dtype), cache.k, cache.v, cache, torch.tensor([P + generated - 1]))
 
     rows = torch.arange(prompts).repeat_interleave(per_prompt)
     mask = torch.cat((real[rows], torch.ones(len(rows), generated, dtype=torch.bool)), dim=1)[:, None, None]

@@ -86,12 +86,10 @@ class SharedPromptCache:
     def __init__(self, k, v, filled, per_prompt, max_new):
         self.prompt_k, self.prompt_v, self.per_prompt = k, v, per_prompt
         self.pad_mask = torch.zeros(filled.shape, device=k.device).masked_fill(~filled, -float("inf"))[:, None, None]
-        self.k = k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3))
-        self.v = torch.zeros_like(self.k)
+        self.k, self.v = (k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3)) for _ in "kv")
 
     def update(self, input_pos, k, v):
-        """Write k, v at slots input_pos (the prompt's P slots first); return every generated slot (static shapes:
-        shared_prompt_attention masks those after input_pos)."""
+        """Write k, v at slots input_pos (after the prompt's P); return every generated slot (masked after it)."""
         self.k.index_copy_(2, input_pos - self.prompt_k.size(2), k)
         self.v.index_copy_(2, input_pos - self.prompt_k.size(2), v)
         return self.k, self.v

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from model import KVCache
+from model import KVCache, SharedPromptCache
 
 
 class Sequence(NamedTuple):
@@ -25,7 +25,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     by prompt, num_return_sequences new-token lists cut before EOS.
     - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
       (early_stopping=False), whose n-best are the best finished hypotheses, best first.
-    - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; identical samples adjacent.
+    - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; a prompt's samples in the order they end.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, counts, metric) -> index chooses (summarizer.mbr.pick).
     greedy_steps: how greedy's static-shape steps run (summarizer.compiling.StepGraphs: as CUDA graphs; None:
@@ -54,7 +54,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
             return run.beam_search(logits, state, kv_caches, d.num_beams, d.length_penalty, num_return_sequences)
-        return [[s for s, _ in row] for row in run.sample(logits, state, kv_caches, None, [1] * len(prompts))]
+        return run.sample(logits, state, kv_caches, None, 1)
 
     if d.temperature == 0:
         results = deterministic(state, kv_caches)
@@ -67,11 +67,10 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
             every_row = torch.arange(len(prompts), device=device)
             best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
                     if d.mbr_include_beam else [[] for _ in prompts])
-            samples = run.sample(logits, state, kv_caches, streams, [d.mbr_samples] * len(prompts))
+            samples = run.sample(logits, state, kv_caches, streams, d.mbr_samples)
             results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples, strict=True)]
         else:
-            samples = run.sample(logits, state, kv_caches, streams, [num_return_sequences] * len(prompts))
-            results = [[s for s, n in row for _ in range(n)] for row in samples]
+            results = run.sample(logits, state, kv_caches, streams, num_return_sequences)
     return [s.tokens for row in results for s in row]
 
 
@@ -96,10 +95,10 @@ def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
 
 
 def mbr_choice(best, samples, mbr_pick, metric):
-    """The MBR choice among `best` (the greedy/beam result, or nothing) and the distinct `samples` ((Sequence,
-    count) pairs); ties go to the greedy/beam result, then to the most frequent sample."""
-    candidates = [(s, 1) for s in best] + sorted(samples, key=lambda pair: -pair[1])
-    return candidates[mbr_pick([s.tokens for s, _ in candidates], [n for _, n in candidates], metric)][0]
+    """The MBR choice among `best` (the greedy/beam result, or nothing) and the `samples` (Sequences, identical ones
+    each a candidate: they agree with each other); ties go to the greedy/beam result, then to the earlier sample."""
+    candidates = best + samples
+    return candidates[mbr_pick([s.tokens for s in candidates], [1] * len(candidates), metric)]
 
 
 class DecodeState:
@@ -213,60 +212,43 @@ class Decoder:
         return self.forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
                                 state.decode_mask())
 
-    def sample(self, logits, state, kv_caches, streams, counts):
-        """Greedy (streams None) or sampled decoding, where prompt row r stands for counts[r] samples, drawn
-        with numpy random stream streams[r] (by inverse CDF: each sample takes one uniform number, so what a
-        prompt draws depends on nothing but its stream and its own rows).
-        Identical samples are decoded once: each step a row draws its count of tokens and goes on as one row
-        per distinct token drawn, with that many samples (its cache row copied), so N samples from a confident
-        model cost little more than one. A row that ends stays in the batch, ignored, until the running rows are
-        at most compact_below of the batch (and at least min_rows) or a row splits: only then are their caches
-        copied into a smaller batch. Each step waits for the device once, to read the tokens drawn; the rest is
-        bookkeeping on the host.
-        Returns, per prompt, its distinct sequences as (Sequence, count) pairs."""
-        max_new = state.max_len - state.prompt_len
-        results = [[] for _ in counts]
-        # per batch row: (prompt, samples it stands for, new tokens), None once it has ended
-        rows = [(r, n, []) for r, n in enumerate(counts)]
+    def sample(self, logits, state, kv_caches, streams, per_prompt):
+        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
+        values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
+        uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
+        ignored, until the running prompts' rows are at most compact_below of the batch (and at least min_rows):
+        then those are copied into a smaller batch. Each step waits for the device once, to read its tokens."""
+        n, max_new, device = per_prompt, state.max_len - state.prompt_len, logits.device
+        kv_caches = share_prompts(kv_caches, state, n)
+        expand = torch.arange(logits.size(0), device=device).repeat_interleave(n)
+        state, logits = state.select_rows(expand), logits[expand]
+        results = [[] for _ in range(logits.size(0) // n)]
+        rows = [(r, []) for r in range(len(results)) for _ in range(n)]  # (prompt, new tokens), None once ended
         for step in range(max_new):
             scores = self.processors.penalize(logits.float(), state)
             if streams is None:
-                drawn = scores.argmax(dim=-1, keepdim=True)
+                drawn = scores.argmax(dim=-1)
             else:
                 warped, ids = self.processors.warp(scores)
-                drawn = inverse_cdf(warped.softmax(dim=-1), uniforms(rows, streams))
-                if ids is not None:
-                    drawn = ids.gather(1, drawn)
-            tokens = drawn.tolist()  # the step's one wait for the device
-            continuing, parents = [], []
-            for i, row in enumerate(rows):
-                if row is None:
-                    continue
-                owner, count, seq = row
-                taken = tokens[i][:count]
-                for token in sorted(set(taken)):
-                    n, ended = taken.count(token), token == self.eos or step == max_new - 1
-                    sequence = (owner, n, seq + [token] * (token != self.eos))
-                    if ended:
-                        results[owner].append((Sequence(sequence[2], step + 1), n))
-                    else:
-                        continuing.append(sequence)
-                        parents.append(i)
-            if not continuing:
+                u = torch.tensor([[streams[row[0]].random() if row else 0.0] for row in rows], dtype=torch.float64)
+                drawn = inverse_cdf(warped.softmax(dim=-1), u)
+                drawn = (drawn if ids is None else ids.gather(1, drawn))[:, 0]
+            for i, token in enumerate(drawn.tolist()):  # the step's one wait for the device
+                if rows[i] is not None and (token == self.eos or step == max_new - 1):
+                    results[rows[i][0]].append(Sequence(rows[i][1] + [token] * (token != self.eos), step + 1))
+                    rows[i] = None
+                elif rows[i] is not None:
+                    rows[i][1].append(token)
+            running = [p for p in range(len(rows) // n) if any(rows[p * n:(p + 1) * n])]
+            if not running:
                 break
-            split = len(continuing) > len(set(parents))
-            few = self.min_rows <= len(continuing) <= self.compact_below * len(rows)
-            if split or len(continuing) < len(rows) and few:
-                parent = torch.tensor(parents, device=logits.device)
-                state = state.select_rows(parent)
-                kv_caches = [cache.select_rows(parent) for cache in kv_caches]
-                next_tokens = torch.tensor([seq[-1] for _, _, seq in continuing], device=logits.device)
-                rows = continuing
-            else:  # in place: every live row drew one token, drawn[:, 0]; ended rows decode on, unread
-                next_tokens = drawn[:, 0]
-                alive = dict(zip(parents, continuing, strict=True))
-                rows = [alive.get(i) for i in range(len(rows))]
-            state.append(next_tokens)
+            if len(running) * n < len(rows) and self.min_rows <= len(running) * n <= self.compact_below * len(rows):
+                prompts = torch.tensor(running, device=device)
+                kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
+                state, drawn = state.select_rows(kept), drawn[kept]
+                kv_caches = [cache.select_prompts(prompts) for cache in kv_caches]
+                rows = [rows[p * n + j] for p in running for j in range(n)]
+            state.append(drawn)
             logits = self.next_logits(state, kv_caches)
         return results
 
@@ -278,8 +260,8 @@ class Decoder:
         B, V, K = logits.size(0), logits.size(-1), num_beams
         max_new = state.max_len - state.prompt_len
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
+        kv_caches = share_prompts(kv_caches, state, K)
         state = state.select_rows(expand)
-        kv_caches = [cache.select_rows(expand) for cache in kv_caches]
         logits = logits[expand]
         running_scores, running_seqs, finished_scores, finished_seqs, finished_lengths, is_finished, improvable = \
             beam_tensors(B, K, max_new, self.eos, logits.device)
@@ -317,7 +299,7 @@ class Decoder:
                 break
             reorder = (batch_offset + parent).view(-1)
             for cache in kv_caches:
-                cache.reorder_rows(reorder, state.prompt_len + state.generated)
+                cache.reorder_rows(reorder, state.generated)
             state = state.select_rows(reorder)
             state.append(running_seqs[:, :, step].reshape(-1))
             logits = self.next_logits(state, kv_caches)
@@ -337,15 +319,11 @@ def beam_tensors(B, K, max_new, eos, device):
             torch.ones(B, 1, dtype=torch.bool, device=device))
 
 
-def uniforms(rows, streams):
-    """(rows, most samples a row stands for) uniform numbers in [0, 1): row i's first count_i from its prompt's
-    stream, in row order; ended rows (None) and unused places 0."""
-    most = max(row[1] for row in rows if row is not None)
-    table = np.zeros((len(rows), most))
-    for i, row in enumerate(rows):
-        if row is not None:
-            table[i, :row[1]] = streams[row[0]].random(row[1])
-    return torch.from_numpy(table)
+def share_prompts(kv_caches, state, per_prompt):
+    """Each layer's prefilled cache as a SharedPromptCache of per_prompt rows a prompt: the prompt slots in place."""
+    P = state.prompt_len
+    return [SharedPromptCache(c.k[:, :, :P].contiguous(), c.v[:, :, :P].contiguous(), state.slot_filled[:, :P],
+                              per_prompt, state.max_len - P) for c in kv_caches]
 
 
 def inverse_cdf(probs, u):

@@ -1,5 +1,6 @@
 """GPT-2 in the shape of nanoGPT, loadable from transformers, with the KV cache its attention writes during decoding
 (generate.py drives the cached forward passes). Imports torch only."""
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -70,17 +71,56 @@ class KVCache:
             self.k[row, :, end - k_row.size(2):end] = k_row[0]
             self.v[row, :, end - v_row.size(2):end] = v_row[0]
 
-    def reorder_rows(self, rows, length):
-        """Reorder (or repeat) the rows in place as index tensor `rows` (one per row) says, copying only the first
-        `length` slots (those written so far): beam search's step, with no second copy of the whole cache."""
-        self.k[:, :, :length] = self.k[rows, :, :length]
-        self.v[:, :, :length] = self.v[rows, :, :length]
-
     def select_rows(self, rows):
         """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         selected = KVCache(self.max_len)
         selected.k, selected.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
         return selected
+
+
+class SharedPromptCache:
+    """One layer's keys and values while `per_prompt` rows (samples, beams) continue each prompt: the prompts' (prompts,
+    heads, P, head_dim), read once a step for all their rows, with their `filled` slots (prompts, P); and each row's
+    generated slots (rows, heads, max_new, head_dim), a prompt's rows one after another."""
+
+    def __init__(self, k, v, filled, per_prompt, max_new):
+        self.prompt_k, self.prompt_v, self.per_prompt = k, v, per_prompt
+        self.pad_mask = torch.zeros(filled.shape, device=k.device).masked_fill(~filled, -float("inf"))[:, None, None]
+        self.k, self.v = (k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3)) for _ in "kv")
+
+    def update(self, input_pos, k, v):
+        """Write k, v at slots input_pos (after the prompt's P); return every generated slot (masked after it)."""
+        self.k.index_copy_(2, input_pos - self.prompt_k.size(2), k)
+        self.v.index_copy_(2, input_pos - self.prompt_k.size(2), v)
+        return self.k, self.v
+
+    def reorder_rows(self, rows, generated):
+        """Reorder the rows in place within their prompts (beam search's step): their first `generated` slots."""
+        self.k[:, :, :generated] = self.k[rows, :, :generated]
+        self.v[:, :, :generated] = self.v[rows, :, :generated]
+
+    def select_prompts(self, prompts):
+        """A new cache of the prompts given by index tensor `prompts`, with their rows, copied."""
+        selected = copy.copy(self)
+        rows = (prompts[:, None] * self.per_prompt + torch.arange(self.per_prompt, device=prompts.device)).view(-1)
+        selected.prompt_k, selected.prompt_v = self.prompt_k[prompts], self.prompt_v[prompts]
+        selected.pad_mask, selected.k, selected.v = self.pad_mask[prompts], self.k[rows], self.v[rows]
+        return selected
+
+
+def shared_prompt_attention(q, k, v, cache, input_pos):
+    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for its rows, and
+    over the row's own slots k, v: one softmax, in float32 (in fp16, scores and sums would round and overflow)."""
+    B, H, P, D = cache.prompt_k.shape
+    q = q * D ** -0.5
+    prompt = q.view(B, -1, H, D).transpose(1, 2) @ cache.prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
+    prompt = (prompt.float() + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
+    own = (q @ k.transpose(2, 3)).float().masked_fill(torch.arange(k.size(2), device=q.device) > input_pos - P,
+                                                      -math.inf)
+    probs = torch.cat((prompt, own), dim=-1).softmax(dim=-1)
+    from_prompt = probs[..., :P].to(v.dtype).reshape(B, -1, H, P).transpose(1, 2) @ cache.prompt_v
+    from_own = (probs[..., P:].to(v.dtype) @ v).float()
+    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D).float() + from_own).to(v.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -110,6 +150,8 @@ class CausalSelfAttention(nn.Module):
         elif kv_cache is None:  # training: causal
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
+        elif isinstance(kv_cache, SharedPromptCache):
+            y = shared_prompt_attention(q, *kv_cache.update(input_pos, k, v), kv_cache, input_pos)
         else:
             k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -30,7 +30,7 @@ from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT
-from summarizer import compiling, inference
+from summarizer import compiling, inference, mbr
 from summarizer.inference import open_run, summarize
 from summarizer.metrics import rouge
 
@@ -133,6 +133,7 @@ def bench_generate(args, device):
         rows += [dict(row, figure=f"{scenario}:{row['figure']}") for row in
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
     rows += greedy_step_figures(ours, prompts, max_new, args, device)
+    rows += kv_reads(ours, batches[len(batches) // 2], max_new)
     rows.append(dict(section="generate", figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
                      f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
                      f"median of {args.repeats}, {device}"))
@@ -294,6 +295,50 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
                  value=f"{naive_matches}/{len(naive_picks)}", target=f"{len(naive_picks)}/{len(naive_picks)}"),
         ]
     return rows
+
+
+def kv_bytes_per_step(model, prompts, decoding):
+    """(prompt slots', all slots') KV-cache bytes the attention reads per decode step and prompt in one generate()
+    of `prompts` (no EOS): a shared prompt's (SharedPromptCache) once for all of its rows, else once per row."""
+    read, calls = [0, 0], [0]
+
+    def count(module, args):
+        x, cache, mask, lengths = args[0], args[1], args[3], args[4]
+        if lengths is None:
+            calls[0] += module is model.transformer.h[0].attn
+            prompt = getattr(cache, "prompt_k", None)  # a shared prompt's (prompts, heads, P, head_dim)
+            P = mask.size(-1) - calls[0]  # the step's slots: the padded prompt's, then one per token generated
+            prompt_slots = x.size(0) * P if prompt is None else prompt.size(0) * P
+            slot = 2 * cache.k.size(1) * cache.k.size(3) * cache.k.element_size()
+            read[0] += prompt_slots * slot
+            read[1] += (prompt_slots + x.size(0) * (calls[0] if prompt is None else cache.k.size(2))) * slot
+
+    hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
+    try:
+        generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [total / calls[0] / len(prompts) for total in read]
+
+
+def kv_reads(model, prompts, max_new):
+    """KV bytes read per decode step and prompt by greedy and by MBR-16's samples: of the prompt's slots, against
+    the floor of each prompt's own tokens read once; and of all slots, the generated ones included (each sample
+    reads its own: 16 of them cannot share theirs)."""
+    floor = 2 * model.config.n_layer * model.config.n_embd * model.lm_head.weight.element_size() * statistics.mean(
+        map(len, prompts))
+    samples = dict(MBR_SAMPLING, mbr_samples=16, mbr_include_beam=False)  # the samples' decoding alone
+    greedy = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new))
+    mbr16 = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new, **samples))
+    rows = [dict(section="generate", figure="kv_prompt_bytes_per_step_floor", value=floor)]
+    for name, (prompt, every) in (("greedy", greedy), ("mbr16", mbr16)):
+        rows += [dict(section="generate", figure=f"kv_prompt_bytes_per_step_{name}", value=prompt,
+                      vs_floor=prompt / floor),
+                 dict(section="generate", figure=f"kv_bytes_per_step_{name}", value=every)]
+    return rows + [dict(section="generate", figure="kv_prompt_bytes_per_step_mbr16_vs_greedy",
+                        value=mbr16[0] / greedy[0], target="<= 1.3"),
+                   dict(section="generate", figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16[1] / greedy[1])]
 
 
 def training_examples(n, samsum_csv):

@@ -127,29 +127,34 @@ class _WaitsDispatch(TorchDispatchMode):
 
 @contextlib.contextmanager
 def kv_cache_traffic():
-    """Counts KV-cache bytes: read by attention (the slots each decode step attends to) and copied by row
-    selection (rows dropped, reordered or repeated). Yields the running totals."""
+    """Counts KV-cache bytes: read by attention (the slots each decode step attends to; a SharedPromptCache's
+    prompts once) and copied by row selection (rows dropped, reordered or repeated). Yields the running totals."""
     traffic = {"read": 0, "copied": 0}
-    cache = model_module.KVCache
-    update, select_rows, reorder_rows = cache.update, cache.select_rows, cache.reorder_rows
+    full, shared = model_module.KVCache, model_module.SharedPromptCache
+    originals = [(full, "update"), (full, "select_rows"), (shared, "update"), (shared, "select_prompts"),
+                 (shared, "reorder_rows")]
+    originals = [(cls, name, getattr(cls, name)) for cls, name in originals]
 
-    def counted_update(self, *args):
-        k, v = update(self, *args)
-        traffic["read"] += k.nbytes + v.nbytes
-        return k, v
-
-    def counted_select_rows(self, rows):
-        selected = select_rows(self, rows)
-        traffic["copied"] += selected.k.nbytes + selected.v.nbytes
-        return selected
-    def counted_reorder_rows(self, rows, length):
-        reorder_rows(self, rows, length)
-        traffic["copied"] += self.k[:, :, :length].nbytes + self.v[:, :, :length].nbytes
-    cache.update, cache.select_rows, cache.reorder_rows = counted_update, counted_select_rows, counted_reorder_rows
+    def counted(name, method):
+        def wrapper(self, *args):
+            out = method(self, *args)
+            if name == "update":
+                traffic["read"] += out[0].nbytes + out[1].nbytes
+                traffic["read"] += self.prompt_k.nbytes + self.prompt_v.nbytes if hasattr(self, "prompt_k") else 0
+            elif name == "reorder_rows":
+                traffic["copied"] += 2 * self.k[:, :, :args[1]].nbytes
+            else:
+                traffic["copied"] += out.k.nbytes + out.v.nbytes + (
+                    out.prompt_k.nbytes + out.prompt_v.nbytes if hasattr(out, "prompt_k") else 0)
+            return out
+        return wrapper
+    for cls, name, method in originals:
+        setattr(cls, name, counted(name, method))
     try:
         yield traffic
     finally:
-        cache.update, cache.select_rows, cache.reorder_rows = update, select_rows, reorder_rows
+        for cls, name, method in originals:
+            setattr(cls, name, method)
 
 
 @contextlib.contextmanager

@@ -178,12 +178,15 @@ def test_n_samples_are_reproducible_with_seed(ours, prompts, eos):
                         eos_token_id=eos, num_return_sequences=5, seed=seed)
     a = draw(7)
     assert len(a) == 30 and a == draw(7) and a != draw(8)
+    alone = generate(ours, prompts[2:3], Decoding(max_new_tokens=MAX_NEW, temperature=1.5, top_k=4), eos_token_id=eos,
+                     num_return_sequences=5, seed=7)
+    assert alone == a[10:15]  # a prompt's samples depend on the seed and the prompt alone, not on its batch
     assert all(len({tuple(row) for row in a[i:i + 5]}) > 1 for i in range(0, 30, 5))  # samples, not copies
 
 
-def test_shared_samples_follow_the_model_distribution(ours):
-    # N samples of a prompt are decoded as one row per distinct prefix, each standing for its count of samples:
-    # the frequencies of all 9 two-token continuations (top_k=3) must match p(a) * p(b | a).
+def test_samples_follow_the_model_distribution(ours):
+    # N samples of a prompt, one row each over the prompt's shared keys and values, each drawn by inverse CDF from
+    # the prompt's stream: the frequencies of all 9 two-token continuations (top_k=3) must match p(a) * p(b | a).
     prompt, temperature, n = [5, 17, 300, 9000], 3.0, 8000
 
     def top3(seq):
@@ -202,6 +205,29 @@ def test_shared_samples_follow_the_model_distribution(ours):
     assert set(counts) <= set(exact) and sum(counts.values()) == n
     for sequence, p in exact.items():
         assert abs(counts.get(sequence, 0) / n - p) < 4.5 * (p * (1 - p) / n) ** 0.5, sequence
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=4), dict(temperature=1.0, top_k=3, mbr_samples=6)])
+def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts, eos, settings):
+    # every decode step attends each prompt's keys and values once for all of its rows, and each row keeps its
+    # generated slots only (beam search reorders those alone)
+    steps = []
+
+    def record(module, args):
+        x, cache, lengths = args[0], args[1], args[4]
+        if lengths is None:
+            steps.append((x.size(0), cache.prompt_k.size(0), cache.k.size(2)))
+
+    hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
+    try:
+        generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, mbr_include_beam=False, **settings), eos_token_id=eos,
+                 seed=0, mbr_pick=mbr.pick)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_prompt = settings.get("num_beams", settings.get("mbr_samples"))
+    assert steps[0] == (len(prompts) * per_prompt, len(prompts), MAX_NEW) and len(steps) > len(ours.transformer.h)
+    assert all(rows == cached * per_prompt and slots == MAX_NEW for rows, cached, slots in steps)
 
 
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):

@@ -124,3 +124,31 @@ def test_gradient_checkpointing_same_losses_and_gradients(dropout):
     if dropout:  # the masks matter: without dropout the loss differs
         with torch.no_grad():
             assert model.eval()(x, y)[1].item() != pytest.approx(loss, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_shared_prompt_attention_equals_full_cache_attention(dtype):
+    # MBR's samples and beam search's beams read their prompt's keys and values once (SharedPromptCache): the
+    # same attention as each row holding a copy of its prompt's slots, pad slots masked, then its own slots
+    from model import SharedPromptCache, shared_prompt_attention
+    g = torch.Generator().manual_seed(0)
+    prompts, per_prompt, H, P, D, generated, max_new = 3, 4, 2, 7, 8, 5, 6
+    pad = torch.tensor([0, 3, 6])  # left padding: the last prompt has one real slot
+    # the inputs rounded to dtype, so what differs is the computation alone
+    k, v = (torch.randn(prompts, H, P, D, generator=g).mul(3).to(dtype).float() for _ in range(2))
+    own_k, own_v = (torch.randn(prompts * per_prompt, H, generated, D, generator=g).mul(3).to(dtype).float()
+                    for _ in range(2))
+    q = torch.randn(prompts * per_prompt, H, 1, D, generator=g).mul(3).to(dtype).float()
+    real = torch.arange(P)[None, :] >= pad[:, None]
+    cache = SharedPromptCache(k.to(dtype), v.to(dtype), real, per_prompt, max_new)
+    cache.k[:, :, :generated], cache.v[:, :, :generated] = own_k.to(dtype), own_v.to(dtype)
+    got = shared_prompt_attention(q.to(dtype), cache.k, cache.v, cache, torch.tensor([P + generated - 1]))
+
+    rows = torch.arange(prompts).repeat_interleave(per_prompt)
+    mask = torch.cat((real[rows], torch.ones(len(rows), generated, dtype=torch.bool)), dim=1)[:, None, None]
+    expected = F.scaled_dot_product_attention(q.double(), torch.cat((k[rows], own_k), 2).double(),
+                                              torch.cat((v[rows], own_v), 2).double(), attn_mask=mask)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    assert (got.double() - expected).abs().max().item() <= tolerance
+    assert expected.abs().max().item() > 1.0

@@ -573,14 +573,16 @@ def padded_width(tokens):
     return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def cut(widths, targets, max_tokens, max_targets, count=0):
+def cut(widths, targets, max_tokens, max_targets, count=0, min_rows=2):
     """[0, end of micro-batch 1, ..., len(widths)]: rows sorted by width (padded `widths`, ascending) cut where
     padded positions plus MICRO_BATCH_COST per micro-batch are least, no micro-batch over max_tokens positions
-    (rows x its widest) or max_targets `targets`; exactly `count` micro-batches when given (one row fits alone)."""
+    (rows x its widest) or max_targets `targets`; exactly `count` micro-batches when given (one row fits alone).
+    A micro-batch holds at least min_rows rows where the limits allow: a compiled step specializes a batch of one
+    row (a second compile, a minute on a GPU), so one-row micro-batches come only where no cut avoids them."""
     n, ends = len(widths), np.arange(len(widths) + 1)
     rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
     positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
-    fits = (rows > 0) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
+    fits = (rows >= min_rows) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
     cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf).astype(np.float32)  # integers, exact below 2^24
     # layer k: the least cost of rows 0..end-1 in k micro-batches, never below the rows' widths + k x MICRO_BATCH_COST
     best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], [np.inf]
@@ -588,8 +590,11 @@ def cut(widths, targets, max_tokens, max_targets, count=0):
         starts.append((best[:, None] + cost).argmin(0))
         best = best[starts[-1]] + cost[starts[-1], ends]
         totals.append(best[n])
+    layers = count or int(np.argmin(totals))
+    if min_rows > 1 and not np.isfinite(totals[layers]):
+        return cut(widths, targets, max_tokens, max_targets, count, min_rows=1)
     found = [n]
-    for layer in reversed(starts[:count or int(np.argmin(totals))]):
+    for layer in reversed(starts[:layers]):
         found.append(int(layer[found[-1]]))
     return found[::-1]
 

@@ -156,16 +156,18 @@ class LogitsProcessors:
         self.min_new_tokens, self.eos_token_id = d.min_new_tokens, eos_token_id
         self.temperature, self.top_k, self.top_p, self.epsilon = d.temperature, d.top_k, d.top_p, d.epsilon
 
-    def penalize(self, scores, state):
-        """The processed scores, a new tensor where a processor applies (`scores` itself is never changed)."""
+    def penalize(self, scores, state, rows=slice(None)):
+        """The processed scores of `state`'s `rows` (index tensor, else all), a new tensor where a processor
+        applies (`scores` itself is never changed)."""
         if self.repetition_penalty != 1.0:
-            seen = state.seen_tokens()
+            seen = state.seen_tokens()[rows]
             s = scores.gather(1, seen)
             scores = scores.scatter(1, seen, torch.where(s < 0, s * self.repetition_penalty,
                                                          s / self.repetition_penalty))
         if self.no_repeat_ngram_size > 0:
             n, banned = self.no_repeat_ngram_size, []
-            for row, (seq, pad) in enumerate(zip(state.seen_tokens().tolist(), state.pad.tolist(), strict=True)):
+            for row, (seq, pad) in enumerate(zip(state.seen_tokens()[rows].tolist(), state.pad[rows].tolist(),
+                                                 strict=True)):
                 seq = seq[pad:]
                 prefix = tuple(seq[len(seq) - n + 1:])
                 banned += [(row, seq[i + n - 1]) for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == prefix]
@@ -208,9 +210,9 @@ class Decoder:
         self.model, self.forward_step, self.processors, self.eos = model, forward_step, processors, eos_token_id
         self.compact_below, self.min_rows = compact_below, min_rows
 
-    def next_logits(self, state, kv_caches):
+    def next_logits(self, state, kv_caches, rows=None):
         return self.forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
-                                state.decode_mask())
+                                 state.decode_mask(), rows)
 
     def sample(self, logits, state, kv_caches, streams, per_prompt):
         """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
@@ -220,36 +222,50 @@ class Decoder:
         then those are copied into a smaller batch. Each step waits for the device once, to read its tokens."""
         n, max_new, device = per_prompt, state.max_len - state.prompt_len, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
-        expand = torch.arange(logits.size(0), device=device).repeat_interleave(n)
-        state, logits = state.select_rows(expand), logits[expand]
-        results = [[] for _ in range(logits.size(0) // n)]
+        state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
+        results = [[] for _ in range(logits.size(0))]
         rows = [(r, []) for r in range(len(results)) for _ in range(n)]  # (prompt, new tokens), None once ended
+        # Running rows of one prompt with the same tokens so far share a distribution (class): lm_head and the
+        # warpers run once a class (`heads`: its first row; the prefill's logits are one a prompt). Confident
+        # models keep most samples alike for many steps; ended rows cost no lm_head.
+        heads, alike = list(range(0, len(rows), n)), [i // n for i in range(len(rows))]
         for step in range(max_new):
-            scores = self.processors.penalize(logits.float(), state)
+            live = [i for i, row in enumerate(rows) if row is not None]
+            of_row = torch.tensor([alike[i] for i in live], device=device)
+            scores = self.processors.penalize(logits.float(), state, torch.tensor(heads, device=device))
             if streams is None:
-                drawn = scores.argmax(dim=-1)
+                drawn = scores.argmax(dim=-1)[of_row]
             else:
                 warped, ids = self.processors.warp(scores)
-                u = torch.tensor([[streams[row[0]].random() if row else 0.0] for row in rows], dtype=torch.float64)
-                drawn = inverse_cdf(warped.softmax(dim=-1), u)
-                drawn = (drawn if ids is None else ids.gather(1, drawn))[:, 0]
-            for i, token in enumerate(drawn.tolist()):  # the step's one wait for the device
-                if rows[i] is not None and (token == self.eos or step == max_new - 1):
-                    results[rows[i][0]].append(Sequence(rows[i][1] + [token] * (token != self.eos), step + 1))
+                u = torch.tensor([[streams[rows[i][0]].random()] for i in live], dtype=torch.float64)
+                drawn = inverse_cdf(warped.softmax(dim=-1)[of_row], u)
+                drawn = (drawn if ids is None else ids[of_row].gather(1, drawn))[:, 0]
+            classes = {}
+            for i, token in zip(live, drawn.tolist(), strict=True):  # the step's one wait for the device
+                prompt, tokens = rows[i]
+                if token == self.eos or step == max_new - 1:
+                    results[prompt].append(Sequence(tokens + [token] * (token != self.eos), step + 1))
                     rows[i] = None
-                elif rows[i] is not None:
-                    rows[i][1].append(token)
-            running = [p for p in range(len(rows) // n) if any(rows[p * n:(p + 1) * n])]
-            if not running:
+                else:
+                    tokens.append(token)
+                    alike[i] = classes.setdefault((alike[i], token), len(classes))
+            if not classes:
                 break
+            every = torch.zeros(len(rows), dtype=torch.long, device=device).index_copy_(
+                0, torch.tensor(live, device=device), drawn)
+            running = [p for p in range(len(rows) // n) if any(rows[p * n:(p + 1) * n])]
             if len(running) * n < len(rows) and self.min_rows <= len(running) * n <= self.compact_below * len(rows):
                 prompts = torch.tensor(running, device=device)
                 kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
-                state, drawn = state.select_rows(kept), drawn[kept]
+                state, every = state.select_rows(kept), every[kept]
                 kv_caches = [cache.select_prompts(prompts) for cache in kv_caches]
-                rows = [rows[p * n + j] for p in running for j in range(n)]
-            state.append(drawn)
-            logits = self.next_logits(state, kv_caches)
+                rows, alike = ([x[p * n + j] for p in running for j in range(n)] for x in (rows, alike))
+            heads = [0] * len(classes)
+            for i in reversed(range(len(rows))):
+                if rows[i] is not None:
+                    heads[alike[i]] = i
+            state.append(every)
+            logits = self.next_logits(state, kv_caches, torch.tensor(heads, device=device))
         return results
 
     def beam_search(self, logits, state, kv_caches, num_beams, length_penalty, num_return_sequences):
@@ -433,10 +449,12 @@ def ended_rows(tokens, owners, results, eos, last=False):
 
 # ---- the forward step --------------------------------------------------------------------------------------------
 
-def forward_step(model, tokens, positions, input_pos, kv_caches, mask):
-    """Next-token logits of one decode step. Below 64 rows a CPU's BLAS runs lm_head, most of a decode step, as
-    W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
+def forward_step(model, tokens, positions, input_pos, kv_caches, mask, rows=None):
+    """Next-token logits of one decode step (of the batch's `rows` only, an index tensor, if given). Below 64 rows a
+    CPU's BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768
+    weights, 8-48 rows; the argmax after it included)."""
     hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
+    hidden = hidden if rows is None else hidden[rows]
     if hidden.device.type == "cpu" and hidden.size(0) < 64:
         return (model.lm_head.weight @ hidden.t()).t()
     return model.lm_head(hidden)

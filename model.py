@@ -47,8 +47,8 @@ class Targets(NamedTuple):
 
 
 class KVCache:
-    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (fill, in the
-    dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
+    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (write_prompts, in
+    the dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
 
     def __init__(self, max_len):
         self.max_len = max_len
@@ -60,7 +60,7 @@ class KVCache:
         self.v.index_copy_(2, input_pos, v)
         return self.k[:, :, :length], self.v[:, :, :length]
 
-    def fill(self, k, v, lengths):
+    def write_prompts(self, k, v, lengths):
         """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
         max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
         _, H, _, D = k.shape
@@ -138,12 +138,12 @@ class CausalSelfAttention(nn.Module):
         """Causal attention over x; with kv_cache, x's keys/values are first written into cache slots
         input_pos and the queries attend to the cache slots that `mask` (B, 1, T, cache_len) allows.
         With `lengths`, x (1, T, C) is prompts packed back to back: each attends causally within itself
-        and its keys/values go into its own cache row (KVCache.fill)."""
+        and its keys/values go into its own cache row (KVCache.write_prompts)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if lengths is not None:
-            kv_cache.fill(k, v, lengths)
+            kv_cache.write_prompts(k, v, lengths)
             y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
                            for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)],
                           dim=2)

@@ -1,5 +1,5 @@
 """Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
-padded batches: read_table/load_datasets/read_test, prompt_format (the one truncation rule), TrainBatches,
+padded batches: read_table/load_splits/read_test, prompt_format (the one truncation rule), TrainBatches,
 eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
 something else, named in one line. Of this project it imports command_line.py alone (UserError): everything
 above reads its data through it."""
@@ -467,7 +467,7 @@ class Splits:
     notes: list  # what was skipped or cut, one line each, for the main rank to print
 
 
-def load_datasets(cfg, is_main=True, barrier=no_op):
+def load_splits(cfg, is_main=True, barrier=no_op):
     """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(cfg.train_csv, "train_csv", cfg)

@@ -261,7 +261,7 @@ class Trainer:
         if run.rouge_prompts:
             start = time.perf_counter()
             model = inference.rouge_model(self.model, run.cfg, rt)
-            predictions = inference.summarize_sharded(model, run.rouge_prompts, run.cfg, rt, progress=False)
+            predictions = inference.summarize_on_ranks(model, run.rouge_prompts, run.cfg, rt, progress=False)
             if run.clock:
                 run.clock.summarized(time.perf_counter() - start, len(predictions))
             metrics.update(rouge(predictions, run.val_set.summaries[:len(predictions)]))

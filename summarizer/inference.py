@@ -74,8 +74,19 @@ class Summarizer:
         encoded = [fmt.encode(d) for d in dialogues]
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
+    def summarize(self, prompts, rt, cfg=None):
+        """A summary per prompt (self.prompts), in order, on every rank: the model decoding them as `cfg` (else
+        self.cfg) says, sharded across the ranks (rank 0 says how greedy decodes); or an extractive baseline's
+        lines of each dialogue."""
+        if self.extractive:
+            return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
+        cfg = cfg or self.cfg
+        if rt.is_main:
+            print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
+        return summarize_on_ranks(self.model, prompts, cfg, rt)
 
-def open_run(cfg, explicit=(), use=Use.INFERENCE):
+
+def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
     """The Summarizer that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
     resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
     shape, with cfg as it is. `explicit`: the keys the command gave as --key=value; `use`: what the command does
@@ -89,35 +100,36 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
-        run = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+        summarizer = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = checkpoint_path(cfg)
         model, ckpt = build_model(path, key="ckpt")
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
-        run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+        summarizer = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                          ckpt["config"]["max_new_tokens"], path=path)
-    run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
-    return run
+    summarizer.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
+    return summarizer
 
 
-def load_run(cfg, explicit, rt, describe_data):
-    """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
+def load_summarizer(cfg, explicit, rt, describe_data):
+    """open_summarizer, on rank 0 the first line (weights, template, the data describe_data(run config) names,
     decoding), then the model on rt's device in eval mode. The weights are cast once to rt's dtype
     (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype), so no decode step casts them again."""
-    run = open_run(cfg, explicit)
-    if run.extractive:
+    summarizer = open_summarizer(cfg, explicit)
+    if summarizer.extractive:
         if rt.is_main:
-            print(f"weights: {run.weights}; {describe_data(run.cfg)}")
-        return run
+            print(f"weights: {summarizer.weights}; {describe_data(summarizer.cfg)}")
+        return summarizer
     if rt.is_main:
-        print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
-              f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
-        note = training_note(run.path)
+        print(f"weights: {summarizer.weights}; template {summarizer.cfg.prompt_template!r}; "
+              f"{describe_data(summarizer.cfg)}; decoding: "
+              f"{describe_decoding(summarizer.cfg, summarizer.overridden, summarizer.ckpt is not None)}")
+        note = training_note(summarizer.path)
         if note:
             print(note)
-    run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    return run
+    summarizer.model = summarizer.model.to(rt.device, getattr(torch, rt.dtype)).eval()
+    return summarizer
 
 
 def training_note(path):
@@ -157,34 +169,35 @@ def describe_validation(cfg):
     return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
 
 
-def validation_set(run, cfg, explicit, rt):
-    """The validation examples to score `run` on: the run's split, or the one the command names explicitly.
+def validation_set(summarizer, cfg, explicit, rt):
+    """The validation examples to score `summarizer` on: the run's split, or the one the command names explicitly.
     Rows the checkpoint trained on (same dialogue, or same id where both CSVs have ids) are refused in one line,
     unless the split is the run's own and they are duplicates inside its train_csv (then a note says so).
     Returns (examples, notes)."""
-    if run.ckpt is None and run.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
-        splits, val = None, data.load_validation(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+    if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
+        splits, val = None, data.load_validation(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
     else:
-        splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+        splits = data.load_splits(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
         val = splits.val
     if not len(val):
-        raise UserError(f"no validation rows to score: {describe_validation(run.cfg)} leaves none; pass "
-                        f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if run.ckpt else ""))
-    if run.ckpt is None:  # a baseline trained on nothing here
+        raise UserError(f"no validation rows to score: {describe_validation(summarizer.cfg)} leaves none; pass "
+                        f"--validation_csv=<a CSV with summaries>"
+                        + (" the run did not train on" if summarizer.ckpt else ""))
+    if summarizer.ckpt is None:  # a baseline trained on nothing here
         return val, []
-    trained = run.ckpt["train_rows"]
+    trained = summarizer.ckpt["train_rows"]
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
-    saved = run.ckpt["config"]
-    own = (all(getattr(run.cfg, key) == saved[key] for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == run.ckpt["validation_digest"])
+    saved = summarizer.ckpt["config"]
+    own = (all(getattr(summarizer.cfg, key) == saved[key] for key in keys(Split))
+           and splits.train.digest == trained["digest"] and val.digest == summarizer.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
-                     f"(duplicates in {run.cfg.train_csv}, e.g. id {first}); scored as in training"]
+                     f"(duplicates in {summarizer.cfg.train_csv}, e.g. id {first}); scored as in training"]
     changed = [f"--{key}" for key in keys(Split) if key in explicit]
-    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(run.cfg)}) were "
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summarizer.cfg)}) were "
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
@@ -209,9 +222,9 @@ def output_dir(cfg):
     return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
 
 
-def cut_line(run, cut, total):
+def cut_line(summarizer, cut, total):
     """The line that says how many dialogues the truncation rule cut."""
-    fmt, block_size = run.prompt_format(), run.model.config.block_size
+    fmt, block_size = summarizer.prompt_format(), summarizer.model.config.block_size
     template = len(fmt.head) + len(fmt.tail)
     return (f"cut the end of {cut} of {total} dialogue(s): a prompt keeps a dialogue's first {fmt.max_dialogue} "
             f"tokens (block_size {block_size} - {block_size - fmt.max_dialogue - template} summary tokens - "
@@ -220,7 +233,8 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, greedy_steps=None):
+def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
+                      greedy_steps=None):
     """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
     generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
     rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
@@ -238,13 +252,13 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     # every rank's progress, as this rank's share of the batches times world_size shows it
     bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
-    try:  # an out-of-memory error leaves the model as it was too: summarize_sharded tries again
+    try:  # an out-of-memory error leaves the model as it was too: summarize_on_ranks tries again
         for batch in batches:
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                           seed=cfg.seed, mbr_pick=mbr.pick, greedy_steps=greedy_steps)
-            except Exception as e:  # an out-of-memory's: what summarize_sharded keeps, and the size it halves
+            except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
                 if out_of_memory(e):
                     e.summaries, e.batch = summaries, len(batch)
                 raise
@@ -261,21 +275,9 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     return summaries
 
 
-def summaries(run, prompts, rt, cfg=None):
-    """A summary per prompt (run.prompts), in order, on every rank: the run's model decoding them as `cfg` (else
-    the run's config) says, sharded across the ranks (rank 0 says how greedy decodes); or an extractive baseline's
-    lines of each dialogue."""
-    if run.extractive:
-        return [" ".join(EXTRACTIVE[run.extractive][0](utterances(dialogue))) for dialogue in prompts]
-    cfg = cfg or run.cfg
-    if rt.is_main:
-        print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
-    return summarize_sharded(run.model, prompts, cfg, rt)
-
-
-def summarize_sharded(model, prompts, cfg, rt, progress=True):
+def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
-    in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast. A
+    in rt's dtype (load_summarizer) runs as it is; float32 weights (the model being trained) under rt's autocast. A
     generation batch out of memory on any rank halves that batch's size on every rank, as gen_batch_size for the
     rest of the process (rt.gen_batch_size), and the dialogues not summarized yet go on in the smaller batches (a
     summary does not depend on its batch); one line says what was lowered and why."""
@@ -286,9 +288,9 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True):
         todo = [i for i, summary in enumerate(summaries) if summary is None]
         lowered = dataclasses.replace(cfg, gen_batch_size=min(cfg.gen_batch_size, rt.gen_batch_size or math.inf))
         try:
-            mine = summarize(model, [prompts[i] for i in todo], lowered,
-                             contextlib.nullcontext() if held else rt.autocast(), progress=progress and rt.is_main,
-                             rank=rt.rank, world_size=rt.world_size, memory=memory, greedy_steps=rt.greedy_steps)
+            autocast = contextlib.nullcontext() if held else rt.autocast()
+            mine = summarize_batches(model, [prompts[i] for i in todo], lowered, autocast, progress and rt.is_main,
+                                     rt.rank, rt.world_size, memory, rt.greedy_steps)
             failed = None
         except Exception as e:  # told to every rank below: none waits for this one's shard
             if not out_of_memory(e):

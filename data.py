@@ -474,7 +474,7 @@ def load_splits(cfg, is_main=True, barrier=no_op):
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     notes += table_notes(table, "train_csv")
     if cfg.validation_csv:
-        val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
+        val_table, val, val_notes = validation_examples(cfg, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
             notes += table_notes(val_table, "validation_csv")
@@ -501,14 +501,9 @@ def load_splits(cfg, is_main=True, barrier=no_op):
     return Splits(train, val, notes)
 
 
-def load_validation(cfg, is_main=True, barrier=no_op):
-    """The tokenized examples of validation_csv alone: what a baseline, which trains on nothing, is scored on."""
+def validation_examples(cfg, is_main=True, barrier=no_op):
+    """(validation_csv's table, its Examples, the tokenizing's notes): alone, what a baseline is scored on."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
-    return validation_examples(cfg, fmt, is_main, barrier)[1]
-
-
-def validation_examples(cfg, fmt, is_main, barrier):
-    """(validation_csv's table, its Examples in the PromptFormat `fmt`, the tokenizing's notes)."""
     table = read_table(cfg.validation_csv, "validation_csv", cfg)
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     return table, Examples.from_rows(table, arrays, np.arange(len(table.ids))), notes

@@ -1,9 +1,6 @@
-"""The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
-evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
-
-A checkpoint keeps the config it was trained with, and config.resolve takes from it what each setting's scope says
-(config.TAKES, Use.INFERENCE or Use.EXPORT). A --baseline has no run: the command line is its config.
-"""
+"""The inference layer: a trained run's model and contract, read from its checkpoint (config.resolve takes what
+config.TAKES says), and the summaries it writes, for evaluate.py, predict.py, export.py and training's ROUGE. A
+--baseline has no run: the command line is its config."""
 import contextlib
 import dataclasses
 import math
@@ -65,9 +62,8 @@ class Summarizer:
                                   max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
     def prompts(self, dialogues):
-        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat. A template with
-        no text around {dialogue} gives an empty dialogue no tokens: it starts from <|endoftext|>. An extractive
-        baseline reads the dialogues themselves."""
+        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat; an empty prompt
+        starts from <|endoftext|>; an extractive baseline reads the dialogues themselves."""
         if self.extractive:
             return list(dialogues), 0
         fmt = self.prompt_format()
@@ -75,9 +71,8 @@ class Summarizer:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
     def summarize(self, prompts, rt, cfg=None):
-        """A summary per prompt (self.prompts), in order, on every rank: the model decoding them as `cfg` (else
-        self.cfg) says, sharded across the ranks (rank 0 says how greedy decodes); or an extractive baseline's
-        lines of each dialogue."""
+        """A summary per prompt (self.prompts), in order, on every rank: decoded as `cfg` (else self.cfg) says,
+        sharded across the ranks; or an extractive baseline's lines of each dialogue."""
         if self.extractive:
             return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
         cfg = cfg or self.cfg
@@ -87,10 +82,8 @@ class Summarizer:
 
 
 def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
-    """The Summarizer that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
-    resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
-    shape, with cfg as it is. `explicit`: the keys the command gave as --key=value; `use`: what the command does
-    with the checkpoint (export's card describes the run, so its flags may change less)."""
+    """The Summarizer that cfg names, on the CPU: the checkpoint (checkpoint_path) with its config resolved for
+    `use` and the `explicit` --key=value keys, or a cfg.baseline with cfg as it is."""
     if cfg.baseline in EXTRACTIVE:
         return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
@@ -107,15 +100,14 @@ def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         summarizer = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-                         ckpt["config"]["max_new_tokens"], path=path)
+                                ckpt["config"]["max_new_tokens"], path=path)
     summarizer.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
     return summarizer
 
 
 def load_summarizer(cfg, explicit, rt, describe_data):
-    """open_summarizer, on rank 0 the first line (weights, template, the data describe_data(run config) names,
-    decoding), then the model on rt's device in eval mode. The weights are cast once to rt's dtype
-    (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype), so no decode step casts them again."""
+    """open_summarizer, on rank 0 the first line (weights, template, describe_data(its config), decoding), then
+    the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts a weight again."""
     summarizer = open_summarizer(cfg, explicit)
     if summarizer.extractive:
         if rt.is_main:
@@ -125,8 +117,7 @@ def load_summarizer(cfg, explicit, rt, describe_data):
         print(f"weights: {summarizer.weights}; template {summarizer.cfg.prompt_template!r}; "
               f"{describe_data(summarizer.cfg)}; decoding: "
               f"{describe_decoding(summarizer.cfg, summarizer.overridden, summarizer.ckpt is not None)}")
-        note = training_note(summarizer.path)
-        if note:
+        if note := training_note(summarizer.path):
             print(note)
     summarizer.model = summarizer.model.to(rt.device, getattr(torch, rt.dtype)).eval()
     return summarizer
@@ -170,12 +161,10 @@ def describe_validation(cfg):
 
 
 def validation_set(summarizer, cfg, explicit, rt):
-    """The validation examples to score `summarizer` on: the run's split, or the one the command names explicitly.
-    Rows the checkpoint trained on (same dialogue, or same id where both CSVs have ids) are refused in one line,
-    unless the split is the run's own and they are duplicates inside its train_csv (then a note says so).
-    Returns (examples, notes)."""
+    """(validation examples, notes): the run's split, or the one the command names. Rows the checkpoint trained on
+    (data.repeated_rows) are refused in one line, unless they are duplicates inside the run's own split (a note)."""
     if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
-        splits, val = None, data.load_validation(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
+        splits, (_, val, _) = None, data.validation_examples(summarizer.cfg, rt.is_main, rt.barrier)
     else:
         splits = data.load_splits(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
         val = splits.val
@@ -209,14 +198,12 @@ def checkpoint_path(cfg):
 
 
 def make_output_dir(cfg):
-    """output_dir(cfg), created and checked writable before any work; where it is not, the line says to name the
-    checkpoint too when it was read from out_dir."""
+    """output_dir(cfg), created and checked writable before any work."""
     run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
 
 
 def output_dir(cfg):
-    """Where evaluate.py/predict.py write: out_dir for the checkpoint, out_dir/baseline-<name> for a baseline, so
-    a baseline's outputs never replace the checkpoint's."""
+    """Where evaluate.py/predict.py write: out_dir, or out_dir/baseline-<name> that a baseline's never replace."""
     if not cfg.baseline:
         return cfg.out_dir
     return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
@@ -235,12 +222,10 @@ def cut_line(summarizer, cut, total):
 
 def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
                       greedy_steps=None):
-    """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
-    generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
-    rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
-    same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
-    single-process output. greedy_steps: how greedy steps run (compiling.StepGraphs, released at the end so that
-    training gets its memory back; None: eagerly)."""
+    """One summary per prompt, in order, decoded as cfg says in generation_batches within `memory` bytes of KV
+    cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
+    same whatever the number of ranks, so sharded output is the single-process output. greedy_steps: how greedy
+    steps run (compiling.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
@@ -276,11 +261,9 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
 
 
 def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
-    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
-    in rt's dtype (load_summarizer) runs as it is; float32 weights (the model being trained) under rt's autocast. A
-    generation batch out of memory on any rank halves that batch's size on every rank, as gen_batch_size for the
-    rest of the process (rt.gen_batch_size), and the dialogues not summarized yet go on in the smaller batches (a
-    summary does not depend on its batch); one line says what was lowered and why."""
+    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. float32 weights
+    (the model being trained) run under rt's autocast. A batch out of memory on any rank halves gen_batch_size on
+    every rank for the rest of the process (rt.gen_batch_size), and the dialogues left go on; one line says so."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, tried, met = [None] * len(prompts), [], None
@@ -318,11 +301,9 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
 
 
 def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
-    plain GPT, its weights in rt's dtype, so that greedy decoding runs as CUDA graphs on a GPU, without autocast):
-    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
-    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
-    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
+    """The model that summarizes for ROUGE during training: a plain GPT in rt's dtype (greedy runs as CUDA graphs,
+    without autocast): the trained model where it is one, else a copy of its weights, gathered under FSDP (ranks
+    generating different lengths cannot keep its collectives in step) and LoRA-merged."""
     dtype = getattr(torch, rt.dtype)
     if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model

@@ -65,8 +65,7 @@ def literal(text):
 
 
 def preset(path):
-    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of top-level `name = <literal>`
-    lines."""
+    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of `name = <literal>` lines."""
     if not os.path.isfile(path):
         near = near_preset(path)
         hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path

@@ -172,8 +172,7 @@ def load_checkpoint(path, key="ckpt"):
 
 
 def complete_archive(path):
-    """Whether `path` is a whole zip archive, torch.save's format: its directory is at the end, so a truncated
-    file has none."""
+    """Whether `path` is a whole zip archive (torch.save's): a truncated one lacks the directory at its end."""
     try:
         with zipfile.ZipFile(path):
             return True

@@ -27,8 +27,7 @@ TIE = 1e-9  # per-dialogue score changes this small are the same score
 
 @torch.no_grad()
 def validation_loss(model, val_set, cfg, rt):
-    """The mean loss per target token over the validation split (eval_val_batches micro-batches of it; 0 = all),
-    each rank taking its share; every rank returns the same number."""
+    """The mean loss per target token over eval_val_batches micro-batches (0 = all), the same on every rank."""
     loss_sum, targets = torch.zeros((), device=rt.device), 0
     batches = list(data.eval_batches(val_set, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.eval_val_batches,
                                      cfg.seed, cfg.train_on_prompt))
@@ -46,8 +45,7 @@ def validation_loss(model, val_set, cfg, rt):
 
 
 def prepare_scoring(cfg, explicit, rt):
-    """(summarizer, validation examples, their prompts, the rows of the --compare evaluation in their order or None) for
-    scoring, after the first line and the notes on what was checked and cut."""
+    """(summarizer, validation examples, their prompts, the --compare evaluation's rows or None), after the notes."""
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     if rt.is_main:
         inference.make_output_dir(cfg)
@@ -138,8 +136,10 @@ def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows
     write_report(paths[2], frame, report, curve=curve if os.path.isfile(curve) else "", comparison=comparison,
                  sweep_rows=sweep_rows)
     if comparison is not None:
-        for t in COMPARED:
-            print(comparison_line(t, comparison.stats[t], comparison.label, len(frame)))
+        for t in COMPARED:  # 'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'
+            stats = comparison.stats[t]
+            print(f"{t} {stats['mean_diff']:+.4f} {interval_text(stats['ci95'], signed=True)} vs {comparison.label}: "
+                  f"better on {stats['better']}, worse on {stats['worse']} of {len(frame)}")
     print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
 
 
@@ -161,7 +161,6 @@ def paired_bootstrap(ours, theirs, samples=1000, seed=0):
 
 
 def token_counts(texts):
-    """Each text's length in GPT-2 tokens."""
     enc = data.get_tokenizer()
     return [len(enc.encode_ordinary(text)) for text in texts]
 
@@ -176,8 +175,7 @@ class Comparison:
 
 
 def read_evaluation(where):
-    """The rows of another evaluation (an out_dir, or its eval_predictions.csv), or a UserError naming what is
-    missing."""
+    """The rows of another evaluation (an out_dir, or its eval_predictions.csv)."""
     path = os.path.join(where, run_folder.EVAL_PREDICTIONS) if os.path.isdir(where) else where
     if not os.path.isfile(path):
         raise UserError(f"--compare={where}: {path} does not exist; give an out_dir that evaluate.py wrote into, "
@@ -223,12 +221,6 @@ def compare(frame, other):
         stats[t] = {"mean_diff": mean, "ci95": ci95, "better": int((differences > TIE).sum()),
                     "worse": int((differences < -TIE).sum()), "same": int((abs(differences) <= TIE).sum())}
     return stats
-
-
-def comparison_line(t, stats, label, n):
-    """'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'."""
-    return (f"{t} {stats['mean_diff']:+.4f} {interval_text(stats['ci95'], signed=True)} vs {label}: better on "
-            f"{stats['better']}, worse on {stats['worse']} of {n}")
 
 
 def sweep(cfg, explicit, rt):

@@ -124,8 +124,7 @@ def load_summarizer(cfg, explicit, rt, describe_data):
 
 
 def training_note(path):
-    """The line that says a training run holds the checkpoint's folder (what is scored is its last complete
-    save), or None."""
+    """The line that says a training run holds the checkpoint's folder (this reads its last save), or None."""
     holder = path and run_folder.training_in(os.path.dirname(os.path.abspath(path)))
     return holder and (f"note: a training run holds {os.path.dirname(path) or '.'} ({holder}): this reads its last "
                        f"complete save, {path}")

@@ -131,8 +131,7 @@ def scope_table():
 
 
 def markdown_reference():
-    """docs/config.md's reference: what a command takes from a run by each scope, then a table of keys per group of
-    settings."""
+    """docs/config.md's reference: what a command takes from a run by each scope, then the keys of each group."""
     defaults = Config()
     sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
                 "and for a new run from the weights a preset too):\n\n"

@@ -259,9 +259,8 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule, for training, evaluation, prediction and the model card alike: head + the first
-    `max_dialogue` tokens of the dialogue + tail, so a summary of max_new_tokens still fits block_size. Training cuts
-    a dialogue further only when its reference summary is longer than that."""
+    """The one truncation rule, for training, inference and the model card alike: head + the first `max_dialogue`
+    tokens of the dialogue + tail, so a summary of max_new_tokens fits block_size (training: its reference's)."""
     head: list
     tail: list
     max_dialogue: int
@@ -324,9 +323,8 @@ def no_op():
 
 
 def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
-    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir under a hash of all they
-    depend on, while the others wait at `barrier`; a data_cache_dir that cannot be written gives way to
-    out_dir/.cache/data, with a note."""
+    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir (else, with a note,
+    out_dir/.cache/data) under a hash of all they depend on, while the others wait at `barrier`."""
     key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
                                TOKENIZER_ID)).encode()).hexdigest()
     name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{key[:16]}.npz"

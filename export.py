@@ -173,8 +173,7 @@ def check_target(path, overwrite):
 
 
 def readable_as_umask_says(folder):
-    """Give the folder's files the mode a new file gets (safetensors writes its file 0600, unreadable to the
-    others a shared folder or a Kaggle dataset is made for)."""
+    """Give the folder's files the mode a new file gets (safetensors writes 0600: unreadable to the others)."""
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(folder):
@@ -196,8 +195,7 @@ def replace_folder(tmp, target):
 
 
 def export(cfg, explicit=()):
-    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path.
-    `explicit`: the keys given as --key=value, which may change the run's decoding settings."""
+    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path."""
     if not cfg.export_dir:
         raise UserError("pass --export_dir=DIR: the folder to write the transformers model to")
     if cfg.baseline:

@@ -120,8 +120,7 @@ def main(argv=None):
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
     skipped (an fp16 overflow or a non-finite loss), the stop signal some rank received (or None), the steps
-    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, and its learning
-    rate."""
+    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, its learning rate."""
     loss: float
     grad_norm: float
     skipped: bool

@@ -296,8 +296,7 @@ def checkpoint_bytes(state):
 
 class DiskPlan:
     """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
-    adapters alone, and AdamW's moments), best.pt (the merged weights), and the second copy of the larger one while
-    an atomic save replaces it."""
+    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once

@@ -95,8 +95,7 @@ def competition_file(name, fallback):
 
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
     """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, choices, Bound, parser of a
-    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), and whether it is a path (its ~
-    expanded as a shell would)."""
+    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), whether a path (~ expands)."""
     if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
         raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
     metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,

@@ -136,8 +136,7 @@ NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
 
 def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), whatever its encoding or
-    compression, or UserError naming the file, the config key and what to do (csv_content names a file that is not
-    a CSV; a text of one column, a web page or a Git LFS pointer, is not a CSV of rows)."""
+    compression, or UserError naming the file, the config key and what to do."""
     if os.path.isdir(path):
         stem = key.split("_")[0]  # the CSVs named like the key (train.csv for train_csv) are listed first
         csvs = sorted((name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip"))),

@@ -85,8 +85,7 @@ def scored_frame(val, predictions):
 
 
 def scores_report(frame, summarizer, decoding_cfg, overridden):
-    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE means with 95% bootstrap
-    intervals, and the diagnostics of the summaries' lengths."""
+    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE with 95% intervals, diagnostics."""
     report = {t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES}
     report["weights"] = summarizer.weights
     report["step"] = summarizer.ckpt["iter_num"] if summarizer.ckpt else None
@@ -167,8 +166,7 @@ def token_counts(texts):
 
 @dataclasses.dataclass
 class Comparison:
-    """This evaluation against another of the same dialogues: its label (the --compare argument), its rows in this
-    evaluation's order, and per ROUGE the paired difference (compare)."""
+    """This evaluation against another (--compare): its label, its rows in this order, per ROUGE compare's stats."""
     label: str
     other: pd.DataFrame
     stats: dict
@@ -224,9 +222,8 @@ def compare(frame, other):
 
 
 def sweep(cfg, explicit, rt):
-    """Score every decoding setting of cfg.sweep on the validation split with one loaded model: a table (stdout,
-    sweep.csv, sweep.md), the recommended setting's evaluation files, and that setting as flags for predict.py: the
-    fastest whose ROUGE-L a paired test cannot tell from the best's. The table's rows on rank 0, else None."""
+    """Score every decoding setting of cfg.sweep with one loaded model: a table (stdout, sweep.csv, sweep.md), and
+    the fastest setting a paired test cannot tell from the best: its evaluation files and its flags for predict.py."""
     settings = sweep_settings(cfg.sweep)
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")

@@ -56,8 +56,7 @@ class Summarizer:
     extractive: str = ""  # an EXTRACTIVE baseline's name: no model, its summaries are lines of the dialogue
 
     def prompt_format(self):
-        """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
-        dialogues are cut shorter so the summary still fits."""
+        """data.PromptFormat as training applied it, or shorter dialogues for a larger max_new_tokens now."""
         return data.prompt_format(self.cfg.prompt_template, self.model.config.block_size,
                                   max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
@@ -109,17 +108,16 @@ def load_summarizer(cfg, explicit, rt, describe_data):
     """open_summarizer, on rank 0 the first line (weights, template, describe_data(its config), decoding), then
     the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts a weight again."""
     summarizer = open_summarizer(cfg, explicit)
-    if summarizer.extractive:
-        if rt.is_main:
-            print(f"weights: {summarizer.weights}; {describe_data(summarizer.cfg)}")
-        return summarizer
-    if rt.is_main:
-        print(f"weights: {summarizer.weights}; template {summarizer.cfg.prompt_template!r}; "
-              f"{describe_data(summarizer.cfg)}; decoding: "
-              f"{describe_decoding(summarizer.cfg, summarizer.overridden, summarizer.ckpt is not None)}")
+    run_cfg, model = summarizer.cfg, summarizer.model
+    if rt.is_main and model is None:  # an extractive baseline
+        print(f"weights: {summarizer.weights}; {describe_data(run_cfg)}")
+    elif rt.is_main:
+        print(f"weights: {summarizer.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
+              f"decoding: {describe_decoding(run_cfg, summarizer.overridden, summarizer.ckpt is not None)}")
         if note := training_note(summarizer.path):
             print(note)
-    summarizer.model = summarizer.model.to(rt.device, getattr(torch, rt.dtype)).eval()
+    if model is not None:
+        summarizer.model = model.to(rt.device, getattr(torch, rt.dtype)).eval()
     return summarizer
 
 

@@ -37,8 +37,7 @@ def check_against_sample(ids, path):
 
 
 def predict(cfg, explicit, rt):
-    """Summarize every test dialogue (sharded across ranks) with the run cfg names; rank 0 writes submission.csv
-    into inference.output_dir and returns its path."""
+    """Summarize every test dialogue (sharded across ranks); rank 0 writes submission.csv and returns its path."""
     out = inference.output_dir(cfg)
     if rt.is_main:
         inference.make_output_dir(cfg)

@@ -116,13 +116,12 @@ def clean_text(text):
 
 @dataclass
 class Table:
-    """The rows of one CSV. `empty` counts rows with an empty dialogue or summary: skipped in training data;
-    kept in test data (every id needs a prediction)."""
+    """The rows of one CSV."""
     path: str
     ids: list
     dialogues: list
     summaries: list | None
-    empty: int
+    empty: int  # rows with an empty dialogue or summary: skipped in training data, kept in test data (ids need one)
     digest: str  # sha256 of the file's bytes and the columns read
     has_ids: bool  # False: the CSV has no id column, and ids are row numbers
     no_id: str | None  # rows_with_no_id's words: a note for training data (test data stops on them)

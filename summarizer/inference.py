@@ -44,14 +44,13 @@ EXTRACTIVE = {"first_line": (lambda lines: lines[:1], "the first line of each di
 
 @dataclass
 class Summarizer:
-    """A model and the config that decides how it is prompted and decoded: the run's, with this command's
-    decoding and data flags. `trained_max_new_tokens` is the run's own, which its prompts were cut for."""
+    """A model and the config that prompts and decodes it: the run's, with this command's decoding and data flags."""
     model: torch.nn.Module
     cfg: Config
     weights: str = ""  # what the weights are, for the first line
     ckpt: dict | None = None
     overridden: list = ()  # decoding keys this command changed
-    trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
+    trained_max_new_tokens: int = 0  # the run's, which its prompts were cut for; 0: cfg's (the run being trained)
     path: str = ""  # the checkpoint file; '' for a baseline
     extractive: str = ""  # an EXTRACTIVE baseline's name: no model, its summaries are lines of the dialogue
 

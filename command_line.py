@@ -1,7 +1,6 @@
 """A command line in words: which words are presets and which are --key=value flags, what a preset file says, what
-a flag's text is as a value, and the text --help prints about it. It knows no setting: config.py, which imports
-it, types each key's value and checks it. UserError is defined here, the lowest module of all: a command line is
-the first thing a user can get wrong."""
+a flag's text is as a value, and the text --help prints about it. It knows no setting: config.py types and checks
+each value. UserError is defined here, the lowest module: a command line is the first thing a user gets wrong."""
 import ast
 import difflib
 import json
@@ -65,8 +64,7 @@ def literal(text):
 
 
 def preset(path):
-    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of top-level `name = <literal>`
-    lines."""
+    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of `name = <literal>` lines."""
     if not os.path.isfile(path):
         near = near_preset(path)
         hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path

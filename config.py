@@ -1,9 +1,7 @@
 """Every setting of train.py, evaluate.py, predict.py and export.py, declared once with its type, default, rules
 and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the values a
-command line gives them (command_line.py reads its words). Each group's rules check its own values and
-Config reports every problem of a command in one line. This module imports nothing from summarizer/: the rest of
-the program imports it.
-"""
+command line gives them (command_line.py reads its words); Config reports every problem in one line. It imports
+nothing from summarizer/."""
 import difflib
 import enum
 import os
@@ -97,8 +95,7 @@ def competition_file(name, fallback):
 
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
     """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, choices, Bound, parser of a
-    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), and whether it is a path (its ~
-    expanded as a shell would)."""
+    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), whether a path (~ expands)."""
     if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
         raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
     metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,
@@ -586,9 +583,8 @@ READS = {"train.py": TRAINING_KEYS,
 # ---- what a later command takes from a run ----------------------------------------------------------------------
 
 def resolve(cfg, given, saved, path, use):
-    """(the Config a command runs with, [(key, the run's value, this command's)] for what the keys it gave changed)
-    from its `cfg` and the settings `saved` of the run at `path`, by TAKES for its `use`. A key given against a value
-    the command must take from the run stops in one line."""
+    """(the Config a command runs with, [(key, the run's value, this command's)] for the given keys that changed),
+    by TAKES for its `use`, from `cfg` and the run's `saved` settings; a given key the run decides is refused."""
     values, changed = {}, []
     for key, f in FIELDS.items():
         take, mine = TAKES[f.metadata["scope"]][use], getattr(cfg, key)
@@ -602,10 +598,9 @@ def resolve(cfg, given, saved, path, use):
                 if use is Use.RESUME else REFUSED[use]
             raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
                             f"{mine!r}: {why}")
-        else:
-            values[key] = mine if differs else theirs
-            if differs:
-                changed.append((key, theirs, mine))
+        values[key] = mine if differs else theirs
+        if differs:
+            changed.append((key, theirs, mine))
     return Config(**values), changed
 
 

@@ -1,5 +1,5 @@
 """Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
-padded batches: read_table/load_datasets/read_test, prompt_format (the one truncation rule), TrainBatches,
+padded batches: read_table/load_splits/read_test, prompt_format (the one truncation rule), TrainBatches,
 eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
 something else, named in one line. Of this project it imports command_line.py alone (UserError): everything
 above reads its data through it."""
@@ -116,13 +116,12 @@ def clean_text(text):
 
 @dataclass
 class Table:
-    """The rows of one CSV. `empty` counts rows with an empty dialogue or summary: skipped in training data;
-    kept in test data (every id needs a prediction)."""
+    """The rows of one CSV."""
     path: str
     ids: list
     dialogues: list
     summaries: list | None
-    empty: int
+    empty: int  # rows with an empty dialogue or summary: skipped in training data, kept in test data (ids need one)
     digest: str  # sha256 of the file's bytes and the columns read
     has_ids: bool  # False: the CSV has no id column, and ids are row numbers
     no_id: str | None  # rows_with_no_id's words: a note for training data (test data stops on them)
@@ -136,8 +135,7 @@ NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
 
 def read_frame(path, key, missing_hint=None):
     """A CSV file as (its bytes, a DataFrame of strings with stripped column names), whatever its encoding or
-    compression, or UserError naming the file, the config key and what to do (csv_content names a file that is not
-    a CSV; a text of one column, a web page or a Git LFS pointer, is not a CSV of rows)."""
+    compression, or UserError naming the file, the config key and what to do."""
     if os.path.isdir(path):
         stem = key.split("_")[0]  # the CSVs named like the key (train.csv for train_csv) are listed first
         csvs = sorted((name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip"))),
@@ -259,9 +257,8 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule, for training, evaluation, prediction and the model card alike: head + the first
-    `max_dialogue` tokens of the dialogue + tail, so a summary of max_new_tokens still fits block_size. Training cuts
-    a dialogue further only when its reference summary is longer than that."""
+    """The one truncation rule, for training, inference and the model card alike: head + the first `max_dialogue`
+    tokens of the dialogue + tail, so a summary of max_new_tokens fits block_size (training: its reference's)."""
     head: list
     tail: list
     max_dialogue: int
@@ -324,9 +321,8 @@ def no_op():
 
 
 def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
-    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir under a hash of all they
-    depend on, while the others wait at `barrier`; a data_cache_dir that cannot be written gives way to
-    out_dir/.cache/data, with a note."""
+    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir (else, with a note,
+    out_dir/.cache/data) under a hash of all they depend on, while the others wait at `barrier`."""
     key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
                                TOKENIZER_ID)).encode()).hexdigest()
     name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{key[:16]}.npz"
@@ -467,14 +463,14 @@ class Splits:
     notes: list  # what was skipped or cut, one line each, for the main rank to print
 
 
-def load_datasets(cfg, is_main=True, barrier=no_op):
+def load_splits(cfg, is_main=True, barrier=no_op):
     """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(cfg.train_csv, "train_csv", cfg)
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     notes += table_notes(table, "train_csv")
     if cfg.validation_csv:
-        val_table, val, val_notes = validation_examples(cfg, fmt, is_main, barrier)
+        val_table, val, val_notes = validation_examples(cfg, is_main, barrier)
         notes += val_notes
         if val_table.digest != table.digest:  # the same CSV: one note says so
             notes += table_notes(val_table, "validation_csv")
@@ -501,14 +497,9 @@ def load_datasets(cfg, is_main=True, barrier=no_op):
     return Splits(train, val, notes)
 
 
-def load_validation(cfg, is_main=True, barrier=no_op):
-    """The tokenized examples of validation_csv alone: what a baseline, which trains on nothing, is scored on."""
+def validation_examples(cfg, is_main=True, barrier=no_op):
+    """(validation_csv's table, its Examples, the tokenizing's notes): alone, what a baseline is scored on."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
-    return validation_examples(cfg, fmt, is_main, barrier)[1]
-
-
-def validation_examples(cfg, fmt, is_main, barrier):
-    """(validation_csv's table, its Examples in the PromptFormat `fmt`, the tokenizing's notes)."""
     table = read_table(cfg.validation_csv, "validation_csv", cfg)
     arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
     return table, Examples.from_rows(table, arrays, np.arange(len(table.ids))), notes

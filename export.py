@@ -22,7 +22,7 @@ import data
 from config import GPT2_NAMES, Config, Decoding, Use, flags_given, load_config, part
 from model import CONV1D_WEIGHTS
 from summarizer.errors import UserError
-from summarizer.inference import describe_validation, open_run, training_note
+from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
 
 quiet_start.imported(__name__)
@@ -79,9 +79,9 @@ def save_tokenizer(folder, block_size):
     tokenizer.save_pretrained(folder)
 
 
-def model_card(ckpt, trained, run, fmt, name):
+def model_card(ckpt, trained, cfg, fmt, name):
     """README.md of the folder: what the model is, how it was trained (`trained`) and scored, and how to prompt and
-    decode it (`run`), with the code that builds a prompt as our PromptFormat `fmt` does."""
+    decode it (`cfg`), with the code that builds a prompt as our PromptFormat `fmt` does."""
     metrics, rows = ckpt["metrics"], ckpt["train_rows"]
     training = (f"{os.path.basename(trained.train_csv)}: {len(rows['dialogues'])} training rows (CSV digest "
                 f"{rows['digest'][:16]})")
@@ -92,9 +92,9 @@ def model_card(ckpt, trained, run, fmt, name):
     base = (trained.init_from if trained.init_from in GPT2_NAMES else
             "not recorded (a resumed run's checkpoint written before 2026-11-26)" if trained.init_from == "resume"
             else f"{trained.init_from} (init_from)")
-    decoding = "beam search" if run.num_beams > 1 else "sampling" if run.temperature > 0 else "greedy"
+    decoding = "beam search" if cfg.num_beams > 1 else "sampling" if cfg.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
-    head, tail = data.template_text(run.prompt_template)
+    head, tail = data.template_text(cfg.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
                        *([f"base_model: {trained.init_from}"] if trained.init_from in GPT2_NAMES else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
@@ -111,13 +111,13 @@ GPT-2 fine-tuned to summarize dialogues (SAMSum format: `id,dialogue,summary`).
 | validation data | {validation} |
 | steps | {ckpt["iter_num"]} (batch {trained.batch_size} sequences of up to {block_size} tokens) |
 | validation scores at that step | {scores or "none recorded"} |
-| decoding | generation_config.json: {decoding}, up to {run.max_new_tokens} new tokens |
+| decoding | generation_config.json: {decoding}, up to {cfg.max_new_tokens} new tokens |
 
 ## Prompt
 
-The model only summarizes dialogues wrapped in the template it was trained with, `{run.prompt_template!r}`,
+The model only summarizes dialogues wrapped in the template it was trained with, `{cfg.prompt_template!r}`,
 with `\\n` line breaks. The text before and after `{{dialogue}}` and the dialogue are tokenized each on its own.
-The model has {block_size} positions and generates up to {run.max_new_tokens} tokens, so a prompt keeps the
+The model has {block_size} positions and generates up to {cfg.max_new_tokens} tokens, so a prompt keeps the
 **first {fmt.max_dialogue} tokens** of a dialogue and cuts the end of a longer one, as in training and
 evaluation (a longer prompt would not fit: transformers raises an IndexError). The summary ends with
 `<|endoftext|>`. `prompt_ids` below builds a prompt exactly so.
@@ -173,8 +173,7 @@ def check_target(path, overwrite):
 
 
 def readable_as_umask_says(folder):
-    """Give the folder's files the mode a new file gets (safetensors writes its file 0600, unreadable to the
-    others a shared folder or a Kaggle dataset is made for)."""
+    """Give the folder's files the mode a new file gets (safetensors writes 0600: unreadable to the others)."""
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(folder):
@@ -196,35 +195,36 @@ def replace_folder(tmp, target):
 
 
 def export(cfg, explicit=()):
-    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path.
-    `explicit`: the keys given as --key=value, which may change the run's decoding settings."""
+    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path."""
     if not cfg.export_dir:
         raise UserError("pass --export_dir=DIR: the folder to write the transformers model to")
     if cfg.baseline:
         raise UserError("export.py exports a checkpoint (--ckpt), not a --baseline")
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
-    run = open_run(cfg, explicit, Use.EXPORT)  # what the card says of training is the run's: flags only repeat it
-    trained = Config(**run.ckpt["config"])
-    hf = to_transformers(run.model)
-    hf.generation_config = generation_config(part(run.cfg, Decoding))
+    # what the card says of training is the run's: flags only repeat it
+    summarizer = open_summarizer(cfg, explicit, Use.EXPORT)
+    trained = Config(**summarizer.ckpt["config"])
+    hf = to_transformers(summarizer.model)
+    hf.generation_config = generation_config(part(summarizer.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         hf.save_pretrained(tmp)
-        save_tokenizer(tmp, run.model.config.block_size)
+        save_tokenizer(tmp, summarizer.model.config.block_size)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(run.ckpt, trained, run.cfg, run.prompt_format(), os.path.basename(target)))
+            f.write(model_card(summarizer.ckpt, trained, summarizer.cfg, summarizer.prompt_format(),
+                               os.path.basename(target)))
         readable_as_umask_says(tmp)
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if note := training_note(run.path):
+    if note := training_note(summarizer.path):
         print(note)
-    print(f"exported {run.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
+    print(f"exported {summarizer.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
     return target
 
 

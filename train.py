@@ -120,8 +120,7 @@ def main(argv=None):
 class StepDone(NamedTuple):
     """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
     skipped (an fp16 overflow or a non-finite loss), the stop signal some rank received (or None), the steps
-    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, and its learning
-    rate."""
+    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, its learning rate."""
     loss: float
     grad_norm: float
     skipped: bool
@@ -261,7 +260,7 @@ class Trainer:
         if run.rouge_prompts:
             start = time.perf_counter()
             model = inference.rouge_model(self.model, run.cfg, rt)
-            predictions = inference.summarize_sharded(model, run.rouge_prompts, run.cfg, rt, progress=False)
+            predictions = inference.summarize_on_ranks(model, run.rouge_prompts, run.cfg, rt, progress=False)
             if run.clock:
                 run.clock.summarized(time.perf_counter() - start, len(predictions))
             metrics.update(rouge(predictions, run.val_set.summaries[:len(predictions)]))

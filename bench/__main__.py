@@ -31,7 +31,7 @@ from data import EOT_ID
 from generate import generate
 from model import GPT
 from summarizer import compiling, inference, mbr
-from summarizer.inference import open_run, summarize
+from summarizer.inference import open_summarizer, summarize_batches
 from summarizer.metrics import rouge
 
 
@@ -184,9 +184,9 @@ def greedy_step_figures(model, prompts, max_new, args, device):
 
 
 def predict_batch_parts(model, prompts, max_new, args, device):
-    """predict.py's batch (inference.summarize of gen_batch dialogues, from their text) timed whole, then as its
+    """predict.py's batch (inference.summarize_batches of gen_batch dialogues, from their text) timed whole, then as its
     parts, each timed on its own in a second run: tokenizing, prefill, decode steps, the greedy loop's own host
-    work per step (generate's time less prefill and steps), and per batch (summarize's time less generate's:
+    work per step (generate's time less prefill and steps), and per batch (summarize_batches' time less generate's:
     batch planning, progress bar, detokenizing). The parts must sum to the whole within 10%."""
     dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
     cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
@@ -194,7 +194,7 @@ def predict_batch_parts(model, prompts, max_new, args, device):
     steps = greedy_steps(device)
 
     def batch():
-        summarize(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
+        summarize_batches(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
     batch()  # warm-up (and captures)
     whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
     spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "greedy_bookkeeping", "generate", "summarize"),
@@ -489,26 +489,26 @@ def bench_decode(args, device):
 
 
 def compare_decodings(name, cfg, ckpt, device, repeats):
-    run = open_run(dataclasses.replace(cfg, ckpt=ckpt or ""))
-    model = run.model.to(device).eval()
-    val = data.load_datasets(run.cfg).val
-    prompts, _ = run.prompts(val.dialogues)
+    summarizer = open_summarizer(dataclasses.replace(cfg, ckpt=ckpt or ""))
+    model = summarizer.model.to(device).eval()
+    val = data.load_splits(summarizer.cfg).val
+    prompts, _ = summarizer.prompts(val.dialogues)
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
     lm_head_rows, decoded = [], {}
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
-    # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_run): greedy in it against
+    # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_summarizer): greedy in it against
     # float32. By compute capability: is_bf16_supported() is True on a T4, which only emulates bfloat16.
     half = (torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0)
             else torch.float16)
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
     half_model = copy.deepcopy(model).to(half)  # the copy keeps the counting hook
-    runs = {method: (model, dataclasses.replace(run.cfg, **options)) for method, options in DECODINGS.items()}
-    runs[half_greedy] = (half_model, run.cfg)
+    runs = {method: (model, dataclasses.replace(summarizer.cfg, **options)) for method, options in DECODINGS.items()}
+    runs[half_greedy] = (half_model, summarizer.cfg)
 
     def decode(method):
         decoding_model, run_cfg = runs[method]
         lm_head_rows.clear()
-        predictions = summarize(decoding_model, prompts, run_cfg, contextlib.nullcontext())
+        predictions = summarize_batches(decoding_model, prompts, run_cfg, contextlib.nullcontext())
         decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
         return predictions
 

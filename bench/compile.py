@@ -218,9 +218,10 @@ def bench_compile(args, device):
         # a demo model trained briefly: it ends its summaries with a real <|endoftext|>
         cfg = train_quietly([*demo_arguments(folder), f"--out_dir={folder}/demo", "--max_iters=60",
                              "--eval_interval=60", "--rouge_samples=0", "--best_metric=val_loss"])
-        run = inference.open_run(dataclasses.replace(cfg, ckpt=""))
-        prompts, _ = run.prompts(data.load_datasets(run.cfg).val.dialogues)
-        syncs, casts, kv = decode_counts(run.model.eval(), prompts, dataclasses.replace(run.cfg, gen_batch_size=64))
+        summarizer = inference.open_summarizer(dataclasses.replace(cfg, ckpt=""))
+        prompts, _ = summarizer.prompts(data.load_splits(summarizer.cfg).val.dialogues)
+        syncs, casts, kv = decode_counts(summarizer.model.eval(), prompts,
+                                         dataclasses.replace(summarizer.cfg, gen_batch_size=64))
         rows += [dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1/8"),
                  dict(section="compile", figure="decode:weight_casts_per_step", value=casts, target="0"),
                  dict(section="compile", figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25")]

@@ -70,9 +70,8 @@ def format_of(ckpt):
 # file may lack them.
 
 def upgrade_3(ckpt):
-    """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple,
-    sweep a mapping), and the shape keys of the config are the model's (a pretrained model's config kept the
-    defaults of init_from=scratch)."""
+    """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple, sweep a
+    mapping), and the config's shape keys are the model's (a pretrained model's kept init_from=scratch's defaults)."""
     config = {**ckpt["config"], **shape_settings(ckpt["model_args"])}
     return {**ckpt, "format": 4, "config": {key: typed(key, value, "the checkpoint's config")
                                              for key, value in config.items() if key in FIELDS}}
@@ -172,8 +171,7 @@ def load_checkpoint(path, key="ckpt"):
 
 
 def complete_archive(path):
-    """Whether `path` is a whole zip archive, torch.save's format: its directory is at the end, so a truncated
-    file has none."""
+    """Whether `path` is a whole zip archive (torch.save's): a truncated one lacks the directory at its end."""
     try:
         with zipfile.ZipFile(path):
             return True

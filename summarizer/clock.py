@@ -166,8 +166,7 @@ class RunClock:
                 + self.evaluations.spread() * self.evaluation())
 
     def reserve(self):
-        """What the budget keeps after the last step: the last evaluation with its save, the after-run and the
-        margin."""
+        """What the budget keeps after the last step: the last evaluation and save, the after-run, the margin."""
         return self.evaluation() + self.after_run() + self.margin()
 
     def steps_left(self, it, tokens=None):

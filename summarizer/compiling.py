@@ -66,9 +66,8 @@ def backward_compiled_in_forward():
 
 class EagerFallback:
     """The one compile fallback, of training and of decoding: calls go to `compiled` until the compiler fails at
-    one (it compiles lazily: at a first call, at a recompile, or at a recompile limit), then one warning line that
-    says `instead`, and `eager` for the rest of the run. Errors of the program itself (out of memory included)
-    propagate."""
+    one (lazily: a first call, a recompile, a recompile limit), then one warning line that says `instead`, and
+    `eager` for the rest of the run. The program's own errors (out of memory included) propagate."""
 
     def __init__(self, compiled, eager, instead):
         self.compiled, self.eager, self.instead = compiled, eager, instead

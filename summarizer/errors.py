@@ -6,5 +6,4 @@ __all__ = ["UserError", "DiskFull"]
 
 
 class DiskFull(UserError):
-    """A write that found no space left (or the quota used up): the user's to fix, and what was saved before is
-    intact."""
+    """A write that found no space left (or the quota used up): the user's to fix; what was saved is intact."""

@@ -27,8 +27,7 @@ TIE = 1e-9  # per-dialogue score changes this small are the same score
 
 @torch.no_grad()
 def validation_loss(model, val_set, cfg, rt):
-    """The mean loss per target token over the validation split (eval_val_batches micro-batches of it; 0 = all),
-    each rank taking its share; every rank returns the same number."""
+    """The mean loss per target token over eval_val_batches micro-batches (0 = all), the same on every rank."""
     loss_sum, targets = torch.zeros((), device=rt.device), 0
     batches = list(data.eval_batches(val_set, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.eval_val_batches,
                                      cfg.seed, cfg.train_on_prompt))
@@ -45,34 +44,33 @@ def validation_loss(model, val_set, cfg, rt):
     return (totals[0] / totals[1]).item()  # callers have validation rows: no mean of none
 
 
-def validation_run(cfg, explicit, rt):
-    """(run, validation examples, their prompts, the rows of the --compare evaluation in their order or None) for
-    scoring, after the first line and the notes on what was checked and cut."""
+def prepare_scoring(cfg, explicit, rt):
+    """(summarizer, validation examples, their prompts, the --compare evaluation's rows or None), after the notes."""
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     if rt.is_main:
         inference.make_output_dir(cfg)
-    run = inference.load_run(cfg, explicit, rt, inference.describe_validation)
-    val, notes = inference.validation_set(run, cfg, explicit, rt)
-    prompts, cut = run.prompts(val.dialogues)
+    summarizer = inference.load_summarizer(cfg, explicit, rt, inference.describe_validation)
+    val, notes = inference.validation_set(summarizer, cfg, explicit, rt)
+    prompts, cut = summarizer.prompts(val.dialogues)
     if rt.is_main:
-        for note in [*notes, inference.cut_line(run, cut, len(val)) if cut else ""]:
+        for note in [*notes, inference.cut_line(summarizer, cut, len(val)) if cut else ""]:
             if note:
                 print(note)
-    return run, val, prompts, None if other is None else matched(other, val, cfg.compare)
+    return summarizer, val, prompts, None if other is None else matched(other, val, cfg.compare)
 
 
 def evaluate(cfg, explicit, rt):
     """ROUGE of the run on its whole validation split, on stdout and in the evaluation files (write_evaluation); with
     cfg.compare, the paired differences from that evaluation. The report on rank 0, None on the others."""
-    run, val, prompts, other = validation_run(cfg, explicit, rt)
-    predictions = inference.summaries(run, prompts, rt)
+    summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
+    predictions = summarizer.summarize(prompts, rt)
     if not rt.is_main:
         return None
     frame = scored_frame(val, predictions)
-    report = scores_report(frame, run, run.cfg, run.overridden)
+    report = scores_report(frame, summarizer, summarizer.cfg, summarizer.overridden)
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
-    write_evaluation(cfg, run, frame, report, comparison)
+    write_evaluation(cfg, summarizer, frame, report, comparison)
     return report
 
 
@@ -86,14 +84,13 @@ def scored_frame(val, predictions):
                          "dialogue_tokens": token_counts(val.dialogues)})
 
 
-def scores_report(frame, run, decoding_cfg, overridden):
-    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE means with 95% bootstrap
-    intervals, and the diagnostics of the summaries' lengths."""
+def scores_report(frame, summarizer, decoding_cfg, overridden):
+    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE with 95% intervals, diagnostics."""
     report = {t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES}
-    report["weights"] = run.weights
-    report["step"] = run.ckpt["iter_num"] if run.ckpt else None
-    report["decoding"] = inference.describe_decoding(decoding_cfg, overridden, run.ckpt is not None)
-    report["split"] = inference.describe_validation(run.cfg)
+    report["weights"] = summarizer.weights
+    report["step"] = summarizer.ckpt["iter_num"] if summarizer.ckpt else None
+    report["decoding"] = inference.describe_decoding(decoding_cfg, overridden, summarizer.ckpt is not None)
+    report["split"] = inference.describe_validation(summarizer.cfg)
     report["n"] = len(frame)
     report["mean_generated_tokens"] = float(frame["generated_tokens"].mean())
     report["mean_reference_tokens"] = float(frame["reference_tokens"].mean())
@@ -120,7 +117,7 @@ def repeats_ngram(text, n=REPEAT_N):
     return len(set(ngrams)) < len(ngrams)
 
 
-def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
+def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows=None):
     """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (first moving aside one
     there of other weights, split, decoding or sweep, with its sweep); with a comparison, its lines on stdout."""
     out = inference.output_dir(cfg)
@@ -134,12 +131,14 @@ def write_evaluation(cfg, run, frame, report, comparison=None, sweep_rows=None):
         frame.to_csv(f, index=False)
     with atomic_write(paths[1]) as f:
         json.dump(report, f, indent=2)
-    curve = os.path.join(os.path.dirname(run.path), run_folder.METRICS) if run.path else ""
+    curve = os.path.join(os.path.dirname(summarizer.path), run_folder.METRICS) if summarizer.path else ""
     write_report(paths[2], frame, report, curve=curve if os.path.isfile(curve) else "", comparison=comparison,
                  sweep_rows=sweep_rows)
     if comparison is not None:
-        for t in COMPARED:
-            print(comparison_line(t, comparison.stats[t], comparison.label, len(frame)))
+        for t in COMPARED:  # 'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'
+            stats = comparison.stats[t]
+            print(f"{t} {stats['mean_diff']:+.4f} {interval_text(stats['ci95'], signed=True)} vs {comparison.label}: "
+                  f"better on {stats['better']}, worse on {stats['worse']} of {len(frame)}")
     print(f"wrote {paths[0]}, {paths[1]} and {paths[2]}")
 
 
@@ -161,23 +160,20 @@ def paired_bootstrap(ours, theirs, samples=1000, seed=0):
 
 
 def token_counts(texts):
-    """Each text's length in GPT-2 tokens."""
     enc = data.get_tokenizer()
     return [len(enc.encode_ordinary(text)) for text in texts]
 
 
 @dataclasses.dataclass
 class Comparison:
-    """This evaluation against another of the same dialogues: its label (the --compare argument), its rows in this
-    evaluation's order, and per ROUGE the paired difference (compare)."""
+    """This evaluation against another (--compare): its label, its rows in this order, per ROUGE compare's stats."""
     label: str
     other: pd.DataFrame
     stats: dict
 
 
 def read_evaluation(where):
-    """The rows of another evaluation (an out_dir, or its eval_predictions.csv), or a UserError naming what is
-    missing."""
+    """The rows of another evaluation (an out_dir, or its eval_predictions.csv)."""
     path = os.path.join(where, run_folder.EVAL_PREDICTIONS) if os.path.isdir(where) else where
     if not os.path.isfile(path):
         raise UserError(f"--compare={where}: {path} does not exist; give an out_dir that evaluate.py wrote into, "
@@ -225,28 +221,21 @@ def compare(frame, other):
     return stats
 
 
-def comparison_line(t, stats, label, n):
-    """'rougeL +0.0123 [+0.0041, +0.0207] vs out-a: better on 301, worse on 240 of 819'."""
-    return (f"{t} {stats['mean_diff']:+.4f} {interval_text(stats['ci95'], signed=True)} vs {label}: better on "
-            f"{stats['better']}, worse on {stats['worse']} of {n}")
-
-
 def sweep(cfg, explicit, rt):
-    """Score every decoding setting of cfg.sweep on the validation split with one loaded model: a table (stdout,
-    sweep.csv, sweep.md), the recommended setting's evaluation files, and that setting as flags for predict.py: the
-    fastest whose ROUGE-L a paired test cannot tell from the best's. The table's rows on rank 0, else None."""
+    """Score every decoding setting of cfg.sweep with one loaded model: a table (stdout, sweep.csv, sweep.md), and
+    the fastest setting a paired test cannot tell from the best: its evaluation files and its flags for predict.py."""
     settings = sweep_settings(cfg.sweep)
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
-    run, val, prompts, other = validation_run(cfg, explicit, rt)
-    configs, rows, frames = setting_configs(run.cfg, settings), [], []
+    summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
+    configs, rows, frames = setting_configs(summarizer.cfg, settings), [], []
     for i, (setting, setting_cfg) in enumerate(zip(settings, configs, strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
         start = time.perf_counter()
-        predictions = inference.summaries(run, prompts, rt, setting_cfg)
+        predictions = summarizer.summarize(prompts, rt, setting_cfg)
         seconds = time.perf_counter() - start
         if rt.is_main:
             frames.append(scored_frame(val, predictions))
@@ -258,10 +247,11 @@ def sweep(cfg, explicit, rt):
     best, pick = against_the_best(rows, frames)
     table = format_sweep(rows)
     print(table)
-    report = scores_report(frames[pick], run, configs[pick], [*run.overridden, *settings[pick]])
+    report = scores_report(frames[pick], summarizer, configs[pick], [*summarizer.overridden, *settings[pick]])
     report["setting"], report["sweep"] = rows[pick]["setting"], cfg.sweep
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
-    write_evaluation(cfg, run, frames[pick], report, comparison, sweep_rows=rows)  # first: it moves an earlier aside
+    # first: it moves an earlier aside
+    write_evaluation(cfg, summarizer, frames[pick], report, comparison, sweep_rows=rows)
     paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)

@@ -1,9 +1,6 @@
-"""The inference layer: a trained run's model and contract, read from its checkpoint, and the summaries it writes.
-evaluate.py, predict.py, export.py and the ROUGE during training all go through here.
-
-A checkpoint keeps the config it was trained with, and config.resolve takes from it what each setting's scope says
-(config.TAKES, Use.INFERENCE or Use.EXPORT). A --baseline has no run: the command line is its config.
-"""
+"""The inference layer: a trained run's model and contract, read from its checkpoint (config.resolve takes what
+config.TAKES says), and the summaries it writes, for evaluate.py, predict.py, export.py and training's ROUGE. A
+--baseline has no run: the command line is its config."""
 import contextlib
 import dataclasses
 import math
@@ -47,39 +44,44 @@ EXTRACTIVE = {"first_line": (lambda lines: lines[:1], "the first line of each di
 
 @dataclass
 class Summarizer:
-    """A model and the config that decides how it is prompted and decoded: the run's, with this command's
-    decoding and data flags. `trained_max_new_tokens` is the run's own, which its prompts were cut for."""
+    """A model and the config that prompts and decodes it: the run's, with this command's decoding and data flags."""
     model: torch.nn.Module
     cfg: Config
     weights: str = ""  # what the weights are, for the first line
     ckpt: dict | None = None
     overridden: list = ()  # decoding keys this command changed
-    trained_max_new_tokens: int = 0  # 0: cfg.max_new_tokens (the run being trained)
+    trained_max_new_tokens: int = 0  # the run's, which its prompts were cut for; 0: cfg's (the run being trained)
     path: str = ""  # the checkpoint file; '' for a baseline
     extractive: str = ""  # an EXTRACTIVE baseline's name: no model, its summaries are lines of the dialogue
 
     def prompt_format(self):
-        """The one truncation rule (data.PromptFormat) as training applied it; with a larger max_new_tokens now,
-        dialogues are cut shorter so the summary still fits."""
+        """data.PromptFormat as training applied it, or shorter dialogues for a larger max_new_tokens now."""
         return data.prompt_format(self.cfg.prompt_template, self.model.config.block_size,
                                   max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
     def prompts(self, dialogues):
-        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat. A template with
-        no text around {dialogue} gives an empty dialogue no tokens: it starts from <|endoftext|>. An extractive
-        baseline reads the dialogues themselves."""
+        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat; an empty prompt
+        starts from <|endoftext|>; an extractive baseline reads the dialogues themselves."""
         if self.extractive:
             return list(dialogues), 0
         fmt = self.prompt_format()
         encoded = [fmt.encode(d) for d in dialogues]
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
+    def summarize(self, prompts, rt, cfg=None):
+        """A summary per prompt (self.prompts), in order, on every rank: decoded as `cfg` (else self.cfg) says,
+        sharded across the ranks; or an extractive baseline's lines of each dialogue."""
+        if self.extractive:
+            return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
+        cfg = cfg or self.cfg
+        if rt.is_main:
+            print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
+        return summarize_on_ranks(self.model, prompts, cfg, rt)
 
-def open_run(cfg, explicit=(), use=Use.INFERENCE):
-    """The Summarizer that cfg names, on the CPU: the checkpoint (cfg.ckpt, else out_dir/best.pt) with the config
-    resolved_config makes of it, or (cfg.baseline) GPT-2 without fine-tuning or an untrained model of cfg's
-    shape, with cfg as it is. `explicit`: the keys the command gave as --key=value; `use`: what the command does
-    with the checkpoint (export's card describes the run, so its flags may change less)."""
+
+def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
+    """The Summarizer that cfg names, on the CPU: the checkpoint (checkpoint_path) with its config resolved for
+    `use` and the `explicit` --key=value keys, or a cfg.baseline with cfg as it is."""
     if cfg.baseline in EXTRACTIVE:
         return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
@@ -89,40 +91,37 @@ def open_run(cfg, explicit=(), use=Use.INFERENCE):
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
-        run = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+        summarizer = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = checkpoint_path(cfg)
         model, ckpt = build_model(path, key="ckpt")
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
-        run = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
-                         ckpt["config"]["max_new_tokens"], path=path)
-    run.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
-    return run
+        summarizer = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+                                ckpt["config"]["max_new_tokens"], path=path)
+    summarizer.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
+    return summarizer
 
 
-def load_run(cfg, explicit, rt, describe_data):
-    """open_run, on rank 0 the first line (weights, template, the data describe_data(run config) names,
-    decoding), then the model on rt's device in eval mode. The weights are cast once to rt's dtype
-    (float16 before Ampere, bfloat16 from it, float32 on CPU, or --dtype), so no decode step casts them again."""
-    run = open_run(cfg, explicit)
-    if run.extractive:
-        if rt.is_main:
-            print(f"weights: {run.weights}; {describe_data(run.cfg)}")
-        return run
-    if rt.is_main:
-        print(f"weights: {run.weights}; template {run.cfg.prompt_template!r}; {describe_data(run.cfg)}; decoding: "
-              f"{describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}")
-        note = training_note(run.path)
-        if note:
+def load_summarizer(cfg, explicit, rt, describe_data):
+    """open_summarizer, on rank 0 the first line (weights, template, describe_data(its config), decoding), then
+    the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts a weight again."""
+    summarizer = open_summarizer(cfg, explicit)
+    run_cfg, model = summarizer.cfg, summarizer.model
+    if rt.is_main and model is None:  # an extractive baseline
+        print(f"weights: {summarizer.weights}; {describe_data(run_cfg)}")
+    elif rt.is_main:
+        print(f"weights: {summarizer.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
+              f"decoding: {describe_decoding(run_cfg, summarizer.overridden, summarizer.ckpt is not None)}")
+        if note := training_note(summarizer.path):
             print(note)
-    run.model = run.model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    return run
+    if model is not None:
+        summarizer.model = model.to(rt.device, getattr(torch, rt.dtype)).eval()
+    return summarizer
 
 
 def training_note(path):
-    """The line that says a training run holds the checkpoint's folder (what is scored is its last complete
-    save), or None."""
+    """The line that says a training run holds the checkpoint's folder (this reads its last save), or None."""
     holder = path and run_folder.training_in(os.path.dirname(os.path.abspath(path)))
     return holder and (f"note: a training run holds {os.path.dirname(path) or '.'} ({holder}): this reads its last "
                        f"complete save, {path}")
@@ -157,34 +156,33 @@ def describe_validation(cfg):
     return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
 
 
-def validation_set(run, cfg, explicit, rt):
-    """The validation examples to score `run` on: the run's split, or the one the command names explicitly.
-    Rows the checkpoint trained on (same dialogue, or same id where both CSVs have ids) are refused in one line,
-    unless the split is the run's own and they are duplicates inside its train_csv (then a note says so).
-    Returns (examples, notes)."""
-    if run.ckpt is None and run.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
-        splits, val = None, data.load_validation(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+def validation_set(summarizer, cfg, explicit, rt):
+    """(validation examples, notes): the run's split, or the one the command names. Rows the checkpoint trained on
+    (data.repeated_rows) are refused in one line, unless they are duplicates inside the run's own split (a note)."""
+    if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
+        splits, (_, val, _) = None, data.validation_examples(summarizer.cfg, rt.is_main, rt.barrier)
     else:
-        splits = data.load_datasets(run.cfg, is_main=rt.is_main, barrier=rt.barrier)
+        splits = data.load_splits(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
         val = splits.val
     if not len(val):
-        raise UserError(f"no validation rows to score: {describe_validation(run.cfg)} leaves none; pass "
-                        f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if run.ckpt else ""))
-    if run.ckpt is None:  # a baseline trained on nothing here
+        raise UserError(f"no validation rows to score: {describe_validation(summarizer.cfg)} leaves none; pass "
+                        f"--validation_csv=<a CSV with summaries>"
+                        + (" the run did not train on" if summarizer.ckpt else ""))
+    if summarizer.ckpt is None:  # a baseline trained on nothing here
         return val, []
-    trained = run.ckpt["train_rows"]
+    trained = summarizer.ckpt["train_rows"]
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
-    saved = run.ckpt["config"]
-    own = (all(getattr(run.cfg, key) == saved[key] for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == run.ckpt["validation_digest"])
+    saved = summarizer.ckpt["config"]
+    own = (all(getattr(summarizer.cfg, key) == saved[key] for key in keys(Split))
+           and splits.train.digest == trained["digest"] and val.digest == summarizer.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
-                     f"(duplicates in {run.cfg.train_csv}, e.g. id {first}); scored as in training"]
+                     f"(duplicates in {summarizer.cfg.train_csv}, e.g. id {first}); scored as in training"]
     changed = [f"--{key}" for key in keys(Split) if key in explicit]
-    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(run.cfg)}) were "
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summarizer.cfg)}) were "
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
@@ -196,22 +194,20 @@ def checkpoint_path(cfg):
 
 
 def make_output_dir(cfg):
-    """output_dir(cfg), created and checked writable before any work; where it is not, the line says to name the
-    checkpoint too when it was read from out_dir."""
+    """output_dir(cfg), created and checked writable before any work."""
     run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
 
 
 def output_dir(cfg):
-    """Where evaluate.py/predict.py write: out_dir for the checkpoint, out_dir/baseline-<name> for a baseline, so
-    a baseline's outputs never replace the checkpoint's."""
+    """Where evaluate.py/predict.py write: out_dir, or out_dir/baseline-<name> that a baseline's never replace."""
     if not cfg.baseline:
         return cfg.out_dir
     return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
 
 
-def cut_line(run, cut, total):
+def cut_line(summarizer, cut, total):
     """The line that says how many dialogues the truncation rule cut."""
-    fmt, block_size = run.prompt_format(), run.model.config.block_size
+    fmt, block_size = summarizer.prompt_format(), summarizer.model.config.block_size
     template = len(fmt.head) + len(fmt.tail)
     return (f"cut the end of {cut} of {total} dialogue(s): a prompt keeps a dialogue's first {fmt.max_dialogue} "
             f"tokens (block_size {block_size} - {block_size - fmt.max_dialogue - template} summary tokens - "
@@ -220,13 +216,12 @@ def cut_line(run, cut, total):
 
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
-def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, greedy_steps=None):
-    """One summary per prompt, in their order, decoded as cfg says with the batched KV-cache generator, in
-    generation_batches within `memory` bytes of KV cache (default generation_memory). With world_size > 1 this
-    rank summarizes every world_size-th batch from `rank` on and leaves None for the rest: a batch then holds the
-    same prompts whatever the number of ranks (given the same memory), so sharded output is exactly the
-    single-process output. greedy_steps: how greedy steps run (compiling.StepGraphs, released at the end so that
-    training gets its memory back; None: eagerly)."""
+def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
+                      greedy_steps=None):
+    """One summary per prompt, in order, decoded as cfg says in generation_batches within `memory` bytes of KV
+    cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
+    same whatever the number of ranks, so sharded output is the single-process output. greedy_steps: how greedy
+    steps run (compiling.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
@@ -238,13 +233,13 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     # every rank's progress, as this rank's share of the batches times world_size shows it
     bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
-    try:  # an out-of-memory error leaves the model as it was too: summarize_sharded tries again
+    try:  # an out-of-memory error leaves the model as it was too: summarize_on_ranks tries again
         for batch in batches:
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                           seed=cfg.seed, mbr_pick=mbr.pick, greedy_steps=greedy_steps)
-            except Exception as e:  # an out-of-memory's: what summarize_sharded keeps, and the size it halves
+            except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
                 if out_of_memory(e):
                     e.summaries, e.batch = summaries, len(batch)
                 raise
@@ -261,24 +256,10 @@ def summarize(model, prompts, cfg, autocast, progress=False, rank=0, world_size=
     return summaries
 
 
-def summaries(run, prompts, rt, cfg=None):
-    """A summary per prompt (run.prompts), in order, on every rank: the run's model decoding them as `cfg` (else
-    the run's config) says, sharded across the ranks (rank 0 says how greedy decodes); or an extractive baseline's
-    lines of each dialogue."""
-    if run.extractive:
-        return [" ".join(EXTRACTIVE[run.extractive][0](utterances(dialogue))) for dialogue in prompts]
-    cfg = cfg or run.cfg
-    if rt.is_main:
-        print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
-    return summarize_sharded(run.model, prompts, cfg, rt)
-
-
-def summarize_sharded(model, prompts, cfg, rt, progress=True):
-    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. A model held
-    in rt's dtype (load_run) runs as it is; float32 weights (the model being trained) under rt's autocast. A
-    generation batch out of memory on any rank halves that batch's size on every rank, as gen_batch_size for the
-    rest of the process (rt.gen_batch_size), and the dialogues not summarized yet go on in the smaller batches (a
-    summary does not depend on its batch); one line says what was lowered and why."""
+def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
+    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. float32 weights
+    (the model being trained) run under rt's autocast. A batch out of memory on any rank halves gen_batch_size on
+    every rank for the rest of the process (rt.gen_batch_size), and the dialogues left go on; one line says so."""
     held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, tried, met = [None] * len(prompts), [], None
@@ -286,9 +267,9 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True):
         todo = [i for i, summary in enumerate(summaries) if summary is None]
         lowered = dataclasses.replace(cfg, gen_batch_size=min(cfg.gen_batch_size, rt.gen_batch_size or math.inf))
         try:
-            mine = summarize(model, [prompts[i] for i in todo], lowered,
-                             contextlib.nullcontext() if held else rt.autocast(), progress=progress and rt.is_main,
-                             rank=rt.rank, world_size=rt.world_size, memory=memory, greedy_steps=rt.greedy_steps)
+            autocast = contextlib.nullcontext() if held else rt.autocast()
+            mine = summarize_batches(model, [prompts[i] for i in todo], lowered, autocast, progress and rt.is_main,
+                                     rt.rank, rt.world_size, memory, rt.greedy_steps)
             failed = None
         except Exception as e:  # told to every rank below: none waits for this one's shard
             if not out_of_memory(e):
@@ -316,11 +297,9 @@ def summarize_sharded(model, prompts, cfg, rt, progress=True):
 
 
 def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training, held as evaluate_after and predict_after hold theirs (a
-    plain GPT, its weights in rt's dtype, so that greedy decoding runs as CUDA graphs on a GPU, without autocast):
-    the trained model itself where it is one (float32, no adapters, no FSDP), else a copy of its weights, gathered
-    under FSDP (where every forward is a collective that ranks generating different lengths cannot keep in step)
-    and LoRA-merged: room for a copy of the weights in rt's dtype on each GPU."""
+    """The model that summarizes for ROUGE during training: a plain GPT in rt's dtype (greedy runs as CUDA graphs,
+    without autocast): the trained model where it is one, else a copy of its weights, gathered under FSDP (ranks
+    generating different lengths cannot keep its collectives in step) and LoRA-merged."""
     dtype = getattr(torch, rt.dtype)
     if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model

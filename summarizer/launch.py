@@ -1,6 +1,5 @@
 """Launching: the one-line ending of a command (user errors, out of memory, a crash of one rank of a distributed
-job), training from a notebook cell in one process per GPU, and the process's age (max_time counts from its
-start)."""
+job), training from a notebook cell in one process per GPU, and the process's age (max_time counts from it)."""
 import contextlib
 import logging
 import os

@@ -27,8 +27,7 @@ def has_adapters(state_dict):
 
 def merged_state_dict(state_dict, lora_rank, lora_alpha, **_):
     """A full state dict of a model with adapters (e.g. gathered from FSDP shards) -> the plain GPT state dict
-    whose adapted weights are W + B @ A * lora_alpha / lora_rank (peft's merge for nn.Linear); every other
-    tensor is passed through untouched."""
+    whose adapted weights are W + B @ A * lora_alpha / lora_rank (peft's merge for nn.Linear), the rest as is."""
     scaling = lora_alpha / lora_rank
     merged = {}
     for key, value in state_dict.items():

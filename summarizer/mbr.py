@@ -14,9 +14,8 @@ def pick(candidates, counts, metric="rougeL"):
 
 
 def agreement(candidates, metric="rougeL"):
-    """The matrix of `metric` F1 of every candidate (row) scored against every other as the reference (column),
-    as rouge-score computes it. For rougeL the longest common subsequences of all pairs come at once from
-    rapidfuzz's LCS, in C++; rouge-score's is a Python table per pair, which was most of MBR's time."""
+    """The matrix of `metric` F1 (rouge-score's) of every candidate (row) against every other as reference (column).
+    rougeL's longest common subsequences come at once from rapidfuzz, in C++: rouge-score's were most of MBR's time."""
     tokenizer = StemCachedTokenizer()
     if metric == "rougeL":
         tokens = [tokenizer.tokenize(c) for c in candidates]

@@ -24,9 +24,8 @@ def rouge(predictions, references):
 
 
 class StemCachedTokenizer(tokenizers.Tokenizer):
-    """rouge-score's own tokenizer with its Porter stemmer, each distinct text tokenized and each distinct word
-    stemmed once: MBR scores every candidate against every other, stemming is most of what tokenizing costs, and
-    summaries repeat their words. Same tokens as rouge-score's default."""
+    """rouge-score's own tokenizer and Porter stemmer (the same tokens), each distinct text tokenized and word stemmed
+    once: MBR scores every candidate against every other, and stemming is most of what tokenizing costs."""
 
     def __init__(self):
         self.stem = functools.cache(porter.PorterStemmer().stem)

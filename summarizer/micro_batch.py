@@ -1,7 +1,7 @@
 """micro_batch_size=auto on the device, before step 1: the plan (summarizer/memory.py) has never met the user's GPU
 and leaves backward's transient buffers to its headroom, so the micro-batch it chose runs a step's peak once; an
 out-of-memory error lowers it, on every rank alike, rather than ending the run at its first step. (A generation
-batch that runs out of memory is lowered where batches are formed: inference.summarize_sharded.)"""
+batch that runs out of memory is lowered where batches are formed: inference.summarize_on_ranks.)"""
 from dataclasses import replace
 
 import numpy as np

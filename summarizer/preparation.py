@@ -199,7 +199,7 @@ def time_decoding(cfg, rt, state, prompts):
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(2):
             start = time.perf_counter()
-            inference.summarize_sharded(model, prompts, cfg, rt, progress=False)
+            inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
             timed.append((time.perf_counter() - start, len(prompts)))
         set_rng_state(rng)
     return timed
@@ -267,7 +267,7 @@ def check_before_model(cfg, rt):
 def read_inputs(cfg, rt):
     """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
     predict reads after hours of training are checked now."""
-    splits = data.load_datasets(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    splits = data.load_splits(cfg, is_main=rt.is_main, barrier=rt.barrier)
     if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)
     if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by

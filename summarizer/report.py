@@ -146,8 +146,7 @@ def sweep_section(rows, report):
 
 
 def comparison_section(frame, comparison, words):
-    """The paired differences per ROUGE, then the dialogues whose ROUGE-L changed most, both summaries side by
-    side."""
+    """The paired differences per ROUGE, then the dialogues whose ROUGE-L changed most, summaries side by side."""
     label, other = esc(comparison.label), comparison.other
     summary = [[t, f"{s['mean_diff']:+.4f}", interval_text(s["ci95"], signed=True), s["better"], s["worse"],
                 s["same"]] for t, s in comparison.stats.items()]

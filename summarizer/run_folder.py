@@ -67,9 +67,8 @@ def remove_left_temp_files(folder):
 
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
-    """Rank 0 makes out_dir and holds its lock (flock on out_dir/.lock: a crashed run leaves none) until the body
-    ends; a folder another run holds stops every rank before anything is written. A folder this run made goes
-    if the run failed before writing into it."""
+    """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
+    another run holds stops every rank before any write. A folder this run made goes if it failed empty."""
     created = not os.path.exists(out_dir)
     handle, problem = None, None
     if is_main:
@@ -296,8 +295,7 @@ def checkpoint_bytes(state):
 
 class DiskPlan:
     """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
-    adapters alone, and AdamW's moments), best.pt (the merged weights), and the second copy of the larger one while
-    an atomic save replaces it."""
+    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once

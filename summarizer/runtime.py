@@ -19,8 +19,7 @@ ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
 def choose_precision(requested, device_type, capability=None, accelerate_precision="no"):
     """(dtype name, use GradScaler) from the config's `dtype`, the device's properties and, under `accelerate
     launch`, Accelerate's mixed_precision ('no' is its default when the user chose nothing, so it defers to us).
-    CUDA: bf16 from compute capability 8.0 (A100, H100, L4, A10), else fp16 + GradScaler (T4 is 7.5, V100 7.0).
-    CPU: fp32 unless asked otherwise."""
+    CUDA: bf16 from compute capability 8.0 (A100, H100, L4, A10), else fp16 + GradScaler; CPU: fp32 unless asked."""
     if accelerate_precision not in ACCELERATE_PRECISIONS:
         raise UserError(f"Accelerate's mixed_precision={accelerate_precision!r} is not supported here: use 'no', "
                         f"'fp16' or 'bf16' (accelerate launch --mixed_precision=...) and this trainer's --dtype")

@@ -1,7 +1,6 @@
 """What a command says of its settings: the block train.py prints at start-up (the keys changed from the defaults,
 and where each value came from), config.json, and the Markdown reference of every key (`python -m
-summarizer.settings_report` prints docs/config.md's table). Reading a command line into settings is config.py's.
-"""
+summarizer.settings_report` prints docs/config.md's table). Reading a command line into settings is config.py's."""
 import dataclasses
 import json
 import os
@@ -93,9 +92,8 @@ def settings_report(argv, config_json, from_run=None):
 
 
 def pack(segments, first, indent, width=SETTINGS_WIDTH):
-    """Segments (lists of words) in lines of at most `width` characters, apart by ' | ': a segment that does not fit
-    the line's rest starts the next line, one that fits no line breaks between its words; the first line starts
-    with `first`, the others with `indent`."""
+    """Segments (lists of words) in lines of at most `width` characters (the first starts with `first`, the others
+    `indent`), apart by ' | ': one that does not fit the line's rest starts the next, unbroken where it fits one."""
     lines, line = [], first
     for segment in segments:
         whole = " ".join(segment)
@@ -131,8 +129,7 @@ def scope_table():
 
 
 def markdown_reference():
-    """docs/config.md's reference: what a command takes from a run by each scope, then a table of keys per group of
-    settings."""
+    """docs/config.md's reference: what a command takes from a run by each scope, then the keys of each group."""
     defaults = Config()
     sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
                 "and for a new run from the weights a preset too):\n\n"

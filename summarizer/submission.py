@@ -37,23 +37,23 @@ def check_against_sample(ids, path):
 
 
 def predict(cfg, explicit, rt):
-    """Summarize every test dialogue (sharded across ranks) with the run cfg names; rank 0 writes submission.csv
-    into inference.output_dir and returns its path."""
+    """Summarize every test dialogue (sharded across ranks); rank 0 writes submission.csv and returns its path."""
     out = inference.output_dir(cfg)
     if rt.is_main:
         inference.make_output_dir(cfg)
-    run = inference.load_run(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
-    test = data.read_test(run.cfg)
+    summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
+    test = data.read_test(summarizer.cfg)
     if cfg.sample_submission_csv:
         check_against_sample(test.ids, cfg.sample_submission_csv)
-    prompts, cut = run.prompts(test.dialogues)
+    prompts, cut = summarizer.prompts(test.dialogues)
     if rt.is_main and cut:
-        print(inference.cut_line(run, cut, len(prompts)))
-    summaries = inference.summaries(run, prompts, rt)
+        print(inference.cut_line(summarizer, cut, len(prompts)))
+    summaries = summarizer.summarize(prompts, rt)
     if not rt.is_main:
         return None
-    made_by = {"weights": run.weights, "test_csv": run.cfg.test_csv,
-               "decoding": inference.describe_decoding(run.cfg, run.overridden, run.ckpt is not None)}
+    made_by = {"weights": summarizer.weights, "test_csv": summarizer.cfg.test_csv,
+               "decoding": inference.describe_decoding(summarizer.cfg, summarizer.overridden,
+                                                       summarizer.ckpt is not None)}
     run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
                                       run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
     path = os.path.join(out, run_folder.SUBMISSION)

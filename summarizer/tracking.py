@@ -156,8 +156,7 @@ def progress_postfix(stats, skipped=None, left=None):
 
 
 def plot_metrics(jsonl_path, png_path, title=""):
-    """metrics.png: training and validation loss, and validation ROUGE, by step, from metrics.jsonl (matplotlib,
-    no display needed), titled with the run (its out_dir)."""
+    """metrics.png: training and validation loss and ROUGE by step, from metrics.jsonl, titled with the out_dir."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

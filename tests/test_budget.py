@@ -233,11 +233,11 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
     small = memory.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
-    whole = inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
-    assert inference.summarize(model, prompts, cfg, contextlib.nullcontext(), memory=small) == whole
+    whole = inference.summarize_batches(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
+    assert inference.summarize_batches(model, prompts, cfg, contextlib.nullcontext(), memory=small) == whole
     if "--seed=3" in options:  # the seed matters
         reseeded = dataclasses.replace(cfg, seed=5)
-        assert inference.summarize(model, prompts, reseeded, contextlib.nullcontext(), memory=small) != whole
+        assert inference.summarize_batches(model, prompts, reseeded, contextlib.nullcontext(), memory=small) != whole
 
 
 def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):

@@ -58,7 +58,7 @@ def virtual(monkeypatch):
     def install(stop_at=None, **costs):
         clock = VirtualClock(**costs)
         forward, step, validate = GPT.forward, train.Trainer.train_step, train.Trainer.validate
-        summarize = train.inference.summarize_sharded
+        summarize = train.inference.summarize_on_ranks
 
         def timed_forward(model, x, targets=None):  # a training micro-batch's forward (and its backward)
             if model.training:
@@ -89,7 +89,7 @@ def virtual(monkeypatch):
         monkeypatch.setattr(GPT, "forward", timed_forward)
         monkeypatch.setattr(train.Trainer, "train_step", timed_step)
         monkeypatch.setattr(train.Trainer, "validate", timed_validate)
-        monkeypatch.setattr(train.inference, "summarize_sharded", timed_summaries)
+        monkeypatch.setattr(train.inference, "summarize_on_ranks", timed_summaries)
         return clock
     return install
 

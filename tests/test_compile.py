@@ -96,20 +96,20 @@ def test_greedy_waits_once_per_8_steps_and_copies_few_cache_bytes(model, prompts
 
 
 def test_inference_holds_weights_in_its_dtype_and_casts_none_per_step(model, prompts, tmp_path):
-    """load_run casts the weights once to the run's dtype (here bfloat16 on the CPU): no decode step casts a
+    """load_summarizer casts the weights once to the run's dtype (here bfloat16 on the CPU): no decode step casts a
     weight, where float32 weights under autocast are cast at every step."""
     cfg = load_config(["--gen_batch_size=16", "--max_new_tokens=8", "--dtype=bfloat16", "--device=cpu"])
     half = GPT(model.config)
     half.load_state_dict(model.state_dict())
     half = half.to(torch.bfloat16).eval()
     with Waits(list(half.parameters())) as held:
-        inference.summarize(half, prompts[:16], cfg, contextlib.nullcontext())
+        inference.summarize_batches(half, prompts[:16], cfg, contextlib.nullcontext())
     with Waits(list(model.parameters())) as autocast:
-        inference.summarize(model, prompts[:16], cfg, torch.autocast("cpu", dtype=torch.bfloat16))
+        inference.summarize_batches(model, prompts[:16], cfg, torch.autocast("cpu", dtype=torch.bfloat16))
     assert held.weight_casts == 0 and autocast.weight_casts > 0
 
 
-def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
+def test_load_summarizer_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
     from conftest import TINY
     from summarizer.runtime import Runtime
     out = tmp_path / "out"
@@ -119,9 +119,9 @@ def test_load_run_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
     train.main(args)
     cfg = load_config([*args, "--dtype=bfloat16"])
     with Runtime(cfg) as rt:
-        run = inference.load_run(cfg, set(), rt, inference.describe_validation)
-    assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
-    assert dataclasses.asdict(run.cfg)["dtype"] == "bfloat16"
+        summarizer = inference.load_summarizer(cfg, set(), rt, inference.describe_validation)
+    assert {p.dtype for p in summarizer.model.parameters()} == {torch.bfloat16}
+    assert dataclasses.asdict(summarizer.cfg)["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

@@ -127,19 +127,19 @@ def test_test_csv_keeps_every_row_and_rejects_duplicate_ids(tmp_path):
 def test_validation_split_is_deterministic_or_taken_from_validation_csv(tmp_path):
     write_rows(tmp_path / "train.csv", 100)
     cfg = make_cfg(tmp_path)
-    first, second = data.load_datasets(cfg), data.load_datasets(cfg)
+    first, second = data.load_splits(cfg), data.load_splits(cfg)
     assert first.val.ids == second.val.ids and len(first.val) == 5 and len(first.train) == 95
     assert sorted(first.train.ids + first.val.ids, key=int) == [str(i) for i in range(100)]
-    other = data.load_datasets(make_cfg(tmp_path, split_seed=1))
+    other = data.load_splits(make_cfg(tmp_path, split_seed=1))
     assert other.val.ids != first.val.ids
     write_rows(tmp_path / "val.csv", 7, start=1000)
-    given = data.load_datasets(make_cfg(tmp_path, validation_csv=str(tmp_path / "val.csv")))
+    given = data.load_splits(make_cfg(tmp_path, validation_csv=str(tmp_path / "val.csv")))
     assert len(given.train) == 100 and given.val.ids == [str(1000 + i) for i in range(7)]
 
 
 def test_targets_are_the_summary_and_eos_token_by_token(tmp_path):
     rows = write_rows(tmp_path / "train.csv", 6)
-    splits = data.load_datasets(make_cfg(tmp_path, val_fraction=0.0))
+    splits = data.load_splits(make_cfg(tmp_path, val_fraction=0.0))
     examples = splits.train
     x, y = data.collate(examples, np.arange(6))
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape and x.shape[1] % 8 == 0
@@ -164,7 +164,7 @@ def test_long_dialogue_is_cut_never_the_summary_header_or_cue(tmp_path):
     summary = "Person0 talks about the plan for a very long time."
     pd.DataFrame({"id": [1, 2], "dialogue": [long_dialogue, "A: short."],
                   "summary": [summary, "Short."]}).to_csv(tmp_path / "train.csv", index=False)
-    splits = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
+    splits = data.load_splits(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
     examples = splits.train
     assert examples.cut == 1 and any("cut the end of 1 dialogue" in note for note in splits.notes)
     head, tail = data.template_tokens(PROMPT_TEMPLATE)
@@ -186,14 +186,14 @@ def test_a_summary_longer_than_max_new_tokens_cuts_its_dialogue_further_in_train
     summary = "word " * 30  # 30 tokens + EOS, more than max_new_tokens=16
     pd.DataFrame({"id": [1], "dialogue": [dialogue(0, turns=60)], "summary": [summary]}).to_csv(
         tmp_path / "train.csv", index=False)
-    examples = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16)).train
+    examples = data.load_splits(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16)).train
     assert len(examples.sequence(0)) == 64 + 1 and examples.prompt_lens[0] == 64 - 30
 
 
 def test_summary_that_cannot_fit_is_skipped_and_counted(tmp_path):
     pd.DataFrame({"id": [1, 2], "dialogue": ["A: hi.", "B: yo."],
                   "summary": ["word " * 80, "Fine."]}).to_csv(tmp_path / "train.csv", index=False)
-    splits = data.load_datasets(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
+    splits = data.load_splits(make_cfg(tmp_path, block_size=64, val_fraction=0.0, max_new_tokens=16))
     assert splits.train.ids == ["2"] and splits.train.too_long == 1
     assert any("skipped 1 example(s) whose summary alone" in note for note in splits.notes)
 
@@ -218,15 +218,15 @@ def test_cache_is_reused_and_invalidated_by_csv_template_and_block_size(tmp_path
     monkeypatch.setattr(data, "tokenize_table", lambda *args, **kw: calls.append(1) or original(*args, **kw))
     write_rows(tmp_path / "train.csv", 20)
     cfg = make_cfg(tmp_path)
-    first = data.load_datasets(cfg)
-    second = data.load_datasets(cfg)
+    first = data.load_splits(cfg)
+    second = data.load_splits(cfg)
     assert len(calls) == 1 and np.array_equal(first.train.tokens, second.train.tokens)
     assert not [f for f in os.listdir(cfg.data_cache_dir) if ".tmp" in f]
     write_rows(tmp_path / "train.csv", 21)
-    assert len(data.load_datasets(cfg).train) + len(data.load_datasets(cfg).val) == 21 and len(calls) == 2
-    other_template = data.load_datasets(make_cfg(tmp_path, prompt_template="Chat: {dialogue}\nSummary:"))
+    assert len(data.load_splits(cfg).train) + len(data.load_splits(cfg).val) == 21 and len(calls) == 2
+    other_template = data.load_splits(make_cfg(tmp_path, prompt_template="Chat: {dialogue}\nSummary:"))
     assert len(calls) == 3 and enc.decode(other_template.train.sequence(0).tolist()).startswith("Chat: ")
-    data.load_datasets(make_cfg(tmp_path, block_size=128))
+    data.load_splits(make_cfg(tmp_path, block_size=128))
     assert len(calls) == 4 and len(os.listdir(cfg.data_cache_dir)) == 4
 
 
@@ -239,11 +239,11 @@ def test_main_rank_builds_the_cache_while_the_others_wait(tmp_path, monkeypatch)
 
     def barrier():  # in a real job rank 0 reaches the barrier after writing the cache
         events.append("barrier")
-        data.load_datasets(cfg, is_main=True)
+        data.load_splits(cfg, is_main=True)
 
-    worker = data.load_datasets(cfg, is_main=False, barrier=barrier)
+    worker = data.load_splits(cfg, is_main=False, barrier=barrier)
     assert events == ["barrier", "tokenize"]
-    assert worker.train.ids == data.load_datasets(cfg).train.ids
+    assert worker.train.ids == data.load_splits(cfg).train.ids
 
 
 # ---- sampling and batches ---------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def test_cut_micro_batches_pad_little_on_samsum_like_lengths(micro_batch_size, m
 def test_global_target_count_matches_the_ranks_batches(tmp_path):
     write_rows(tmp_path / "train.csv", 30)
     cfg = make_cfg(tmp_path, val_fraction=0.0, batch_size=16, micro_batch_size=2)
-    train = data.load_datasets(cfg).train
+    train = data.load_splits(cfg).train
     for train_on_prompt in (False, True):
         cfg_t = make_cfg(tmp_path, val_fraction=0.0, batch_size=16, micro_batch_size=2, train_on_prompt=train_on_prompt)
         ranks = [TrainBatches(train, cfg_t, rank, 2) for rank in range(2)]
@@ -385,7 +385,7 @@ def test_global_target_count_matches_the_ranks_batches(tmp_path):
 
 def test_eval_batches_cover_the_split_once(tmp_path):
     write_rows(tmp_path / "train.csv", 23)
-    examples = data.load_datasets(make_cfg(tmp_path, val_fraction=0.0)).train
+    examples = data.load_splits(make_cfg(tmp_path, val_fraction=0.0)).train
     targets = examples.target_counts().sum()
     per_rank = [list(data.eval_batches(examples, 4, rank, 2)) for rank in range(2)]
     assert [len(b) for b in per_rank] == [3, 3]
@@ -419,16 +419,16 @@ def test_a_data_cache_folder_that_cannot_be_written_gives_way_to_one_under_out_d
     cfg = Config(train_csv=str(tmp_path / "train.csv"), data_cache_dir=str(tmp_path / "cache"),
                  out_dir=str(tmp_path / "out"), val_fraction=0.25, block_size=128, max_new_tokens=16)
     with read_only(tmp_path / "cache"):
-        splits = data.load_datasets(cfg)
+        splits = data.load_splits(cfg)
         [note] = [note for note in splits.notes if "cannot be written" in note]
         assert note.startswith(f"data_cache_dir {tmp_path / 'cache'} cannot be written (")
         assert f"tokens cached in {tmp_path / 'out' / '.cache' / 'data'}" in note
         assert len(os.listdir(tmp_path / "out" / ".cache" / "data")) == 1
-        assert data.load_datasets(cfg).train.ids == splits.train.ids  # read back from there
+        assert data.load_splits(cfg).train.ids == splits.train.ids  # read back from there
     write_rows(tmp_path / "other.csv", 20, start=100)  # tokens not cached anywhere yet
     with read_only(tmp_path / "cache"), read_only(tmp_path / "out"):
         with pytest.raises(UserError, match="--data_cache_dir"):
-            data.load_datasets(Config(**{**cfg.__dict__, "train_csv": str(tmp_path / "other.csv")}))
+            data.load_splits(Config(**{**cfg.__dict__, "train_csv": str(tmp_path / "other.csv")}))
 
 
 @pytest.mark.slow

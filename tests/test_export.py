@@ -69,7 +69,7 @@ def test_transformers_generate_with_the_exported_settings_equals_ours(run, overr
     dialogues = [row["dialogue"] for row in synthetic_rows(16, seed=7)]
     cfg = load_config([*run.args, *overrides])
     prompts, _ = inference.Summarizer(run.model, cfg).prompts(dialogues)
-    ours = inference.summarize(run.model, prompts, cfg, nullcontext())
+    ours = inference.summarize_batches(run.model, prompts, cfg, nullcontext())
     assert len(set(ours)) > 4, ours  # a model that learned something, not one repeated string
     assert hf_summaries(path, dialogues) == ours
     settings = GenerationConfig.from_pretrained(path)  # older transformers leave default values out of the file
@@ -119,7 +119,7 @@ def test_init_from_export_starts_at_the_checkpoints_loss(run, tmp_path):
     train.main([*run.args, f"--init_from={run.hf_dir}", f"--out_dir={out}", "--max_iters=1", "--rouge_samples=0",
                 "--best_metric=val_loss"])
     cfg = load_config([*run.args, f"--init_from={run.hf_dir}"])
-    train_set = data.load_datasets(cfg).train
+    train_set = data.load_splits(cfg).train
     (x, y), = data.TrainBatches(train_set, cfg, 0, 1)(0).micro_batches
     with torch.no_grad():
         _, expected = run.model(x, y)
@@ -191,5 +191,5 @@ def test_the_pipeline_recipe_cuts_dialogues_longer_than_the_positions_as_predict
     assert namespace["summaries"][:2] == hf_summaries(run.hf_dir, long_dialogues)
     summarizer = inference.Summarizer(run.model, run.cfg, trained_max_new_tokens=20)
     prompts, cut = summarizer.prompts(long_dialogues)
-    ours = inference.summarize(run.model, prompts, run.cfg, nullcontext())
+    ours = inference.summarize_batches(run.model, prompts, run.cfg, nullcontext())
     assert cut == 2 and namespace["summaries"][:2] == ours

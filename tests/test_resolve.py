@@ -15,7 +15,7 @@ from config import FIELDS, TAKES, Scope, Take, Use, flags_given, load_config, re
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from summarizer.inference import open_run
+from summarizer.inference import open_summarizer
 
 TEMPLATE = "Chat:\n{dialogue}\nSummary:"
 
@@ -107,7 +107,7 @@ def settings_taken(use, out, cache, argv):
             [f"--init_from={out / 'best.pt'}", f"--out_dir={out}-new"]
         return train.run_settings([*start, cache, *argv])[0]
     args = [f"--ckpt={out / 'best.pt'}", f"--out_dir={out}", *argv]
-    return open_run(load_config(args), flags_given(args), Use.EXPORT if use == "export" else Use.INFERENCE).cfg
+    return open_summarizer(load_config(args), flags_given(args), Use.EXPORT if use == "export" else Use.INFERENCE).cfg
 
 
 @pytest.mark.parametrize("scope, use", [(scope, use) for scope in SPEC for use in SPEC[scope]],

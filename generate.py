@@ -454,7 +454,7 @@ def forward_step(model, tokens, positions, input_pos, kv_caches, mask, rows=None
     CPU's BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768
     weights, 8-48 rows; the argmax after it included)."""
     hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
-    hidden = hidden if rows is None else hidden[rows]
+    hidden = model.transformer.ln_f(hidden if rows is None else hidden[rows])
     if hidden.device.type == "cpu" and hidden.size(0) < 64:
         return (model.lm_head.weight @ hidden.t()).t()
     return model.lm_head(hidden)

@@ -254,13 +254,13 @@ class GPT(nn.Module):
     def forward_cached(self, idx, positions, input_pos, kv_caches, mask, head=True):
         """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots
         input_pos (T,); queries attend to the first L cache slots as the boolean mask (B, 1, T, L) allows.
-        Returns the logits of the last position only (B, vocab); with head=False its final hidden state (B, C),
-        for a caller that applies lm_head its own way."""
+        Returns the logits of the last position only (B, vocab); with head=False its hidden state before ln_f
+        (B, C), for a caller that applies ln_f and lm_head its own way (to some rows)."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, input_pos, mask)
-        return self.next_token_logits(x[:, -1]) if head else self.transformer.ln_f(x[:, -1])
+        return self.next_token_logits(x[:, -1]) if head else x[:, -1]
 
     def prefill(self, prompts, kv_caches):
         """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each

@@ -230,6 +230,21 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
     assert all(rows == cached * per_prompt and slots == MAX_NEW for rows, cached, slots in steps)
 
 
+def test_samples_that_agree_so_far_go_through_lm_head_once(ours, prompts, eos):
+    # top_k=1: a prompt's 6 samples agree at every step, so lm_head (and ln_f before it) sees one row a prompt, as
+    # when one sample is drawn; the blocks still run every sample's row
+    def head_rows(decoding):
+        rows = []
+        hook = ours.transformer.ln_f.register_forward_hook(lambda module, args, out: rows.append(out.size(0)))
+        try:
+            generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr.pick)
+        finally:
+            hook.remove()
+        return rows
+    one = Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=1)
+    assert head_rows(replace(one, mbr_samples=6, mbr_include_beam=False)) == head_rows(one)
+
+
 def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
     greedy = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=eos)
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary

@@ -41,7 +41,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     if compact_below is None:
         compact_below = 1.0 if device.type == "cpu" else 0.5
     processors = LogitsProcessors(d, eos_token_id)
-    if d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size:
+    if on_static_shapes(d):
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
         graphed = greedy_steps is not None and not torch.is_autocast_enabled(device.type)
         return greedy(model, prompts, d.max_new_tokens, processors, greedy_steps if graphed else None,
@@ -72,6 +72,11 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         else:
             results = run.sample(logits, state, kv_caches, streams, num_return_sequences)
     return [s.tokens for row in results for s in row]
+
+
+def on_static_shapes(d):
+    """Whether `d` (a Decoding) is plain greedy, which greedy() decodes on static shapes."""
+    return d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size
 
 
 def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
@@ -398,11 +403,11 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = min(-(-(P + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, model.config.block_size)
-    caches = [KVCache(slots) for _ in model.transformer.h]
-    logits = model.prefill(prompts, caches)
     pad = torch.tensor([P - len(p) for p in prompts], device=device)
+    # the prefill's caches are the batch's alone: a copy into graphs' buffers or a smaller batch frees them
     batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
-                        pad, caches)
+                        pad, [KVCache(slots) for _ in model.transformer.h])
+    logits = model.prefill(prompts, batch.caches)
     batch = steps.hold(model, batch) if steps else batch
     out = torch.full((len(prompts), max_new), eos, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

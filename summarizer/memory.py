@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from config import Decoding, part
+from generate import SLOTS_BUCKET, on_static_shapes
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
 
@@ -204,7 +205,7 @@ def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
     decoding = part(cfg, Decoding)
     batch = len(generation_batches([[0] * prompt_tokens] * prompts, decoding, cfg.gen_batch_size, model_config, room,
                                    dtype)[0]) if prompts else 0
-    kv = kv_cache_bytes(model_config, batch * cache_rows_per_prompt(decoding), prompt_tokens + cfg.max_new_tokens,
+    kv = kv_cache_bytes(model_config, batch * cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size),
                         dtype)
     return batch, kv, LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * model_config.vocab_size * 4
 
@@ -269,32 +270,37 @@ def generation_memory(cfg, device):
     return CPU_GEN_MEMORY_GB * 2**30
 
 
-def cache_rows_per_prompt(decoding):
-    """KV-cache rows one prompt holds at the peak of generate(): greedy 2 (its row, and the copy that drops
-    ended rows), beam search num_beams + 1 (its prefill row and the beams, reordered in place), MBR its prefill
-    row and, at a split, two copies of its mbr_samples rows (or the beam's, if more)."""
-    d = decoding
-    rows = d.num_beams + 1 if d.num_beams > 1 else 2
-    if d.mbr_samples:
-        rows = max(rows if d.mbr_include_beam else 0, 1 + 2 * d.mbr_samples)
-    return rows
+def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
+    """KV-cache slots (one token's keys and values in every layer) that one prompt of P tokens holds at the peak of
+    generate(), M new tokens after it. Plain greedy: its static cache (P + M up to a SLOTS_BUCKET multiple) twice
+    (the copy that drops ended rows, or CUDA graphs' buffers). Else the prefill's row (P + M), then the prompt once
+    for its rows (beams, samples; 1 for greedy with processors) and their M generated slots each, twice at a copy
+    (dropping ended prompts, reordering beams); MBR's greedy or beam candidate first decodes from a copy of the
+    prefill's row."""
+    d, P, M = decoding, prompt_tokens, decoding.max_new_tokens
+    if on_static_shapes(d) and not d.mbr_samples:
+        return 2 * min(-(-(P + M) // SLOTS_BUCKET) * SLOTS_BUCKET, block_size)
+    deterministic = (P + M) + 2 * (P + d.num_beams * M)
+    if not d.mbr_samples:
+        return deterministic
+    return max((P + M) + deterministic if d.mbr_include_beam else 0, (P + M) + 2 * (P + d.mbr_samples * M))
 
 
-def kv_cache_bytes(model_config, rows, length, dtype):
-    """Bytes of keys and values for `rows` rows of `length` slots: 2 x layers x width x rows x length."""
-    return 2 * model_config.n_layer * model_config.n_embd * rows * length * dtype.itemsize
+def kv_cache_bytes(model_config, slots, dtype):
+    """Bytes of keys and values in `slots` slots: 2 x layers x width x slots."""
+    return 2 * model_config.n_layer * model_config.n_embd * slots * dtype.itemsize
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
     """This rank's (every world_size-th) batches of prompt indices, length-sorted (left padding stays small): at most
     batch_size prompts whose KV cache fits `memory` bytes (one prompt at least)."""
-    rows = cache_rows_per_prompt(decoding)
     batches = []
     for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        length = len(prompts[i]) + decoding.max_new_tokens  # the longest so far: lengths ascend
+        # the longest prompt so far (lengths ascend) sets the batch's slots
+        slots = cache_slots_per_prompt(decoding, len(prompts[i]), model_config.block_size)
         batch = batches[-1] if batches else []
-        if batch and len(batch) < batch_size and \
-                kv_cache_bytes(model_config, rows * (len(batch) + 1), length, dtype) <= memory:
+        if batch and len(batch) < batch_size and kv_cache_bytes(model_config, slots * (len(batch) + 1),
+                                                                dtype) <= memory:
             batch.append(i)
         else:
             batches.append([i])

@@ -229,8 +229,7 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
     prompts = [[rng.randrange(50257) for _ in range(rng.randint(3, 60))] for _ in range(24)]
     cfg = load_config(["--gen_batch_size=24", "--max_new_tokens=12", "--device=cpu", *options])
     decoding = part(cfg, Decoding)
-    rows = memory.cache_rows_per_prompt(decoding)
-    small = memory.kv_cache_bytes(model.config, 3 * rows, 60 + 12, torch.float32)
+    small = memory.kv_cache_bytes(model.config, 3 * memory.cache_slots_per_prompt(decoding, 60, 1024), torch.float32)
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
     whole = inference.summarize_batches(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
@@ -243,12 +242,15 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
 def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
     model = GPT.from_pretrained(tiny_hf_dir).eval()
     prompts = [[1] * 50] * 40
-    for options, rows in (([], 2), (["--num_beams=4"], 5), (["--temperature=0.7", "--mbr_samples=16"], 33)):
-        per_prompt = memory.kv_cache_bytes(model.config, rows, 50 + 20, torch.float32)
+    # P = 50 prompt tokens, M = 20 new: greedy's static cache (70 slots, up to 128) and its copy; beams and samples
+    # over the prefill's row (70), then the shared prompt (50) with their 20 generated slots each, and a copy of those
+    for options, slots in (([], 2 * 128), (["--num_beams=4"], 70 + 2 * (50 + 4 * 20)),
+                           (["--temperature=0.7", "--mbr_samples=16"], 70 + 2 * (50 + 16 * 20))):
+        per_prompt = memory.kv_cache_bytes(model.config, slots, torch.float32)
         cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
                            *options])
         decoding = part(cfg, Decoding)
-        assert memory.cache_rows_per_prompt(decoding) == rows
+        assert memory.cache_slots_per_prompt(decoding, 50, model.config.block_size) == slots
         room = memory.generation_memory(cfg, torch.device("cpu"))
         sizes = [len(b) for b in memory.generation_batches(prompts, decoding, 64, model.config, room,
                                                            torch.float32)]

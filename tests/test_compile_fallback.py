@@ -1,6 +1,7 @@
-"""torch.compile falls back to eager at any point of a run, not only at the trial before step 1: a recompile limit
-or a compiler error after the first step, in the training step or in the decode step, is one warning line for each
-and the run finishes; under FSDP the start line says the training step runs eagerly."""
+"""torch.compile falls back to eager at any point of a run: a recompile limit or a compiler error in the training
+step after its first compile is one warning line and the run finishes (decoding is not compiled; greedy's CUDA
+graphs fall back on their own: tests/test_step_graphs.py); under FSDP the start line says the training step runs
+eagerly."""
 
 import pytest
 import torch
@@ -34,29 +35,24 @@ def before_step(monkeypatch, at, change):
 
 
 @pytest.mark.slow
-def test_a_recompile_limit_after_step_1_trains_and_decodes_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch,
-                                                                               fresh_dynamo):
+def test_a_recompile_limit_after_step_1_trains_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch, fresh_dynamo):
     """With a limit of one graph (torch._dynamo.config.recompile_limit), fullgraph raises FailOnRecompileLimitHit
-    at the first recompile, after a value both compiled steps guard on changed before step 2: in training at step 2,
-    in decoding at the second evaluation."""
-    def flip(trainer):  # checkpointing is read by GPT.forward; a frozen weight is one the decode step is given too
+    at the first recompile, after a value the compiled step guards on changed before step 2."""
+    def flip(trainer):  # checkpointing is read by GPT.forward
         trainer.model.gradient_checkpointing = True
-        trainer.model.transformer.ln_f.weight.requires_grad_(False)
     before_step(monkeypatch, 1, flip)
     with torch._dynamo.config.patch(recompile_limit=1):
         train.main([*args, "--rouge_samples=3", "--gen_batch_size=2"])
-    said = sorted(warnings(capsys))
-    assert len(said) == 2 and all("FailOnRecompileLimitHit" in line for line in said), said
-    assert said[0].endswith("decoding eagerly")
-    assert said[1].endswith("training eagerly from now on (tokens_per_s and mfu are eager's)")
+    said = warnings(capsys)
+    assert len(said) == 1 and "FailOnRecompileLimitHit" in said[0], said
+    assert said[0].endswith("training eagerly from now on (tokens_per_s and mfu are eager's)")
     assert [row["iter"] for row in metrics(tmp_path / "out")] == [1, 2, 3]
 
 
 @pytest.mark.slow
-def test_a_compiler_error_after_step_1_trains_and_decodes_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch,
-                                                                              fresh_dynamo):
+def test_a_compiler_error_after_step_1_trains_eagerly_to_the_end(args, tmp_path, capsys, monkeypatch, fresh_dynamo):
     """After step 1 the compiled code is dropped and inductor fails from then on (as a T4's Triton may at a new
-    shape): training and decoding compile again, fail, and go on eagerly, with the losses eager gives."""
+    shape): training compiles again, fails, and goes on eagerly, with the losses eager gives."""
     import torch._inductor.compile_fx as compile_fx
 
     def failing(*args, **kwargs):
@@ -68,8 +64,7 @@ def test_a_compiler_error_after_step_1_trains_and_decodes_eagerly_to_the_end(arg
     before_step(monkeypatch, 1, break_compiler)
     train.main(args)
     said = warnings(capsys)
-    assert len(said) == 2 and all("forced compiler error" in line for line in said), said
-    assert "training eagerly from now on" in said[0] and said[1].endswith("decoding eagerly")
+    assert len(said) == 1 and "forced compiler error" in said[0] and "training eagerly from now on" in said[0], said
     compiled = metrics(tmp_path / "out")
     monkeypatch.undo()
     train.main([*args, "--compile=False", f"--out_dir={tmp_path / 'eager'}"])
@@ -96,7 +91,9 @@ def test_a_compiler_error_in_the_backward_graph_after_step_1_trains_eagerly_to_t
         monkeypatch.setattr(compile_fx, "compile_fx",
                             lambda *a, **k: real_compile_fx(*a, **{**k, "inner_compile": failing_backward}))
     before_step(monkeypatch, 1, break_backward)
-    train.main([*args, "--rouge_samples=0", "--best_metric=val_loss"])
+    # without inductor's and AOTAutograd's caches, which would hand step 2 step 1's graphs, compiled or not
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        train.main([*args, "--rouge_samples=0", "--best_metric=val_loss"])
     said = warnings(capsys)
     assert len(said) == 1 and "forced backward compiler error" in said[0] and "training eagerly from now on" in said[0]
     assert [row["iter"] for row in metrics(tmp_path / "out")] == [1, 2, 3]

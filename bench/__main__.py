@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 import data
 import generate as generate_module
-from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
+from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, synchronize, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token
@@ -69,42 +68,35 @@ def make_models(name, device):
 
 
 class PeakMemory:
-    """Peak memory above the start of the block: CUDA max_memory_allocated, or sampled RSS on CPU (after handing
-    freed heap back to the OS, so that memory an earlier figure freed is not reused unseen)."""
+    """Peak MiB above the start of the block: CUDA max_memory_allocated, or on a CPU the process's peak RSS (VmHWM,
+    reset first, after freed heap is handed back to the OS, so that memory an earlier figure freed is not reused
+    unseen)."""
 
     def __init__(self, device):
         self.device, self.peak_mb = device, 0.0
 
     @staticmethod
-    def rss_mb():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    def _poll(self):
-        while not self._done.is_set():
-            self.peak_mb = max(self.peak_mb, self.rss_mb() - self._base)
-            time.sleep(0.002)
+    def status_mb(key):
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith(key)).split()[1]) / 1024
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
+            self._base = torch.cuda.memory_allocated() / 2**20
         else:
             gc.collect()
             ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
-            self._base, self._done = self.rss_mb(), threading.Event()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+            self._base = self.status_mb("VmRSS:")
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
-        else:
-            self._done.set()
-            self._thread.join()
+        synchronize(self.device)
+        self.peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda"
+                        else self.status_mb("VmHWM:")) - self._base
 
 
 def interleaved(candidates, device, repeats):

@@ -1,9 +1,6 @@
-"""python -m bench --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
-decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
-them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
-output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads. Run as
-a module under torchrun, it is train_counts' worker.
-"""
+"""python -m bench --section=compile: what a GPU run would waste, counted on the CPU: graph breaks and compilations,
+the host's waits for the device, weight casts, KV-cache bytes copied against read. Under torchrun, train_counts'
+worker."""
 import collections
 import contextlib
 import dataclasses
@@ -41,19 +38,16 @@ class CompileCounter:
         return count
 
 
-def fresh_compiles():
-    """Forget compiled code and dynamo's counters: what follows is counted from its first compilation."""
+def fresh_compiles():  # what follows is counted from its first compilation
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
 
-def graph_breaks():
-    """Graph breaks since fresh_compiles(), as dynamo counts them."""
+def graph_breaks():  # since fresh_compiles()
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def graphs_compiled():
-    """Graphs compiled since fresh_compiles(), as dynamo counts them on the real backend."""
+def graphs_compiled():  # since fresh_compiles(), on the real backend
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -159,9 +153,8 @@ def kv_cache_traffic():
 
 @contextlib.contextmanager
 def decoding_steps():
-    """Counts decoding steps, each one LogitsProcessors.no_early_eos call: every row's next token, in greedy,
-    sampling and beam search alike (MBR's greedy and sampled candidates share a prefill, so forward passes
-    would undercount them). Yields a list whose length is the count."""
+    """Counts decoding steps as LogitsProcessors.no_early_eos calls (MBR's candidates share a prefill: forward
+    passes would undercount them). Yields a list whose length is the count."""
     steps, no_early_eos = [], LogitsProcessors.no_early_eos
 
     def counted(self, *args):

@@ -1,17 +1,9 @@
 """python -m bench --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
 
-Two gloo ranks on the CPU (two processes on 127.0.0.1) build train.Trainer with --backend=fsdp for a tiny GPT of
-GPT-2's structure (2 blocks of width 32, GPT-2's vocabulary) with the preset's dtype, gradient checkpointing, LoRA
-and micro-steps per optimizer step, and run one Trainer.train_step under CollectiveBytes, a TorchDispatchMode that
-sees every collective: the c10d ones FSDP2 issues and those DTensor issues for the gradient norm and GradScaler.
-Each all-gather and reduce-scatter must carry exactly one FSDP unit's padded parameters (the root: embeddings and
-ln_f; or a block), which checks the count against the model's shapes; how many each unit had then scales to the
-preset's model, its units built on the meta device. Bytes are per rank as a ring moves them: (W-1)/W of each
-all-gathered or reduce-scattered buffer, 2(W-1)/W of each all-reduced one (a few scalars: loss, gradient norm,
-found-inf; added as counted).
-
-"before" is FSDP until fsdp_reduce_once: fully_shard without a MixedPrecisionPolicy (fp32 all-gathers) and a
-reduce-scatter after every micro-step (--fsdp_reduce_once=False), counted the same way.
+Two gloo ranks on the CPU run one train.Trainer.train_step of a tiny GPT (--backend=fsdp, the preset's dtype,
+checkpointing, LoRA and micro-steps) under CollectiveBytes. Each all-gather and reduce-scatter must carry one FSDP
+unit's padded parameters (the root or a block); the counts per unit then scale to the preset's model (meta device).
+Bytes are per rank as a ring moves them (RING). "before": fp32 all-gathers and a reduce-scatter per micro-step.
 """
 import json
 import math
@@ -214,11 +206,8 @@ def tiny_args(name, preset, csv, folder):
 
 
 def bench_fsdp(args=None):
-    """Rows fsdp:<model>:comm_gib_per_step (now), ..._before (fp32 all-gathers, a reduce-scatter per micro-step) and
-    ..._vs_before (their ratio) for each Kaggle preset, as if run with --backend=fsdp (the preset's own backend is in
-    the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
-    holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
-    bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
+    """fsdp:<model>:comm_gib_per_step (now, _before, _vs_before) per Kaggle preset as if --backend=fsdp, GiB per
+    rank per optimizer step; and :reduce_once_gib_per_rank, what fsdp_reduce_once holds per GPU. About 30 s."""
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them

@@ -1,12 +1,6 @@
-"""python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
-
-The figures are summarizer/memory.py's plan, the one micro_batch_size=auto chooses by, asked as a run asks it: the
-weights, gradients and AdamW state of each model's real tensors (built on the meta device, with LoRA adapters where
-the mode has them; FSDP2 shards on FSDP_RANKS ranks, plus the units a rank gathers while computing); activations
-from the rates a one-block model of the real width keeps for backward under fp16 autocast (measured with
-torch.autograd.graph.saved_tensors_hooks), at the longest micro-batch of a SAMSum epoch; the evaluation's and the
-save's peaks. --memory_measured runs the whole-depth model instead, no extrapolation, beside the plan's figure.
-Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context.
+"""python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4:
+summarizer/memory.py's plan (the one micro_batch_size=auto chooses by) asked as a run asks it, at the longest
+micro-batch of a SAMSum epoch. --memory_measured also measures whole-depth activations beside the plan's figure.
 """
 import dataclasses
 import os

@@ -15,6 +15,7 @@ import os
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -35,9 +36,7 @@ from summarizer.metrics import rouge
 
 
 def samsum_examples(n, samsum_csv, seed=0):
-    """(prompt tokens, summary tokens) pairs with SAMSum's lengths: the real validation dialogues when ../shared
-    has them, else random tokens with lengths from log-normals fitted to SAMSum (prompt median ~130 tokens,
-    summary mean ~25), and which of the two it is."""
+    """((prompt tokens, summary tokens) pairs, "samsum"), or random tokens of SAMSum's lengths, "synthetic"."""
     rng = np.random.default_rng(seed)
     if os.path.exists(samsum_csv):
         import pandas as pd
@@ -147,9 +146,8 @@ def greedy_steps(device, captures=None):
 
 
 def greedy_step_figures(model, prompts, max_new, args, device):
-    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms (max_new tokens less one
-    token's, per step) against the floor of reading the weights and the attended KV slots once at the measured
-    bandwidth; the host's reads per step; the seconds CUDA graph capture took; and predict.py's batch as its parts."""
+    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms against the floor of
+    reading the weights and attended KV slots once at a copy's bandwidth; host reads; graph capture seconds."""
     batch = sorted(prompts, key=len)[-args.gen_batch:]
     captures = []
     steps = greedy_steps(device, captures)
@@ -176,10 +174,8 @@ def greedy_step_figures(model, prompts, max_new, args, device):
 
 
 def predict_batch_parts(model, prompts, max_new, args, device):
-    """predict.py's batch (inference.summarize of gen_batch dialogues, from their text) timed whole, then as its
-    parts, each timed on its own in a second run: tokenizing, prefill, decode steps, the greedy loop's own host
-    work per step (generate's time less prefill and steps), and per batch (summarize's time less generate's:
-    batch planning, progress bar, detokenizing). The parts must sum to the whole within 10%."""
+    """predict.py's batch (summarize of gen_batch dialogues' text) timed whole, then as its parts in a second run:
+    tokenizing, prefill, decode steps, greedy_bookkeeping (generate's rest), per_batch (summarize's rest)."""
     dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
     cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
     summarizer = inference.Summarizer(model, cfg)
@@ -189,8 +185,7 @@ def predict_batch_parts(model, prompts, max_new, args, device):
         summarize(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
     batch()  # warm-up (and captures)
     whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
-    spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "greedy_bookkeeping", "generate", "summarize"),
-                          0.0)
+    spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "generate", "summarize"), 0.0)
 
     def clocked(part, fn):
         def run(*a, **kw):
@@ -202,15 +197,10 @@ def predict_batch_parts(model, prompts, max_new, args, device):
                (compiling.StepGraphs, "__call__", "decode_steps") if steps else
                (generate_module, "static_step", "decode_steps"),
                (inference, "generate", "generate")]
-    originals = [getattr(owner, name) for owner, name, _ in patches]
-    for owner, name, part in patches:
-        setattr(owner, name, clocked(part, getattr(owner, name)))
-    try:
+    with contextlib.ExitStack() as patched:
+        for owner, name, part in patches:
+            patched.enter_context(mock.patch.object(owner, name, clocked(part, getattr(owner, name))))
         clocked("summarize", batch)()
-    finally:
-        for (owner, name, _), original in zip(patches, originals, strict=True):
-            setattr(owner, name, original)
-        del model.prefill  # the instance attribute: the class's method again
     parts = dict(tokenizing=spent["tokenizing"], prefill=spent["prefill"], decode_steps=spent["decode_steps"],
                  greedy_bookkeeping=spent["generate"] - spent["prefill"] - spent["decode_steps"],
                  per_batch=spent["summarize"] - spent["tokenizing"] - spent["generate"])
@@ -306,11 +296,9 @@ def kv_bytes_per_step(model, prompts, decoding):
             read[1] += (prompt_slots + x.size(0) * (calls[0] if prompt is None else cache.k.size(2))) * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
-    try:
-        generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
+    for hook in hooks:
+        hook.remove()
     return [total / calls[0] / len(prompts) for total in read]
 
 
@@ -400,11 +388,9 @@ def bench_train(args, device):
 
 
 def cut_micro_batches(args, device, model):
-    """The fraction of padded positions over 16 global batches of 256 SAMSum rows at micro_batch_size 256 and 16:
-    micro_batch_size rows neighbours in length (uncut, as before the cuts) against the cuts (data.deal); then real
-    tokens/s, forward and backward under the GPU's autocast, of one group of global batches of cut_rows rows (every
-    length), each as one uncut micro-batch against its cut micro-batches (micro_batch_size=cut_rows: the same peak
-    memory)."""
+    """Padded fraction over 16 global batches of 256 SAMSum rows at micro_batch_size 256 and 16, uncut against cut;
+    then real tokens/s (fwd+bwd, the GPU's autocast) of GROUP_STEPS global batches of cut_rows rows, each as one
+    uncut micro-batch against its cuts (micro_batch_size=cut_rows: the same peak memory)."""
     examples, source = training_examples(818, args.samsum_csv)
     rows = []
     for micro in (256, 16):
@@ -454,10 +440,8 @@ SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv="
 
 
 def bench_decode(args, device):
-    """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
-    (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
-    on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
-    autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
+    """ROUGE and summaries/s of DECODINGS and of greedy in 16 bits against float32: on the demo model (out-demo/
+    best.pt, else trained here) and a tiny one trained on 75% of SAMSum's validation CSV, scored on the rest."""
     with tempfile.TemporaryDirectory() as tmp:
         demo = demo_arguments(tmp, device.type)
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -61,11 +62,8 @@ def counted_compiles():
     def compile(fn, **options):
         options.pop("backend", None)
         return real(fn, backend=counter.backend("train" if isinstance(fn, torch.nn.Module) else "decode"), **options)
-    torch.compile = compile
-    try:
+    with mock.patch.object(torch, "compile", compile):
         yield counter, graph_breaks
-    finally:
-        torch.compile = real
 
 
 # ---- host syncs, weight casts, KV-cache bytes --------------------------------------------------------------------
@@ -142,13 +140,10 @@ def kv_cache_traffic():
                     out.prompt_k.nbytes + out.prompt_v.nbytes if hasattr(out, "prompt_k") else 0)
             return out
         return wrapper
-    for cls, name, method in originals:
-        setattr(cls, name, counted(name, method))
-    try:
-        yield traffic
-    finally:
+    with contextlib.ExitStack() as patched:
         for cls, name, method in originals:
-            setattr(cls, name, method)
+            patched.enter_context(mock.patch.object(cls, name, counted(name, method)))
+        yield traffic
 
 
 @contextlib.contextmanager
@@ -160,11 +155,8 @@ def decoding_steps():
     def counted(self, *args):
         steps.append(1)
         return no_early_eos(self, *args)
-    LogitsProcessors.no_early_eos = counted
-    try:
+    with mock.patch.object(LogitsProcessors, "no_early_eos", counted):
         yield steps
-    finally:
-        LogitsProcessors.no_early_eos = no_early_eos
 
 
 def decode_counts(model, prompts, cfg, compact_below=0.5):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -82,12 +83,10 @@ def units(model, world_size=RANKS):
 def count_step(args, before):
     """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
-
-    fsdp = torch.distributed.fsdp
-    shard = fsdp.fully_shard
-    if before:  # Runtime.shard as it was: fp32 all-gathers
-        fsdp.fully_shard = lambda module, mp_policy=None: shard(module)
-    try:
+    shard = torch.distributed.fsdp.fully_shard
+    # before: Runtime.shard as it was, fp32 all-gathers
+    with mock.patch.object(torch.distributed.fsdp, "fully_shard", (lambda module, mp_policy=None: shard(module))
+                           if before else shard):
         cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
         with Runtime(cfg) as rt:
             trainer = train.Trainer(prepare(cfg, rt), rt)
@@ -96,8 +95,6 @@ def count_step(args, before):
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
                     "reduce_once": bool(rt.parallel.reduce_once),
                     "micro_steps": len(trainer.run.batches(0).micro_batches)}
-    finally:
-        fsdp.fully_shard = shard
 
 
 def worker(spec_path, out_path):

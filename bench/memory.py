@@ -22,8 +22,7 @@ FSDP_RANKS = 2
 
 
 def longest_micro_batch(csv_path, micro_batch_size):
-    """(x, y, description): the micro-batch with the most tokens (padding included) that training cuts from
-    csv_path's rows (its micro_batch_size longest rows), or a block_size-wide synthetic one when the file is missing."""
+    """(x, y, description): csv_path's micro_batch_size longest rows, or block_size-wide random ones without it."""
     if not os.path.exists(csv_path):
         x = torch.randint(0, data.EOT_ID, (micro_batch_size, FALLBACK_LENGTH))
         y = torch.full_like(x, -1)
@@ -49,17 +48,15 @@ def build(shape, n_layer, with_lora, device):
 
 
 def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
-    """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16: what a
-    run asks the memory plan with."""
+    """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16."""
     model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
     run = memory.Workload(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
     return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
 
 
 def mode_plan(name, mode, x, y, preset, prompt_tokens):
-    """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y) (its
-    rows as long as x's), one GPU (FSDP_RANKS under FSDP) with a T4's usable memory, at `preset`'s decoding for
-    prompts of `prompt_tokens` tokens: the plan micro_batch_size=auto chooses by, asked as the run asks it."""
+    """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y), on a
+    T4's usable memory, at `preset`'s decoding for prompts of `prompt_tokens` tokens."""
     rows, fsdp = x.shape[0], mode.startswith("fsdp2")
     cfg = dataclasses.replace(preset, lora_rank=LORA_RANK if mode.startswith("lora") else 0, micro_batch_size=rows,
                               batch_size=rows, gradient_checkpointing=mode.endswith("checkpointing"))
@@ -69,8 +66,7 @@ def mode_plan(name, mode, x, y, preset, prompt_tokens):
 
 
 def measured_activation_bytes(shape, x, y, one_block):
-    """{mode: bytes} that autograd keeps in a forward of (x, y) under fp16 autocast through whole-depth models, no
-    extrapolation; the checkpointed mode adds the recompute of `one_block` bytes in backward."""
+    """{mode: bytes} autograd keeps in a fp16-autocast forward of whole-depth models (+ `one_block`'s recompute)."""
     torch.manual_seed(0)
     model = build(shape, shape["n_layer"], False, "cpu")
     autocast = torch.autocast("cpu", dtype=torch.float16)
@@ -83,8 +79,7 @@ def measured_activation_bytes(shape, x, y, one_block):
 
 
 def t4_micro_batch(name, preset):
-    """A preset's ({key: value}) micro_batch_size, or for auto the one the run's memory plan chooses on a T4 for
-    gpt2 model `name`, rows as long as block_size (the worst a micro-batch can be), on FSDP_RANKS GPUs."""
+    """A preset's micro_batch_size, or for auto the plan's on FSDP_RANKS T4s at rows of block_size (the worst)."""
     cfg = Config(**preset)
     if cfg.micro_batch_size != "auto":
         return cfg.micro_batch_size
@@ -126,8 +121,7 @@ DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
 
 
 def longest_prompt(csv_path, cfg):
-    """Tokens of the longest prompt inference makes of csv_path's dialogues (cut to fit), or the most a prompt
-    may have (block_size - max_new_tokens) when the file is missing."""
+    """Tokens of the longest prompt of csv_path's dialogues, or the most a prompt may have without the file."""
     budget = cfg.block_size - cfg.max_new_tokens
     if not os.path.exists(csv_path):
         return budget
@@ -136,9 +130,8 @@ def longest_prompt(csv_path, cfg):
 
 
 def generation_rows(samsum_csv):
-    """`<model>:generate:<decoding>:gib` at each Kaggle preset's settings: fp16 weights, plus the KV cache and
-    logits of a batch of SAMSum's longest prompt, as generation_batches sizes it in the auto budget of a T4 (half
-    of what the weights leave free)."""
+    """`<model>:generate:<decoding>:gib` per Kaggle preset: fp16 weights, KV cache and logits of a batch of SAMSum's
+    longest prompt as generation_batches sizes it on a T4 (half of what the weights leave free)."""
     rows = []
     for preset in PRESETS.values():
         base = load_config([os.path.join(ROOT, preset)])

@@ -64,7 +64,6 @@ def demo_arguments(folder, device="cpu"):
 def train_quietly(argv):
     """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
     import contextlib
-    import sys
 
     import train
     from config import load_config

@@ -15,6 +15,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 from unittest import mock
 
 import numpy as np
@@ -66,43 +67,37 @@ def make_models(name, device):
     return hf.to(device), ours.to(device)
 
 
-class PeakMemory:
-    """Peak MiB above the start of the block: CUDA max_memory_allocated, or on a CPU the process's peak RSS (VmHWM,
-    reset first, after freed heap is handed back to the OS, so that memory an earlier figure freed is not reused
-    unseen)."""
+def status_mb(key):
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key)).split()[1]) / 1024
 
-    def __init__(self, device):
-        self.device, self.peak_mb = device, 0.0
 
-    @staticmethod
-    def status_mb(key):
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith(key)).split()[1]) / 1024
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated() / 2**20
-        else:
-            gc.collect()
-            ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
-            self._base = self.status_mb("VmRSS:")
-        return self
-
-    def __exit__(self, *exc):
-        synchronize(self.device)
-        self.peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda"
-                        else self.status_mb("VmHWM:")) - self._base
+@contextlib.contextmanager
+def peak_memory(device):
+    """Yields an object whose peak_mb, after the block, is its peak MiB above its start: CUDA max_memory_allocated,
+    or on a CPU the process's peak RSS (VmHWM, reset first, after freed heap is handed back to the OS, so that
+    memory an earlier figure freed is not reused unseen)."""
+    found = types.SimpleNamespace(peak_mb=0.0)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        base = status_mb("VmRSS:")
+    yield found
+    synchronize(device)
+    found.peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else status_mb("VmHWM:")) - base
 
 
 def interleaved(candidates, device, repeats):
     """Run each candidate once to warm up, then `repeats` rounds in turn; median seconds and peak memory."""
     outputs, times, memory = {}, {name: [] for name in candidates}, {}
     for name, fn in candidates.items():
-        with PeakMemory(device) as mem:
+        with peak_memory(device) as mem:
             outputs[name] = fn()
         memory[name] = mem.peak_mb
     for _ in range(repeats):
@@ -367,7 +362,7 @@ def bench_train(args, device):
         ours.zero_grad(set_to_none=True)
 
     _, seconds, memory = interleaved({"ours": ours_step, "transformers": hf_step}, device, args.repeats)
-    with PeakMemory(device) as padded_memory:
+    with peak_memory(device) as padded_memory:
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
@@ -527,18 +522,13 @@ def main():
     parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV (id, dialogue, summary) for the "
                         "SAMSum figures; without it they use random tokens of SAMSum's lengths, or are skipped")
     parser.add_argument("--json", action="store_true", help="one JSON object per figure instead of a table")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gen_prompts", type=int, default=48)
-    parser.add_argument("--gen_batch", type=int, default=16)
-    parser.add_argument("--naive_prompts", type=int, default=3)
-    parser.add_argument("--max_new_tokens", type=int, default=32)
+    for name, default in dict(repeats=3, gen_prompts=48, gen_batch=16, naive_prompts=3, max_new_tokens=32,
+                              train_batches=2, micro_batch=4, compile_steps=50).items():
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--cut_rows", type=int, help="rows of the global batches timed cut and "
                         "uncut (256 on a GPU of 60 GiB or more, 32 on a smaller one, 8 on a CPU)")
-    parser.add_argument("--train_batches", type=int, default=2)
-    parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
     parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
-    parser.add_argument("--compile_steps", type=int, default=50, help="training steps whose compilations are counted")
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()

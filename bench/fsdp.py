@@ -225,10 +225,9 @@ def bench_fsdp(args=None):
         common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
                       dtype=t4_dtype(preset), lora_rank=preset.get("lora_rank", 0),
                       micro_steps=counted[index[name, False]]["micro_steps"])
-        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step", value=sum(now.values()) / GIB,
-                         **{f"{kind}_gib": b / GIB for kind, b in now.items()}))
-        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step_before", value=sum(before.values()) / GIB,
-                         **{f"{kind}_gib": b / GIB for kind, b in before.items()}))
+        for when, sent in (("", now), ("_before", before)):
+            rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step{when}", value=sum(sent.values()) / GIB,
+                             **{f"{kind}_gib": b / GIB for kind, b in sent.items()}))
         rows.append(dict(common, figure=f"fsdp:{name}:comm_vs_before", value=sum(now.values()) / sum(before.values())))
         held, kept = reduce_once_bytes(model, RANKS, getattr(torch, t4_dtype(preset)))
         rows.append(dict(common, figure=f"fsdp:{name}:reduce_once_gib_per_rank", value=(held + kept) / GIB,

@@ -120,7 +120,7 @@ def bench_generate(args, device):
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
     rows += greedy_step_figures(ours, prompts, max_new, args, device)
     rows += kv_reads(ours, batches[len(batches) // 2], max_new)
-    rows.append(dict(section="generate", figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
+    rows.append(dict(figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
                      f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
                      f"median of {args.repeats}, {device}"))
     return rows
@@ -159,12 +159,11 @@ def greedy_step_figures(model, prompts, max_new, args, device):
         generate(model, batch, Decoding(max_new), eos_token_id=-1, greedy_steps=steps)
     source = torch.empty(2**28, dtype=torch.uint8, device=device)  # the bandwidth a 256 MiB copy reaches
     copy_s = min(timed(functools.partial(torch.empty_like(source).copy_, source), device)[1] for _ in range(3))
-    return [dict(section="generate", figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
-            dict(section="generate", figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
+    return [dict(figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
+            dict(figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
                  bytes_read_per_step=read),
-            dict(section="generate", figure="graph_capture_s", value=sum(captures) if captures else None),
-            dict(section="generate", figure="host_reads_per_greedy_step", value=waits.syncs / len(counted),
-                 target="<= 1/8"),
+            dict(figure="graph_capture_s", value=sum(captures) if captures else None),
+            dict(figure="host_reads_per_greedy_step", value=waits.syncs / len(counted), target="<= 1/8"),
             *predict_batch_parts(model, batch, max_new, args, device)]
 
 
@@ -199,11 +198,9 @@ def predict_batch_parts(model, prompts, max_new, args, device):
     parts = dict(tokenizing=spent["tokenizing"], prefill=spent["prefill"], decode_steps=spent["decode_steps"],
                  greedy_bookkeeping=spent["generate"] - spent["prefill"] - spent["decode_steps"],
                  per_batch=spent["summarize"] - spent["tokenizing"] - spent["generate"])
-    return [*(dict(section="generate", figure=f"predict_batch:{name}_ms", value=1000 * seconds)
-              for name, seconds in parts.items()),
-            dict(section="generate", figure="predict_batch:whole_ms", value=1000 * whole),
-            dict(section="generate", figure="predict_batch:parts_sum_vs_whole", value=sum(parts.values()) / whole,
-                 target="0.9 to 1.1")]
+    return [*(dict(figure=f"predict_batch:{name}_ms", value=1000 * seconds) for name, seconds in parts.items()),
+            dict(figure="predict_batch:whole_ms", value=1000 * whole),
+            dict(figure="predict_batch:parts_sum_vs_whole", value=sum(parts.values()) / whole, target="0.9 to 1.1")]
 
 
 @torch.inference_mode()
@@ -253,23 +250,20 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     rate = {"ours": n / seconds["ours"], "transformers": n / seconds["transformers"]}
     matches = sum(a == b for a, b in zip(outputs["ours"], outputs["transformers"], strict=True))
     rows = [
-        dict(section="generate", figure="summaries_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
-        dict(section="generate", figure="summaries_per_s_transformers", value=rate["transformers"],
-             peak_mb=memory["transformers"]),
-        dict(section="generate", figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"],
-             target=">= 1.5"),
-        dict(section="generate", figure="greedy_identical_to_transformers", value=f"{matches}/{n}",
-             target=f"{n}/{n}"),
-        dict(section="generate", figure="mean_new_tokens", value=statistics.mean(map(len, outputs["ours"]))),
+        dict(figure="summaries_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
+        dict(figure="summaries_per_s_transformers", value=rate["transformers"], peak_mb=memory["transformers"]),
+        dict(figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"], target=">= 1.5"),
+        dict(figure="greedy_identical_to_transformers", value=f"{matches}/{n}", target=f"{n}/{n}"),
+        dict(figure="mean_new_tokens", value=statistics.mean(map(len, outputs["ours"]))),
     ]
     if with_naive:
         naive_rate = len(naive_picks) / seconds["naive"]
         naive_matches = sum(outputs["ours"][i] == row for i, row in zip(naive_picks, outputs["naive"], strict=True))
         rows += [
-            dict(section="generate", figure="summaries_per_s_naive", value=naive_rate, peak_mb=memory["naive"]),
-            dict(section="generate", figure="speedup_vs_naive", value=rate["ours"] / naive_rate, target=">= 20"),
-            dict(section="generate", figure="greedy_identical_to_naive",
-                 value=f"{naive_matches}/{len(naive_picks)}", target=f"{len(naive_picks)}/{len(naive_picks)}"),
+            dict(figure="summaries_per_s_naive", value=naive_rate, peak_mb=memory["naive"]),
+            dict(figure="speedup_vs_naive", value=rate["ours"] / naive_rate, target=">= 20"),
+            dict(figure="greedy_identical_to_naive", value=f"{naive_matches}/{len(naive_picks)}",
+                 target=f"{len(naive_picks)}/{len(naive_picks)}"),
         ]
     return rows
 
@@ -306,14 +300,13 @@ def kv_reads(model, prompts, max_new):
     samples = dict(MBR_SAMPLING, mbr_samples=16, mbr_include_beam=False)  # the samples' decoding alone
     greedy = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new))
     mbr16 = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new, **samples))
-    rows = [dict(section="generate", figure="kv_prompt_bytes_per_step_floor", value=floor)]
+    rows = [dict(figure="kv_prompt_bytes_per_step_floor", value=floor)]
     for name, (prompt, every) in (("greedy", greedy), ("mbr16", mbr16)):
-        rows += [dict(section="generate", figure=f"kv_prompt_bytes_per_step_{name}", value=prompt,
-                      vs_floor=prompt / floor),
-                 dict(section="generate", figure=f"kv_bytes_per_step_{name}", value=every)]
-    return rows + [dict(section="generate", figure="kv_prompt_bytes_per_step_mbr16_vs_greedy",
-                        value=mbr16[0] / greedy[0], target="<= 1.3"),
-                   dict(section="generate", figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16[1] / greedy[1])]
+        rows += [dict(figure=f"kv_prompt_bytes_per_step_{name}", value=prompt, vs_floor=prompt / floor),
+                 dict(figure=f"kv_bytes_per_step_{name}", value=every)]
+    return rows + [dict(figure="kv_prompt_bytes_per_step_mbr16_vs_greedy", value=mbr16[0] / greedy[0],
+                        target="<= 1.3"),
+                   dict(figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16[1] / greedy[1])]
 
 
 def training_examples(n, samsum_csv):
@@ -367,16 +360,12 @@ def bench_train(args, device):
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
     return cut_micro_batches(args, device, ours) + [
-        dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
-        dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
-             peak_mb=memory["transformers"]),
-        dict(section="train", figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"],
-             peak_mb=padded_memory.peak_mb),
-        dict(section="train", figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"],
-             target=">= 1.0"),
-        dict(section="train", figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"],
-             target=">= 5"),
-        dict(section="train", figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
+        dict(figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
+        dict(figure="real_tokens_per_s_transformers", value=rate["transformers"], peak_mb=memory["transformers"]),
+        dict(figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"], peak_mb=padded_memory.peak_mb),
+        dict(figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"], target=">= 1.0"),
+        dict(figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"], target=">= 5"),
+        dict(figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
              f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
              f"median of {args.repeats}, {device}"),
     ]
@@ -394,7 +383,7 @@ def cut_micro_batches(args, device, model):
             batch, inputs = batches(step), examples.lengths[batches.sampler.global_batch(step)] - 1
             uncut += sum(len(c) * int(data.padded_width(c.max())) for c in inputs.reshape(-1, micro))
             real, cut, count = real + batch.tokens, cut + batch.positions, count + len(batch.micro_batches)
-        rows += [dict(section="train", figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
+        rows += [dict(figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
                       uncut=1 - real / uncut, micro_batches=count / 16, target="<= 0.10" if micro > 16 else "<= 0.05")]
     big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 60 * 2**30  # H100/H200
     cut_rows = args.cut_rows or (256 if big else 32 if device.type == "cuda" else 8)  # a T4 fits 32 rows of gpt2
@@ -412,12 +401,12 @@ def cut_micro_batches(args, device, model):
         model.zero_grad(set_to_none=True)
     _, seconds, _ = interleaved({"cut": lambda: step(cut), "uncut": lambda: step(uncut)}, device, args.repeats)
     tokens = sum(batches(step).tokens for step in range(data.GROUP_STEPS))
-    return rows + [dict(section="train", figure="real_tokens_per_s_cut", value=tokens / seconds["cut"],
+    return rows + [dict(figure="real_tokens_per_s_cut", value=tokens / seconds["cut"],
                         micro_batches=len(cut) / data.GROUP_STEPS),
-                   dict(section="train", figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
-                   dict(section="train", figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
+                   dict(figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
+                   dict(figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
                         target=">= 1.3 (H100/H200)"),
-                   dict(section="train", figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
+                   dict(figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
                         f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, "
                         f"{device}")]
 
@@ -453,8 +442,8 @@ def bench_decode(args, device):
             source += (f"; samsum model: 2 layers, 64 wide, trained {cfg.max_iters} steps from scratch on "
                        f"{1 - cfg.val_fraction:.0%} of {os.path.basename(args.samsum_csv)}, scored on the rest")
         else:
-            rows.append(dict(section="decode", figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
-    rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
+            rows.append(dict(figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
+    rows.append(dict(figure="setup", value=f"demo model: {source}; MBR candidates: "
                      f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
 
@@ -490,21 +479,19 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
         predictions = summaries[method]
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
-        rows.append(dict(section="decode", figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
+        rows.append(dict(figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
                          rougeL=score["rougeL"], summaries_per_s=rate, lm_head_rows=decoded[method],
                          value=f"ROUGE-1 {score['rouge1']:.4f}  ROUGE-2 {score['rouge2']:.4f}  ROUGE-L "
                                f"{score['rougeL']:.4f}  {rate:.1f} summaries/s  {decoded[method]} lm_head rows"))
-    rows += [dict(section="decode", figure=f"{name}:mbr16_rougeL_gain_points",
+    rows += [dict(figure=f"{name}:mbr16_rougeL_gain_points",
                   value=100 * (scores["mbr16"]["rougeL"] - scores["greedy"]["rougeL"]), target=">= 1"),
-             dict(section="decode", figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"],
-                  target="<= 4"),
-             dict(section="decode", figure=f"{name}:mbr16_lm_head_rows_vs_greedy",
-                  value=decoded["mbr16"] / decoded["greedy"]),
-             dict(section="decode", figure=f"{name}:{half_greedy}_rougeL_change_points",
+             dict(figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"], target="<= 4"),
+             dict(figure=f"{name}:mbr16_lm_head_rows_vs_greedy", value=decoded["mbr16"] / decoded["greedy"]),
+             dict(figure=f"{name}:{half_greedy}_rougeL_change_points",
                   value=100 * (scores[half_greedy]["rougeL"] - scores["greedy"]["rougeL"])),
-             dict(section="decode", figure=f"{name}:{half_greedy}_summaries_identical_to_float32",
+             dict(figure=f"{name}:{half_greedy}_summaries_identical_to_float32",
                   value=f"{sum(map(str.__eq__, summaries[half_greedy], summaries['greedy']))}/{len(val.dialogues)}"),
-             dict(section="decode", figure=f"{name}:dialogues", value=len(val.dialogues))]
+             dict(figure=f"{name}:dialogues", value=len(val.dialogues))]
     return rows
 
 
@@ -534,9 +521,8 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}
-    for run in sections.values():
-        rows = run(args, device)
-        for row in rows:
+    for section, run in sections.items():
+        for row in ({"section": section, **row} for row in run(args, device)):  # a row of another owner has its own
             if args.json:
                 print(json.dumps(row))
             else:

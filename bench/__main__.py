@@ -120,9 +120,9 @@ def bench_generate(args, device):
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
     rows += greedy_step_figures(ours, prompts, max_new, args, device)
     rows += kv_reads(ours, batches[len(batches) // 2], max_new)
-    rows.append(dict(figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
-                     f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
-                     f"median of {args.repeats}, {device}"))
+    rows.append(dict(figure="setup", value=f"{args.model} model, {len(prompts)} {source} prompts, batch "
+                     f"{args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, median of "
+                     f"{args.repeats}, {device}"))
     return rows
 
 
@@ -365,9 +365,8 @@ def bench_train(args, device):
         dict(figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"], peak_mb=padded_memory.peak_mb),
         dict(figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"], target=">= 1.0"),
         dict(figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"], target=">= 5"),
-        dict(figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
-             f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
-             f"median of {args.repeats}, {device}"),
+        dict(figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of {args.micro_batch} {source} "
+             f"rows (fwd+bwd), padded-1024 timed on one, median of {args.repeats}, {device}"),
     ]
 
 
@@ -406,9 +405,8 @@ def cut_micro_batches(args, device, model):
                    dict(figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
                    dict(figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
                         target=">= 1.3 (H100/H200)"),
-                   dict(figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
-                        f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, "
-                        f"{device}")]
+                   dict(figure="cut_setup", value=f"{len(examples)} {source} rows; timed: {data.GROUP_STEPS} x "
+                        f"{cut_rows} rows, {args.model} model, median of {args.repeats}, {device}")]
 
 
 # MBR's candidates: samples at temperature 0.7 among the 50 most likely tokens, none below probability 0.02
@@ -443,8 +441,8 @@ def bench_decode(args, device):
                        f"{1 - cfg.val_fraction:.0%} of {os.path.basename(args.samsum_csv)}, scored on the rest")
         else:
             rows.append(dict(figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
-    rows.append(dict(figure="setup", value=f"demo model: {source}; MBR candidates: "
-                     f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
+    rows.append(dict(figure="setup", value=f"demo model: {source}; MBR candidates: {MBR_SAMPLING}; median of "
+                     f"{args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
 
 

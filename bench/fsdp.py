@@ -21,10 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
 from bench import GIB, PRESETS, ROOT, child_environ, training_csv
-from bench.memory import T4_USABLE_GIB, t4_micro_batch
-from config import Config, Lora, grad_accum_steps, keys, load_config, read_preset
-from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora
+from bench.memory import T4_USABLE_GIB, build, t4_micro_batch
+from config import Config, grad_accum_steps, load_config, read_preset
+from model import PRETRAINED
 from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
@@ -179,15 +178,6 @@ def scaled_bytes(counted, shape_units):
     return result
 
 
-def preset_model(name, preset):
-    """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**PRETRAINED[name]))
-    if preset.get("lora_rank"):
-        lora.add_adapters(model, **lora.settings(Lora(**{k: v for k, v in preset.items() if k in keys(Lora)})))
-    return model
-
-
 def t4_dtype(preset):
     """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
@@ -220,7 +210,7 @@ def bench_fsdp(args=None):
         counted = run_ranks(runs, tmp)
     rows = []
     for name, preset in presets.items():
-        model = preset_model(name, preset)
+        model = build(PRETRAINED[name], "meta", Config(**preset))
         now, before = (scaled_bytes(counted[index[name, b]], units(model)) for b in (False, True))
         common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
                       dtype=t4_dtype(preset), lora_rank=preset.get("lora_rank", 0),

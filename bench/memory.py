@@ -38,18 +38,16 @@ def longest_micro_batch(csv_path, micro_batch_size):
     return x, y, f"SAMSum validation ({len(examples)} rows): its {x.shape[0]} longest rows, {x.shape[0]} x {x.shape[1]}"
 
 
-def build(shape, n_layer, with_lora, device):
-    config = GPTConfig(n_layer=n_layer, n_head=shape["n_head"], n_embd=shape["n_embd"])
+def build(shape, device, cfg=None):
+    """A GPT of `shape` on `device`, with cfg's LoRA adapters if it has them."""
     with torch.device(device):
-        model = GPT(config)
-    if with_lora:
-        lora.add_adapters(model, **lora.settings(Config(lora_rank=LORA_RANK)))
-    return model
+        model = GPT(GPTConfig(**shape))
+    return lora.add_adapters(model, **lora.settings(cfg)) if cfg and cfg.lora_rank else model
 
 
 def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
     """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16."""
-    model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
+    model = build(PRETRAINED[name], "meta", cfg)
     run = memory.Workload(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
     return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
 
@@ -68,7 +66,7 @@ def mode_plan(name, mode, x, y, preset, prompt_tokens):
 def measured_activation_bytes(shape, x, y, one_block):
     """{mode: bytes} autograd keeps in a fp16-autocast forward of whole-depth models (+ `one_block`'s recompute)."""
     torch.manual_seed(0)
-    model = build(shape, shape["n_layer"], False, "cpu")
+    model = build(shape, "cpu")
     autocast = torch.autocast("cpu", dtype=torch.float16)
     saved = memory.saved_bytes(model, x, Targets.of(y), autocast)
     result = {"full": saved["block"] + saved["rest"]}
@@ -136,13 +134,14 @@ def generation_rows(samsum_csv):
     for preset in PRESETS.values():
         base = load_config([os.path.join(ROOT, preset)])
         shape = PRETRAINED[base.init_from]
-        config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-        weights = memory.nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16
+        model = build(shape, "meta")
+        weights = memory.nbytes(model.parameters()) // 2  # held in fp16
         room = (T4_USABLE_GIB * GIB - weights) / 2
         length = longest_prompt(samsum_csv, base)
         for decoding, options in DECODINGS.items():
             cfg = dataclasses.replace(base, **options)
-            batch, kv, logits = memory.decoding_bytes(cfg, config, torch.float16, cfg.gen_batch_size, length, room)
+            batch, kv, logits = memory.decoding_bytes(cfg, model.config, torch.float16, cfg.gen_batch_size, length,
+                                                      room)
             total = (weights + kv + logits) / GIB
             rows.append(dict(section="memory", figure=f"{base.init_from}:generate:{decoding}:gib", value=total,
                              weights_gib=weights / GIB, kv_cache_gib=kv / GIB, logits_gib=logits / GIB,

@@ -470,15 +470,13 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
         decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
         return predictions
 
-    summaries, seconds, _ = interleaved({method: functools.partial(decode, method) for method in runs}, device,
-                                        repeats)
+    summaries, seconds, _ = interleaved({method: functools.partial(decode, method) for method in runs}, device, repeats)
     rows, scores = [], {}
     for method in runs:
         predictions = summaries[method]
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
-        rows.append(dict(figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
-                         rougeL=score["rougeL"], summaries_per_s=rate, lm_head_rows=decoded[method],
+        rows.append(dict(figure=f"{name}:{method}", **score, summaries_per_s=rate, lm_head_rows=decoded[method],
                          value=f"ROUGE-1 {score['rouge1']:.4f}  ROUGE-2 {score['rouge2']:.4f}  ROUGE-L "
                                f"{score['rougeL']:.4f}  {rate:.1f} summaries/s  {decoded[method]} lm_head rows"))
     rows += [dict(figure=f"{name}:mbr16_rougeL_gain_points",

@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 import types
 from unittest import mock
 
@@ -133,9 +132,8 @@ def greedy_steps(device, captures=None):
         return None
 
     def capture(step):
-        start = time.perf_counter()
-        captured = compiling.capture_graph(step)
-        captures is not None and captures.append(time.perf_counter() - start)
+        captured, seconds = timed(functools.partial(compiling.capture_graph, step), device)
+        captures is not None and captures.append(seconds)
         return captured
     return compiling.StepGraphs(capture)
 

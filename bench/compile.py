@@ -231,9 +231,8 @@ if __name__ == "__main__":
 
 
 def summary_end_token(model, prompts, max_new):
-    """A random-weight model never says <|endoftext|>, so every row runs to max_new_tokens. A fine-tuned one
-    ends each summary at its own length; to measure that case, use as EOS the token this model emits most
-    often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
+    """The token this random-weight model emits most often after a few tokens: as EOS, rows end at varied lengths,
+    as a fine-tuned model's summaries do (a random one never says <|endoftext|>)."""
     counts = {}
     for row in generate(model, prompts[:16], Decoding(max_new_tokens=max_new), eos_token_id=-1):
         for token in set(row[4:]):

@@ -134,14 +134,12 @@ def run_ranks(runs, tmp, timeout=TIMEOUT):
         codes = None
     finally:
         for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.kill()  # a no-op for one that ended
+            p.wait()
     if codes != [0] * RANKS:
-        output = ""
-        for rank, log in enumerate(logs):
+        for log in logs:
             log.seek(0)
-            output += f"--- rank {rank}\n{log.read()[-3000:]}"
+        output = "".join(f"--- rank {rank}\n{log.read()[-3000:]}" for rank, log in enumerate(logs))
         raise RuntimeError(f"counting ranks failed ({'timed out' if codes is None else codes}):\n{output}")
     with open(out) as f:
         return json.load(f)

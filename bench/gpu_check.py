@@ -191,10 +191,8 @@ def case(args, dtype, compile, device, capability, folder, csv):
 
 
 def precision(run_losses, reference_losses, dtype):
-    """The run's dtype against float32 over the same steps: a non-finite loss fails (an fp16 overflow); else each
-    step's loss is compared by how far it moved from the first step's (what training did), relative to how far
-    float32's moved; random weights make every first loss about ln(vocab) in any dtype, so the sizes alone say
-    nothing."""
+    """The run's dtype against float32: a non-finite loss fails (an fp16 overflow); else each step's loss moved from
+    the first (random weights make every first loss ln(vocab)) against float32's move."""
     if not run_losses or not reference_losses:
         return check(NOT_RUN, "a training run failed")
     figures = dict(losses=run_losses, float32_losses=reference_losses)
@@ -249,9 +247,8 @@ def widest_step(batches, steps):
 
 
 def preset_row(name, device, total_gib, folder, csv):
-    """A preset's mode, predicted GiB per GPU and measured peak GiB, or why it was not measured: the run prepared
-    as train.py prepares it (random weights of its model, eager as bench_memory predicts, two micro-batches a
-    step), then two Trainer steps over the epoch's widest micro-batch, counted from what was allocated before."""
+    """A preset's mode, predicted and measured peak GiB per GPU (or why not measured): two eager Trainer steps of
+    random weights over the epoch's widest micro-batch, counted from what was allocated before."""
     path = os.path.join(ROOT, PRESETS[name])
     micro = bench_memory.t4_micro_batch(name, read_preset(path))
     cfg = load_config([path, "--init_from=scratch", *(f"--{k}={v}" for k, v in PRETRAINED[name].items()),

@@ -1,5 +1,6 @@
 """Benchmarks (python -m bench), the hardware preflight (python -m bench.preflight) and the GPU check (bash
 bench/gpu_check.sh), and what they share."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,9 +64,6 @@ def demo_arguments(folder, device="cpu"):
 
 def train_quietly(argv):
     """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
-    import contextlib
-    import sys
-
     import train
     from config import load_config
     from summarizer.preparation import prepare

@@ -14,15 +14,15 @@ import json
 import os
 import statistics
 import tempfile
-import threading
-import time
+import types
+from unittest import mock
 
 import numpy as np
 import torch
 
 import data
 import generate as generate_module
-from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, timed, train_quietly
+from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, synchronize, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token
@@ -36,9 +36,7 @@ from summarizer.metrics import rouge
 
 
 def samsum_examples(n, samsum_csv, seed=0):
-    """(prompt tokens, summary tokens) pairs with SAMSum's lengths: the real validation dialogues when ../shared
-    has them, else random tokens with lengths from log-normals fitted to SAMSum (prompt median ~130 tokens,
-    summary mean ~25), and which of the two it is."""
+    """((prompt tokens, summary tokens) pairs, "samsum"), or random tokens of SAMSum's lengths, "synthetic"."""
     rng = np.random.default_rng(seed)
     if os.path.exists(samsum_csv):
         import pandas as pd
@@ -68,50 +66,37 @@ def make_models(name, device):
     return hf.to(device), ours.to(device)
 
 
-class PeakMemory:
-    """Peak memory above the start of the block: CUDA max_memory_allocated, or sampled RSS on CPU (after handing
-    freed heap back to the OS, so that memory an earlier figure freed is not reused unseen)."""
+def status_mb(key):
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key)).split()[1]) / 1024
 
-    def __init__(self, device):
-        self.device, self.peak_mb = device, 0.0
 
-    @staticmethod
-    def rss_mb():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    def _poll(self):
-        while not self._done.is_set():
-            self.peak_mb = max(self.peak_mb, self.rss_mb() - self._base)
-            time.sleep(0.002)
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-        else:
-            gc.collect()
-            ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
-            self._base, self._done = self.rss_mb(), threading.Event()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
-        else:
-            self._done.set()
-            self._thread.join()
+@contextlib.contextmanager
+def peak_memory(device):
+    """Yields an object whose peak_mb, after the block, is its peak MiB above its start: CUDA max_memory_allocated,
+    or on a CPU the process's peak RSS (VmHWM, reset first, after freed heap is handed back to the OS, so that
+    memory an earlier figure freed is not reused unseen)."""
+    found = types.SimpleNamespace(peak_mb=0.0)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)  # glibc; Linux is where this benchmark runs
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        base = status_mb("VmRSS:")
+    yield found
+    synchronize(device)
+    found.peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else status_mb("VmHWM:")) - base
 
 
 def interleaved(candidates, device, repeats):
     """Run each candidate once to warm up, then `repeats` rounds in turn; median seconds and peak memory."""
     outputs, times, memory = {}, {name: [] for name in candidates}, {}
     for name, fn in candidates.items():
-        with PeakMemory(device) as mem:
+        with peak_memory(device) as mem:
             outputs[name] = fn()
         memory[name] = mem.peak_mb
     for _ in range(repeats):
@@ -134,9 +119,9 @@ def bench_generate(args, device):
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
     rows += greedy_step_figures(ours, prompts, max_new, args, device)
     rows += kv_reads(ours, batches[len(batches) // 2], max_new)
-    rows.append(dict(section="generate", figure="setup", value=f"{args.model} model, {len(prompts)} {source} "
-                     f"prompts, batch {args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, "
-                     f"median of {args.repeats}, {device}"))
+    rows.append(dict(figure="setup", value=f"{args.model} model, {len(prompts)} {source} prompts, batch "
+                     f"{args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, median of "
+                     f"{args.repeats}, {device}"))
     return rows
 
 
@@ -147,17 +132,15 @@ def greedy_steps(device, captures=None):
         return None
 
     def capture(step):
-        start = time.perf_counter()
-        captured = compiling.capture_graph(step)
-        captures is not None and captures.append(time.perf_counter() - start)
+        captured, seconds = timed(functools.partial(compiling.capture_graph, step), device)
+        captures is not None and captures.append(seconds)
         return captured
     return compiling.StepGraphs(capture)
 
 
 def greedy_step_figures(model, prompts, max_new, args, device):
-    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms (max_new tokens less one
-    token's, per step) against the floor of reading the weights and the attended KV slots once at the measured
-    bandwidth; the host's reads per step; the seconds CUDA graph capture took; and predict.py's batch as its parts."""
+    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms against the floor of
+    reading the weights and attended KV slots once at a copy's bandwidth; host reads; graph capture seconds."""
     batch = sorted(prompts, key=len)[-args.gen_batch:]
     captures = []
     steps = greedy_steps(device, captures)
@@ -174,20 +157,18 @@ def greedy_step_figures(model, prompts, max_new, args, device):
         generate(model, batch, Decoding(max_new), eos_token_id=-1, greedy_steps=steps)
     source = torch.empty(2**28, dtype=torch.uint8, device=device)  # the bandwidth a 256 MiB copy reaches
     copy_s = min(timed(functools.partial(torch.empty_like(source).copy_, source), device)[1] for _ in range(3))
-    return [dict(section="generate", figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
-            dict(section="generate", figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
+    return [dict(figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
+            dict(figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
                  bytes_read_per_step=read),
-            dict(section="generate", figure="graph_capture_s", value=sum(captures) if captures else None),
-            dict(section="generate", figure="host_reads_per_greedy_step", value=waits.syncs / len(counted),
-                 target="<= 1/8"),
+            dict(figure="graph_capture_s", value=sum(captures) if captures else None),
+            dict(figure="host_reads_per_greedy_step", value=waits.syncs / len(counted), target="<= 1/8"),
             *predict_batch_parts(model, batch, max_new, args, device)]
 
 
 def predict_batch_parts(model, prompts, max_new, args, device):
-    """predict.py's batch (inference.summarize_batches of gen_batch dialogues, from their text) timed whole, then as its
-    parts, each timed on its own in a second run: tokenizing, prefill, decode steps, the greedy loop's own host
-    work per step (generate's time less prefill and steps), and per batch (summarize_batches' time less generate's:
-    batch planning, progress bar, detokenizing). The parts must sum to the whole within 10%."""
+    """predict.py's batch (summarize_batches of gen_batch dialogues' text) timed whole, then as its parts in a second
+    run: tokenizing, prefill, decode steps, greedy_bookkeeping (generate's rest), per_batch (summarize_batches'
+    rest)."""
     dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
     cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
     summarizer = inference.Summarizer(model, cfg)
@@ -197,8 +178,7 @@ def predict_batch_parts(model, prompts, max_new, args, device):
         summarize_batches(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
     batch()  # warm-up (and captures)
     whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
-    spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "greedy_bookkeeping", "generate", "summarize"),
-                          0.0)
+    spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "generate", "summarize"), 0.0)
 
     def clocked(part, fn):
         def run(*a, **kw):
@@ -210,23 +190,16 @@ def predict_batch_parts(model, prompts, max_new, args, device):
                (compiling.StepGraphs, "__call__", "decode_steps") if steps else
                (generate_module, "static_step", "decode_steps"),
                (inference, "generate", "generate")]
-    originals = [getattr(owner, name) for owner, name, _ in patches]
-    for owner, name, part in patches:
-        setattr(owner, name, clocked(part, getattr(owner, name)))
-    try:
+    with contextlib.ExitStack() as patched:
+        for owner, name, part in patches:
+            patched.enter_context(mock.patch.object(owner, name, clocked(part, getattr(owner, name))))
         clocked("summarize", batch)()
-    finally:
-        for (owner, name, _), original in zip(patches, originals, strict=True):
-            setattr(owner, name, original)
-        del model.prefill  # the instance attribute: the class's method again
     parts = dict(tokenizing=spent["tokenizing"], prefill=spent["prefill"], decode_steps=spent["decode_steps"],
                  greedy_bookkeeping=spent["generate"] - spent["prefill"] - spent["decode_steps"],
                  per_batch=spent["summarize"] - spent["tokenizing"] - spent["generate"])
-    return [*(dict(section="generate", figure=f"predict_batch:{name}_ms", value=1000 * seconds)
-              for name, seconds in parts.items()),
-            dict(section="generate", figure="predict_batch:whole_ms", value=1000 * whole),
-            dict(section="generate", figure="predict_batch:parts_sum_vs_whole", value=sum(parts.values()) / whole,
-                 target="0.9 to 1.1")]
+    return [*(dict(figure=f"predict_batch:{name}_ms", value=1000 * seconds) for name, seconds in parts.items()),
+            dict(figure="predict_batch:whole_ms", value=1000 * whole),
+            dict(figure="predict_batch:parts_sum_vs_whole", value=sum(parts.values()) / whole, target="0.9 to 1.1")]
 
 
 @torch.inference_mode()
@@ -276,23 +249,20 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     rate = {"ours": n / seconds["ours"], "transformers": n / seconds["transformers"]}
     matches = sum(a == b for a, b in zip(outputs["ours"], outputs["transformers"], strict=True))
     rows = [
-        dict(section="generate", figure="summaries_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
-        dict(section="generate", figure="summaries_per_s_transformers", value=rate["transformers"],
-             peak_mb=memory["transformers"]),
-        dict(section="generate", figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"],
-             target=">= 1.5"),
-        dict(section="generate", figure="greedy_identical_to_transformers", value=f"{matches}/{n}",
-             target=f"{n}/{n}"),
-        dict(section="generate", figure="mean_new_tokens", value=statistics.mean(map(len, outputs["ours"]))),
+        dict(figure="summaries_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
+        dict(figure="summaries_per_s_transformers", value=rate["transformers"], peak_mb=memory["transformers"]),
+        dict(figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"], target=">= 1.5"),
+        dict(figure="greedy_identical_to_transformers", value=f"{matches}/{n}", target=f"{n}/{n}"),
+        dict(figure="mean_new_tokens", value=statistics.mean(map(len, outputs["ours"]))),
     ]
     if with_naive:
         naive_rate = len(naive_picks) / seconds["naive"]
         naive_matches = sum(outputs["ours"][i] == row for i, row in zip(naive_picks, outputs["naive"], strict=True))
         rows += [
-            dict(section="generate", figure="summaries_per_s_naive", value=naive_rate, peak_mb=memory["naive"]),
-            dict(section="generate", figure="speedup_vs_naive", value=rate["ours"] / naive_rate, target=">= 20"),
-            dict(section="generate", figure="greedy_identical_to_naive",
-                 value=f"{naive_matches}/{len(naive_picks)}", target=f"{len(naive_picks)}/{len(naive_picks)}"),
+            dict(figure="summaries_per_s_naive", value=naive_rate, peak_mb=memory["naive"]),
+            dict(figure="speedup_vs_naive", value=rate["ours"] / naive_rate, target=">= 20"),
+            dict(figure="greedy_identical_to_naive", value=f"{naive_matches}/{len(naive_picks)}",
+                 target=f"{len(naive_picks)}/{len(naive_picks)}"),
         ]
     return rows
 
@@ -314,11 +284,9 @@ def kv_bytes_per_step(model, prompts, decoding):
             read[1] += (prompt_slots + x.size(0) * (calls[0] if prompt is None else cache.k.size(2))) * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
-    try:
-        generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)
+    for hook in hooks:
+        hook.remove()
     return [total / calls[0] / len(prompts) for total in read]
 
 
@@ -331,14 +299,13 @@ def kv_reads(model, prompts, max_new):
     samples = dict(MBR_SAMPLING, mbr_samples=16, mbr_include_beam=False)  # the samples' decoding alone
     greedy = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new))
     mbr16 = kv_bytes_per_step(model, prompts, Decoding(max_new_tokens=max_new, **samples))
-    rows = [dict(section="generate", figure="kv_prompt_bytes_per_step_floor", value=floor)]
+    rows = [dict(figure="kv_prompt_bytes_per_step_floor", value=floor)]
     for name, (prompt, every) in (("greedy", greedy), ("mbr16", mbr16)):
-        rows += [dict(section="generate", figure=f"kv_prompt_bytes_per_step_{name}", value=prompt,
-                      vs_floor=prompt / floor),
-                 dict(section="generate", figure=f"kv_bytes_per_step_{name}", value=every)]
-    return rows + [dict(section="generate", figure="kv_prompt_bytes_per_step_mbr16_vs_greedy",
-                        value=mbr16[0] / greedy[0], target="<= 1.3"),
-                   dict(section="generate", figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16[1] / greedy[1])]
+        rows += [dict(figure=f"kv_prompt_bytes_per_step_{name}", value=prompt, vs_floor=prompt / floor),
+                 dict(figure=f"kv_bytes_per_step_{name}", value=every)]
+    return rows + [dict(figure="kv_prompt_bytes_per_step_mbr16_vs_greedy", value=mbr16[0] / greedy[0],
+                        target="<= 1.3"),
+                   dict(figure="kv_bytes_per_step_mbr16_vs_greedy", value=mbr16[1] / greedy[1])]
 
 
 def training_examples(n, samsum_csv):
@@ -387,32 +354,25 @@ def bench_train(args, device):
         ours.zero_grad(set_to_none=True)
 
     _, seconds, memory = interleaved({"ours": ours_step, "transformers": hf_step}, device, args.repeats)
-    with PeakMemory(device) as padded_memory:
+    with peak_memory(device) as padded_memory:
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
             "padded_1024": real_tokens / len(batches) / padded_seconds}
     return cut_micro_batches(args, device, ours) + [
-        dict(section="train", figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
-        dict(section="train", figure="real_tokens_per_s_transformers", value=rate["transformers"],
-             peak_mb=memory["transformers"]),
-        dict(section="train", figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"],
-             peak_mb=padded_memory.peak_mb),
-        dict(section="train", figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"],
-             target=">= 1.0"),
-        dict(section="train", figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"],
-             target=">= 5"),
-        dict(section="train", figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of "
-             f"{args.micro_batch} {source} rows (fwd+bwd), padded-1024 timed on one, "
-             f"median of {args.repeats}, {device}"),
+        dict(figure="real_tokens_per_s_ours", value=rate["ours"], peak_mb=memory["ours"]),
+        dict(figure="real_tokens_per_s_transformers", value=rate["transformers"], peak_mb=memory["transformers"]),
+        dict(figure="real_tokens_per_s_padded_1024", value=rate["padded_1024"], peak_mb=padded_memory.peak_mb),
+        dict(figure="speedup_vs_transformers", value=rate["ours"] / rate["transformers"], target=">= 1.0"),
+        dict(figure="speedup_vs_padded_1024", value=rate["ours"] / rate["padded_1024"], target=">= 5"),
+        dict(figure="setup", value=f"{args.model} model, {len(batches)} micro-batches of {args.micro_batch} {source} "
+             f"rows (fwd+bwd), padded-1024 timed on one, median of {args.repeats}, {device}"),
     ]
 
 
 def cut_micro_batches(args, device, model):
-    """The fraction of padded positions over 16 global batches of 256 SAMSum rows at micro_batch_size 256 and 16:
-    micro_batch_size rows neighbours in length (uncut, as before the cuts) against the cuts (data.deal); then real
-    tokens/s, forward and backward under the GPU's autocast, of one group of global batches of cut_rows rows (every
-    length), each as one uncut micro-batch against its cut micro-batches (micro_batch_size=cut_rows: the same peak
-    memory)."""
+    """Padded fraction over 16 global batches of 256 SAMSum rows at micro_batch_size 256 and 16, uncut against cut;
+    then real tokens/s (fwd+bwd, the GPU's autocast) of GROUP_STEPS global batches of cut_rows rows, each as one
+    uncut micro-batch against its cuts (micro_batch_size=cut_rows: the same peak memory)."""
     examples, source = training_examples(818, args.samsum_csv)
     rows = []
     for micro in (256, 16):
@@ -421,7 +381,7 @@ def cut_micro_batches(args, device, model):
             batch, inputs = batches(step), examples.lengths[batches.sampler.global_batch(step)] - 1
             uncut += sum(len(c) * int(data.padded_width(c.max())) for c in inputs.reshape(-1, micro))
             real, cut, count = real + batch.tokens, cut + batch.positions, count + len(batch.micro_batches)
-        rows += [dict(section="train", figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
+        rows += [dict(figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
                       uncut=1 - real / uncut, micro_batches=count / 16, target="<= 0.10" if micro > 16 else "<= 0.05")]
     big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 60 * 2**30  # H100/H200
     cut_rows = args.cut_rows or (256 if big else 32 if device.type == "cuda" else 8)  # a T4 fits 32 rows of gpt2
@@ -439,14 +399,13 @@ def cut_micro_batches(args, device, model):
         model.zero_grad(set_to_none=True)
     _, seconds, _ = interleaved({"cut": lambda: step(cut), "uncut": lambda: step(uncut)}, device, args.repeats)
     tokens = sum(batches(step).tokens for step in range(data.GROUP_STEPS))
-    return rows + [dict(section="train", figure="real_tokens_per_s_cut", value=tokens / seconds["cut"],
+    return rows + [dict(figure="real_tokens_per_s_cut", value=tokens / seconds["cut"],
                         micro_batches=len(cut) / data.GROUP_STEPS),
-                   dict(section="train", figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
-                   dict(section="train", figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
+                   dict(figure="real_tokens_per_s_uncut", value=tokens / seconds["uncut"]),
+                   dict(figure="cut_speedup_vs_uncut", value=seconds["uncut"] / seconds["cut"],
                         target=">= 1.3 (H100/H200)"),
-                   dict(section="train", figure="cut_setup", value=f"{len(examples)} {source} rows; timed: "
-                        f"{data.GROUP_STEPS} x {cut_rows} rows, {args.model} model, median of {args.repeats}, "
-                        f"{device}")]
+                   dict(figure="cut_setup", value=f"{len(examples)} {source} rows; timed: {data.GROUP_STEPS} x "
+                        f"{cut_rows} rows, {args.model} model, median of {args.repeats}, {device}")]
 
 
 # MBR's candidates: samples at temperature 0.7 among the 50 most likely tokens, none below probability 0.02
@@ -462,10 +421,8 @@ SAMSUM_TINY = ["--init_from=scratch", "--val_fraction=0.25", "--validation_csv="
 
 
 def bench_decode(args, device):
-    """ROUGE-1/2/L and summaries/s of greedy, beam 4 and MBR with 8 and 16 samples: on the demo model
-    (out-demo/best.pt, else trained here with config/demo.py's settings) scored on the demo validation split, and
-    on a tiny model trained here on 75% of SAMSum's validation CSV and scored on the other 25%. Also greedy under
-    autocast in bfloat16 (float16 on a GPU without it), as evaluate.py/predict.py decode, against float32."""
+    """ROUGE and summaries/s of DECODINGS and of greedy in 16 bits against float32: on the demo model (out-demo/
+    best.pt, else trained here) and a tiny one trained on 75% of SAMSum's validation CSV, scored on the rest."""
     with tempfile.TemporaryDirectory() as tmp:
         demo = demo_arguments(tmp, device.type)
         demo_ckpt = os.path.join(ROOT, "out-demo", "best.pt")
@@ -482,9 +439,9 @@ def bench_decode(args, device):
             source += (f"; samsum model: 2 layers, 64 wide, trained {cfg.max_iters} steps from scratch on "
                        f"{1 - cfg.val_fraction:.0%} of {os.path.basename(args.samsum_csv)}, scored on the rest")
         else:
-            rows.append(dict(section="decode", figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
-    rows.append(dict(section="decode", figure="setup", value=f"demo model: {source}; MBR candidates: "
-                     f"{MBR_SAMPLING}; median of {args.repeats} interleaved runs after a warm-up, {device}"))
+            rows.append(dict(figure="samsum", value=f"skipped: {args.samsum_csv} not found"))
+    rows.append(dict(figure="setup", value=f"demo model: {source}; MBR candidates: {MBR_SAMPLING}; median of "
+                     f"{args.repeats} interleaved runs after a warm-up, {device}"))
     return rows
 
 
@@ -512,28 +469,24 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
         decoded[method] = sum(lm_head_rows)  # the same every run: sampling is seeded
         return predictions
 
-    summaries, seconds, _ = interleaved({method: functools.partial(decode, method) for method in runs}, device,
-                                        repeats)
+    summaries, seconds, _ = interleaved({method: functools.partial(decode, method) for method in runs}, device, repeats)
     rows, scores = [], {}
     for method in runs:
         predictions = summaries[method]
         score = scores[method] = rouge(predictions, val.summaries)
         rate = len(predictions) / seconds[method]
-        rows.append(dict(section="decode", figure=f"{name}:{method}", rouge1=score["rouge1"], rouge2=score["rouge2"],
-                         rougeL=score["rougeL"], summaries_per_s=rate, lm_head_rows=decoded[method],
+        rows.append(dict(figure=f"{name}:{method}", **score, summaries_per_s=rate, lm_head_rows=decoded[method],
                          value=f"ROUGE-1 {score['rouge1']:.4f}  ROUGE-2 {score['rouge2']:.4f}  ROUGE-L "
                                f"{score['rougeL']:.4f}  {rate:.1f} summaries/s  {decoded[method]} lm_head rows"))
-    rows += [dict(section="decode", figure=f"{name}:mbr16_rougeL_gain_points",
+    rows += [dict(figure=f"{name}:mbr16_rougeL_gain_points",
                   value=100 * (scores["mbr16"]["rougeL"] - scores["greedy"]["rougeL"]), target=">= 1"),
-             dict(section="decode", figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"],
-                  target="<= 4"),
-             dict(section="decode", figure=f"{name}:mbr16_lm_head_rows_vs_greedy",
-                  value=decoded["mbr16"] / decoded["greedy"]),
-             dict(section="decode", figure=f"{name}:{half_greedy}_rougeL_change_points",
+             dict(figure=f"{name}:mbr16_time_vs_greedy", value=seconds["mbr16"] / seconds["greedy"], target="<= 4"),
+             dict(figure=f"{name}:mbr16_lm_head_rows_vs_greedy", value=decoded["mbr16"] / decoded["greedy"]),
+             dict(figure=f"{name}:{half_greedy}_rougeL_change_points",
                   value=100 * (scores[half_greedy]["rougeL"] - scores["greedy"]["rougeL"])),
-             dict(section="decode", figure=f"{name}:{half_greedy}_summaries_identical_to_float32",
+             dict(figure=f"{name}:{half_greedy}_summaries_identical_to_float32",
                   value=f"{sum(map(str.__eq__, summaries[half_greedy], summaries['greedy']))}/{len(val.dialogues)}"),
-             dict(section="decode", figure=f"{name}:dialogues", value=len(val.dialogues))]
+             dict(figure=f"{name}:dialogues", value=len(val.dialogues))]
     return rows
 
 
@@ -551,26 +504,20 @@ def main():
     parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV (id, dialogue, summary) for the "
                         "SAMSum figures; without it they use random tokens of SAMSum's lengths, or are skipped")
     parser.add_argument("--json", action="store_true", help="one JSON object per figure instead of a table")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gen_prompts", type=int, default=48)
-    parser.add_argument("--gen_batch", type=int, default=16)
-    parser.add_argument("--naive_prompts", type=int, default=3)
-    parser.add_argument("--max_new_tokens", type=int, default=32)
+    for name, default in dict(repeats=3, gen_prompts=48, gen_batch=16, naive_prompts=3, max_new_tokens=32,
+                              train_batches=2, micro_batch=4, compile_steps=50).items():
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--cut_rows", type=int, help="rows of the global batches timed cut and "
                         "uncut (256 on a GPU of 60 GiB or more, 32 on a smaller one, 8 on a CPU)")
-    parser.add_argument("--train_batches", type=int, default=2)
-    parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
     parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
-    parser.add_argument("--compile_steps", type=int, default=50, help="training steps whose compilations are counted")
     parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
                         "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}
-    for run in sections.values():
-        rows = run(args, device)
-        for row in rows:
+    for section, run in sections.items():
+        for row in ({"section": section, **row} for row in run(args, device)):  # a row of another owner has its own
             if args.json:
                 print(json.dumps(row))
             else:

@@ -1,9 +1,6 @@
-"""python -m bench --section=compile: what a GPU run would waste, counted on the CPU, where the structure of the code
-decides it: graph breaks and compilations (a torch.compile backend that counts the graphs dynamo hands it and runs
-them eagerly), waits of the host for the device (reads of tensor values: .item(), .tolist(), bool(), and ops whose
-output shape depends on values), weight casts, and KV-cache bytes copied against bytes attention reads. Run as
-a module under torchrun, it is train_counts' worker.
-"""
+"""python -m bench --section=compile: what a GPU run would waste, counted on the CPU: graph breaks and compilations,
+the host's waits for the device, weight casts, KV-cache bytes copied against read. Under torchrun, train_counts'
+worker."""
 import collections
 import contextlib
 import dataclasses
@@ -11,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -41,19 +39,16 @@ class CompileCounter:
         return count
 
 
-def fresh_compiles():
-    """Forget compiled code and dynamo's counters: what follows is counted from its first compilation."""
+def fresh_compiles():  # what follows is counted from its first compilation
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
 
-def graph_breaks():
-    """Graph breaks since fresh_compiles(), as dynamo counts them."""
+def graph_breaks():  # since fresh_compiles()
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def graphs_compiled():
-    """Graphs compiled since fresh_compiles(), as dynamo counts them on the real backend."""
+def graphs_compiled():  # since fresh_compiles(), on the real backend
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -67,11 +62,8 @@ def counted_compiles():
     def compile(fn, **options):
         options.pop("backend", None)
         return real(fn, backend=counter.backend("train" if isinstance(fn, torch.nn.Module) else "decode"), **options)
-    torch.compile = compile
-    try:
+    with mock.patch.object(torch, "compile", compile):
         yield counter, graph_breaks
-    finally:
-        torch.compile = real
 
 
 # ---- host syncs, weight casts, KV-cache bytes --------------------------------------------------------------------
@@ -148,30 +140,23 @@ def kv_cache_traffic():
                     out.prompt_k.nbytes + out.prompt_v.nbytes if hasattr(out, "prompt_k") else 0)
             return out
         return wrapper
-    for cls, name, method in originals:
-        setattr(cls, name, counted(name, method))
-    try:
-        yield traffic
-    finally:
+    with contextlib.ExitStack() as patched:
         for cls, name, method in originals:
-            setattr(cls, name, method)
+            patched.enter_context(mock.patch.object(cls, name, counted(name, method)))
+        yield traffic
 
 
 @contextlib.contextmanager
 def decoding_steps():
-    """Counts decoding steps, each one LogitsProcessors.no_early_eos call: every row's next token, in greedy,
-    sampling and beam search alike (MBR's greedy and sampled candidates share a prefill, so forward passes
-    would undercount them). Yields a list whose length is the count."""
+    """Counts decoding steps as LogitsProcessors.no_early_eos calls (MBR's candidates share a prefill: forward
+    passes would undercount them). Yields a list whose length is the count."""
     steps, no_early_eos = [], LogitsProcessors.no_early_eos
 
     def counted(self, *args):
         steps.append(1)
         return no_early_eos(self, *args)
-    LogitsProcessors.no_early_eos = counted
-    try:
+    with mock.patch.object(LogitsProcessors, "no_early_eos", counted):
         yield steps
-    finally:
-        LogitsProcessors.no_early_eos = no_early_eos
 
 
 def decode_counts(model, prompts, cfg, compact_below=0.5):
@@ -247,9 +232,8 @@ if __name__ == "__main__":
 
 
 def summary_end_token(model, prompts, max_new):
-    """A random-weight model never says <|endoftext|>, so every row runs to max_new_tokens. A fine-tuned one
-    ends each summary at its own length; to measure that case, use as EOS the token this model emits most
-    often after a few tokens (found on a calibration batch), so rows end at varied lengths, as summaries do."""
+    """The token this random-weight model emits most often after a few tokens: as EOS, rows end at varied lengths,
+    as a fine-tuned model's summaries do (a random one never says <|endoftext|>)."""
     counts = {}
     for row in generate(model, prompts[:16], Decoding(max_new_tokens=max_new), eos_token_id=-1):
         for token in set(row[4:]):

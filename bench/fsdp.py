@@ -1,17 +1,9 @@
 """python -m bench --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
 
-Two gloo ranks on the CPU (two processes on 127.0.0.1) build train.Trainer with --backend=fsdp for a tiny GPT of
-GPT-2's structure (2 blocks of width 32, GPT-2's vocabulary) with the preset's dtype, gradient checkpointing, LoRA
-and micro-steps per optimizer step, and run one Trainer.train_step under CollectiveBytes, a TorchDispatchMode that
-sees every collective: the c10d ones FSDP2 issues and those DTensor issues for the gradient norm and GradScaler.
-Each all-gather and reduce-scatter must carry exactly one FSDP unit's padded parameters (the root: embeddings and
-ln_f; or a block), which checks the count against the model's shapes; how many each unit had then scales to the
-preset's model, its units built on the meta device. Bytes are per rank as a ring moves them: (W-1)/W of each
-all-gathered or reduce-scattered buffer, 2(W-1)/W of each all-reduced one (a few scalars: loss, gradient norm,
-found-inf; added as counted).
-
-"before" is FSDP until fsdp_reduce_once: fully_shard without a MixedPrecisionPolicy (fp32 all-gathers) and a
-reduce-scatter after every micro-step (--fsdp_reduce_once=False), counted the same way.
+Two gloo ranks on the CPU run one train.Trainer.train_step of a tiny GPT (--backend=fsdp, the preset's dtype,
+checkpointing, LoRA and micro-steps) under CollectiveBytes. Each all-gather and reduce-scatter must carry one FSDP
+unit's padded parameters (the root or a block); the counts per unit then scale to the preset's model (meta device).
+Bytes are per rank as a ring moves them (RING). "before": fp32 all-gathers and a reduce-scatter per micro-step.
 """
 import json
 import math
@@ -20,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,10 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
 from bench import GIB, PRESETS, ROOT, child_environ, training_csv
-from bench.memory import T4_USABLE_GIB, t4_micro_batch
-from config import Config, Lora, grad_accum_steps, keys, load_config, read_preset
-from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora
+from bench.memory import T4_USABLE_GIB, build, t4_micro_batch
+from config import Config, grad_accum_steps, load_config, read_preset
+from model import PRETRAINED
 from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
@@ -90,12 +82,10 @@ def units(model, world_size=RANKS):
 def count_step(args, before):
     """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
     (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
-
-    fsdp = torch.distributed.fsdp
-    shard = fsdp.fully_shard
-    if before:  # Runtime.shard as it was: fp32 all-gathers
-        fsdp.fully_shard = lambda module, mp_policy=None: shard(module)
-    try:
+    shard = torch.distributed.fsdp.fully_shard
+    # before: Runtime.shard as it was, fp32 all-gathers
+    with mock.patch.object(torch.distributed.fsdp, "fully_shard", (lambda module, mp_policy=None: shard(module))
+                           if before else shard):
         cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
         with Runtime(cfg) as rt:
             trainer = train.Trainer(prepare(cfg, rt), rt)
@@ -104,8 +94,6 @@ def count_step(args, before):
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
                     "reduce_once": bool(rt.parallel.reduce_once),
                     "micro_steps": len(trainer.run.batches(0).micro_batches)}
-    finally:
-        fsdp.fully_shard = shard
 
 
 def worker(spec_path, out_path):
@@ -146,14 +134,12 @@ def run_ranks(runs, tmp, timeout=TIMEOUT):
         codes = None
     finally:
         for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.kill()  # a no-op for one that ended
+            p.wait()
     if codes != [0] * RANKS:
-        output = ""
-        for rank, log in enumerate(logs):
+        for log in logs:
             log.seek(0)
-            output += f"--- rank {rank}\n{log.read()[-3000:]}"
+        output = "".join(f"--- rank {rank}\n{log.read()[-3000:]}" for rank, log in enumerate(logs))
         raise RuntimeError(f"counting ranks failed ({'timed out' if codes is None else codes}):\n{output}")
     with open(out) as f:
         return json.load(f)
@@ -190,15 +176,6 @@ def scaled_bytes(counted, shape_units):
     return result
 
 
-def preset_model(name, preset):
-    """The preset's model on the meta device (no memory), with its LoRA adapters if it has them."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**PRETRAINED[name]))
-    if preset.get("lora_rank"):
-        lora.add_adapters(model, **lora.settings(Lora(**{k: v for k, v in preset.items() if k in keys(Lora)})))
-    return model
-
-
 def t4_dtype(preset):
     """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
@@ -214,11 +191,8 @@ def tiny_args(name, preset, csv, folder):
 
 
 def bench_fsdp(args=None):
-    """Rows fsdp:<model>:comm_gib_per_step (now), ..._before (fp32 all-gathers, a reduce-scatter per micro-step) and
-    ..._vs_before (their ratio) for each Kaggle preset, as if run with --backend=fsdp (the preset's own backend is in
-    the row), GiB per rank per optimizer step; and fsdp:<model>:reduce_once_gib_per_rank, what fsdp_reduce_once
-    holds per GPU (held_gib) with FSDP's shards and AdamW state (kept_gib), activations not counted, against a T4's
-    bench_memory.T4_USABLE_GIB. `args` is not read (python -m bench passes its own). About 30 s on 2 CPU cores."""
+    """fsdp:<model>:comm_gib_per_step (now, _before, _vs_before) per Kaggle preset as if --backend=fsdp, GiB per
+    rank per optimizer step; and :reduce_once_gib_per_rank, what fsdp_reduce_once holds per GPU. About 30 s."""
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them
@@ -234,15 +208,14 @@ def bench_fsdp(args=None):
         counted = run_ranks(runs, tmp)
     rows = []
     for name, preset in presets.items():
-        model = preset_model(name, preset)
+        model = build(PRETRAINED[name], "meta", Config(**preset))
         now, before = (scaled_bytes(counted[index[name, b]], units(model)) for b in (False, True))
         common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
                       dtype=t4_dtype(preset), lora_rank=preset.get("lora_rank", 0),
                       micro_steps=counted[index[name, False]]["micro_steps"])
-        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step", value=sum(now.values()) / GIB,
-                         **{f"{kind}_gib": b / GIB for kind, b in now.items()}))
-        rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step_before", value=sum(before.values()) / GIB,
-                         **{f"{kind}_gib": b / GIB for kind, b in before.items()}))
+        for when, sent in (("", now), ("_before", before)):
+            rows.append(dict(common, figure=f"fsdp:{name}:comm_gib_per_step{when}", value=sum(sent.values()) / GIB,
+                             **{f"{kind}_gib": b / GIB for kind, b in sent.items()}))
         rows.append(dict(common, figure=f"fsdp:{name}:comm_vs_before", value=sum(now.values()) / sum(before.values())))
         held, kept = reduce_once_bytes(model, RANKS, getattr(torch, t4_dtype(preset)))
         rows.append(dict(common, figure=f"fsdp:{name}:reduce_once_gib_per_rank", value=(held + kept) / GIB,

@@ -1,16 +1,10 @@
-"""The GPU check: what a run does on a real GPU, in sections, each a command with its own time limit; its JSON report
-(gpu_check_report.json) is written after each section, so a section that fails or runs out of time keeps what the
-earlier ones found.
+"""The GPU check: sections, each a command with its own time limit; its JSON report (gpu_check_report.json) is
+written after each section, so a section that fails or runs out of time keeps what the earlier ones found.
 
---quick, within 6 minutes on an H100/H200 or a T4 (QUICK's seconds): the preflight; the README's path on SAMSum
-(train.py from scratch with max_time, evaluate.py, predict.py: their seconds, and the run's metrics.jsonl); python -m
-bench's train and generate sections, ours beside transformers. The report's figures (FIGURES) read from them: decode
-ms a step against the bandwidth floor, graph capture seconds, the cut micro-batches against one uncut (real tokens/s
-and padded positions), predict.py's seconds. Without --quick, every bench section, then the matrix (float32, float16
-with a GradScaler and bfloat16, torch.compile off and on, at GPT-2 shapes: the Trainer's tokens/s, MFU, peak memory,
-graph breaks; each 16-bit precision's losses against float32's) and the Kaggle presets' peak training memory
-against python -m bench --section=memory's. Needs the project, its requirements and SAMSum's CSV (--samsum_csv):
-nothing to download. Exit status 1 if a section fails.
+--quick, within 6 minutes (QUICK): the preflight; the README's path on SAMSum (train.py from scratch with max_time,
+evaluate.py, predict.py); bench's train and generate sections. The report's FIGURES are read from them. Without
+--quick: every bench section, the matrix (dtypes x compile at GPT-2 shapes) and the presets' peak training memory.
+Needs only the project, its requirements and SAMSum's CSV (--samsum_csv). Exit status 1 if a section fails.
 
     bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]
     python -m bench.gpu_check --part=matrix --device=cpu --model=tiny --dtypes=float32 --iters=3      one part
@@ -99,10 +93,10 @@ def run_section(argv, limit, jsonl=None):
         try:
             output, status = process.communicate(timeout=limit)[0], None
         except subprocess.TimeoutExpired:
-            end_group(process.pid)
+            os.killpg(process.pid, signal.SIGKILL)  # the section's own session: every process it started
             output, status = process.communicate()[0], f"timed out after {limit} s"
         except BaseException:  # the check is stopped (Ctrl-C, SIGTERM): so is every process of the section
-            end_group(process.pid)
+            os.killpg(process.pid, signal.SIGKILL)
             raise
     status = status or ("ok" if process.returncode == 0 else f"failed (exit status {process.returncode})")
     rows = []
@@ -114,12 +108,6 @@ def run_section(argv, limit, jsonl=None):
             rows += [json.loads(line) for line in f]
     return dict(status=status, seconds=round(time.monotonic() - start, 1), command=" ".join(argv), rows=rows,
                 output=output[-3000:])
-
-
-def end_group(pid):
-    """Every process of the section whose first process is `pid` (its own session) ends."""
-    with contextlib.suppress(ProcessLookupError):  # all ended already
-        os.killpg(pid, signal.SIGKILL)
 
 
 def figures(sections):
@@ -197,17 +185,14 @@ def case(args, dtype, compile, device, capability, folder, csv):
         return dict(row, error=failed(e), note=f"failed: {failed(e)}")
     finally:
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op without CUDA
     return dict(row, note=", ".join(["GradScaler"] * use_scaler + ["training compile failed, ran eagerly"] * (
         compile and not row["train_compiled"])))
 
 
 def precision(run_losses, reference_losses, dtype):
-    """The run's dtype against float32 over the same steps: a non-finite loss fails (an fp16 overflow); else each
-    step's loss is compared by how far it moved from the first step's (what training did), relative to how far
-    float32's moved; random weights make every first loss about ln(vocab) in any dtype, so the sizes alone say
-    nothing."""
+    """The run's dtype against float32: a non-finite loss fails (an fp16 overflow); else each step's loss moved from
+    the first (random weights make every first loss ln(vocab)) against float32's move."""
     if not run_losses or not reference_losses:
         return check(NOT_RUN, "a training run failed")
     figures = dict(losses=run_losses, float32_losses=reference_losses)
@@ -262,9 +247,8 @@ def widest_step(batches, steps):
 
 
 def preset_row(name, device, total_gib, folder, csv):
-    """A preset's mode, predicted GiB per GPU and measured peak GiB, or why it was not measured: the run prepared
-    as train.py prepares it (random weights of its model, eager as bench_memory predicts, two micro-batches a
-    step), then two Trainer steps over the epoch's widest micro-batch, counted from what was allocated before."""
+    """A preset's mode, predicted and measured peak GiB per GPU (or why not measured): two eager Trainer steps of
+    random weights over the epoch's widest micro-batch, counted from what was allocated before."""
     path = os.path.join(ROOT, PRESETS[name])
     micro = bench_memory.t4_micro_batch(name, read_preset(path))
     cfg = load_config([path, "--init_from=scratch", *(f"--{k}={v}" for k, v in PRETRAINED[name].items()),

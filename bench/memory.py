@@ -1,12 +1,6 @@
-"""python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4.
-
-The figures are summarizer/memory.py's plan, the one micro_batch_size=auto chooses by, asked as a run asks it: the
-weights, gradients and AdamW state of each model's real tensors (built on the meta device, with LoRA adapters where
-the mode has them; FSDP2 shards on FSDP_RANKS ranks, plus the units a rank gathers while computing); activations
-from the rates a one-block model of the real width keeps for backward under fp16 autocast (measured with
-torch.autograd.graph.saved_tensors_hooks), at the longest micro-batch of a SAMSum epoch; the evaluation's and the
-save's peaks. --memory_measured runs the whole-depth model instead, no extrapolation, beside the plan's figure.
-Not counted: backward's transient buffers, DDP's gradient buckets and the CUDA context.
+"""python -m bench --section=memory: GiB per GPU to fine-tune each GPT-2 size in each mode, and whether it fits a T4:
+summarizer/memory.py's plan (the one micro_batch_size=auto chooses by) asked as a run asks it, at the longest
+micro-batch of a SAMSum epoch. --memory_measured also measures whole-depth activations beside the plan's figure.
 """
 import dataclasses
 import os
@@ -28,8 +22,7 @@ FSDP_RANKS = 2
 
 
 def longest_micro_batch(csv_path, micro_batch_size):
-    """(x, y, description): the micro-batch with the most tokens (padding included) that training cuts from
-    csv_path's rows (its micro_batch_size longest rows), or a block_size-wide synthetic one when the file is missing."""
+    """(x, y, description): csv_path's micro_batch_size longest rows, or block_size-wide random ones without it."""
     if not os.path.exists(csv_path):
         x = torch.randint(0, data.EOT_ID, (micro_batch_size, FALLBACK_LENGTH))
         y = torch.full_like(x, -1)
@@ -45,27 +38,23 @@ def longest_micro_batch(csv_path, micro_batch_size):
     return x, y, f"SAMSum validation ({len(examples)} rows): its {x.shape[0]} longest rows, {x.shape[0]} x {x.shape[1]}"
 
 
-def build(shape, n_layer, with_lora, device):
-    config = GPTConfig(n_layer=n_layer, n_head=shape["n_head"], n_embd=shape["n_embd"])
+def build(shape, device, cfg=None):
+    """A GPT of `shape` on `device`, with cfg's LoRA adapters if it has them."""
     with torch.device(device):
-        model = GPT(config)
-    if with_lora:
-        lora.add_adapters(model, **lora.settings(Config(lora_rank=LORA_RANK)))
-    return model
+        model = GPT(GPTConfig(**shape))
+    return lora.add_adapters(model, **lora.settings(cfg)) if cfg and cfg.lora_rank else model
 
 
 def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
-    """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16: what a
-    run asks the memory plan with."""
-    model = build(PRETRAINED[name], PRETRAINED[name]["n_layer"], bool(cfg.lora_rank), "meta")
+    """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16."""
+    model = build(PRETRAINED[name], "meta", cfg)
     run = memory.Workload(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
     return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
 
 
 def mode_plan(name, mode, x, y, preset, prompt_tokens):
-    """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y) (its
-    rows as long as x's), one GPU (FSDP_RANKS under FSDP) with a T4's usable memory, at `preset`'s decoding for
-    prompts of `prompt_tokens` tokens: the plan micro_batch_size=auto chooses by, asked as the run asks it."""
+    """(memory.plan's Plan, its ActivationRates) of gpt2 model `name` trained in `mode` on micro-batch (x, y), on a
+    T4's usable memory, at `preset`'s decoding for prompts of `prompt_tokens` tokens."""
     rows, fsdp = x.shape[0], mode.startswith("fsdp2")
     cfg = dataclasses.replace(preset, lora_rank=LORA_RANK if mode.startswith("lora") else 0, micro_batch_size=rows,
                               batch_size=rows, gradient_checkpointing=mode.endswith("checkpointing"))
@@ -75,10 +64,9 @@ def mode_plan(name, mode, x, y, preset, prompt_tokens):
 
 
 def measured_activation_bytes(shape, x, y, one_block):
-    """{mode: bytes} that autograd keeps in a forward of (x, y) under fp16 autocast through whole-depth models, no
-    extrapolation; the checkpointed mode adds the recompute of `one_block` bytes in backward."""
+    """{mode: bytes} autograd keeps in a fp16-autocast forward of whole-depth models (+ `one_block`'s recompute)."""
     torch.manual_seed(0)
-    model = build(shape, shape["n_layer"], False, "cpu")
+    model = build(shape, "cpu")
     autocast = torch.autocast("cpu", dtype=torch.float16)
     saved = memory.saved_bytes(model, x, Targets.of(y), autocast)
     result = {"full": saved["block"] + saved["rest"]}
@@ -89,8 +77,7 @@ def measured_activation_bytes(shape, x, y, one_block):
 
 
 def t4_micro_batch(name, preset):
-    """A preset's ({key: value}) micro_batch_size, or for auto the one the run's memory plan chooses on a T4 for
-    gpt2 model `name`, rows as long as block_size (the worst a micro-batch can be), on FSDP_RANKS GPUs."""
+    """A preset's micro_batch_size, or for auto the plan's on FSDP_RANKS T4s at rows of block_size (the worst)."""
     cfg = Config(**preset)
     if cfg.micro_batch_size != "auto":
         return cfg.micro_batch_size
@@ -132,8 +119,7 @@ DECODINGS = {"greedy": dict(), "beam4": dict(num_beams=4),
 
 
 def longest_prompt(csv_path, cfg):
-    """Tokens of the longest prompt inference makes of csv_path's dialogues (cut to fit), or the most a prompt
-    may have (block_size - max_new_tokens) when the file is missing."""
+    """Tokens of the longest prompt of csv_path's dialogues, or the most a prompt may have without the file."""
     budget = cfg.block_size - cfg.max_new_tokens
     if not os.path.exists(csv_path):
         return budget
@@ -142,20 +128,20 @@ def longest_prompt(csv_path, cfg):
 
 
 def generation_rows(samsum_csv):
-    """`<model>:generate:<decoding>:gib` at each Kaggle preset's settings: fp16 weights, plus the KV cache and
-    logits of a batch of SAMSum's longest prompt, as generation_batches sizes it in the auto budget of a T4 (half
-    of what the weights leave free)."""
+    """`<model>:generate:<decoding>:gib` per Kaggle preset: fp16 weights, KV cache and logits of a batch of SAMSum's
+    longest prompt as generation_batches sizes it on a T4 (half of what the weights leave free)."""
     rows = []
     for preset in PRESETS.values():
         base = load_config([os.path.join(ROOT, preset)])
         shape = PRETRAINED[base.init_from]
-        config = GPTConfig(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
-        weights = memory.nbytes(build(shape, shape["n_layer"], False, "meta").parameters()) // 2  # held in fp16
+        model = build(shape, "meta")
+        weights = memory.nbytes(model.parameters()) // 2  # held in fp16
         room = (T4_USABLE_GIB * GIB - weights) / 2
         length = longest_prompt(samsum_csv, base)
         for decoding, options in DECODINGS.items():
             cfg = dataclasses.replace(base, **options)
-            batch, kv, logits = memory.decoding_bytes(cfg, config, torch.float16, cfg.gen_batch_size, length, room)
+            batch, kv, logits = memory.decoding_bytes(cfg, model.config, torch.float16, cfg.gen_batch_size, length,
+                                                      room)
             total = (weights + kv + logits) / GIB
             rows.append(dict(section="memory", figure=f"{base.init_from}:generate:{decoding}:gib", value=total,
                              weights_gib=weights / GIB, kv_cache_gib=kv / GIB, logits_gib=logits / GIB,

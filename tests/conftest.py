@@ -1,3 +1,4 @@
+import collections
 import contextlib
 import json
 import os
@@ -135,6 +136,13 @@ def tiny_hf(tiny_hf_dir):
     return GPT2LMHeadModel.from_pretrained(tiny_hf_dir).eval()
 
 
+@pytest.fixture(scope="module")
+def ours(tiny_hf_dir):
+    """Our GPT with tiny_hf's weights (a module's own: tests may change it)."""
+    from model import GPT
+    return GPT.from_pretrained(tiny_hf_dir).eval()
+
+
 NAMES = ["Amanda", "Jerry", "Tom", "Lily", "Sam", "Kate", "Mike", "Anna", "Olivia", "Noah"]
 PLANS = ["bake cookies", "watch a movie", "have dinner", "finish the report", "go to the party",
          "buy tickets", "grab coffee", "play tennis"]
@@ -199,3 +207,15 @@ def card_code(path):
     namespace = {}
     exec(code, namespace)
     return namespace
+
+
+def mid_way_eos(model, prompts, max_new, apart):
+    """A token id the model emits mid-way (after 2 tokens, before the last 2) in more than `apart` rows but not in
+    as many of the others: given as EOS, it ends rows at different steps (a random model's 50256 ends none)."""
+    from config import Decoding
+    from generate import generate
+    counts = collections.Counter(token for row in generate(model, prompts, Decoding(max_new_tokens=max_new),
+                                                           eos_token_id=-1) for token in set(row[2:max_new - 2]))
+    token = max(counts, key=counts.get)
+    assert apart < counts[token] < len(prompts) - apart
+    return token

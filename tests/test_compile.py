@@ -12,7 +12,7 @@ import train
 from bench import compile as bench_compile
 from bench.compile import Waits, counted_compiles, decode_counts
 from config import Decoding, load_config
-from conftest import tiny_gpt
+from conftest import mid_way_eos, tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora
@@ -62,8 +62,8 @@ def test_ddp_training_compiles_at_most_twice_without_graph_breaks(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_hf_dir):
-    return GPT.from_pretrained(tiny_hf_dir).eval()
+def model(ours):
+    return ours
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +74,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def eos(model, prompts):
-    """A token the model emits mid-way in some rows and not in others: the EOS pattern varies across rows."""
-    counts = {}
-    for row in generate(model, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1):
-        for token in set(row[1:MAX_NEW - 2]):
-            counts[token] = counts.get(token, 0) + 1
-    token = max(counts, key=counts.get)
-    assert 4 < counts[token] < len(prompts) - 4
-    return token
+    return mid_way_eos(model, prompts, MAX_NEW, 4)
 
 
 @pytest.mark.parametrize("compact_below", [0.5, 1.0])

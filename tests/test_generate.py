@@ -6,18 +6,13 @@ import torch
 from rouge_score import rouge_scorer
 
 from config import Decoding
+from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
-from model import GPT
 from summarizer import mbr
 from summarizer.mbr import agreement, mbr_select
 
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def ours(tiny_hf_dir):
-    return GPT.from_pretrained(tiny_hf_dir).eval()
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +46,7 @@ def naive_greedy(model, prompt, eos):
 
 @pytest.fixture(scope="module")
 def eos(ours, prompts):
-    """An end-of-sequence id that the tiny model actually emits mid-way for some prompts and not for others,
-    so the EOS handling is exercised (the real 50256 is almost never chosen by a random model)."""
-    outputs = generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW), eos_token_id=-1)
-    counts = {}
-    for out in outputs:
-        for token in set(out[2:MAX_NEW - 2]):
-            counts[token] = counts.get(token, 0) + 1
-    token = max(counts, key=counts.get)
-    assert 1 < counts[token] < len(prompts) - 1
-    return token
+    return mid_way_eos(ours, prompts, MAX_NEW, 1)
 
 
 @pytest.mark.slow

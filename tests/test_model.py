@@ -8,11 +8,6 @@ from conftest import tiny_gpt
 from model import GPT
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_hf_dir):
-    return GPT.from_pretrained(tiny_hf_dir).eval()
-
-
 def test_logits_match_transformers_with_padding(ours, tiny_hf):
     torch.manual_seed(1)
     lengths = [37, 12, 1, 25]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from config import Decoding
+from conftest import mid_way_eos
 from generate import generate
-from model import GPT
 from summarizer.compiling import StepGraphs
 
 MAX_NEW = 24
@@ -34,8 +34,8 @@ def emulated(step, captured=None):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_hf_dir):
-    return GPT.from_pretrained(tiny_hf_dir).eval()
+def model(ours):
+    return ours
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +46,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def eos(model, prompts):
-    """A token the model emits mid-way for some prompts only: rows end at different steps."""
-    counts = {}
-    for row in generate(model, prompts, Decoding(MAX_NEW), eos_token_id=-1):
-        for token in set(row[2:MAX_NEW - 2]):
-            counts[token] = counts.get(token, 0) + 1
-    token = max(counts, key=counts.get)
-    assert 2 < counts[token] < len(prompts) - 2
-    return token
+    return mid_way_eos(model, prompts, MAX_NEW, 2)
 
 
 @pytest.mark.parametrize("compact_below", [0.5, 1.0])

@@ -27,7 +27,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
       (early_stopping=False), whose n-best are the best finished hypotheses, best first.
     - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; a prompt's samples in the order they end.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
-      mbr_pick(token lists, counts, metric) -> index chooses (summarizer.mbr.pick).
+      mbr_pick(token lists, metric) -> index chooses (summarizer.mbr.pick).
     greedy_steps: how greedy's static-shape steps run (summarizer.compiling.StepGraphs: as CUDA graphs; None:
     eagerly). compact_below: running rows at most this fraction of the batch are copied into a smaller one (None:
     1.0 on a CPU, where every row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended
@@ -49,7 +49,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
-    run = Decoder(model, forward_step, processors, eos_token_id, compact_below, 1)
+    run = Decoder(model, processors, eos_token_id, compact_below)
 
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
@@ -103,7 +103,7 @@ def mbr_choice(best, samples, mbr_pick, metric):
     """The MBR choice among `best` (the greedy/beam result, or nothing) and the `samples` (Sequences, identical ones
     each a candidate: they agree with each other); ties go to the greedy/beam result, then to the earlier sample."""
     candidates = best + samples
-    return candidates[mbr_pick([s.tokens for s in candidates], [1] * len(candidates), metric)]
+    return candidates[mbr_pick([s.tokens for s in candidates], metric)]
 
 
 class DecodeState:
@@ -209,22 +209,21 @@ class LogitsProcessors:
 
 
 class Decoder:
-    """The decoding loops over a prefilled batch, with one decode step, logits processors and EOS id."""
+    """The decoding loops over a prefilled batch, with logits processors and EOS id."""
 
-    def __init__(self, model, forward_step, processors, eos_token_id, compact_below, min_rows):
-        self.model, self.forward_step, self.processors, self.eos = model, forward_step, processors, eos_token_id
-        self.compact_below, self.min_rows = compact_below, min_rows
+    def __init__(self, model, processors, eos_token_id, compact_below):
+        self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
     def next_logits(self, state, kv_caches, rows=None):
-        return self.forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches,
-                                 state.decode_mask(), rows)
+        return forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask(),
+                            rows)
 
     def sample(self, logits, state, kv_caches, streams, per_prompt):
         """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
         values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
         uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
-        ignored, until the running prompts' rows are at most compact_below of the batch (and at least min_rows):
-        then those are copied into a smaller batch. Each step waits for the device once, to read its tokens."""
+        ignored, until the running prompts' rows are at most compact_below of the batch: then those are copied
+        into a smaller batch. Each step waits for the device once, to read its tokens."""
         n, max_new, device = per_prompt, state.max_len - state.prompt_len, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
@@ -259,7 +258,7 @@ class Decoder:
             every = torch.zeros(len(rows), dtype=torch.long, device=device).index_copy_(
                 0, torch.tensor(live, device=device), drawn)
             running = [p for p in range(len(rows) // n) if any(rows[p * n:(p + 1) * n])]
-            if len(running) * n < len(rows) and self.min_rows <= len(running) * n <= self.compact_below * len(rows):
+            if len(running) * n < len(rows) and len(running) * n <= self.compact_below * len(rows):
                 prompts = torch.tensor(running, device=device)
                 kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
                 state, every = state.select_rows(kept), every[kept]

@@ -8,9 +8,9 @@ import data
 from summarizer.metrics import StemCachedTokenizer
 
 
-def pick(candidates, counts, metric="rougeL"):
+def pick(candidates, metric="rougeL"):
     """generate's mbr_pick: the index of the best of the candidate token lists (mbr_select on their text)."""
-    return mbr_select([data.summary_text(tokens) for tokens in candidates], counts, metric)
+    return mbr_select([data.summary_text(tokens) for tokens in candidates], metric)
 
 
 def agreement(candidates, metric="rougeL"):
@@ -28,10 +28,9 @@ def agreement(candidates, metric="rougeL"):
             for prediction in candidates]
 
 
-def mbr_select(candidates, counts, metric="rougeL"):
-    """Index of the candidate with the highest mean `metric` F1 against the others, candidate i standing for
-    counts[i] identical samples (its copies count as others, scoring 1.0 when not empty); ties go to the earlier."""
-    scores, total = agreement(candidates, metric), sum(counts)
-    utility = [(sum(c * a for c, a in zip(counts, row, strict=True)) - row[i]) / max(1, total - 1)
-               for i, row in enumerate(scores)]
+def mbr_select(candidates, metric="rougeL"):
+    """Index of the candidate with the highest mean `metric` F1 against the others (a copy of it among them scores
+    1.0 when not empty); ties go to the earlier."""
+    scores = agreement(candidates, metric)
+    utility = [(sum(row) - row[i]) / max(1, len(candidates) - 1) for i, row in enumerate(scores)]
     return max(range(len(candidates)), key=lambda i: (utility[i], -i))

@@ -242,11 +242,11 @@ def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
 def test_mbr_select_picks_the_consensus():
     candidates = ["tom and ann will meet at noon", "ann will meet tom at noon", "tom and ann will meet",
                   "the weather is bad today", "tom will cook dinner"]
-    assert mbr_select(candidates, [1] * 5) == 0
-    assert mbr_select(candidates, [1, 1, 1, 6, 1]) == 3  # six samples said the same thing
-    assert mbr_select(["x", "y z"], [1, 3]) == 1 and mbr_select(["x", "y z"], [3, 1]) == 0
-    assert mbr_select(["tom will come", "tom will come"], [1, 1]) == 0
-    assert mbr_select(["a b", "a c", "c d"], [1, 1, 1], metric="rouge1") == 1
+    assert mbr_select(candidates) == 0
+    assert mbr_select(candidates + [candidates[3]] * 5) == 3  # six samples said the same thing
+    assert mbr_select(["x", "y z", "y z", "y z"]) == 1 and mbr_select(["x", "x", "x", "y z"]) == 0
+    assert mbr_select(["tom will come", "tom will come"]) == 0
+    assert mbr_select(["a b", "a c", "c d"], metric="rouge1") == 1
 
 
 @pytest.mark.parametrize("metric", ["rouge1", "rouge2", "rougeL", "rougeLsum"])

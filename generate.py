@@ -385,6 +385,12 @@ class GreedyBatch(NamedTuple):
                            [cache.select_rows(rows) for cache in self.caches])
 
 
+def greedy_slots(prompt_len, max_new, block_size):
+    """The slots of greedy's static cache: the prompt and max_new up to a multiple of SLOTS_BUCKET (block_size at
+    most)."""
+    return min(-(-(prompt_len + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, block_size)
+
+
 def static_step(model, batch):
     """Next-token logits of one greedy step: the batch's tokens written at its cache slot, each row attending to
     its slots from its padding to that slot, through a mask built on the device. Every shape is the batch's."""
@@ -401,7 +407,7 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
     the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
-    slots = min(-(-(P + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, model.config.block_size)
+    slots = greedy_slots(P, max_new, model.config.block_size)
     pad = torch.tensor([P - len(p) for p in prompts], device=device)
     # the prefill's caches are the batch's alone: a copy into graphs' buffers or a smaller batch frees them
     batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),

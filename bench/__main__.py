@@ -32,6 +32,7 @@ from generate import generate
 from model import GPT
 from summarizer import compiling, inference, mbr
 from summarizer.inference import open_summarizer, summarize_batches
+from summarizer.memory import kv_cache_bytes
 from summarizer.metrics import rouge
 
 
@@ -149,9 +150,8 @@ def greedy_step_figures(model, prompts, max_new, args, device):
     one, full = (statistics.median(timed(functools.partial(run, Decoding(n)), device)[1] for _ in range(args.repeats))
                  for n in (1, max_new))
     weight = model.lm_head.weight
-    slots = min(-(-(max(map(len, batch)) + max_new) // generate_module.SLOTS_BUCKET) * generate_module.SLOTS_BUCKET,
-                model.config.block_size)
-    kv = len(batch) * model.config.n_layer * 2 * model.config.n_embd * slots * weight.element_size()
+    slots = generate_module.greedy_slots(max(map(len, batch)), max_new, model.config.block_size)
+    kv = kv_cache_bytes(model.config, len(batch) * slots, weight.dtype)
     read = sum(p.numel() for p in model.parameters()) * weight.element_size() + kv
     with decoding_steps() as counted, Waits() as waits:
         generate(model, batch, Decoding(max_new), eos_token_id=-1, greedy_steps=steps)

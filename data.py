@@ -574,6 +574,8 @@ def cut(widths, targets, max_tokens, max_targets, count=0, min_rows=2):
     rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
     positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
     fits = (rows >= min_rows) & (positions <= max_tokens) & (held - held[:, None] <= max_targets)
+    if min_rows > 1 and not fits[:, n].any():  # the widest row fits beside none (micro_batch_size=1): no search
+        return cut(widths, targets, max_tokens, max_targets, count, min_rows=1)
     cost = np.where(fits, positions + MICRO_BATCH_COST, np.inf).astype(np.float32)  # integers, exact below 2^24
     # layer k: the least cost of rows 0..end-1 in k micro-batches, never below the rows' widths + k x MICRO_BATCH_COST
     best, starts, totals = np.where(ends == 0, 0.0, np.inf), [], [np.inf]

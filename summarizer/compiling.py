@@ -65,7 +65,7 @@ def backward_compiled_in_forward():
 
 
 class EagerFallback:
-    """The one compile fallback, of training and of decoding: calls go to `compiled` until the compiler fails at
+    """The compile fallback (training's; decoding does not compile): calls go to `compiled` until the compiler fails at
     one (lazily: a first call, a recompile, a recompile limit), then one warning line that says `instead`, and
     `eager` for the rest of the run. The program's own errors (out of memory included) propagate."""
 

@@ -68,8 +68,8 @@ class Runtime:
         self.autocast = (contextlib.nullcontext if self.dtype == "float32" else
                          functools.partial(torch.autocast, self.device.type, dtype=getattr(torch, self.dtype)))
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)
-        # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly, its decoding
-        # (a gathered copy of the weights) compiles
+        # FSDP2's hooks do not trace into one graph (fullgraph=True): its training step runs eagerly (its decoding,
+        # on a gathered copy of the weights, is graphed as any other)
         self.compile_training = self.compile and self.backend != "fsdp"
         # greedy decoding as CUDA graphs where compile applies on a GPU (compile=False: eager, a way out)
         self.greedy_steps = StepGraphs() if self.compile and self.device.type == "cuda" else None

@@ -17,9 +17,10 @@ from config import Config, Decoding, Split, Use, keys, part, resolve
 from generate import generate
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
+from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
 from summarizer.launch import out_of_memory, out_of_memory_hint
-from summarizer.loading import build_model, check_named, check_shape
+from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
 from summarizer.memory import generation_batches, generation_memory
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
@@ -93,8 +94,9 @@ def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         summarizer = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
-        path = checkpoint_path(cfg)
-        model, ckpt = build_model(path, key="ckpt")
+        path = checkpoint_path(cfg)  # read once, down the layers: file, model, settings
+        ckpt = load_checkpoint(path, "ckpt")
+        model = model_from_checkpoint(ckpt, path)
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         summarizer = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,

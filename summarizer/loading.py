@@ -190,12 +190,12 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     if ckpt["tokenizer"] != TOKENIZER_ID:
         raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
+    state = own_copies(ckpt["model"])
     try:
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
                         f"{str(e) or type(e).__name__}") from None
-    state = ckpt["model"]
     if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
         state = {**base_weights(ckpt, path, lora_base, model, keep_adapters), **state}
     if lora.has_adapters(state) and keep_adapters:
@@ -203,7 +203,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     elif lora.has_adapters(state):
         state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
     try:
-        model.load_state_dict(own_copies(state), assign=True)
+        model.load_state_dict(state, assign=True)
     except RuntimeError as e:
         raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
     model.tie_weights()

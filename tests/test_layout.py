@@ -1,8 +1,12 @@
 """The layout shows the architecture: at most 10 Python files at the root, the machinery in summarizer/, the
 benchmarks in bench/; each concept one owner (no module named like another plus a suffix, the trainer taken by no
 function outside train.py); one training step runs code in at most six project files; imports run one way (model
-needs torch alone, generate the model alone)."""
+needs torch alone, generate the model alone); a reader follows predict.py from a checkpoint's path to the model's
+forward through few files, down once, and generate() to the attention through two."""
 import ast
+import collections
+import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -14,6 +18,10 @@ from summarizer.preparation import prepare
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_FILES = 6  # project files one training step may run code in (nanochat's: about 5)
 LONGEST = 65  # lines of the program's longest function: a longer one does two jobs
+# What a reader opens from predict.py's main to the model's forward (issue 69: 12 files and 876 lines at 7468a17,
+# measured otherwise; gpt-fast's whole decoding is 2 files and 217 lines), and from generate() to the attention
+TO_FORWARD = 9, 700
+TO_ATTENTION = 2, 300
 
 
 def project_files():
@@ -189,3 +197,120 @@ def test_the_benchmarks_read_what_runs_write_not_their_printed_lines_through_reg
     users = [path for path, tree in parsed() if path.startswith("bench" + os.sep) for node in ast.walk(tree)
              if isinstance(node, ast.Import) and any(alias.name == "re" for alias in node.names)]
     assert not users, users
+
+
+# ---- what a reader opens --------------------------------------------------------------------------------------
+
+@functools.cache
+def function_lines(path):
+    """{a function's first line (its def's, or its first decorator's, as code objects count): its lines}."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {line: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for line in (node.lineno, *(d.lineno for d in node.decorator_list))}
+
+
+class Reading(collections.namedtuple("Reading", "functions stack")):
+    """The program's functions a reader opens, each once, in the order they first run ((file, first line, name);
+    comprehensions and lambdas are read with their function), and the stack of those at the end."""
+
+    def files(self):
+        return {path for path, _, _ in self.functions}
+
+    def lines(self):
+        return sum(function_lines(path)[line] for path, line, _ in self.functions)
+
+    def visits(self):
+        """The files in reading order, a file read on in one go counted once: a return is a visit to a file read
+        before (there are len(visits) - len(files) of them)."""
+        paths = [path for path, _, _ in self.functions]
+        return [path for i, path in enumerate(paths) if not i or paths[i - 1] != path]
+
+
+def read(run, until, within=None, nth=1):
+    """The Reading of the program while run() runs: from the call of `within` (a function; None: from the start)
+    until it returns, or until the nth call of a function in `until`."""
+    start = within and inspect.unwrap(within).__code__  # generate's own code, not inference_mode's wrapper
+    functions, stack, calls, on = {}, [], [], start is None
+    ends = {f.__code__ for f in until}
+
+    def profile(frame, event, arg):
+        nonlocal on
+        code = frame.f_code
+        if event == "call" and code in ends and on:
+            calls.append(code)
+            if len(calls) == nth:
+                stack.append(code.co_name)
+                return sys.setprofile(None)
+        path = os.path.relpath(code.co_filename, REPO)
+        if event == "call" and code is start:
+            on = True
+        elif event == "return" and code is start and on:
+            return sys.setprofile(None)
+        program = not path.startswith(("..", "tests")) and os.path.isfile(os.path.join(REPO, path))
+        if on and program and not code.co_name.startswith("<"):
+            if event == "call":
+                functions.setdefault((path, code.co_firstlineno, code.co_name), None)
+                stack.append(code.co_name)
+            elif event == "return" and stack:
+                stack.pop()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return Reading(list(functions), stack)
+
+
+@pytest.fixture(scope="module")
+def best_pt(tmp_path_factory):
+    """A tiny run's best.pt, and a test.csv for predict.py."""
+    import train
+    from conftest import ONE_STEP, save_csv, synthetic_rows, tiny
+    folder = tmp_path_factory.mktemp("run")
+    save_csv(folder / "train.csv", synthetic_rows(24, seed=0))
+    train.main([*tiny(), *ONE_STEP, f"--train_csv={folder / 'train.csv'}", "--val_fraction=0.25",
+                f"--out_dir={folder}", f"--data_cache_dir={folder / 'cache'}"])
+    return folder / "best.pt", save_csv(folder / "test.csv", synthetic_rows(4, seed=1), test=True)
+
+
+def predict_reading(best_pt, out_dir, within=None):
+    """What a reader opens as predict.py writes a submission with best_pt, up to the model's first forward."""
+    import predict
+    from model import GPT
+    path, test_csv = best_pt
+    argv = ["--device=cpu", "--dtype=float32", "--compile=False", f"--ckpt={path}", f"--test_csv={test_csv}",
+            "--sample_submission_csv=", f"--out_dir={out_dir}"]
+    return read(lambda: predict.main(argv), (GPT.forward, GPT.forward_cached, GPT.prefill), within)
+
+
+def test_predict_goes_down_from_a_checkpoints_path_to_the_model_once(best_pt, tmp_path):
+    """From the path to the model (inference.open_summarizer): each module entered at most twice, loading.py once
+    (nothing returns to it); and on the way to the model's forward, loading.py read in one go."""
+    from summarizer import inference
+    loading = predict_reading(best_pt, tmp_path / "a", inference.open_summarizer).visits()
+    assert max(collections.Counter(loading).values()) <= 2 and loading.count("summarizer/loading.py") == 1, loading
+    assert predict_reading(best_pt, tmp_path / "b").visits().count("summarizer/loading.py") == 1
+
+
+def test_predict_reads_at_most_9_files_and_700_lines_to_the_models_forward(best_pt, tmp_path):
+    reading = predict_reading(best_pt, tmp_path)
+    assert len(reading.files()) <= TO_FORWARD[0] and reading.lines() <= TO_FORWARD[1], sorted(reading.files())
+
+
+def generate_reading():
+    """What a reader opens from generate() (plain greedy, eager) to the attention of the first decode step (the
+    layers' attentions after the prefill's)."""
+    from config import Decoding
+    from conftest import tiny_gpt
+    from generate import generate
+    from model import CausalSelfAttention
+    model = tiny_gpt().eval()
+    return read(lambda: generate(model, [[1, 2, 3], [4, 5]], Decoding(4)), (CausalSelfAttention.forward,), generate,
+                nth=model.config.n_layer + 1)
+
+
+def test_generate_reaches_the_attention_through_two_files_and_300_lines():
+    reading = generate_reading()
+    assert len(reading.files()) <= TO_ATTENTION[0] and reading.lines() <= TO_ATTENTION[1], sorted(reading.files())

@@ -94,8 +94,8 @@ def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         summarizer = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
-        path = checkpoint_path(cfg)  # read once, down the layers: file, model, settings
-        ckpt = load_checkpoint(path, "ckpt")
+        path = checkpoint_path(cfg)
+        ckpt = load_checkpoint(path, "ckpt")  # read once, then down the layers: the model, the settings
         model = model_from_checkpoint(ckpt, path)
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]

@@ -18,8 +18,9 @@ from summarizer.preparation import prepare
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_FILES = 6  # project files one training step may run code in (nanochat's: about 5)
 LONGEST = 65  # lines of the program's longest function: a longer one does two jobs
-# What a reader opens from predict.py's main to the model's forward (issue 69: 12 files and 876 lines at 7468a17,
-# measured otherwise; gpt-fast's whole decoding is 2 files and 217 lines), and from generate() to the attention
+# What a reader opens (read()) from predict.py's main to the model's forward (18 files and 1,093 lines at 7468a17;
+# issue 69 counted 12 and 876 otherwise), and from generate() to the attention (3 and 223 at 7468a17, eagerly;
+# gpt-fast's whole decoding is 2 files and 217 lines)
 TO_FORWARD = 9, 700
 TO_ATTENTION = 2, 300
 

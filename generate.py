@@ -459,12 +459,10 @@ def ended_rows(tokens, owners, results, eos, last=False):
 
 
 def capture_graph(step, stream=None):
-    """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly). Warm-up and capture
-    run on one side stream (`stream`, else a new one), as cuBLAS keeps a workspace per stream; the warm-up keeps
-    lazy initialization (cuBLAS, kernels chosen at a first call) out of the graph, and the step's writes (its KV
-    slot) are the same in warm-up and replay. A capture that raises leaves the current stream as it was and frees
-    what it allocated, and raises the step's own error: torch.cuda.graph ends the capture before it restores the
-    stream, and its "previous error during capture" would hide the first."""
+    """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly), warmed up (lazy
+    initialization stays out of the graph) and captured on one side stream: cuBLAS keeps a workspace per stream.
+    A capture that raises restores the stream (torch.cuda.graph ends the capture first), frees what it allocated
+    and raises the step's own error, not capture_end's "previous error during capture"."""
     current, stream = torch.cuda.current_stream(), stream or torch.cuda.Stream()
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
@@ -489,24 +487,20 @@ def capture_graph(step, stream=None):
 
 
 def replay_disagrees(replayed, eager):
-    """None where a first replay's logits are within their dtype's tolerance of the eager step's (torch.testing's:
-    in bf16 a near-tie may flip an argmax), else how far they are, in words."""
+    """How far a first replay's logits are from the eager step's, in words, where beyond their dtype's tolerance
+    (torch.testing's: in bf16 a near-tie may flip an argmax); else None."""
     try:
         torch.testing.assert_close(replayed, eager, equal_nan=True)
     except AssertionError:
-        gap = (replayed.float() - eager.float()).abs().max()
-        return f"its first replay differs from the eager step by up to {gap:.3g}"
-    return None
+        return f"its first replay differs from the eager step by up to {(replayed - eager).abs().max().item():.3g}"
 
 
 class StepGraphs:
-    """Greedy's static-shape step (static_step) as a CUDA graph per (model, rows, slots) bucket, captured at its
-    first use by `capture` (capture_graph; capture_seconds[rows, slots]) and replayed. The batch is held in fixed
-    buffers (hold): per bucket its small inputs, and for every bucket one KV storage per layer, sized for the
-    largest, whose front each bucket's caches view. The first replay of a bucket is checked against the eager step.
-    A capture error or a disagreement turns graphs off for this object's life (the process's, for the Runtime's:
-    both come back at every capture of the same step on the same GPU), with one line (`warn`); eager_why says why.
-    release() frees graphs and buffers."""
+    """Greedy's static-shape step as a CUDA graph per (model, rows, slots) bucket, captured at its first use by
+    `capture` (capture_seconds[rows, slots]) and replayed, on the batch held in fixed buffers (hold): per bucket its
+    small inputs; one KV storage per layer, sized for the largest bucket, whose front each bucket's caches view. A
+    capture error or a first replay that disagrees turns graphs off for this object's life (the Runtime's: the
+    process's, as both would recur), with one line (`warn`) that eager_why keeps. release() frees graphs and buffers."""
 
     def __init__(self, capture=capture_graph, warn=None):
         self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))

@@ -1,6 +1,6 @@
 """Compiling, one owner: whether a command compiles (use_compile), and the training step under torch.compile with
-its fallback to eager (EagerFallback, CompiledModule). (Decoding is not compiled: greedy's steps replay as CUDA
-graphs, generate.StepGraphs.)"""
+its fallback to eager (CompiledModule). (Decoding is not compiled: greedy's steps replay as CUDA graphs,
+generate.StepGraphs.)"""
 import contextlib
 import sys
 
@@ -62,42 +62,25 @@ def backward_compiled_in_forward():
     return contextlib.nullcontext()
 
 
-class EagerFallback:
-    """The compile fallback (training's; decoding does not compile): calls go to `compiled` until the compiler fails at
-    one (lazily: a first call, a recompile, a recompile limit), then one warning line that says `instead`, and
-    `eager` for the rest of the run. The program's own errors (out of memory included) propagate."""
-
-    def __init__(self, compiled, eager, instead):
-        self.compiled, self.eager, self.instead = compiled, eager, instead
-        self.failed, self.why = False, None  # why: the compiler's error, in one line
-
-    def __call__(self, *args):
-        if not self.failed:
-            try:
-                return self.compiled(*args)
-            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole work
-                if not compiler_error(e):
-                    raise
-                self.why = warn_compile_failed(e, self.instead)
-                self.failed = True
-        return self.eager(*args)
-
-
 class CompiledModule(torch.nn.Module):
-    """`module` under torch.compile, eager after a compiler failure (EagerFallback). Its parameters are `module`'s,
-    so a backend's wrapper (DDP) and the optimizer see the same tensors either way."""
+    """`module` under torch.compile: one graph (fullgraph) with its sizes symbolic from the start (dynamic), as
+    micro-batch widths and target counts change every step. Where the compiler fails at a call (lazily: a first
+    call, a recompile, a recompile limit), one warning line, and `module` eagerly for the rest of the run (`why`:
+    the compiler's error, in one line; None while compiled). The program's own errors (out of memory included)
+    propagate. Its parameters are `module`'s, so a backend's wrapper (DDP) and the optimizer see the same tensors
+    either way."""
 
     def __init__(self, module):
         super().__init__()
-        # One graph (fullgraph) with its sizes symbolic from the start (dynamic): micro-batch widths and target
-        # counts change every step.
-        self.compiled = compiled = torch.compile(module, fullgraph=True, dynamic=True)
-
-        def compiled_forward(*args):  # not a method: the module would hold itself, and outlive its last user
-            with backward_compiled_in_forward():
-                return compiled(*args)
-        self.fallback = EagerFallback(compiled_forward, module, "training eagerly from now on (tokens_per_s and mfu "
-                                                                "are eager's)")
+        self.compiled, self.why = torch.compile(module, fullgraph=True, dynamic=True), None
 
     def forward(self, *args):
-        return self.fallback(*args)
+        if self.why is None:
+            try:
+                with backward_compiled_in_forward():
+                    return self.compiled(*args)
+            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole work
+                if not compiler_error(e):
+                    raise
+                self.why = warn_compile_failed(e, "training eagerly from now on (tokens_per_s and mfu are eager's)")
+        return self.compiled._orig_mod(*args)

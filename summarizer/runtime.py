@@ -88,16 +88,13 @@ class Runtime:
         if self.backend == "fsdp":  # a step's micro-batches are cut where padding is least: any step may accumulate
             self.parallel.plan(cfg.fsdp_reduce_once, self.dtype, self.is_main)
 
-    def greedy_decoding(self):
-        """How this process runs its decode steps, in words (so far: graphs are captured at their first use)."""
-        return self.graphs.describe() if self.graphs else "eager decode steps"
-
     def describe(self, compiled):
         """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what
         runs under torch.compile."""
         return (f"{self.dtype}{' with GradScaler' if self.use_scaler else ''} on {self.device_name}, "
                 f"{compiled}, backend {self.backend}"
-                + (f" (following {', '.join(self.decided_by)})" if self.decided_by else ""))
+                + (f" (following {', '.join(self.decided_by)})" if self.decided_by else "")
+                + f"; {self.graphs.describe() if self.graphs else 'eager decode steps'}")
 
     def __enter__(self):
         return self

@@ -514,9 +514,8 @@ class StepGraphs:
         """How greedy's steps ran, in one line."""
         if self.eager_why:
             return f"greedy steps eager: {self.eager_why}"
-        buckets = ", ".join(f"{rows}x{slots}" for rows, slots in self.capture_seconds)
-        return (f"greedy steps replayed as CUDA graphs (buckets {buckets})" if buckets else
-                "greedy steps as CUDA graphs, captured at their first use")
+        buckets = ", ".join(f"{rows}x{slots}" for rows, slots in self.capture_seconds) or "captured at first use"
+        return f"greedy steps replayed as CUDA graphs (buckets {buckets})"
 
     def hold(self, model, batch):
         """The batch copied into this bucket's fixed buffers (as it is once graphs are off)."""
@@ -538,20 +537,16 @@ class StepGraphs:
         return held
 
     def __call__(self, model, batch):
-        """The step's logits: the bucket's graph replayed, captured and checked at its first use."""
-        key = (model, len(batch.pad), batch.caches[0].max_len)
-        if not self.eager_why and key not in self.graphs:
-            return self.first_replay(key, lambda: static_step(model, batch))
+        """The step's logits: the bucket's graph replayed; at its first use captured and checked, and where the
+        capture fails or the first replay disagrees, the eager step's, graphs off."""
+        key, step = (model, len(batch.pad), batch.caches[0].max_len), lambda: static_step(model, batch)
         if self.eager_why:
-            return static_step(model, batch)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
-
-    def first_replay(self, key, step):
-        """The step's logits from the bucket's graph, captured now and checked; the eager step's, graphs off, where
-        the capture fails or the replay disagrees."""
-        cuda = key[0].lm_head.weight.is_cuda
+            return step()
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+            return logits
+        cuda = model.lm_head.weight.is_cuda
         try:
             cuda and torch.cuda.synchronize()  # the capture's own seconds, not the work queued before it
             start = time.perf_counter()

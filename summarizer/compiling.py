@@ -43,16 +43,6 @@ def compiler_error(error):
                               *compiler))
 
 
-def warn_compile_failed(error, fallback):
-    """One stderr line for a torch.compile failure: the compiler's own error and what runs instead; returns the
-    error, in one line."""
-    error = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's exception
-    reason = str(error).strip().splitlines()
-    why = f"{type(error).__name__}: {reason[0] if reason else ''}"
-    tqdm.write(f"warning: torch.compile failed ({why}); {fallback}", file=sys.stderr)  # a line of its own under a bar
-    return why
-
-
 def backward_compiled_in_forward():
     """AOTAutograd compiles the backward graph at the forward, not lazily at the first backward: a compiler error
     there meets CompiledModule's fallback."""
@@ -82,5 +72,8 @@ class CompiledModule(torch.nn.Module):
             except Exception as e:  # a failed compile ran nothing: the eager call below does the whole work
                 if not compiler_error(e):
                     raise
-                self.why = warn_compile_failed(e, "training eagerly from now on (tokens_per_s and mfu are eager's)")
+                error = getattr(e, "inner_exception", None) or e  # dynamo wraps the backend's exception
+                self.why = f"{type(error).__name__}: {str(error).strip().partition(chr(10))[0]}"
+                tqdm.write(f"warning: torch.compile failed ({self.why}); training eagerly from now on (tokens_per_s "
+                           f"and mfu are eager's)", file=sys.stderr)  # a line of its own under a bar
         return self.compiled._orig_mod(*args)

@@ -3,7 +3,7 @@ would fail: a graph records the step's ATen operators once, at its capture, and 
 on the buffers it was captured on, so a step that reads the host fails its capture as on a GPU. Replayed steps
 decode as eager generate, through row buckets, EOS and compaction, one graph per (model, rows, slots); a capture
 that fails, or a first replay beyond the dtype's tolerance, decodes eagerly from then on, with one line, the stream
-and the memory as they were."""
+and the memory as they were; summarizing says after the fact which way the steps ran."""
 import contextlib
 import copy
 import re
@@ -16,10 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import generate as generate_module
-from config import Decoding
+from config import Decoding, load_config
 from conftest import mid_way_eos
 from generate import GreedyBatch, StepGraphs, capture_graph, forward_step, generate, static_step
 from model import KVCache
+from summarizer.inference import Summarizer
+from summarizer.runtime import Runtime
 
 MAX_NEW = 24
 HOST_READ = "CUDA error: operation not permitted when stream is capturing"
@@ -240,3 +242,16 @@ def test_greedy_under_autocast_is_not_replayed(model, prompts, eos):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         generate(model, prompts[:4], Decoding(8), eos_token_id=eos, graphs=graphs)
     assert graphs.eager_why is None and not graphs.inputs
+
+
+@pytest.mark.parametrize("capture, said", [
+    (capture_graph, r"greedy steps replayed as CUDA graphs \(buckets (\d+x\d+(, )?)+\)"),
+    (failing, r"greedy steps eager: capture failed \(RuntimeError: operation not permitted when stream is "
+              r"capturing\)")])
+def test_summarizing_says_after_the_fact_how_greedy_steps_ran(model, prompts, cuda, capfd, capture, said):
+    cfg = load_config(["--device=cpu", "--dtype=float32", "--max_new_tokens=8"])
+    with Runtime(cfg) as rt:
+        rt.graphs = StepGraphs(capture=capture)
+        Summarizer(model, cfg).summarize(prompts, rt)
+    out = capfd.readouterr().out.splitlines()
+    assert out[0] == "summarizing 20 dialogues" and re.fullmatch(f"summarized 20 dialogues: {said}", out[-1])

@@ -1,8 +1,11 @@
 """Decoding, in the spirit of gpt-fast's generate.py: the decode state over the model's KV caches, transformers'
 logits processors, greedy and sampled decoding, beam search with n-best lists, the candidates of minimum Bayes
-risk (MBR) decoding, and greedy decoding on static shapes (as CUDA graphs where the caller captures it). Token ids
-in, token ids out."""
+risk (MBR) decoding, and greedy decoding on static shapes, its steps replayed as CUDA graphs where the caller
+asks (StepGraphs). Token ids in, token ids out."""
 import copy
+import sys
+import time
+import traceback
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +23,7 @@ class Sequence(NamedTuple):
 
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
-             greedy_steps=None, compact_below=None):
+             graphs=None, compact_below=None):
     """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
     by prompt, num_return_sequences new-token lists cut before EOS.
     - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
@@ -28,10 +31,9 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; a prompt's samples in the order they end.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, metric) -> index chooses (summarizer.mbr.pick).
-    greedy_steps: how greedy's static-shape steps run (summarizer.compiling.StepGraphs: as CUDA graphs; None:
-    eagerly). compact_below: running rows at most this fraction of the batch are copied into a smaller one (None:
-    1.0 on a CPU, where every row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended
-    rows)."""
+    graphs: a StepGraphs that replays greedy's static-shape steps as CUDA graphs (None: eagerly). compact_below:
+    running rows at most this fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every
+    row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
     d = decoding
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
@@ -43,9 +45,8 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     processors = LogitsProcessors(d, eos_token_id)
     if on_static_shapes(d):
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
-        graphed = greedy_steps is not None and not torch.is_autocast_enabled(device.type)
-        return greedy(model, prompts, d.max_new_tokens, processors, greedy_steps if graphed else None,
-                      compact_below)
+        graphed = graphs is not None and not torch.is_autocast_enabled(device.type)
+        return greedy(model, prompts, d.max_new_tokens, processors, graphs if graphed else None, compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
     kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
@@ -399,11 +400,11 @@ def static_step(model, batch):
     return forward_step(model, batch.tokens, batch.positions, batch.slot, batch.caches, mask[:, None, None, :])
 
 
-def greedy(model, prompts, max_new, processors, steps, compact_below):
+def greedy(model, prompts, max_new, processors, graphs, compact_below):
     """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
     which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
     READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
-    at most compact_below of it; padding rows copy a running row). `steps` (StepGraphs, or None: eagerly) holds
+    at most compact_below of it; padding rows copy a running row). `graphs` (StepGraphs, or None: eagerly) holds
     the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
@@ -413,7 +414,7 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
     batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
                         pad, [KVCache(slots) for _ in model.transformer.h])
     logits = model.prefill(prompts, batch.caches)
-    batch = steps.hold(model, batch) if steps else batch
+    batch = graphs.hold(model, batch) if graphs else batch
     out = torch.full((len(prompts), max_new), eos, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     owners, results = list(range(len(prompts))), [None] * len(prompts)  # owners: a row's prompt, None: padding
@@ -429,16 +430,16 @@ def greedy(model, prompts, max_new, processors, steps, compact_below):
                 return results
             rows = len(owners)
             # padded up to a power of two from 8 (at most the batch) where graphs replay: few shapes to capture
-            smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if steps else len(running)
+            smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if graphs else len(running)
             if smaller < rows and len(running) <= compact_below * rows:
                 keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
-                batch = steps.hold(model, batch.select_rows(keep)) if steps else batch.select_rows(keep)
+                batch = graphs.hold(model, batch.select_rows(keep)) if graphs else batch.select_rows(keep)
                 out, done, tokens = out[keep], done[keep], tokens[keep]
                 owners = [owners[i] for i in running] + [None] * (smaller - len(running))
         batch.tokens.copy_(tokens[:, None])
         batch.positions.add_(1)
         batch.slot.add_(1)
-        logits = steps(model, batch) if steps else static_step(model, batch)
+        logits = graphs(model, batch) if graphs else static_step(model, batch)
     ended_rows(out.tolist(), owners, results, eos, last=True)
     return results
 
@@ -455,6 +456,116 @@ def ended_rows(tokens, owners, results, eos, last=False):
         else:
             running.append(i)
     return running
+
+
+def capture_graph(step, stream=None):
+    """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly), warmed up (lazy
+    initialization stays out of the graph) and captured on one side stream: cuBLAS keeps a workspace per stream.
+    A capture that raises restores the stream (torch.cuda.graph ends the capture first), frees what it allocated
+    and raises the step's own error, not capture_end's "previous error during capture"."""
+    current, stream = torch.cuda.current_stream(), stream or torch.cuda.Stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            expected = step()
+    graph, error = torch.cuda.CUDAGraph(), None
+    try:
+        with torch.cuda.graph(graph, stream=stream):  # synchronizes first: `expected` is ready after it
+            try:
+                output = step()
+            except Exception as e:  # raised once the stream is restored
+                error = e
+    except Exception as e:
+        error = error or e
+    finally:
+        torch.cuda.set_stream(current)
+    if error:
+        graph.reset()  # its memory pool, and the step's frames, which hold what the capture allocated
+        traceback.clear_frames(error.__traceback__)
+        raise error
+    return graph, output, expected
+
+
+def replay_disagrees(replayed, eager):
+    """How far a first replay's logits are from the eager step's, in words, where beyond their dtype's tolerance
+    (torch.testing's: in bf16 a near-tie may flip an argmax); else None."""
+    try:
+        torch.testing.assert_close(replayed, eager, equal_nan=True)
+    except AssertionError:
+        return f"its first replay differs from the eager step by up to {(replayed - eager).abs().max().item():.3g}"
+
+
+class StepGraphs:
+    """Greedy's static-shape step as a CUDA graph per (model, rows, slots) bucket, captured at its first use by
+    `capture` (capture_seconds[rows, slots]) and replayed, on the batch held in fixed buffers (hold): per bucket its
+    small inputs; one KV storage per layer, sized for the largest bucket, whose front each bucket's caches view. A
+    capture error or a first replay that disagrees turns graphs off for this object's life (the Runtime's: the
+    process's, as both would recur), with one line (`warn`) that eager_why keeps. release() frees graphs and buffers."""
+
+    def __init__(self, capture=capture_graph, warn=None):
+        self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))
+        self.eager_why, self.capture_seconds = None, {}  # eager_why: None while the steps replay as graphs
+        self.release()
+
+    def release(self):
+        self.graphs, self.inputs, self.storage = {}, {}, []
+
+    def describe(self):
+        """How greedy's steps ran, in one line."""
+        if self.eager_why:
+            return f"greedy steps eager: {self.eager_why}"
+        buckets = ", ".join(f"{rows}x{slots}" for rows, slots in self.capture_seconds) or "captured at first use"
+        return f"greedy steps replayed as CUDA graphs (buckets {buckets})"
+
+    def hold(self, model, batch):
+        """The batch copied into this bucket's fixed buffers (as it is once graphs are off)."""
+        if self.eager_why:
+            return batch
+        first = batch.caches[0].k
+        if not self.storage or self.storage[0].numel() < first.numel() or self.storage[0].dtype != first.dtype:
+            self.release()  # the graphs read the storage they were captured on: they go with it
+            self.storage = [cache.k.new_empty(first.numel()) for cache in batch.caches for _ in "kv"]
+        key = (model, len(batch.pad), batch.caches[0].max_len)
+        if key not in self.inputs:
+            caches = [KVCache(batch.caches[0].max_len) for _ in batch.caches]
+            for i, cache in enumerate(caches):
+                cache.k, cache.v = (self.storage[2 * i + j][:first.numel()].view(first.shape) for j in range(2))
+            self.inputs[key] = GreedyBatch(*(torch.empty_like(t) for t in batch[:4]), caches)
+        held = self.inputs[key]
+        for target, source in zip(held.tensors(), batch.tensors(), strict=True):
+            target.copy_(source)
+        return held
+
+    def __call__(self, model, batch):
+        """The step's logits: the bucket's graph replayed; at its first use captured and checked, and where the
+        capture fails or the first replay disagrees, the eager step's, graphs off."""
+        key, step = (model, len(batch.pad), batch.caches[0].max_len), lambda: static_step(model, batch)
+        if self.eager_why:
+            return step()
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+            return logits
+        cuda = model.lm_head.weight.is_cuda
+        try:
+            cuda and torch.cuda.synchronize()  # the capture's own seconds, not the work queued before it
+            start = time.perf_counter()
+            graph, logits, expected = self.capture(step)
+            cuda and torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            graph.replay()
+            why = replay_disagrees(logits, expected)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # the step's own errors meet the eager step again below
+            why = f"capture failed ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+        if why:
+            self.warn(f"warning: CUDA graph {why}; decoding eagerly from now on")
+            self.eager_why = why
+            self.release()
+            return step()
+        self.graphs[key], self.capture_seconds[key[1:]] = (graph, logits), seconds
+        return logits
 
 
 # ---- the forward step --------------------------------------------------------------------------------------------

@@ -170,8 +170,8 @@ class Trainer:
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
                         stats["compile_s"] = seconds  # the first step's, its compile included
-                    if self.run.compiled_module.fallback.failed:
-                        stats["compile_fallback"] = self.run.compiled_module.fallback.why
+                    if self.run.compiled_module.why:
+                        stats["compile_fallback"] = self.run.compiled_module.why
                 if state.scaler.is_enabled():
                     stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
                 if self.run.peak_flops:

@@ -30,7 +30,7 @@ from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT
-from summarizer import compiling, inference, mbr
+from summarizer import inference, mbr
 from summarizer.inference import open_summarizer, summarize_batches
 from summarizer.memory import kv_cache_bytes
 from summarizer.metrics import rouge
@@ -126,26 +126,17 @@ def bench_generate(args, device):
     return rows
 
 
-def greedy_steps(device, captures=None):
-    """How the benchmark runs greedy steps: as CUDA graphs on a GPU (each capture's seconds appended to
-    `captures`), eagerly on a CPU."""
-    if device.type != "cuda":
-        return None
-
-    def capture(step):
-        captured, seconds = timed(functools.partial(compiling.capture_graph, step), device)
-        captures is not None and captures.append(seconds)
-        return captured
-    return compiling.StepGraphs(capture)
+def step_graphs(device):
+    """How the benchmark runs greedy steps: as CUDA graphs on a GPU, eagerly on a CPU."""
+    return generate_module.StepGraphs() if device.type == "cuda" else None
 
 
 def greedy_step_figures(model, prompts, max_new, args, device):
     """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms against the floor of
     reading the weights and attended KV slots once at a copy's bandwidth; host reads; graph capture seconds."""
     batch = sorted(prompts, key=len)[-args.gen_batch:]
-    captures = []
-    steps = greedy_steps(device, captures)
-    run = functools.partial(generate, model, batch, eos_token_id=-1, greedy_steps=steps)
+    graphs = step_graphs(device)
+    run = functools.partial(generate, model, batch, eos_token_id=-1, graphs=graphs)
     run(Decoding(max_new))  # captures the graphs and warms up
     one, full = (statistics.median(timed(functools.partial(run, Decoding(n)), device)[1] for _ in range(args.repeats))
                  for n in (1, max_new))
@@ -154,13 +145,13 @@ def greedy_step_figures(model, prompts, max_new, args, device):
     kv = kv_cache_bytes(model.config, len(batch) * slots, weight.dtype)
     read = sum(p.numel() for p in model.parameters()) * weight.element_size() + kv
     with decoding_steps() as counted, Waits() as waits:
-        generate(model, batch, Decoding(max_new), eos_token_id=-1, greedy_steps=steps)
+        generate(model, batch, Decoding(max_new), eos_token_id=-1, graphs=graphs)
     source = torch.empty(2**28, dtype=torch.uint8, device=device)  # the bandwidth a 256 MiB copy reaches
     copy_s = min(timed(functools.partial(torch.empty_like(source).copy_, source), device)[1] for _ in range(3))
     return [dict(figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
             dict(figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
                  bytes_read_per_step=read),
-            dict(figure="graph_capture_s", value=sum(captures) if captures else None),
+            dict(figure="graph_capture_s", value=sum(graphs.capture_seconds.values()) if graphs else None),
             dict(figure="host_reads_per_greedy_step", value=waits.syncs / len(counted), target="<= 1/8"),
             *predict_batch_parts(model, batch, max_new, args, device)]
 
@@ -172,10 +163,10 @@ def predict_batch_parts(model, prompts, max_new, args, device):
     dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
     cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
     summarizer = inference.Summarizer(model, cfg)
-    steps = greedy_steps(device)
+    graphs = step_graphs(device)
 
     def batch():
-        summarize_batches(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), greedy_steps=steps)
+        summarize_batches(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), graphs=graphs)
     batch()  # warm-up (and captures)
     whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
     spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "generate", "summarize"), 0.0)
@@ -187,7 +178,7 @@ def predict_batch_parts(model, prompts, max_new, args, device):
             return output
         return run
     patches = [(summarizer, "prompts", "tokenizing"), (model, "prefill", "prefill"),
-               (compiling.StepGraphs, "__call__", "decode_steps") if steps else
+               (generate_module.StepGraphs, "__call__", "decode_steps") if graphs else
                (generate_module, "static_step", "decode_steps"),
                (inference, "generate", "generate")]
     with contextlib.ExitStack() as patched:
@@ -238,9 +229,9 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
     naive_picks = list(range(0, len(flat), max(1, len(flat) // args.naive_prompts)))[:args.naive_prompts]
 
     greedy = Decoding(max_new_tokens=max_new)
-    steps = greedy_steps(device)
+    graphs = step_graphs(device)
     candidates = {"ours": lambda: [row for batch in batches for row in generate(ours, batch, greedy, eos,
-                                                                                  greedy_steps=steps)],
+                                                                                  graphs=graphs)],
                   "transformers": lambda: hf_greedy(hf, batches, max_new, eos, device)}
     if with_naive:
         candidates["naive"] = lambda: naive_greedy(ours, [flat[i] for i in naive_picks], max_new, eos, device)

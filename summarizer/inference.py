@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 import data
 from config import Config, Decoding, Split, Use, keys, part, resolve
-from generate import generate
+from generate import generate, on_static_shapes
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.checkpoint import load_checkpoint
@@ -75,9 +75,13 @@ class Summarizer:
         if self.extractive:
             return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
         cfg = cfg or self.cfg
+        graphed = rt.graphs and on_static_shapes(part(cfg, Decoding))  # whether they replayed is known after
         if rt.is_main:
-            print(f"summarizing {len(prompts)} dialogues: {rt.greedy_decoding()}")
-        return summarize_on_ranks(self.model, prompts, cfg, rt)
+            print(f"summarizing {len(prompts)} dialogues" + ("" if graphed else ": eager decode steps"))
+        summaries = summarize_on_ranks(self.model, prompts, cfg, rt)
+        if rt.is_main and graphed:
+            print(f"summarized {len(prompts)} dialogues: {rt.graphs.describe()}")
+        return summaries
 
 
 def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
@@ -219,11 +223,11 @@ def cut_line(summarizer, cut, total):
 # ---- summarizing ------------------------------------------------------------------------------------------------
 
 def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
-                      greedy_steps=None):
+                      graphs=None):
     """One summary per prompt, in order, decoded as cfg says in generation_batches within `memory` bytes of KV
     cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
-    same whatever the number of ranks, so sharded output is the single-process output. greedy_steps: how greedy
-    steps run (compiling.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
+    same whatever the number of ranks, so sharded output is the single-process output. graphs: greedy's steps as
+    CUDA graphs (generate.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
     device = model.lm_head.weight.device
     memory = generation_memory(cfg, device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
@@ -240,7 +244,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                          seed=cfg.seed, mbr_pick=mbr.pick, greedy_steps=greedy_steps)
+                                          seed=cfg.seed, mbr_pick=mbr.pick, graphs=graphs)
             except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
                 if out_of_memory(e):
                     e.summaries, e.batch = summaries, len(batch)
@@ -253,8 +257,8 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     finally:
         bar.close()
         model.train(was_training)
-        if greedy_steps:
-            greedy_steps.release()
+        if graphs:
+            graphs.release()
     return summaries
 
 
@@ -271,7 +275,7 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
         try:
             autocast = contextlib.nullcontext() if held else rt.autocast()
             mine = summarize_batches(model, [prompts[i] for i in todo], lowered, autocast, progress and rt.is_main,
-                                     rt.rank, rt.world_size, memory, rt.greedy_steps)
+                                     rt.rank, rt.world_size, memory, rt.graphs)
             failed = None
         except Exception as e:  # told to every rank below: none waits for this one's shard
             if not out_of_memory(e):

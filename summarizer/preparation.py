@@ -87,7 +87,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
         return run
     if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
-    announce(run, rt, notes, len(splits.train), f"{rt.describe(compiled)}; {rt.greedy_decoding()}", chosen, disk)
+    announce(run, rt, notes, len(splits.train), rt.describe(compiled), chosen, disk)
     return run
 
 
@@ -161,7 +161,7 @@ def training_state(cfg, rt, model, resumed, splits, given):
 
 def step_module(cfg, rt, state):
     """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
-    after a compiler failure: EagerFallback) and wrapped by the backend; the CompiledModule in it, or None; what
+    after a compiler failure) and wrapped by the backend; the CompiledModule in it, or None; what
     runs under torch.compile, in words, for the start line)."""
     compiled = CompiledModule(state.model) if rt.compile_training else None
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step

@@ -1,5 +1,6 @@
-"""Where the job runs: the Runtime of this process (rank, device, precision, the choices it makes with
-summarizer/compiling.py, its backend from summarizer/backends.py, and the few collectives the trainer uses)."""
+"""Where the job runs: the Runtime of this process (rank, device, precision, whether it compiles
+(summarizer/compiling.py) and replays greedy's steps as CUDA graphs (generate.StepGraphs), its backend from
+summarizer/backends.py, and the few collectives the trainer uses)."""
 import contextlib
 import functools
 import os
@@ -8,9 +9,11 @@ import traceback
 
 import torch
 import torch.distributed.fsdp
+from tqdm import tqdm
 
+from generate import StepGraphs
 from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend
-from summarizer.compiling import StepGraphs, use_compile
+from summarizer.compiling import use_compile
 from summarizer.errors import UserError
 
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
@@ -72,7 +75,8 @@ class Runtime:
         # on a gathered copy of the weights, is graphed as any other)
         self.compile_training = self.compile and self.backend != "fsdp"
         # greedy decoding as CUDA graphs where compile applies on a GPU (compile=False: eager, a way out)
-        self.greedy_steps = StepGraphs() if self.compile and self.device.type == "cuda" else None
+        self.graphs = (StepGraphs(warn=functools.partial(tqdm.write, file=sys.stderr))  # a line of its own under a bar
+                       if self.compile and self.device.type == "cuda" else None)
         self.gen_batch_size = None  # lowered by a generation batch out of memory: every later one in this process
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
@@ -84,16 +88,13 @@ class Runtime:
         if self.backend == "fsdp":  # a step's micro-batches are cut where padding is least: any step may accumulate
             self.parallel.plan(cfg.fsdp_reduce_once, self.dtype, self.is_main)
 
-    def greedy_decoding(self):
-        """How this process runs its decode steps, in words."""
-        return "greedy steps replayed as CUDA graphs" if self.greedy_steps else "eager decode steps"
-
     def describe(self, compiled):
         """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what
         runs under torch.compile."""
         return (f"{self.dtype}{' with GradScaler' if self.use_scaler else ''} on {self.device_name}, "
                 f"{compiled}, backend {self.backend}"
-                + (f" (following {', '.join(self.decided_by)})" if self.decided_by else ""))
+                + (f" (following {', '.join(self.decided_by)})" if self.decided_by else "")
+                + f"; {self.graphs.describe() if self.graphs else 'eager decode steps'}")
 
     def __enter__(self):
         return self

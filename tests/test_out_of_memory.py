@@ -17,7 +17,6 @@ import train
 from config import Decoding
 from conftest import metrics, one_error_line, run, tiny, torchrun
 from model import GPT
-from summarizer import compiling
 
 
 @pytest.fixture
@@ -44,10 +43,10 @@ def test_an_out_of_memory_in_a_graph_capture_propagates(tiny_hf_dir, capfd):
 
     def out_of_memory(step):
         raise torch.OutOfMemoryError("CUDA out of memory.")
-    graphs = compiling.StepGraphs(capture=out_of_memory)
+    graphs = generate.StepGraphs(capture=out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        generate.generate(model, [[1, 2, 3]], Decoding(4), greedy_steps=graphs)
-    assert not graphs.failed and "CUDA graph" not in capfd.readouterr().err  # no eager retry
+        generate.generate(model, [[1, 2, 3]], Decoding(4), graphs=graphs)
+    assert graphs.eager_why is None and "CUDA graph" not in capfd.readouterr().err  # no eager retry
 
 
 # ---- an out-of-memory error that a smaller batch avoids -----------------------------------------------------------

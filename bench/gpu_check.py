@@ -368,16 +368,15 @@ def graph_checks(model, batches, device):
     def decode(graphs=None):
         return [generate_module.generate(model, prompts, Decoding(GRAPH_STEPS), eos_token_id=-1, graphs=graphs)
                 for prompts in batches]
-    eager, stream = decode(), torch.cuda.current_stream()
-    kept, captured = [], []
-    capture = recording([], kept)
+    eager, before = decode(), torch.cuda.current_stream()
+    fallback_kept, kept, captured = [], [], []
+    capture = recording([], fallback_kept)
     failing = generate_module.StepGraphs(capture=lambda step, *args, **kwargs: capture(reading_host(step), *args,
                                                                                         **kwargs))
     fell_back = decode(failing)
     found = [dict(figure="graphs: a capture that reads the host falls back, the stream kept", value=failing.eager_why,
-                  passed=failing.eager_why is not None and fell_back == eager and all(kept) and
-                  torch.cuda.current_stream() == stream)]
-    kept = []
+                  passed=failing.eager_why is not None and fell_back == eager and all(fallback_kept) and
+                  torch.cuda.current_stream() == before)]
     graphs = generate_module.StepGraphs(capture=recording(captured, kept))
     graphed = decode(graphs)
     buckets = [f"{rows}x{slots}" for rows, slots in graphs.capture_seconds]
@@ -385,7 +384,7 @@ def graph_checks(model, batches, device):
                    passed=graphs.eager_why is None and len(buckets) == len(batches)),
               dict(figure="graphs: summaries equal to eager steps'", value=graphed == eager, passed=graphed == eager),
               dict(figure="graphs: the stream after capture is the one before", value=kept,
-                   passed=all(kept) and torch.cuda.current_stream() == stream)]
+                   passed=all(kept) and torch.cuda.current_stream() == before)]
     rows = [dict(figure=f"graphs: {bucket}", capture_s=seconds, replay_ms=per_step_ms(graph.replay, device),
                  eager_ms=per_step_ms(step, device), replay_kernels=attention_kernels(graph.replay, device),
                  eager_kernels=attention_kernels(step, device))

@@ -1,6 +1,7 @@
 """GPU paths without waste, counted on the CPU: one graph and at most two compilations for the training step (one
 process and DDP), nothing compiled after training, one wait for the device per 8 greedy steps, no weight casts per
-step, few KV-cache bytes copied, and the operators a step launches counted; LoRA with gradient checkpointing compiles, as eager."""
+step, few KV-cache bytes copied, and the operators a step launches counted; LoRA with gradient checkpointing
+compiles, as eager."""
 import contextlib
 import dataclasses
 import random

@@ -360,6 +360,7 @@ def per_step_ms(fn, device, steps=GRAPH_STEPS):
     return 1000 * timed(lambda: [fn() for _ in range(steps)], device)[1] / steps
 
 
+@torch.inference_mode()  # the held buffers are inference tensors: an eager step outside it may not write them
 def graph_checks(model, batches, device):
     """Greedy's steps as CUDA graphs on this GPU, against eager steps on the same batches: a capture that reads the
     host falls back to eager steps, the same summaries, and leaves the stream as it was; then every bucket is

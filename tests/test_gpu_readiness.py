@@ -475,7 +475,7 @@ class Graph:
 
 class NoHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
             raise RuntimeError("operation not permitted when stream is capturing")
         return func(*args, **(kwargs or {}))
 

@@ -74,6 +74,11 @@ def train_quietly(argv):
     return cfg
 
 
+def progress(what):
+    """One line on stderr as a stage of a benchmark starts (stdout is its figures')."""
+    print(f"bench: {what}", file=sys.stderr, flush=True)
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -22,7 +22,7 @@ import torch
 
 import data
 import generate as generate_module
-from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, synchronize, timed, train_quietly
+from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, progress, synchronize, timed, train_quietly
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token
@@ -97,10 +97,12 @@ def interleaved(candidates, device, repeats):
     """Run each candidate once to warm up, then `repeats` rounds in turn; median seconds and peak memory."""
     outputs, times, memory = {}, {name: [] for name in candidates}, {}
     for name, fn in candidates.items():
+        progress(f"{name}: warm-up")
         with peak_memory(device) as mem:
             outputs[name] = fn()
         memory[name] = mem.peak_mb
-    for _ in range(repeats):
+    for i in range(repeats):
+        progress(f"{', '.join(candidates)}: round {i + 1} of {repeats}")
         for name, fn in candidates.items():
             times[name].append(timed(fn, device)[1])
     return outputs, {name: statistics.median(t) for name, t in times.items()}, memory
@@ -119,6 +121,10 @@ def bench_generate(args, device):
         rows += [dict(row, figure=f"{scenario}:{row['figure']}") for row in
                  compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive=scenario == "no_eos")]
     rows += greedy_step_figures(ours, prompts, max_new, args, device)
+    progress("operators launched per greedy step, GPT-2 small, batch 8, on the CPU")
+    launches = bench_compile.launches_per_greedy_step()
+    rows.append(dict(figure="operators_per_greedy_step", value=sum(launches.values()), target="<= 148",
+                     by_operator=launches))
     rows += kv_reads(ours, batches[len(batches) // 2], max_new)
     rows.append(dict(figure="setup", value=f"{args.model} model, {len(prompts)} {source} prompts, batch "
                      f"{args.gen_batch}, max_new_tokens {max_new}, naive on {args.naive_prompts}, median of "
@@ -127,31 +133,41 @@ def bench_generate(args, device):
 
 
 def step_graphs(device):
-    """How the benchmark runs greedy steps: as CUDA graphs on a GPU, eagerly on a CPU."""
+    """How the benchmark runs greedy steps: as CUDA graphs on a GPU (generate.StepGraphs), eagerly on a CPU."""
     return generate_module.StepGraphs() if device.type == "cuda" else None
 
 
+def graph_figures(graphs, device):
+    """Whether greedy's steps ran as CUDA graphs and why not, and each bucket's capture seconds, keyed
+    'rows x slots'."""
+    why = graphs.eager_why if graphs else f"CUDA graphs need a GPU: {device.type} steps run eagerly"
+    captures = {f"{rows}x{slots}": s for (rows, slots), s in graphs.capture_seconds.items()} if graphs else None
+    return dict(graphed=why is None, eager_why=why), captures
+
+
 def greedy_step_figures(model, prompts, max_new, args, device):
-    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms against the floor of
-    reading the weights and attended KV slots once at a copy's bandwidth; host reads; graph capture seconds."""
+    """A greedy decode step at batch args.gen_batch (the longest prompts, no EOS): its ms (as graphs or eagerly,
+    and why) against the floor of reading the weights and attended KV slots once at a copy's bandwidth; host
+    reads; each bucket's graph capture seconds."""
     batch = sorted(prompts, key=len)[-args.gen_batch:]
     graphs = step_graphs(device)
     run = functools.partial(generate, model, batch, eos_token_id=-1, graphs=graphs)
     run(Decoding(max_new))  # captures the graphs and warms up
     one, full = (statistics.median(timed(functools.partial(run, Decoding(n)), device)[1] for _ in range(args.repeats))
                  for n in (1, max_new))
+    graphed, captures = graph_figures(graphs, device)
     weight = model.lm_head.weight
     slots = generate_module.greedy_slots(max(map(len, batch)), max_new, model.config.block_size)
     kv = kv_cache_bytes(model.config, len(batch) * slots, weight.dtype)
     read = sum(p.numel() for p in model.parameters()) * weight.element_size() + kv
     with decoding_steps() as counted, Waits() as waits:
-        generate(model, batch, Decoding(max_new), eos_token_id=-1, graphs=graphs)
+        run(Decoding(max_new))
     source = torch.empty(2**28, dtype=torch.uint8, device=device)  # the bandwidth a 256 MiB copy reaches
     copy_s = min(timed(functools.partial(torch.empty_like(source).copy_, source), device)[1] for _ in range(3))
-    return [dict(figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1)),
+    return [dict(figure="decode_ms_per_step", value=1000 * (full - one) / (max_new - 1), **graphed),
             dict(figure="bandwidth_floor_ms_per_step", value=1000 * read * copy_s / (2 * 2**28),
                  bytes_read_per_step=read),
-            dict(figure="graph_capture_s", value=sum(graphs.capture_seconds.values()) if graphs else None),
+            dict(figure="graph_capture_s", value=captures),
             dict(figure="host_reads_per_greedy_step", value=waits.syncs / len(counted), target="<= 1/8"),
             *predict_batch_parts(model, batch, max_new, args, device)]
 
@@ -345,6 +361,7 @@ def bench_train(args, device):
         ours.zero_grad(set_to_none=True)
 
     _, seconds, memory = interleaved({"ours": ours_step, "transformers": hf_step}, device, args.repeats)
+    progress("one micro-batch padded to 1024")
     with peak_memory(device) as padded_memory:
         _, padded_seconds = timed(padded_1024_step, device)
     rate = {"ours": real_tokens / seconds["ours"], "transformers": real_tokens / seconds["transformers"],
@@ -375,6 +392,7 @@ def cut_micro_batches(args, device, model):
         rows += [dict(figure=f"padded_fraction_micro_batch_{micro}", value=1 - real / cut,
                       uncut=1 - real / uncut, micro_batches=count / 16, target="<= 0.10" if micro > 16 else "<= 0.05")]
     big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 60 * 2**30  # H100/H200
+    progress(f"cut micro-batches against uncut ones, {device}")
     cut_rows = args.cut_rows or (256 if big else 32 if device.type == "cuda" else 8)  # a T4 fits 32 rows of gpt2
     batches = data.TrainBatches(examples, Config(batch_size=cut_rows, micro_batch_size=cut_rows))
     cut = [xy for step in range(data.GROUP_STEPS) for xy in batches(step).micro_batches]
@@ -481,7 +499,7 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     return rows
 
 
-EXTRA = ("_gib", "fits_t4", "uncut", "micro_batches")  # a row's keys the table shows beside its value
+EXTRA = ("_gib", "fits_t4", "uncut", "micro_batches", "by_operator")  # a row's keys the table shows beside its value
 SECTIONS = {"train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
             "compile": bench_compile.bench_compile}
@@ -508,6 +526,7 @@ def main():
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}
     for section, run in sections.items():
+        progress(f"section {section}, {args.model} model, {device}")
         for row in ({"section": section, **row} for row in run(args, device)):  # a row of another owner has its own
             if args.json:
                 print(json.dumps(row))

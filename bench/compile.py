@@ -18,7 +18,7 @@ import data
 import model as model_module
 from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
 from config import Decoding, part
-from generate import LogitsProcessors, generate
+from generate import READ_EVERY, LogitsProcessors, generate
 from summarizer import inference, mbr, memory
 
 aten = torch.ops.aten
@@ -115,6 +115,36 @@ class _WaitsDispatch(TorchDispatchMode):
                 and args[0].untyped_storage().data_ptr() in self.weight_ptrs):
             self.waits.weight_casts += 1
         return out
+
+
+class Launches(TorchDispatchMode):
+    """Counts, by operator, the ATen operators that launch work on a device: neither a view nor one that hands
+    back its input untouched (dropout in eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        if not func.is_view and (writes or not any(out is a for a in args)):
+            self.ops[func._schema.name.removeprefix("aten::")] += 1
+        return out
+
+
+def launches_per_greedy_step(rows=8, prompt_len=32):
+    """{operator: launches a step} of greedy decoding at GPT-2-small's shape (random weights) on a CPU, over a
+    steady run: what generate() launches for READ_EVERY more steps (one host read among them), per step."""
+    torch.manual_seed(0)
+    model = model_module.GPT(model_module.GPTConfig()).eval()
+    prompts = torch.randint(0, model.config.vocab_size, (rows, prompt_len)).tolist()
+    counted = []
+    for steps in (READ_EVERY, 2 * READ_EVERY):
+        with Launches() as launches:
+            generate(model, prompts, Decoding(1 + steps), eos_token_id=-1)
+        counted.append(launches.ops)
+    return {op: n / READ_EVERY for op, n in (counted[1] - counted[0]).most_common()}
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
-"""The GPU check: sections, each a command with its own time limit; its JSON report (gpu_check_report.json) is
+"""The GPU check: sections, each a command with its own time limit; its JSON report (REPORT, or --report) is
 written after each section, so a section that fails or runs out of time keeps what the earlier ones found.
 
---quick, within 6 minutes (QUICK): the preflight; the README's path on SAMSum (train.py from scratch with max_time,
-evaluate.py, predict.py); bench's train and generate sections. The report's FIGURES are read from them. Without
---quick: every bench section, the matrix (dtypes x compile at GPT-2 shapes) and the presets' peak training memory.
-Needs only the project, its requirements and SAMSum's CSV (--samsum_csv). Exit status 1 if a section fails.
+--quick, within 7 minutes (QUICK): greedy's CUDA graphs on this GPU (--part=graphs); the preflight; the README's path
+on SAMSum (train.py from scratch with max_time, evaluate.py, predict.py); bench's train and generate sections. The
+report's FIGURES are read from them. Without --quick: every bench section, the matrix (dtypes x compile at GPT-2
+shapes) and the presets' peak training memory. Needs only the project, its requirements and SAMSum's CSV
+(--samsum_csv). Exit status 1 if a section fails or a REQUIRED figure misses its target (decode steps not graphed).
 
     bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]
     python -m bench.gpu_check --part=matrix --device=cpu --model=tiny --dtypes=float32 --iters=3      one part
@@ -25,34 +26,43 @@ import tempfile
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
+import generate as generate_module
 import train
-from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchronize, training_csv
+from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchronize, timed, training_csv
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
-from config import load_config, read_preset
-from model import PRETRAINED
+from config import Decoding, load_config, read_preset
+from model import GPT, PRETRAINED, GPTConfig
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 
 PRESET = "config/kaggle_t4x2.py"
-# --quick's sections and their seconds: 330 in all, within 6 minutes with the start. train.py's max_time leaves its
+REPORT = os.path.join(ROOT, "out-gpu-check", "gpu_check_report.json")  # git-ignored (out*/): never in the tree unasked
+# --quick's sections and their seconds: 360 in all, within 7 minutes with the start. train.py's max_time leaves its
 # section's start (imports, tokenizing) and its last save room.
-QUICK = {"preflight": 35, "train": 110, "evaluate": 35, "predict": 50, "bench train": 50, "bench generate": 50}
+QUICK = {"graphs": 30, "preflight": 35, "train": 110, "evaluate": 35, "predict": 50, "bench train": 50,
+         "bench generate": 50}
 QUICK_MAX_TIME = 70
 # The report's figures: (what, the section it is read from or None for any bench row, figure or key, target); the
 # targets are issue 66's on an H100/H200
-FIGURES = [("decode ms a step", None, "decode_ms_per_step", "<=", 2),
+FIGURES = [("decode steps as CUDA graphs", None, "graphed", "==", True),
+           ("why decode steps ran eagerly", None, "eager_why", None, None),
+           ("decode ms a step", None, "decode_ms_per_step", "<=", 2),
            ("bandwidth floor ms a step", None, "bandwidth_floor_ms_per_step", None, None),
            ("graph capture s", None, "graph_capture_s", None, None),
            ("generate: ours / transformers", None, "eos:speedup_vs_transformers", ">=", 4),
            ("cut micro-batches / one uncut, real tokens/s", None, "cut_speedup_vs_uncut", ">=", 1.3),
            ("padded fraction, micro_batch_size=256", None, "padded_fraction_micro_batch_256", "<=", 0.10),
            ("padded fraction, micro_batch_size=16", None, "padded_fraction_micro_batch_16", "<=", 0.05),
-           ("predict.py s, start to submission.csv", "predict", "seconds", "<=", 15)]
+           ("predict.py s, start to submission.csv", "predict", "seconds", "<=", 15),
+           ("operators per greedy step (CPU)", None, "operators_per_greedy_step", "<=", 148)]
+REQUIRED = {"decode steps as CUDA graphs"}  # a figure that fails the check where it misses its target
 LIMITS = {"train_graph_breaks": 0, "train_compilations": 2}
 # bench_memory leaves out backward's transient buffers (a block's gradients in flight, the loss's) and the
 # allocator's rounding: a quarter more than predicted is still the prediction working, not a new memory cost.
@@ -70,18 +80,22 @@ def plan(args, folder):
     trains = [PRESET, "--init_from=scratch", f"--train_csv={csv}", f"--data_cache_dir={folder}/cache", *run]
     predicts = [f"--test_csv={csv}", "--sample_submission_csv="]
     bench = [py, "-m", "bench", "--model=gpt2", f"--device={args.device}", f"--samsum_csv={csv}", "--json"]
-    sections = [("preflight", [py, "-m", "bench.preflight", *trains, *predicts,
-                               f"--report={os.path.join(os.path.dirname(args.report), 'preflight_report.json')}"]),
+    part = [py, "-m", "bench.gpu_check", *(f"--{k}={getattr(args, k)}" for k in (
+        "model", "device", "samsum_csv", "dtypes", "compile", "iters", "micro_batch_size", "presets"))]
+    sections = [("graphs", [*part, "--part=graphs"]),
+                ("preflight", [py, "-m", "bench.preflight", *trains, *predicts, f"--report={preflight_report(args)}"]),
                 ("train", [py, "train.py", *trains, *predicts, f"--max_time={QUICK_MAX_TIME}"]),
                 ("evaluate", [py, "evaluate.py", PRESET, *run]),
                 ("predict", [py, "predict.py", PRESET, *run, *predicts])]
-    part = [py, "-m", "bench.gpu_check", *(f"--{k}={getattr(args, k)}" for k in (
-        "model", "device", "samsum_csv", "dtypes", "compile", "iters", "micro_batch_size", "presets"))]
     sections += ([(f"bench {s}", [*bench, f"--section={s}", "--repeats=2"]) for s in ("train", "generate")]
                  if args.quick else [("bench", [*bench, "--section=all"]), ("matrix", [*part, "--part=matrix"]),
                                      ("presets", [*part, "--part=presets"])])
     return [(name, argv, QUICK[name] if args.quick else None, f"{folder}/run/metrics.jsonl" * (name == "train") or None)
             for name, argv in sections]
+
+
+def preflight_report(args):
+    return os.path.join(os.path.dirname(args.report), "preflight_report.json")
 
 
 def run_section(argv, limit, jsonl=None):
@@ -120,7 +134,8 @@ def figures(sections):
         else:  # a bench figure, or a key of a row
             value = next((row.get("value") if row.get("figure") == key else row[key] for row in rows
                           if key in (row.get("figure"), *row)), None)
-        met = None if value is None or op is None else value <= target if op == "<=" else value >= target
+        met = None if value is None or op is None else {"<=": value <= target, ">=": value >= target}.get(
+            op, value == target)
         found.append(dict(figure=what, value=value, target=f"{op} {target}" if op else None, met=met))
     return found
 
@@ -132,7 +147,9 @@ def run_check(sections, report_path, header):
     for name, argv, limit, jsonl in sections:
         print(f"{name}: {' '.join(argv)}", flush=True)
         result = report["sections"][name] = run_section(argv, limit, jsonl)
-        report.update(figures=figures(report["sections"]), passed=report["passed"] and result["status"] == "ok")
+        found = figures(report["sections"])
+        report.update(figures=found, passed=report["passed"] and result["status"] == "ok" and not any(
+            f["met"] is False for f in found if f["figure"] in REQUIRED))
         with atomic_write(report_path) as f:
             json.dump(report, f, indent=1)
         print(f"{name}: {result['status']} in {result['seconds']:.0f} s ({len(result['rows'])} figures)", flush=True)
@@ -298,13 +315,104 @@ def presets_memory(args, device, capability, folder, csv):
     return rows, found
 
 
+# ---- the graph path on this GPU ---------------------------------------------------------------------------------
+
+ATTENTION = ("attention", "attn", "fmha", "flash", "sdpa", "softmax")  # in the names of attention's kernels
+GRAPH_BATCHES = ((8, 40), (4, 100))  # (prompts, tokens): two buckets (8 rows x 64 slots, 4 x 128)
+GRAPH_STEPS = 16  # new tokens a summary, and steps timed
+
+
+def reading_host(step):
+    """`step` with a read of its output on the host, which a CUDA graph cannot capture."""
+    def read():
+        output = step()
+        int(output.flatten()[0])
+        return output
+    return read
+
+
+def recording(captured, streams):
+    """generate.capture_graph keeping each (step, graph) in `captured`, and in `streams` whether the current stream
+    after a capture, failed or not, is the one before."""
+    def capture(step, *args, **kwargs):
+        before = torch.cuda.current_stream()
+        try:
+            graph, output, expected = generate_module.capture_graph(step, *args, **kwargs)
+            captured.append((step, graph))
+            return graph, output, expected
+        finally:
+            streams.append(torch.cuda.current_stream() == before)
+    return capture
+
+
+def attention_kernels(fn, device):
+    """The attention kernels (on a CPU, operators) that fn() runs, by name."""
+    activities = [ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * (device.type == "cuda")]
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    return sorted({e.name for e in prof.events() if e.device_type == kind and any(
+        word in e.name.lower() for word in ATTENTION)})
+
+
+def per_step_ms(fn, device, steps=GRAPH_STEPS):
+    return 1000 * timed(lambda: [fn() for _ in range(steps)], device)[1] / steps
+
+
+@torch.inference_mode()  # the held buffers are inference tensors: an eager step outside it may not write them
+def graph_checks(model, batches, device):
+    """Greedy's steps as CUDA graphs on this GPU, against eager steps on the same batches: a capture that reads the
+    host falls back to eager steps, the same summaries, and leaves the stream as it was; then every bucket is
+    captured, the stream kept, the summaries the same. Per bucket: capture seconds, replay against eager ms a step
+    and the attention kernels each runs. (rows, checks)."""
+    def decode(graphs=None):
+        return [generate_module.generate(model, prompts, Decoding(GRAPH_STEPS), eos_token_id=-1, graphs=graphs)
+                for prompts in batches]
+    eager, before = decode(), torch.cuda.current_stream()
+    fallback_kept, kept, captured = [], [], []
+    capture = recording([], fallback_kept)
+    failing = generate_module.StepGraphs(capture=lambda step, *args, **kwargs: capture(reading_host(step), *args,
+                                                                                        **kwargs))
+    fell_back = decode(failing)
+    found = [dict(figure="graphs: a capture that reads the host falls back, the stream kept", value=failing.eager_why,
+                  passed=failing.eager_why is not None and fell_back == eager and all(fallback_kept) and
+                  torch.cuda.current_stream() == before)]
+    graphs = generate_module.StepGraphs(capture=recording(captured, kept))
+    graphed = decode(graphs)
+    buckets = [f"{rows}x{slots}" for rows, slots in graphs.capture_seconds]
+    found += [dict(figure="graphs: captured after it, every bucket", value=graphs.eager_why or buckets,
+                   passed=graphs.eager_why is None and len(buckets) == len(batches)),
+              dict(figure="graphs: summaries equal to eager steps'", value=graphed == eager, passed=graphed == eager),
+              dict(figure="graphs: the stream after capture is the one before", value=kept,
+                   passed=all(kept) and torch.cuda.current_stream() == before)]
+    rows = [dict(figure=f"graphs: {bucket}", capture_s=seconds, replay_ms=per_step_ms(graph.replay, device),
+                 eager_ms=per_step_ms(step, device), replay_kernels=attention_kernels(graph.replay, device),
+                 eager_kernels=attention_kernels(step, device))
+            for bucket, seconds, (step, graph) in zip(buckets, graphs.capture_seconds.values(), captured, strict=True)]
+    return rows, found
+
+
+def graph_part(device, capability):
+    """graph_checks at GPT-2-small's shape (random weights) in the dtype evaluate.py decodes in on this GPU."""
+    torch.manual_seed(0)
+    half = torch.bfloat16 if capability >= (8, 0) else torch.float16
+    with device:
+        model = GPT(GPTConfig()).to(half).eval()
+    batches = [torch.randint(0, model.config.vocab_size, shape).tolist() for shape in GRAPH_BATCHES]
+    return graph_checks(model, batches, device)
+
+
 def part(args):
-    """--part=matrix or presets in this process: its rows and checks as JSON lines; 1 if a check fails."""
+    """--part=graphs, matrix or presets in this process: its rows and checks as JSON lines; 1 if a check fails."""
     device = torch.device(args.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    with tempfile.TemporaryDirectory() as folder:
-        csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
-        rows, found = (matrix if args.part == "matrix" else presets_memory)(args, device, capability, folder, csv)
+    if args.part == "graphs":
+        rows, found = graph_part(device, capability)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
+            rows, found = (matrix if args.part == "matrix" else presets_memory)(args, device, capability, folder, csv)
     for row in rows + [dict(c, figure=f"check: {c['figure']}") for c in found]:
         print(json.dumps(row))
     return 0 if all(c["passed"] for c in found) else 1
@@ -312,8 +420,8 @@ def part(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the sections that fit 6 minutes (QUICK)")
-    parser.add_argument("--part", choices=["matrix", "presets"], help="one part of the full check, in this process")
+    parser.add_argument("--quick", action="store_true", help="the sections that fit 7 minutes (QUICK)")
+    parser.add_argument("--part", choices=["graphs", "matrix", "presets"], help="one part, in this process")
     parser.add_argument("--model", default="gpt2", choices=list(MODELS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--samsum_csv", default=SAMSUM_CSV, help="SAMSum-style CSV (id, dialogue, summary)")
@@ -325,7 +433,7 @@ def main(argv=None):
     parser.add_argument("--presets", default=",".join(PRESETS),
                         help="the models whose Kaggle preset's peak training memory is measured, on CUDA only ('' "
                         "for none)")
-    parser.add_argument("--report", default="gpu_check_report.json", help="where the JSON report is written")
+    parser.add_argument("--report", default=REPORT, help="where the JSON report is written (the preflight's beside it)")
     args = parser.parse_args(argv)
     if args.part:
         return part(args)
@@ -337,6 +445,7 @@ def main(argv=None):
     smi = ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"]
     gpu = subprocess.run(smi, capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else None
     os.makedirs(os.path.dirname(args.report), exist_ok=True)
+    print(f"reports: {args.report} and {preflight_report(args)}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         report = run_check(plan(args, folder), args.report, dict(gpu=gpu, torch=torch.__version__, quick=args.quick,
                                                                   args=vars(args)))

@@ -1,6 +1,7 @@
 """GPU paths without waste, counted on the CPU: one graph and at most two compilations for the training step (one
 process and DDP), nothing compiled after training, one wait for the device per 8 greedy steps, no weight casts per
-step, and few KV-cache bytes copied; LoRA with gradient checkpointing compiles, as eager."""
+step, few KV-cache bytes copied, and the operators a step launches counted; LoRA with gradient checkpointing
+compiles, as eager."""
 import contextlib
 import dataclasses
 import random
@@ -29,6 +30,17 @@ def test_waits_counts_reads_of_device_values():
         x[x > 0].sum()
         (x * 2).argmax(dim=0, keepdim=True)
     assert waits.syncs == 3
+
+
+def test_launches_counts_operators_that_do_work_by_name():
+    """What a greedy step launches (bench's operators_per_greedy_step): neither a view nor an operator that hands
+    back its input untouched (dropout in eval) counts; an in-place write does."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with bench_compile.Launches() as launches:
+        y = (x @ w).view(8, 4).t()
+        torch.nn.functional.dropout(y, 0.1, training=False).add_(1)
+        y[0] + 1
+    assert launches.ops == {"mm": 1, "add_": 1, "add": 1}
 
 
 @pytest.mark.slow

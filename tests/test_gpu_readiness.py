@@ -3,6 +3,7 @@ proven on CPU: precision from faked device properties, torch.compile (inductor) 
 fallback, MFU's peak table, the notebook launcher's refusals, bench/gpu_check (its sections, the report after each;
 fp16 against fp32). fp16's GradScaler: tests/test_fp16.py."""
 import argparse
+import functools
 import json
 import math
 import os
@@ -13,11 +14,13 @@ import sys
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
 from config import load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
+from generate import generate
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.compiling import use_compile
@@ -371,14 +374,14 @@ def test_the_report_is_written_after_each_section_and_keeps_what_finished(tmp_pa
     assert figures["decode ms a step"]["value"] is None  # a figure no section gave
 
 
-def test_the_quick_plan_fits_six_minutes_and_runs_the_readmes_path_then_bench(tmp_path):
+def test_the_quick_plan_fits_seven_minutes_and_runs_graphs_the_readmes_path_then_bench(tmp_path):
     from bench import gpu_check
     args = argparse.Namespace(quick=True, samsum_csv="/data/samsum.csv", device="cuda", report=str(tmp_path / "r.json"),
                               model="gpt2", dtypes="float32", compile="False", iters=3, micro_batch_size=8, presets="")
     sections = gpu_check.plan(args, "/tmp/run")
-    assert [name for name, *_ in sections] == ["preflight", "train", "evaluate", "predict", "bench train",
+    assert [name for name, *_ in sections] == ["graphs", "preflight", "train", "evaluate", "predict", "bench train",
                                               "bench generate"]
-    assert sum(limit for _, _, limit, _ in sections) <= 330  # with the start, within 6 minutes
+    assert sum(limit for _, _, limit, _ in sections) <= 360  # with the start, within 7 minutes
     argv = {name: " ".join(argv) for name, argv, *_ in sections}
     assert "train.py config/kaggle_t4x2.py --init_from=scratch --train_csv=/data/samsum.csv" in argv["train"]
     assert f"--max_time={gpu_check.QUICK_MAX_TIME}" in argv["train"]
@@ -387,10 +390,12 @@ def test_the_quick_plan_fits_six_minutes_and_runs_the_readmes_path_then_bench(tm
     assert "predict.py config/kaggle_t4x2.py --out_dir=/tmp/run/run" in argv["predict"]
     assert "--test_csv=/data/samsum.csv" in argv["predict"]
     assert "bench.preflight config/kaggle_t4x2.py" in argv["preflight"]
+    assert f"--report={tmp_path / 'preflight_report.json'}" in argv["preflight"]  # beside the check's own
+    assert "bench.gpu_check" in argv["graphs"] and "--part=graphs" in argv["graphs"]
     assert all("--json" in argv[f"bench {s}"] and f"--section={s}" in argv[f"bench {s}"] for s in ("train", "generate"))
-    assert sections[1][3] == "/tmp/run/run/metrics.jsonl"  # train.py's padded_fraction and micro_batches
+    assert sections[2][3] == "/tmp/run/run/metrics.jsonl"  # train.py's padded_fraction and micro_batches
     full = gpu_check.plan(argparse.Namespace(**dict(vars(args), quick=False)), "/tmp/run")
-    assert [name for name, *_ in full][4:] == ["bench", "matrix", "presets"] and full[0][2] is None
+    assert [name for name, *_ in full][5:] == ["bench", "matrix", "presets"] and full[0][2] is None
 
 
 @pytest.mark.slow
@@ -419,3 +424,139 @@ def test_the_precision_trial_fails_on_an_overflow_and_compares_what_training_cha
     assert moved_less["status"] == "failed" and "float16 training moved the loss" in moved_less["detail"]
     still = gpu_check.precision([10.83, 10.83, 10.83, 10.83], [10.83] * 4, "float16")
     assert still["status"] == "not run" and "--iters" in still["detail"]
+
+
+@pytest.mark.parametrize("graphed, why", [(True, None), (False, "capture failed (RuntimeError: operation not "
+                                                           "permitted when stream is capturing)")])
+def test_the_check_fails_where_greedy_steps_ran_eagerly_and_says_why(tmp_path, graphed, why):
+    """bench generate's decode_ms_per_step says whether its steps ran as CUDA graphs: where they fell back to eager,
+    every section passing does not pass the check, and the report says why."""
+    from bench import gpu_check
+    row = dict(figure="decode_ms_per_step", value=0.4 if graphed else 9.0, graphed=graphed, eager_why=why)
+    sections = [("bench generate", [sys.executable, "-c", f"print({json.dumps(json.dumps(row))})"], 60, None)]
+    done = gpu_check.run_check(sections, str(tmp_path / "report.json"), dict(quick=True))
+    figures = {f["figure"]: f for f in done["figures"]}
+    assert done["sections"]["bench generate"]["status"] == "ok" and done["passed"] is graphed
+    assert figures["decode steps as CUDA graphs"] == dict(figure="decode steps as CUDA graphs", value=graphed,
+                                                          target="== True", met=graphed)
+    assert figures["why decode steps ran eagerly"]["value"] == why
+
+
+@pytest.mark.slow
+def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path):
+    from bench import gpu_check
+
+    def written():  # the repository's changed and untracked files, and the default reports'
+        reports = [gpu_check.REPORT, os.path.join(os.path.dirname(gpu_check.REPORT), "preflight_report.json")]
+        return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout, [
+            os.path.exists(path) and os.path.getmtime(path) for path in reports]
+    before = written()
+    done = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu_check.sh"), "--quick"], cwd=tmp_path,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False): run it on a GPU machine\n")
+    assert list(tmp_path.iterdir()) == [] and written() == before
+    assert subprocess.run(["git", "check-ignore", "-q", gpu_check.REPORT], cwd=REPO).returncode == 0  # out*/
+
+
+# ---- bench/gpu_check's graph part, on the CPU: generate's graph API faked -----------------------------------------
+
+class Graph:
+    """A CUDA graph's stand-in: recorded once under NoHostReads (a capture fails where the step reads the host),
+    replay() writes into the recorded output what the step computes now."""
+
+    def __init__(self, step):
+        with NoHostReads():
+            self.step, self.output = step, step()
+
+    def replay(self):
+        self.output.copy_(self.step())
+
+
+class NoHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return func(*args, **(kwargs or {}))
+
+
+class StepGraphs:
+    """generate.StepGraphs' API, one bucket a call: the prompts' forward as the step, captured at its first use by
+    `capture`; a capture that raises decodes eagerly from then on, eager_why says why."""
+
+    def __init__(self, capture):
+        self.capture, self.eager_why, self.capture_seconds = capture, None, {}
+
+    def decode(self, model, prompts):
+        bucket = (len(prompts), 64 * -(-len(prompts[0]) // 64))
+        if self.eager_why is None and bucket not in self.capture_seconds:
+            try:
+                self.capture(lambda: model(torch.tensor(prompts))[0])
+                self.capture_seconds[bucket] = 0.25
+            except RuntimeError as e:
+                self.eager_why = f"capture failed (RuntimeError: {e})"
+
+
+@pytest.fixture
+def graph_api(monkeypatch):
+    """generate's graph API on a CPU (capture_graph, StepGraphs, generate(graphs=)) and the current stream; the
+    capture a test sets as capture[0] (a capture that leaves the capture stream current: leaking=True)."""
+    import generate as generate_module
+    streams = ["default"]
+
+    def capture_graph(step, stream=None, leaking=False):
+        expected = step()
+        try:
+            graph = Graph(step)
+        except RuntimeError:
+            streams.append("capture") if leaking else None
+            raise
+        return graph, graph.output, expected
+
+    def fake_generate(model, prompts, decoding, eos_token_id, graphs=None):
+        graphs and graphs.decode(model, prompts)
+        return generate(model, prompts, decoding, eos_token_id=eos_token_id)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[-1])
+    monkeypatch.setattr(generate_module, "capture_graph", capture_graph, raising=False)
+    monkeypatch.setattr(generate_module, "StepGraphs", StepGraphs, raising=False)
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    return monkeypatch, generate_module, capture_graph
+
+
+def graph_section():
+    from bench import gpu_check
+    torch.manual_seed(0)
+    model = tiny_gpt(block_size=64).eval()
+    batches = [torch.randint(0, 64, shape).tolist() for shape in ((8, 10), (4, 20))]
+    rows, found = gpu_check.graph_checks(model, batches, torch.device("cpu"))
+    return rows, {check["figure"].removeprefix("graphs: "): check for check in found}
+
+
+def test_the_graph_section_proves_capture_fallback_stream_and_speed(graph_api):
+    rows, checks = graph_section()
+    assert all(check["passed"] for check in checks.values())
+    assert checks["captured after it, every bucket"]["value"] == ["8x64", "4x64"]
+    assert "operation not permitted when stream is capturing" in checks[
+        "a capture that reads the host falls back, the stream kept"]["value"]
+    assert [row["figure"] for row in rows] == ["graphs: 8x64", "graphs: 4x64"]
+    for row in rows:
+        assert row["capture_s"] == 0.25 and row["replay_ms"] > 0 and row["eager_ms"] > 0
+        assert "aten::scaled_dot_product_attention" in row["replay_kernels"] == row["eager_kernels"]
+
+
+def test_the_graph_section_fails_where_a_failed_capture_leaves_the_capture_stream(graph_api):
+    monkeypatch, generate_module, capture_graph = graph_api
+    monkeypatch.setattr(generate_module, "capture_graph", functools.partial(capture_graph, leaking=True))
+    _, checks = graph_section()
+    assert not checks["a capture that reads the host falls back, the stream kept"]["passed"]
+    assert not checks["the stream after capture is the one before"]["passed"]
+
+
+def test_the_graph_section_fails_and_says_why_where_every_capture_fails(graph_api):
+    from bench import gpu_check
+    monkeypatch, generate_module, capture_graph = graph_api
+    monkeypatch.setattr(generate_module, "capture_graph",
+                        lambda step, stream=None: capture_graph(gpu_check.reading_host(step)))
+    rows, checks = graph_section()
+    assert rows == [] and not checks["captured after it, every bucket"]["passed"]
+    assert checks["captured after it, every bucket"]["value"].startswith("capture failed (RuntimeError: operation")

@@ -108,10 +108,18 @@ def main(argv=None):
             # this run's config is the contract: every key counts as given
             took = {}  # the after-run's seconds, for max_time's last word
             for key, after in (("evaluate_after", evaluate), ("predict_after", predict)):
-                if getattr(cfg, key):
-                    began = time.monotonic()
-                    after(cfg, set(FIELDS), rt)
-                    took[key] = time.monotonic() - began
+                if not getattr(cfg, key):
+                    continue
+                # what cannot end within the budget is not started: rank 0's clock decides for every rank
+                skip = clock and rt.is_main and clock.after_run_problem(key, later_command(argv, rt.world_size, key,
+                                                                                           cfg.out_dir))
+                if rt.all_gather_objects(skip)[0]:
+                    if skip:  # rank 0's
+                        print(skip)
+                    continue
+                began = time.monotonic()
+                after(cfg, set(FIELDS), rt)
+                took[key] = time.monotonic() - began
             if clock and took and clock.left() < 0 and rt.is_main:
                 print(clock.after_run_ending(took))
 
@@ -316,16 +324,21 @@ def notebook_main(argv=(), num_processes=2, port=29500):
     notebook_launch(main, list(argv), num_processes, port)
 
 
-def continue_command(argv, world_size):
-    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
-    torchrun when the run had several processes."""
+def continue_command(argv, world_size, script="train.py", last="--init_from=resume"):
+    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume (or
+    `script` with `last`), under torchrun when the run had several processes."""
     presets, flags = arguments(argv)
     # a learning_rate given to a resume restarts a decay that has ended: continuing leaves it out (ckpt.pt has it)
-    kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=")))
-    args = [*presets, *kept, "--init_from=resume"]
+    kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=", "--ckpt=")))
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
-    return shlex.join([*launcher, "train.py", *args])
+    return shlex.join([*launcher, script, *presets, *kept, last])
+
+
+def later_command(argv, world_size, key, out_dir):
+    """The command that does the after-run `key` (evaluate_after, predict_after) later, on out_dir's best.pt."""
+    best = os.path.join(out_dir, run_folder.BEST)
+    return continue_command(argv, world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 
 import conftest
 import train
+from bench import preflight
 from config import load_config
 from conftest import metrics, one_error_line, tiny
 from model import GPT
@@ -28,14 +29,15 @@ SCHEDULE = {"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr
 class VirtualClock:
     """train.py's time.monotonic and time.perf_counter, advanced by the work alone: a micro-batch's forward and
     backward costs `micro` seconds (times `slow` from step `slow_from` on, times pace(step); with `per_token`, times
-    its padded tokens over per_token), an evaluation and its save `evaluation`, a summary `summary`; the first call
-    of each costs COLD times as much."""
+    its padded tokens over per_token), an evaluation and its save `evaluation`, a summary `summary` (times
+    summary_pace(seconds since the start)); the first call of each costs COLD times as much."""
 
     def __init__(self, micro=0.1, evaluation=0.5, summary=0.02, slow_from=None, slow=1.0, pace=None, per_token=None,
-                 evaluation_pace=None):
+                 evaluation_pace=None, summary_pace=None):
         self.now, self.micro, self.evaluation, self.summary = 100.0, micro, evaluation, summary
         self.slow_from, self.slow, self.pace, self.per_token = slow_from, slow, pace, per_token
         self.evaluation_pace = evaluation_pace  # seconds since the start -> a factor on an evaluation's cost
+        self.summary_pace = summary_pace  # likewise, on a summary's
         self.first = {"micro": True, "evaluation": True, "summary": True}
         self.step = 0  # the loop's step in progress (0-based)
         self.trained = None  # the time the last step ended
@@ -82,7 +84,8 @@ def virtual(monkeypatch):
             return validate(trainer)
 
         def timed_summaries(model, prompts, *args, **kwargs):
-            clock.cost("summary", clock.summary * len(prompts), clock.summary * min(len(prompts), GEN_BATCH))
+            summary = clock.summary * (clock.summary_pace(clock.now - 100.0) if clock.summary_pace else 1.0)
+            clock.cost("summary", summary * len(prompts), summary * min(len(prompts), GEN_BATCH))
             return summarize(model, prompts, *args, **kwargs)
         monkeypatch.setattr(train, "time", clock)
         monkeypatch.setattr(preparation, "time", clock)  # start-up: the budget's clock and its priming
@@ -343,7 +346,8 @@ def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
     took = clock.now - clock.trained  # the last evaluation and the after-run
     assert took / 2 <= need <= 2 * took, (need, took)
     printed = capsys.readouterr().out
-    assert "500 ms a summary warm, 38.0 s to compile the decoding" in printed, printed
+    assert ("500 ms a summary warm (the slowest of the last few), 38.0 s once for the decoding's first batch"
+            in printed), printed
 
 
 @pytest.mark.slow
@@ -422,3 +426,77 @@ def test_a_minute_with_a_compiled_decoding_trains_and_writes_the_submission(run,
     train.main([*run, "--eval_interval=25", "--max_time=60", "--evaluate_after=True", "--predict_after=True"])
     assert metrics(tmp_path / "out")[-1]["iter"] >= 10 and clock.now - 100.0 <= 60
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 10
+
+
+@pytest.mark.slow
+def test_an_after_run_that_a_slower_pace_would_push_past_the_budget_is_not_started_and_says_how_to_run_it(
+        run, virtual, capsys):
+    """Summaries 30x slower from the run's last seconds on (another job took the machine): the last evaluation
+    measures it, and what evaluate_after and predict_after would take no longer fits: neither starts, each says so
+    in a line with the command that does it later, and the run ends inside its budget (it ran 8 s past it before)."""
+    clock = virtual(summary_pace=lambda seconds: 30.0 if seconds > 52 else 1.0)
+    train.main([*run, "--eval_interval=25", "--max_time=60", "--evaluate_after=True", "--predict_after=True"])
+    printed = capsys.readouterr().out
+    assert clock.now - 100.0 <= 60, printed[-1500:]
+    best = run[-1].split("=", 1)[1] + "/best.pt"
+    for key, script, summaries in (("evaluate_after", "evaluate.py", 12), ("predict_after", "predict.py", 10)):
+        said = re.search(rf"max_time=60: {key} is not started: the {summaries} summaries of {key} need about \d+ s "
+                         rf"\(.*\) where \d+ s are left; run it later with:\n  python {script} (.*)\n", printed)
+        assert said and said[1].endswith(f" --ckpt={best}") and run[-1] in said[1], printed[-3000:]
+    assert "wrote 10 summaries" not in printed and "past the budget" not in printed
+
+
+def test_a_budget_refusal_names_only_the_after_runs_that_are_on():
+    """No after-run: neither is named nor advised off; evaluate_after alone: it alone."""
+    from summarizer.clock import RunClock
+    lines = {}
+    for after in ({}, {"evaluate_after": 82}, {"evaluate_after": 82, "predict_after": 819}):
+        clock = RunClock(60, started=0.0, now=lambda: 55.0, rouge_summaries=4, after=after)
+        clock.prime(1.0, tokens=1, decodings=[(32.0, 4), (8.0, 4), (8.0, 4)])  # 2 s a summary warm
+        lines[len(after)] = clock.start_up_problem()
+    # 2 x (55 s of start-up + a step of 1 s and the last evaluation's 4 summaries, 8 s), in tens of seconds
+    assert "summaries" not in lines[0] and "_after" not in lines[0] and lines[0].endswith(
+        "no training would fit; give --max_time above 130"), lines[0]
+    assert "the 82 summaries of evaluate_after need" in lines[1] and "predict" not in lines[1], lines[1]
+    assert lines[1].endswith("or summarize later (--evaluate_after=False, then evaluate.py)"), lines[1]
+    assert "the 901 summaries of evaluate_after and predict_after need" in lines[2] and lines[2].endswith(
+        "or summarize later (--evaluate_after=False --predict_after=False, then evaluate.py and predict.py)")
+
+
+def test_one_quiet_batch_does_not_size_the_after_run():
+    """Three warm batches timed before step 1, one of them 8x faster (a quiet moment on a busy machine): the
+    after-run is sized by the slowest, not by that one."""
+    from summarizer.clock import RunClock
+    clock = RunClock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
+    clock.prime(1.0, tokens=1, decodings=[(40.0, 16), (0.5, 16), (4.0, 16), (4.0, 16)])
+    assert clock.after_run() == pytest.approx(800 * 0.25)
+
+
+@pytest.mark.slow
+def test_the_preflight_advises_the_budget_train_py_advises_and_accepts(run, virtual, capsys, monkeypatch, tmp_path):
+    """On the same virtual costs (the preflight counts from its own start, as train.py does): a budget train.py
+    refuses is the preflight's no-go in train.py's line; one just above what start-up and a step need is a go that
+    says its margin is thin and suggests train.py's budget; that budget train.py trains in, and the preflight's go
+    is plain."""
+    argv = [*run, "--eval_interval=1000", "--evaluate_after=True", "--predict_after=True"]
+
+    def preflight_line(budget):
+        monkeypatch.setattr(preflight, "time", virtual(summary=0.5))
+        capsys.readouterr()
+        preflight.main([*argv, f"--max_time={budget}", f"--report={tmp_path / 'report.json'}"])
+        return capsys.readouterr().out.splitlines()[-2]
+    refused = preflight_line(50)
+    virtual(summary=0.5)
+    assert refused == "no-go: train.py: " + one_error_line(capsys, train.main, [*argv, "--max_time=50"])[7:]
+    found = re.search(r"leaves (\d+) s after start-up, .* need about (\d+) s .* give --max_time above (\d+)", refused)
+    assert found, refused
+    left, need, suggested = map(int, found.groups())
+    thin = preflight_line(50 - left + need + 3)
+    assert thin.startswith("go: ") and thin.endswith(f"is thin: start-up took {50 - left} s and one step with the "
+                                                     f"last evaluation and what follows need about {need} s; a "
+                                                     f"busier moment may leave no step: give --max_time above "
+                                                     f"{suggested}"), (thin, refused)
+    assert preflight_line(suggested) == "go: every check that ran passed (gpus, collective not run)"
+    virtual(summary=0.5)
+    train.main([*argv, f"--max_time={suggested}", "--max_iters=2"])
+    assert metrics(run[-1].split("=", 1)[1])[-1]["iter"] == 2

@@ -14,9 +14,8 @@ from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
-# A budget suggested is SAFE times what start-up and one step with the reserve took (a busy machine may double either);
-# below THIN times that, a preflight's go says the margin is thin.
-SAFE, THIN = 2, 1.5
+# the budget suggested: SAFE times start-up and a step with the reserve (a busy machine may double either); below
+SAFE, THIN = 2, 1.5  # THIN times them, a preflight's go says its margin is thin
 # Before an evaluation was timed, its validation loss is guessed from the training pace (a forward costs about a
 # third of a forward and backward) and its save from its bytes at a modest disk's speed.
 FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
@@ -43,12 +42,6 @@ class Rate:
         if self.warm:
             return statistics.median(self.warm)
         return self.first[0] / self.first[1] if self.first else None
-
-    def one_time(self):
-        """What the first sample cost beyond its units at the warm rate (0 before a warm sample)."""
-        if self.first is None or not self.warm:
-            return 0.0
-        return max(0.0, self.first[0] - self.first[1] * self.per_unit())
 
     def measured(self):
         return self.first is not None
@@ -157,9 +150,9 @@ class RunClock:
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
     def after_run(self, keys=None):
-        """The seconds of `keys` (of self.after, else all of it): their summaries at the slowest recent warm rate (a
-        batch timed on a quiet moment of a busy machine must not start what cannot end in time), and for each its
-        loading and writing as an evaluation's rest."""
+        """The seconds of after-runs `keys` (else all): their summaries at the slowest recent warm rate (a quiet
+        moment of a busy machine must not start what cannot end in time), each one's loading and writing as an
+        evaluation's rest."""
         rest = self.evaluations.per_unit() or 0.0
         return sum(self.after[key] * (self.summaries.slowest() or 0.0) + rest for key in keys or self.after)
 
@@ -168,8 +161,7 @@ class RunClock:
         return f"the {sum(self.after[key] for key in keys)} summaries of {' and '.join(keys)}"
 
     def after_run_problem(self, key, later):
-        """The line of the after-run `key` that would end past the budget, which is therefore not started (`later`:
-        the command that does it later), else None."""
+        """The line of after-run `key` that would end past the budget, so is not started (`later` does it), or None."""
         if (need := self.after_run([key])) <= self.left():
             return None
         return (f"max_time={self.budget:g}: {key} is not started: {self.after_words([key])} need about {need:.0f} s "
@@ -241,27 +233,28 @@ class RunClock:
         the after-run take what is left), else None."""
         if self.left() <= 0:
             return used_up(self.budget, self.spent(), "(imports, reading the data, building the model, timing a step)")
-        if (need := self.reserve() + (self.step() or 0.0)) >= self.left():
-            after = f" and {self.after_words()}" if self.after else ""
-            later = (", or summarize later (" + " ".join(f"--{key}=False" for key in self.after) + ", then "
-                     + " and ".join(f"{key.split('_')[0]}.py" for key in self.after) + ")") if self.after else ""
-            return (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
-                    f"evaluation, its save{after} need about {need:.0f} s ({self.describe()}): no training would "
-                    f"fit; give --max_time above {self.suggested(need):g}{later}")
-        return None
+        if (need := self.suggested())[0] < self.left():
+            return None
+        line = (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
+                f"evaluation, its save{f' and {self.after_words()}' if self.after else ''} need about {need[0]:.0f} s "
+                f"({self.describe()}): no training would fit; give --max_time above {need[1]:g}")
+        return line + (f", or summarize later ({' '.join(f'--{key}=False' for key in self.after)}, then "
+                       f"{' and '.join(key.split('_')[0] + '.py' for key in self.after)})" if self.after else "")
 
-    def suggested(self, need):
-        """The budget train.py and the preflight suggest: SAFE times start-up and `need`, in tens of seconds."""
-        return 10 * math.ceil(SAFE * (self.spent() + need) / 10)
+    def suggested(self):
+        """(the seconds one step with the reserve needs, the budget train.py and the preflight suggest: SAFE times
+        start-up and them, in tens of seconds)."""
+        need = self.reserve() + (self.step() or 0.0)
+        return need, 10 * math.ceil(SAFE * (self.spent() + need) / 10)
 
     def thin_margin(self):
-        """The preflight's line where start-up and one step with the reserve take more than 1/THIN of the budget
-        (train.py, a little slower on a busy machine, would refuse it), else None."""
-        if THIN * (self.spent() + (need := self.reserve() + (self.step() or 0.0))) <= self.budget:
+        """The preflight's line where start-up and one step with the reserve take over 1/THIN of the budget (train.py,
+        slower for a moment on a busy machine, would refuse it), else None."""
+        if THIN * (self.spent() + (need := self.suggested())[0]) <= self.budget:
             return None
-        return (f"the margin of max_time={self.budget:g} is thin: start-up took {self.spent():.0f} s and one step with "
-                f"the last evaluation and what follows need about {need:.0f} s; a busier moment may leave no step: "
-                f"give --max_time above {self.suggested(need):g}")
+        return (f"the margin of max_time={self.budget:g} is thin: start-up took {self.spent():.0f} s, one step with "
+                f"what follows it needs {need[0]:.0f} s; a busier moment may leave no step: give --max_time above "
+                f"{need[1]:g}")
 
     def describe(self):
         """The rates measured so far, in words."""
@@ -270,9 +263,7 @@ class RunClock:
         if step is not None:
             parts.append(f"{1000 * step:.0f} ms a step of {self.step_tokens:.0f} tokens")
         if self.summaries.measured():
-            parts.append(f"{1000 * self.summaries.slowest():.0f} ms a summary warm (the slowest of the last few)"
-                         + (f", {self.summaries.one_time():.1f} s once for the decoding's first batch"
-                            if self.summaries.one_time() >= 0.05 else ""))
+            parts.append(f"{1000 * self.summaries.slowest():.0f} ms a summary warm (the slowest of the last few)")
         if self.evaluations.measured():
             parts.append(f"{self.evaluation():.1f} s an evaluation with its save")
         return ", ".join(parts) or "nothing measured yet"

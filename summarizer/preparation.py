@@ -173,13 +173,12 @@ def step_module(cfg, rt, state):
 
 def time_step(cfg, rt, batches, state, module):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
-    run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm run counted (one quiet moment of
-    a busy machine must not mislead). Leaves no gradients and draws no random numbers."""
-    rng = rng_state()
+    run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
+    busy machine must not mislead). Leaves no gradients and draws no random numbers."""
+    rng, runs = rng_state(), []
     x, found = first_micro_batch(batches, state.step, rt.device)
     say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, rt):
-        runs = []
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
             with rt.autocast():
@@ -193,9 +192,8 @@ def time_step(cfg, rt, batches, state, module):
 
 
 def time_decoding(cfg, rt, state, prompts):
-    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` (the evaluations' own) decoded
-    1 + WARM_RUNS times, the first paying the one-time costs (untrained weights run to max_new_tokens: an upper
-    bound). Draws no random numbers."""
+    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded 1 + WARM_RUNS times, the
+    first paying the one-time costs (untrained weights run to max_new_tokens: an upper bound). No random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
@@ -269,8 +267,8 @@ def check_before_model(cfg, rt):
 
 
 def read_inputs(cfg, rt):
-    """(the train/validation Splits, {evaluate_after and/or predict_after, those on: the dialogues it summarizes});
-    the files predict reads after hours of training are checked now."""
+    """(the train/validation Splits, {each after-run on: the dialogues it summarizes}); the files predict reads
+    after hours of training are checked now."""
     splits = data.load_splits(cfg, is_main=rt.is_main, barrier=rt.barrier)
     if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)

@@ -377,7 +377,8 @@ def test_an_after_run_past_the_budget_says_by_how_much_and_what_took_longer(run,
     last = capsys.readouterr().out.strip().splitlines()[-1]
     past = re.fullmatch(r"max_time=40: the run ended ([\d.]+) s past the budget: evaluate_after took ([\d.]+) s and "
                         r"predict_after took ([\d.]+) s, where ([\d.]+) s were left for them \(([\d.]+) s measured "
-                        r"for their 22 summaries, loading best.pt and writing\)", last)
+                        r"for the 22 summaries of evaluate_after and predict_after, loading best.pt and writing\)",
+                        last)
     assert past, last
     assert float(past[1]) == pytest.approx(clock.now - 100.0 - 40, abs=0.1)
     assert float(past[3]) > 40 > float(past[4]) and float(past[5]) <= float(past[4])

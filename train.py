@@ -101,17 +101,21 @@ def main(argv=None):
                 if short := cut_short(schedule, step):
                     print(short)
                 print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
-                      f"{clock.ending()}; {ckpt} holds it; continue with:\n"
-                      f"  {go_on}\n"
+                      f"{clock.ending()}; {ckpt} holds it; continue with:\n  {go_on}\n"
                       f"or in a new session, with this output attached as input, add "
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
             # this run's config is the contract: every key counts as given
-            took = {}  # the after-run's seconds, for max_time's last word
+            took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)  # took: for max_time's last word
             for key, after in (("evaluate_after", evaluate), ("predict_after", predict)):
-                if getattr(cfg, key):
+                # what cannot end within the budget is not started (rank 0's clock decides for every rank)
+                later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
+                skip = getattr(cfg, key) and clock and rt.is_main and clock.after_run_problem(key, later)
+                if getattr(cfg, key) and not rt.all_gather_objects(skip)[0]:
                     began = time.monotonic()
                     after(cfg, set(FIELDS), rt)
                     took[key] = time.monotonic() - began
+                elif skip:
+                    print(skip)
             if clock and took and clock.left() < 0 and rt.is_main:
                 print(clock.after_run_ending(took))
 
@@ -316,16 +320,15 @@ def notebook_main(argv=(), num_processes=2, port=29500):
     notebook_launch(main, list(argv), num_processes, port)
 
 
-def continue_command(argv, world_size):
-    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume, under
-    torchrun when the run had several processes."""
+def continue_command(argv, world_size, script="train.py", last="--init_from=resume"):
+    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume (or runs
+    `script` with `last`: an after-run done later), under torchrun when the run had several processes."""
     presets, flags = arguments(argv)
     # a learning_rate given to a resume restarts a decay that has ended: continuing leaves it out (ckpt.pt has it)
-    kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=")))
-    args = [*presets, *kept, "--init_from=resume"]
+    kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=", "--ckpt=")))
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}", "--standalone"]
                 if world_size > 1 else ["python"])
-    return shlex.join([*launcher, "train.py", *args])
+    return shlex.join([*launcher, script, *presets, *kept, last])
 
 
 if __name__ == "__main__":

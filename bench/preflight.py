@@ -94,7 +94,7 @@ def start(cfg, start_ckpt, nproc):
         run_folder.make(cfg.out_dir)
         if who := run_folder.training_in(cfg.out_dir):
             raise UserError(run_folder.in_use(cfg.out_dir, who))
-        _, splits, after_summaries = check_before_model(cfg, rank_0)
+        _, splits, after = check_before_model(cfg, rank_0)
         with torch.device("meta"):  # the run's model, its tensors' sizes alone
             model = GPT(GPTConfig(**trained_shape(cfg, start_ckpt), vocab_size=50304))
         model = lora.add_adapters(model, **lora.settings(cfg)) if cfg.lora_rank else model
@@ -105,7 +105,7 @@ def start(cfg, start_ckpt, nproc):
             raise UserError(problem)
     except UserError as e:
         return check("failed", str(e), **figures)
-    return check("ok", f"{len(splits.train)} training and {len(splits.val)} validation examples, {after_summaries} "
+    return check("ok", f"{len(splits.train)} training and {len(splits.val)} validation examples, {sum(after.values())} "
                        f"dialogues to summarize after training; {cfg.batch_size} sequences per step over {nproc} "
                        f"process(es); init_from={cfg.init_from}; out_dir {cfg.out_dir}: {plan.describe()} at the "
                        f"peak for the run's {model.num_params() / 1e6:.0f}M-parameter model; {plan.room()}", **figures)
@@ -113,14 +113,17 @@ def start(cfg, start_ckpt, nproc):
 
 def judged(cfg, start_ckpt, given, started):
     """train.py's start up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this process,
-    eager; with max_time under its start-up deadline, a step and summaries timed. What max_time buys, or ''."""
+    eager; with max_time under its start-up deadline, a step and summaries timed. (What max_time buys, or '';
+    the line of a thin margin, or None.)"""
     cfg = replace(cfg, compile=False, backend="none")
-    with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started):
+    with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started, time.monotonic):
         run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
-    steps, run = run.clock and 1 + run.clock.steps_left(run.state.step), None
+    steps, thin = run.clock and 1 + run.clock.steps_left(run.state.step), run.clock and run.clock.thin_margin()
+    run = None
     gc.collect()  # what the run held on GPU 0, which the collective's processes share
     torch.cuda.empty_cache()
-    return f"; max_time={cfg.max_time:g}: about {steps} steps fit (timed eagerly in one process)" if steps else ""
+    return (f"; max_time={cfg.max_time:g}: about {steps} steps fit (timed eagerly in one process)" if steps else "",
+            thin)
 
 
 def collective(cfg, nproc, device, timeout):
@@ -161,8 +164,10 @@ def run_collective(argv):
 
 def verdict(checks):
     failed, not_run = ([name for name, c in checks.items() if c["status"] == status] for status in ("failed", NOT_RUN))
-    if not failed:
-        return "go: every check that ran passed" + (f" ({', '.join(not_run)} not run)" if not_run else "")
+    if not failed:  # near the budget's edge, a go that says so
+        thin = checks.get("train.py", {}).get("thin")
+        return ("go: every check that ran passed" + (f" ({', '.join(not_run)} not run)" if not_run else "")
+                + (f"; but {thin}" if thin else ""))
     return "no-go: " + "; ".join(f"{name}: {checks[name]['detail']}" for name in failed)
 
 
@@ -190,7 +195,8 @@ def main(argv=None):
         checks.update(gpus=gpus(cfg), shared_memory=shared_memory(), **{"train.py": start(cfg, start_ckpt, nproc)})
         try:  # only where every check passed: seconds of the GPU's
             if not any(c["status"] == "failed" for c in checks.values()):
-                checks["train.py"]["detail"] += judged(cfg, start_ckpt, flags_given(settings), started)
+                fit, checks["train.py"]["thin"] = judged(cfg, start_ckpt, flags_given(settings), started)
+                checks["train.py"]["detail"] += fit
         except (UserError, torch.OutOfMemoryError) as e:
             checks["train.py"].update(status="failed", detail=str(e).strip().partition("\n")[0])
     print("\n".join(f"{name:<14}{c['status']}: {c['detail']}" for name, c in checks.items()), flush=True)

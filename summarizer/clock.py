@@ -14,6 +14,8 @@ from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
+# the budget suggested: SAFE times start-up and a step with the reserve (a busy machine may double either); below
+SAFE, THIN = 2, 1.5  # THIN times them, a preflight's go says its margin is thin
 # Before an evaluation was timed, its validation loss is guessed from the training pace (a forward costs about a
 # third of a forward and backward) and its save from its bytes at a modest disk's speed.
 FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
@@ -41,14 +43,12 @@ class Rate:
             return statistics.median(self.warm)
         return self.first[0] / self.first[1] if self.first else None
 
-    def one_time(self):
-        """What the first sample cost beyond its units at the warm rate (0 before a warm sample)."""
-        if self.first is None or not self.warm:
-            return 0.0
-        return max(0.0, self.first[0] - self.first[1] * self.per_unit())
-
     def measured(self):
         return self.first is not None
+
+    def slowest(self):
+        """The slowest recent warm seconds per unit (None before any sample): what an after-run is sized by."""
+        return max(self.warm) if self.warm else self.per_unit()
 
     def spread(self):
         """How far the slowest recent warm sample lies above the rate, as a share of it (0 to 1)."""
@@ -88,16 +88,15 @@ class RunClock:
     (the pace is per token: steps differ in length), evaluation and summary; steps_left decides both the stop and
     the cooldown, so the learning rate reaches min_lr at the last step whatever the pace did."""
 
-    def __init__(self, budget, started=None, now=time.monotonic, eval_interval=1, rouge_summaries=0,
-                 after_summaries=0, after_evaluations=0, step_tokens=1, validation_tokens=0, save_bytes=0):
+    def __init__(self, budget, started=None, now=time.monotonic, eval_interval=1, rouge_summaries=0, after=None,
+                 step_tokens=1, validation_tokens=0, save_bytes=0):
         self.budget, self.now = budget, now
         self.started = now() if started is None else started
         self.eval_interval, self.step_tokens = eval_interval, step_tokens
         # what an evaluation's validation loss reads and its saves write, for the guess before one is timed
         self.validation_tokens, self.save_bytes = validation_tokens, save_bytes
         self.rouge_summaries = rouge_summaries  # summarized at every evaluation
-        self.after_summaries = after_summaries  # by evaluate_after and predict_after
-        self.after_evaluations = after_evaluations  # how many of those two run: each loads and writes like one
+        self.after = after or {}  # {'evaluate_after' and/or 'predict_after': the dialogues it summarizes}
         self.steps, self.evaluations, self.summaries = Rate(), Rate(), Rate()
         self.primed = None  # seconds a token, timed before step 1 (warm), until a step is measured
         self.decoding = 0.0  # seconds of summaries decoded in the evaluation in progress
@@ -150,13 +149,23 @@ class RunClock:
                     + self.save_bytes / SAVE_BYTES_PER_S)
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
-    def after_run(self):
-        """The seconds evaluate_after and predict_after take: their summaries at the warm rate (nothing compiles
-        again), and for each its loading and writing as an evaluation's rest."""
-        if not self.after_summaries:
-            return 0.0
+    def after_run(self, keys=None):
+        """The seconds of after-runs `keys` (else all): their summaries at the slowest recent warm rate (a quiet
+        moment of a busy machine must not start what cannot end in time), each one's loading and writing as an
+        evaluation's rest."""
         rest = self.evaluations.per_unit() or 0.0
-        return self.after_summaries * (self.summaries.per_unit() or 0.0) + self.after_evaluations * rest
+        return sum(self.after[key] * (self.summaries.slowest() or 0.0) + rest for key in keys or self.after)
+
+    def after_words(self, keys=None):
+        keys = list(keys or self.after)
+        return f"the {sum(self.after[key] for key in keys)} summaries of {' and '.join(keys)}"
+
+    def after_run_problem(self, key, later):
+        """The line of after-run `key` that would end past the budget, so is not started (`later` does it), or None."""
+        if (need := self.after_run([key])) <= self.left():
+            return None
+        return (f"max_time={self.budget:g}: {key} is not started: {self.after_words([key])} need about {need:.0f} s "
+                f"({self.describe()}) where {max(0.0, self.left()):.0f} s are left; run it later with:\n  {later}")
 
     def margin(self):
         """What the budget keeps for the last step being the longest seen, and for it and the last evaluation
@@ -216,23 +225,36 @@ class RunClock:
         left_then = self.left() + sum(took.values())
         spent = " and ".join(f"{name} took {seconds:.1f} s" for name, seconds in took.items())
         return (f"max_time={self.budget:g}: the run ended {-self.left():.1f} s past the budget: {spent}, where "
-                f"{max(0.0, left_then):.1f} s were left for them ({self.after_run():.1f} s measured for their "
-                f"{self.after_summaries} summaries, loading best.pt and writing)")
+                f"{max(0.0, left_then):.1f} s were left for them ({self.after_run(took):.1f} s measured for "
+                f"{self.after_words(took)}, loading best.pt and writing)")
 
     def start_up_problem(self):
         """Why the budget cannot train before step 1 (the start-up spent it; a step with the last evaluation and
         the after-run take what is left), else None."""
         if self.left() <= 0:
             return used_up(self.budget, self.spent(), "(imports, reading the data, building the model, timing a step)")
+        if (need := self.suggested())[0] < self.left():
+            return None
+        line = (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
+                f"evaluation, its save{f' and {self.after_words()}' if self.after else ''} need about {need[0]:.0f} s "
+                f"({self.describe()}): no training would fit; give --max_time above {need[1]:g}")
+        return line + (f", or summarize later ({' '.join(f'--{key}=False' for key in self.after)}, then "
+                       f"{' and '.join(key.split('_')[0] + '.py' for key in self.after)})" if self.after else "")
+
+    def suggested(self):
+        """(the seconds one step with the reserve needs, the budget train.py and the preflight suggest: SAFE times
+        start-up and them, in tens of seconds)."""
         need = self.reserve() + (self.step() or 0.0)
-        if need >= self.left():
-            enough = 10 * math.ceil((self.spent() + 2 * need) / 10)
-            return (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
-                    f"evaluation, its save and the {self.after_summaries} summaries of evaluate_after and "
-                    f"predict_after need about {need:.0f} s ({self.describe()}): no training would fit; give "
-                    f"--max_time above {enough:g}, or summarize later (--evaluate_after=False "
-                    f"--predict_after=False, then evaluate.py and predict.py)")
-        return None
+        return need, 10 * math.ceil(SAFE * (self.spent() + need) / 10)
+
+    def thin_margin(self):
+        """The preflight's line where start-up and one step with the reserve take over 1/THIN of the budget (train.py,
+        slower for a moment on a busy machine, would refuse it), else None."""
+        if THIN * (self.spent() + (need := self.suggested())[0]) <= self.budget:
+            return None
+        return (f"the margin of max_time={self.budget:g} is thin: start-up took {self.spent():.0f} s, one step with "
+                f"what follows it needs {need[0]:.0f} s; a busier moment may leave no step: give --max_time above "
+                f"{need[1]:g}")
 
     def describe(self):
         """The rates measured so far, in words."""
@@ -241,9 +263,7 @@ class RunClock:
         if step is not None:
             parts.append(f"{1000 * step:.0f} ms a step of {self.step_tokens:.0f} tokens")
         if self.summaries.measured():
-            parts.append(f"{1000 * self.summaries.per_unit():.0f} ms a summary warm"
-                         + (f", {self.summaries.one_time():.1f} s to compile the decoding"
-                            if self.summaries.one_time() >= 0.05 else ""))
+            parts.append(f"{1000 * self.summaries.slowest():.0f} ms a summary warm (the slowest of the last few)")
         if self.evaluations.measured():
             parts.append(f"{self.evaluation():.1f} s an evaluation with its save")
         return ", ".join(parts) or "nothing measured yet"
@@ -254,9 +274,8 @@ class RunClock:
         fit = 1 + self.steps_left(step)
         line = (f"max_time={self.budget:g} ({describe_duration(self.budget)}): {self.left():.0f} s left after "
                 f"start-up buy about {fit} steps ({self.describe()}; re-measured every step)")
-        if self.after_summaries:
-            line += (f", keeping {self.after_run():.0f} s for the {self.after_summaries} summaries of "
-                     f"evaluate_after and predict_after")
+        if self.after:
+            line += f", keeping {self.after_run():.0f} s for {self.after_words()}"
         if step + fit >= max_iters:
             return line + f": room for the {max_iters - step} steps to max_iters={max_iters}"
         if at_min_lr:
@@ -266,5 +285,5 @@ class RunClock:
                     f"sessions={sessions}: the learning rate follows the schedule to the budget's end, and cools down "
                     f"in the last session")
         return (line + f", not the {max_iters - step} to max_iters={max_iters}: the learning rate cools down over "
-                f"the last {COOLDOWN:.0%} of them to min_lr at the last, by the clock"
+                f"the last {COOLDOWN:.0%} of them to min_lr at the last (iter {step + fit} at this pace), by the clock"
                 + ("; warning: few steps for a run" if fit < 10 else ""))

@@ -74,7 +74,7 @@ class StopSignals:
             while byte := heard.read(1):
                 count += byte[0] in STOP_SIGNALS
                 if count > 1 and byte[0] == signal.SIGINT:
-                    print(f"second Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
+                    print(f"\nsecond Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
                     os._exit(128 + signal.SIGINT)
 
 

@@ -34,6 +34,8 @@ from summarizer.state import TrainingState, rng_state, set_rng_state
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
 
+WARM_RUNS = 2  # before step 1, a step and a batch of summaries are timed this many times warm
+
 
 @dataclass
 class Run:
@@ -57,7 +59,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     `given`: the keys the command line gave (resumed_schedule). Only once every check has passed is an earlier run
     set aside and the run announced: `verdict_only` (bench/preflight.py's) stops before that, out_dir as it was."""
     started = time.monotonic() if started is None else started
-    tracker, splits, after_summaries = check_before_model(cfg, rt)
+    tracker, splits, after = check_before_model(cfg, rt)
     say_start_up(rt, "building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
@@ -71,12 +73,11 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     module, compiled_module, compiled = step_module(cfg, rt, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
-        clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after_summaries,
-                         int(cfg.evaluate_after) + int(cfg.predict_after),
+        clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
                          step_tokens=cfg.batch_size * float((splits.train.lengths - 1).mean()),
                          validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
-        timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after_summaries else [])
+        timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after else [])
         clock.prime(*time_step(cfg, rt, batches, state, module), time_decoding(cfg, rt, state, timed))
         rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
@@ -122,8 +123,8 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
               f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
               f"weight (lora_rank=0)", file=sys.stderr)
     lines = [f"{train_rows} training and {len(run.val_set)} validation examples; {cfg.batch_size} sequences per "
-             f"step = {cfg.micro_batch_size} per micro-batch x {rt.world_size} process(es) x "
-             f"{grad_accum_steps(cfg, rt.world_size)} accumulation steps; {state.model.num_params() / 1e6:.1f}M "
+             f"step over {rt.world_size} process(es), cut by length into micro-batches of at most the positions of "
+             f"micro_batch_size={cfg.micro_batch_size} of the longest rows; {state.model.num_params() / 1e6:.1f}M "
              f"parameters{trained}; {runs}",
              *([chosen] if chosen else []),
              f"checkpoints in {cfg.out_dir}: {disk.describe()} at their peak; {disk.room()}",
@@ -172,32 +173,33 @@ def step_module(cfg, rt, state):
 
 def time_step(cfg, rt, batches, state, module):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
-    run twice, the first paying the one-time costs. Leaves no gradients and draws no random numbers."""
-    rng = rng_state()
+    run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
+    busy machine must not mislead). Leaves no gradients and draws no random numbers."""
+    rng, runs = rng_state(), []
     x, found = first_micro_batch(batches, state.step, rt.device)
     say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, rt):
-        for _ in range(2):
+        for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
             with rt.autocast():
                 _, loss = module(x, found)
             loss.backward()
-            seconds = time.perf_counter() - start
+            runs.append(time.perf_counter() - start)
         say_start_up(rt, "timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    return seconds * len(batches(state.step).micro_batches), batches(state.step).tokens
+    return max(runs[1:]) * len(batches(state.step).micro_batches), batches(state.step).tokens
 
 
 def time_decoding(cfg, rt, state, prompts):
-    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded twice, the first paying
-    the one-time costs (untrained weights run to max_new_tokens: an upper bound). Draws no random numbers."""
+    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded 1 + WARM_RUNS times, the
+    first paying the one-time costs (untrained weights run to max_new_tokens: an upper bound). No random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
         say_start_up(rt, f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
-        for _ in range(2):
+        for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
             inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
             timed.append((time.perf_counter() - start, len(prompts)))
@@ -253,20 +255,20 @@ def validation_problem(cfg, rows):
 
 
 def check_before_model(cfg, rt):
-    """(the Tracker, the Splits, the dialogues summarized after the run) once train.py's and bench/preflight.py's
+    """(the Tracker, the Splits, {after-run: the dialogues it summarizes}) once train.py's and bench/preflight.py's
     checks before the model pass: the batch's split, the loggers, init_from's weights, the inputs."""
     if cfg.micro_batch_size != "auto":
         grad_accum_steps(cfg, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
         from_hub_cache(cfg.init_from)
-    splits, after_summaries = read_inputs(cfg, rt)
-    return tracker, splits, after_summaries
+    splits, after = read_inputs(cfg, rt)
+    return tracker, splits, after
 
 
 def read_inputs(cfg, rt):
-    """(the train/validation Splits, how many dialogues evaluate_after/predict_after will summarize); the files
-    predict reads after hours of training are checked now."""
+    """(the train/validation Splits, {each after-run on: the dialogues it summarizes}); the files predict reads
+    after hours of training are checked now."""
     splits = data.load_splits(cfg, is_main=rt.is_main, barrier=rt.barrier)
     if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)
@@ -275,10 +277,10 @@ def read_inputs(cfg, rt):
     if rt.is_main and len(splits.train) < cfg.batch_size:  # a step's rows run over the end of an epoch
         splits.notes.append(f"note: {len(splits.train)} training rows for batch_size={cfg.batch_size}: each step "
                             f"trains on some rows more than once; lower batch_size or bring more rows")
-    after_summaries = len(splits.val) if cfg.evaluate_after else 0
+    after = {"evaluate_after": len(splits.val)} if cfg.evaluate_after else {}
     if cfg.predict_after:
         test = data.read_test(cfg)
-        after_summaries += len(test.ids)
+        after["predict_after"] = len(test.ids)
         if cfg.sample_submission_csv:
             check_against_sample(test.ids, cfg.sample_submission_csv)
-    return splits, after_summaries
+    return splits, after

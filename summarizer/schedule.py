@@ -117,9 +117,10 @@ def resumed_schedule(schedule, saved, cfg, it, given=()):
     return {"start": it, "warmup_iters": it, "peak_lr": start_lr, "min_lr": cfg.min_lr, "decay_iters": horizon, **kept}
 
 
-def describe_schedule(schedule, it, max_iters, learning_rate_setting):
+def describe_schedule(schedule, it, max_iters, learning_rate_setting, by_clock=False):
     """One line: the LR of step `it` (0-based, so logged as iter it + 1, as metrics.jsonl counts) and what the LR
-    does from there to the last step (logged as iter max_iters). `learning_rate_setting`: the run's learning_rate."""
+    does from there to the last step (logged as iter max_iters). `learning_rate_setting`: the run's learning_rate;
+    `by_clock`: max_time may end the run's last session first, at min_lr (its line says at which iter)."""
     s, lr, last = schedule, learning_rate(it, schedule), learning_rate(max_iters - 1, schedule)
     decay_end = s["decay_iters"] + 1  # the first logged iter at min_lr
     if max_iters <= s["warmup_iters"]:
@@ -141,4 +142,6 @@ def describe_schedule(schedule, it, max_iters, learning_rate_setting):
                 plan += f" (it would reach min_lr {s['min_lr']:.2e} at iter {decay_end})"
         if it < s["warmup_iters"]:
             plan = f"warmup: rises to {s['peak_lr']:.2e} at iter {s['warmup_iters'] + 1}, then {plan}"
+        if by_clock:
+            plan += "; or sooner, to min_lr at the last step max_time leaves (the max_time line says which)"
     return f"learning rate at iter {it + 1}: {lr:.2e}; {plan}"

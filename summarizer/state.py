@@ -12,7 +12,7 @@ from config import AdamW, keys
 from summarizer import lora, run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
 from summarizer.errors import UserError
-from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule
+from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule, sessions_done
 
 
 def configure_optimizer(model, cfg, device_type):
@@ -118,7 +118,8 @@ class TrainingState:
             set_rng_state(ckpt["rng"][rt.rank])
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step, given)
         notes.insert(0, f"resuming {path} at iter {self.step}; "
-                     + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate))
+                     + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate,
+                                         cfg.max_time is not None and sessions_done(self.schedule) + 1 >= cfg.sessions))
         if ckpt["best_metric"] == cfg.best_metric:
             self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
         else:

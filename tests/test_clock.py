@@ -12,6 +12,7 @@ import pytest
 
 import conftest
 import train
+from bench import preflight
 from config import load_config
 from conftest import metrics, one_error_line, tiny
 from model import GPT
@@ -28,14 +29,15 @@ SCHEDULE = {"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr
 class VirtualClock:
     """train.py's time.monotonic and time.perf_counter, advanced by the work alone: a micro-batch's forward and
     backward costs `micro` seconds (times `slow` from step `slow_from` on, times pace(step); with `per_token`, times
-    its padded tokens over per_token), an evaluation and its save `evaluation`, a summary `summary`; the first call
-    of each costs COLD times as much."""
+    its padded tokens over per_token), an evaluation and its save `evaluation`, a summary `summary` (times
+    summary_pace(seconds since the start)); the first call of each costs COLD times as much."""
 
     def __init__(self, micro=0.1, evaluation=0.5, summary=0.02, slow_from=None, slow=1.0, pace=None, per_token=None,
-                 evaluation_pace=None):
+                 evaluation_pace=None, summary_pace=None):
         self.now, self.micro, self.evaluation, self.summary = 100.0, micro, evaluation, summary
         self.slow_from, self.slow, self.pace, self.per_token = slow_from, slow, pace, per_token
         self.evaluation_pace = evaluation_pace  # seconds since the start -> a factor on an evaluation's cost
+        self.summary_pace = summary_pace  # likewise, on a summary's
         self.first = {"micro": True, "evaluation": True, "summary": True}
         self.step = 0  # the loop's step in progress (0-based)
         self.trained = None  # the time the last step ended
@@ -82,7 +84,8 @@ def virtual(monkeypatch):
             return validate(trainer)
 
         def timed_summaries(model, prompts, *args, **kwargs):
-            clock.cost("summary", clock.summary * len(prompts), clock.summary * min(len(prompts), GEN_BATCH))
+            summary = clock.summary * (clock.summary_pace(clock.now - 100.0) if clock.summary_pace else 1.0)
+            clock.cost("summary", summary * len(prompts), summary * min(len(prompts), GEN_BATCH))
             return summarize(model, prompts, *args, **kwargs)
         monkeypatch.setattr(train, "time", clock)
         monkeypatch.setattr(preparation, "time", clock)  # start-up: the budget's clock and its priming
@@ -116,12 +119,12 @@ def assert_cools_down_at_the_end(rows):
 
 def test_a_rate_keeps_the_first_samples_one_time_cost_apart():
     rate = Rate()
-    assert rate.per_unit() is None and rate.one_time() == 0
+    assert rate.per_unit() is None and rate.slowest() is None
     rate.add(40.0, 20)  # 2 s a unit: the compile in it
-    assert rate.per_unit() == 2.0 and rate.one_time() == 0  # an upper bound until a warm sample
-    for seconds in (0.1, 0.1, 5.0, 0.1):  # a lone spike does not move the median
+    assert rate.per_unit() == 2.0 == rate.slowest()  # an upper bound until a warm sample
+    for seconds in (0.1, 0.1, 5.0, 0.1):  # a lone spike does not move the median; the slowest is the spike
         rate.add(seconds * 20, 20)
-    assert rate.per_unit() == pytest.approx(0.1) and rate.one_time() == pytest.approx(38.0)
+    assert rate.per_unit() == pytest.approx(0.1) and rate.slowest() == pytest.approx(5.0)
 
 
 def session(schedule, first, steps):
@@ -343,7 +346,7 @@ def test_the_estimates_before_step_1_are_the_warm_ones(run, virtual, capsys):
     took = clock.now - clock.trained  # the last evaluation and the after-run
     assert took / 2 <= need <= 2 * took, (need, took)
     printed = capsys.readouterr().out
-    assert "500 ms a summary warm, 38.0 s to compile the decoding" in printed, printed
+    assert "500 ms a summary warm (the slowest of the last few);" in printed and "compile the decoding" not in printed
 
 
 @pytest.mark.slow
@@ -374,7 +377,8 @@ def test_an_after_run_past_the_budget_says_by_how_much_and_what_took_longer(run,
     last = capsys.readouterr().out.strip().splitlines()[-1]
     past = re.fullmatch(r"max_time=40: the run ended ([\d.]+) s past the budget: evaluate_after took ([\d.]+) s and "
                         r"predict_after took ([\d.]+) s, where ([\d.]+) s were left for them \(([\d.]+) s measured "
-                        r"for their 22 summaries, loading best.pt and writing\)", last)
+                        r"for the 22 summaries of evaluate_after and predict_after, loading best.pt and writing\)",
+                        last)
     assert past, last
     assert float(past[1]) == pytest.approx(clock.now - 100.0 - 40, abs=0.1)
     assert float(past[3]) > 40 > float(past[4]) and float(past[5]) <= float(past[4])
@@ -422,3 +426,76 @@ def test_a_minute_with_a_compiled_decoding_trains_and_writes_the_submission(run,
     train.main([*run, "--eval_interval=25", "--max_time=60", "--evaluate_after=True", "--predict_after=True"])
     assert metrics(tmp_path / "out")[-1]["iter"] >= 10 and clock.now - 100.0 <= 60
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 10
+
+
+@pytest.mark.slow
+def test_an_after_run_that_a_slower_pace_would_push_past_the_budget_is_not_started_and_says_how_to_run_it(
+        run, virtual, capsys):
+    """Summaries 30x slower from the run's last seconds on (another job took the machine): the last evaluation
+    measures it, and what evaluate_after and predict_after would take no longer fits: neither starts, each says so
+    in a line with the command that does it later, and the run ends inside its budget (it ran 8 s past it before)."""
+    clock = virtual(summary_pace=lambda seconds: 30.0 if seconds > 52 else 1.0)
+    train.main([*run, "--eval_interval=25", "--max_time=60", "--evaluate_after=True", "--predict_after=True"])
+    printed = capsys.readouterr().out
+    assert clock.now - 100.0 <= 60, printed[-1500:]
+    best = run[-1].split("=", 1)[1] + "/best.pt"
+    for key, script, summaries in (("evaluate_after", "evaluate.py", 12), ("predict_after", "predict.py", 10)):
+        said = re.search(rf"max_time=60: {key} is not started: the {summaries} summaries of {key} need about \d+ s "
+                         rf"\(.*\) where \d+ s are left; run it later with:\n  python {script} (.*)\n", printed)
+        assert said and said[1].endswith(f" --ckpt={best}") and run[-1] in said[1], printed[-3000:]
+    assert "wrote 10 summaries" not in printed and "past the budget" not in printed
+
+
+def test_a_budget_refusal_names_only_the_after_runs_that_are_on():
+    """No after-run: neither is named nor advised off; evaluate_after alone: it alone."""
+    from summarizer.clock import RunClock
+    lines = {}
+    for after in ({}, {"evaluate_after": 82}, {"evaluate_after": 82, "predict_after": 819}):
+        clock = RunClock(60, started=0.0, now=lambda: 55.0, rouge_summaries=4, after=after)
+        clock.prime(1.0, tokens=1, decodings=[(32.0, 4), (8.0, 4), (8.0, 4)])  # 2 s a summary warm
+        lines[len(after)] = clock.start_up_problem()
+    # 2 x (55 s of start-up + a step of 1 s and the last evaluation's 4 summaries, 8 s), in tens of seconds
+    assert "summaries" not in lines[0] and "_after" not in lines[0] and lines[0].endswith(
+        "no training would fit; give --max_time above 130"), lines[0]
+    assert "the 82 summaries of evaluate_after need" in lines[1] and "predict" not in lines[1], lines[1]
+    assert lines[1].endswith("or summarize later (--evaluate_after=False, then evaluate.py)"), lines[1]
+    assert "the 901 summaries of evaluate_after and predict_after need" in lines[2] and lines[2].endswith(
+        "or summarize later (--evaluate_after=False --predict_after=False, then evaluate.py and predict.py)")
+
+
+def test_one_quiet_batch_does_not_size_the_after_run():
+    """Three warm batches timed before step 1, one of them 8x faster (a quiet moment on a busy machine): the
+    after-run is sized by the slowest, not by that one."""
+    from summarizer.clock import RunClock
+    clock = RunClock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
+    clock.prime(1.0, tokens=1, decodings=[(40.0, 16), (0.5, 16), (4.0, 16), (4.0, 16)])
+    assert clock.after_run() == pytest.approx(800 * 0.25)
+
+
+@pytest.mark.slow
+def test_the_preflight_advises_the_budget_train_py_advises_and_accepts(run, virtual, capsys, monkeypatch, tmp_path):
+    """On the same virtual costs (the preflight counts from its own start, as train.py does): a budget train.py
+    refuses is the preflight's no-go in train.py's line; one just above what start-up and a step need is a go that
+    says its margin is thin and suggests train.py's budget; that budget train.py trains in, and the preflight's go
+    is plain."""
+    argv = [*run, "--eval_interval=1000", "--evaluate_after=True", "--predict_after=True"]
+
+    def preflight_line(budget):
+        monkeypatch.setattr(preflight, "time", virtual(summary=0.5))
+        capsys.readouterr()
+        preflight.main([*argv, f"--max_time={budget}", f"--report={tmp_path / 'report.json'}"])
+        return capsys.readouterr().out.splitlines()[-2]
+    refused = preflight_line(50)
+    virtual(summary=0.5)
+    assert refused == "no-go: train.py: " + one_error_line(capsys, train.main, [*argv, "--max_time=50"])[7:]
+    found = re.search(r"leaves (\d+) s after start-up, .* need about (\d+) s .* give --max_time above (\d+)", refused)
+    assert found, refused
+    left, need, suggested = map(int, found.groups())
+    thin = preflight_line(50 - left + need + 3)
+    assert thin.startswith("go: ") and thin.endswith(f"is thin: start-up took {50 - left} s, one step with what "
+                                                     f"follows it needs {need} s; a busier moment may leave no "
+                                                     f"step: give --max_time above {suggested}"), (thin, refused)
+    assert preflight_line(suggested) == "go: every check that ran passed (gpus, collective not run)"
+    virtual(summary=0.5)
+    train.main([*argv, f"--max_time={suggested}", "--max_iters=2"])
+    assert metrics(run[-1].split("=", 1)[1])[-1]["iter"] == 2

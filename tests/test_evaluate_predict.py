@@ -13,7 +13,7 @@ import evaluate
 import predict
 import train
 from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, torchrun
-from summarizer import submission
+from summarizer import evaluation, inference, submission
 from summarizer.errors import UserError
 
 # how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
@@ -135,6 +135,36 @@ def test_sweep_scores_every_setting_with_one_model_and_names_the_best(trained, t
     greedy = table.set_index("setting").loc["temperature=0.0 repetition_penalty=1.0"]
     assert greedy["rougeL"] == pytest.approx(report["rougeL"]["mean"], abs=1e-12)
     assert greedy["mean_tokens"] == pytest.approx(report["mean_generated_tokens"], abs=1e-9)
+
+
+class FirstCallClock:
+    """evaluation.py's time.perf_counter, advanced by the decoding alone: a batch costs a second, and the process's
+    first batch COLD_BATCHES more (its one-time costs)."""
+    COLD_BATCHES = 20
+
+    def __init__(self):
+        self.now, self.cold = 0.0, True
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.mark.slow
+def test_a_sweep_times_each_setting_warm_so_their_order_changes_no_speed(trained, tmp_path, monkeypatch):
+    """Two settings that decode the same summaries (greedy ignores the seed), the process's first batch paying 20x a
+    warm one: their summaries/s are within 1.5x (the first setting paid the warm-up, 4x slower, before)."""
+    clock, generate = FirstCallClock(), inference.generate
+
+    def timed(model, prompts, *args, **kwargs):
+        clock.now += 1.0 + FirstCallClock.COLD_BATCHES * clock.cold
+        clock.cold = False
+        return generate(model, prompts, *args, **kwargs)
+    monkeypatch.setattr(evaluation, "time", clock)
+    monkeypatch.setattr(inference, "generate", timed)
+    evaluate.main(args(trained, tmp_path, "--sweep=seed=1,2"))
+    rows = pd.read_csv(tmp_path / "sweep.csv")
+    fast, slow = sorted(rows["summaries_per_s"])[::-1]
+    assert rows["rougeL"][0] == rows["rougeL"][1] and fast <= 1.5 * slow, rows
 
 
 @pytest.mark.slow

@@ -222,6 +222,18 @@ def test_a_second_ctrl_c_ends_the_run_at_once_whatever_it_does_in_one_line(write
     assert output.rstrip().endswith(f"second Ctrl-C: stopping at once; {intact}") and "Traceback" not in output
 
 
+def test_the_second_ctrl_c_line_starts_a_line_of_its_own(monkeypatch, capsys):
+    """A progress bar leaves the cursor at its end: the second Ctrl-C's line begins on a new line, not glued to it."""
+    from summarizer.launch import StopSignals
+    read, write = os.pipe()
+    os.write(write, bytes([signal.SIGINT, signal.SIGINT]))
+    os.close(write)
+    monkeypatch.setattr(os, "_exit", sys.exit)
+    with pytest.raises(SystemExit):
+        StopSignals(None, lambda: "intact: out/ckpt.pt (iter 2)", False).second_ctrl_c(read)
+    assert capsys.readouterr().err == "\nsecond Ctrl-C: stopping at once; intact: out/ckpt.pt (iter 2)\n"
+
+
 def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_its_error_line():
     """Under torchrun an error leaving the run's signals keeps them caught (quietly) until the process ends: the
     launcher's SIGTERM, sent as another rank fails, would otherwise kill this rank before its one line is printed."""

@@ -134,7 +134,8 @@ def test_out_of_memory_under_auto_lowers_the_micro_batch_and_trains_as_the_small
     lowered = [line for line in out.splitlines() if line.startswith("micro_batch_size=auto:")]
     assert len(lowered) == 1 and lowered[0].startswith("micro_batch_size=auto: 8 (the plan's peak ")
     assert lowered[0].endswith(f"; out of memory at 8 and 4 (rank 0: {says(kind)}): lowered to 2")
-    assert "8 sequences per step = 2 per micro-batch x 1 process(es) x 4 accumulation steps" in out
+    assert "8 sequences per step over 1 process(es), cut by length into micro-batches of at most the positions of " \
+           "micro_batch_size=2 of the longest rows" in out
     weights, config = trained_weights(tmp_path / "auto")
     expected, _ = trained_weights(tmp_path / "two")
     assert config["micro_batch_size"] == 2 and json.loads((tmp_path / "auto" / "config.json").read_text())[

@@ -153,6 +153,21 @@ def test_a_decay_whose_last_step_shows_min_lr_says_one_end():
     assert describe_schedule(schedule, 150, 300, 6e-4).endswith("; cosine decay to 3.00e-04 at iter 300")
 
 
+def test_a_resume_under_max_time_promises_no_iter_the_budget_may_not_reach():
+    """A resume at iter 150 of max_iters=300 whose budget may end sooner: its line says the decay's end by max_iters
+    may come sooner, at min_lr; the max_time line names the iter (at the pace measured)."""
+    from summarizer.clock import RunClock
+    schedule = lr_schedule({"warmup_iters": 10, "learning_rate": 1e-2, "min_lr": 1e-3, "lr_decay_iters": 0,
+                            "max_iters": 300})
+    assert describe_schedule(schedule, 150, 300, 1e-2, by_clock=True).endswith(
+        "; cosine decay to 1.00e-03 at iter 300; or sooner, to min_lr at the last step max_time leaves (the max_time "
+        "line says which)")
+    clock = RunClock(50, started=0.0, now=lambda: 0.0)
+    clock.prime(1.0, tokens=1)  # a step a second: 50 steps, to iter 200
+    assert clock.budget_line(150, 300, False, 1, 1).endswith(
+        "cools down over the last 20% of them to min_lr at the last (iter 200 at this pace), by the clock")
+
+
 @pytest.mark.slow
 def test_resuming_inside_the_warmup_prints_the_logged_learning_rate(args, tmp_path, capsys):
     out, args = tmp_path / "out", [*args, "--learning_rate=1e-2"]
@@ -309,14 +324,17 @@ def test_grad_norm_is_the_norm_before_clipping(args):
 
 # ---- micro-batches cut where padding is least -------------------------------------------------------------
 
-def test_the_first_steps_loss_is_one_row_micro_batches_and_metrics_say_how_it_was_cut(args, tmp_path):
+def test_the_first_steps_loss_is_one_row_micro_batches_and_metrics_say_how_it_was_cut(args, tmp_path, capsys):
     """The cuts change how a global batch is split, never the step: its loss is divided by the global batch's
-    targets, so micro_batch_size=8 (cut where padding is least) gives micro_batch_size=1's loss."""
+    targets, so micro_batch_size=8 (cut where padding is least) gives micro_batch_size=1's loss. The start line
+    says the cut, not a count of accumulation steps the cut does not keep."""
     rows = {}
     for micro in (1, 8):
         out = tmp_path / f"micro{micro}"
         train.main([*args, "--max_iters=1", "--dtype=float32", f"--micro_batch_size={micro}", f"--out_dir={out}"])
         rows[micro] = metrics(out)[0]
+        assert (f"8 sequences per step over 1 process(es), cut by length into micro-batches of at most the positions "
+                f"of micro_batch_size={micro} of the longest rows; ") in capsys.readouterr().out
     assert rows[8]["loss"] == pytest.approx(rows[1]["loss"], abs=1e-5)
     assert 1 <= rows[8]["micro_batches"] < 8 and 0 <= rows[8]["padded_fraction"] < 0.2
     assert rows[1]["micro_batches"] <= 8  # rows short enough share a micro-batch within 1 x the longest row

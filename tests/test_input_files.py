@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import re
+import shlex
 import types
 import zipfile
 
@@ -49,13 +50,15 @@ NOT_CSVS = [
     ("train.zip", zipped({"train.csv": CSV, "test.csv": CSV}),
      r"is a zip archive of 2 files \(train\.csv, test\.csv\), not a CSV: unzip it \(unzip -d \S+ \S+train\.zip\)"),
     ("train.json", json.dumps(ROWS).encode(),
-     r"is JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json'\)\.to_csv\('\S+train\.csv', index=False\), "
-     r"then pass --train_csv=\S+train\.csv"),
+     r"is JSON, not a CSV: convert it: python -c \"import pandas; pandas\.read_json\('\S+train\.json'\)\.to_csv\("
+     r"'\S+train\.csv', index=False\)\", then pass --train_csv=\S+train\.csv"),
     ("train.jsonl", "\n".join(map(json.dumps, ROWS)).encode(), r"is JSON, not a CSV: .*lines=True for one record"),
     ("train.parquet", b"PAR1" + bytes(64) + b"PAR1",
-     r"is a Parquet file, not a CSV: (pip install pyarrow, then )?convert it: pandas\.read_parquet"),
+     r"is a Parquet file, not a CSV: (pip install pyarrow, then )?convert it: python -c \"import pandas; "
+     r"pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
-     r"is an Excel workbook \(\.xlsx\), not a CSV: (pip install openpyxl, then )?convert it: pandas\.read_excel"),
+     r"is an Excel workbook \(\.xlsx\), not a CSV: (pip install openpyxl, then )?convert it: python -c "
+     r"\"import pandas; pandas\.read_excel"),
     ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>",
      r"is not a CSV of rows: its first line '<!DOCTYPE html>' reads as one column: pass --train_csv=<a CSV with a "
      r"header row, e.g. id,dialogue,summary>$"),
@@ -63,8 +66,8 @@ NOT_CSVS = [
      r"is binary data, not a CSV: it starts with bytes 89 50 4e 47 0d 0a 1a 0a \(\.PNG\.\.\.\.\); save its rows as a "
      r"CSV with a header row and pass --train_csv=<it>$"),
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
-     r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
-     r"\.to_csv\('\S+train\.csv'"),
+     r"is a gzip-compressed file holding JSON, not a CSV: convert it: python -c \"import pandas; "
+     r"pandas\.read_json\('\S+train\.json\.gz'\)\.to_csv\('\S+train\.csv'"),
     ("train.csv.gz", gzip.compress(CSV)[:-8],
      r"is a compressed file that cannot be unpacked \(.+\): unpack it yourself"),
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),
@@ -79,6 +82,21 @@ def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, p
         data.read_table(path, "train_csv", load_config([f"--train_csv={path}"]))
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"train_csv {path} ") and re.search(pattern, message), message
+
+
+@pytest.mark.parametrize("name", ["train.json", "train.json.gz"])
+def test_a_conversion_hint_runs_as_printed(name, tmp_path):
+    """The hint's command, run as a shell would run it (python -c and its code), writes the CSV it names, which
+    is then read as the rows the file held."""
+    path = write(tmp_path, name, gzip.compress(json.dumps(ROWS).encode()) if name.endswith(".gz") else
+                 json.dumps(ROWS).encode())
+    with pytest.raises(data.UserError) as info:
+        data.read_table(path, "train_csv", load_config([]))
+    command, _, rest = str(info.value).partition("convert it: ")[2].partition(", then pass --train_csv=")
+    program, flag, code = shlex.split(command)
+    assert (program, flag) == ("python", "-c")
+    exec(code, {})  # a fresh namespace, as python -c has
+    assert pd.read_csv(rest).astype(str).to_dict("records") == pd.DataFrame(ROWS).astype(str).to_dict("records")
 
 
 @pytest.mark.parametrize("magic, what, hint, package", data.NOT_CSV, ids=[kind[1] for kind in data.NOT_CSV])

@@ -29,6 +29,7 @@ PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the r
 RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SUBMISSION_RECORD, SWEEP_CSV, SWEEP_MD,
              "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the commands' folder, where presets' runs are
 
 
 def make(path, reads=None):
@@ -217,8 +218,12 @@ def earlier_copies(path):
 
 
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: where an earlier run's copy is, and the flag `use` that
-    takes it; '' when there is none."""
+    """The clause that ends a 'does not exist' line: the file a relative path names in the repository (relative
+    paths resolve against the working folder: a command run from elsewhere misses it), else where an earlier run's
+    copy is; and the flag `use` that takes it; '' when there is none."""
+    if not os.path.isabs(path) and os.path.exists(there := os.path.join(REPO, path)):
+        return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it "
+                f"with {use}={there}, or run from {REPO}")
     if not (copies := earlier_copies(path)):
         return ""
     return f"; an earlier run's is {copies[0]} (a fresh run moved it there): use it with {use}={copies[0]}"

@@ -319,19 +319,18 @@ def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
 
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
-    """UserError, before anything is allocated, where one dialogue of `prompt_tokens` tokens does not fit `memory`
-    bytes: it names the setting that multiplies what a dialogue holds (mbr_samples, num_beams, else max_new_tokens)
-    and the largest value of it that fits (what a dialogue holds grows with each)."""
-    def needs(**value):
-        return sum(dialogue_bytes(replace(decoding, **value), prompt_tokens, model_config, dtype))
-    if needs() <= memory:
-        return
+    """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
+    naming the setting that multiplies what it holds (mbr_samples, num_beams, else max_new_tokens) and the largest
+    value of it that fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
-    fits = bisect.bisect_right(range(1, getattr(decoding, key)), memory, key=lambda value: needs(**{key: value}))
-    raise UserError(f"{key}={getattr(decoding, key)} does not fit: one dialogue ({prompt_tokens} prompt tokens) "
-                    f"holds {needs() / 2**30:.1f} GiB of KV cache and logits, where a generate() call may take "
-                    f"{memory / 2**30:.1f} GiB (gen_memory_gb, at most what the device has left): "
-                    + (f"the largest {key} that fits is {fits}" if fits else f"even {key}=1 does not fit"))
+
+    def needs(value):
+        return sum(dialogue_bytes(replace(decoding, **{key: value}), prompt_tokens, model_config, dtype))
+    if needs(now := getattr(decoding, key)) > memory:
+        raise UserError(f"{key}={now} does not fit: one dialogue ({prompt_tokens} prompt tokens) holds "
+                        f"{needs(now) / 2**30:.1f} GiB of KV cache and logits, where a generate() call may take "
+                        f"{memory / 2**30:.1f} GiB (gen_memory_gb, at most what the device has left): the largest "
+                        f"{key} that fits is {bisect.bisect_right(range(1, now), memory, key=needs)}")
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):

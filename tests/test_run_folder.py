@@ -192,3 +192,13 @@ def test_a_relative_checkpoint_missing_here_names_the_one_in_the_repository(tmp_
     there = repo / "out-demo" / "best.pt"
     assert err == (f"error: checkpoint out-demo/best.pt does not exist; relative paths resolve against the working "
                    f"folder ({elsewhere}), and {there} exists: use it with --ckpt={there}, or run from {repo}")
+
+
+def test_a_checkpoint_missing_in_out_dir_names_the_newest_that_a_fresh_run_moved_aside(tmp_path):
+    for stamp in ("20260101-000000", "20260102-000000"):
+        (tmp_path / f"previous-run-{stamp}").mkdir()
+        (tmp_path / f"previous-run-{stamp}" / "best.pt").write_bytes(b"")
+    newest = tmp_path / "previous-run-20260102-000000" / "best.pt"
+    os.utime(tmp_path / "previous-run-20260101-000000" / "best.pt", (0, 0))
+    assert run_folder.missing_file_hint(str(tmp_path / "best.pt"), "--ckpt") == (
+        f"; an earlier run's is {newest} (a fresh run moved it there): use it with --ckpt={newest}")

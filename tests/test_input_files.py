@@ -8,7 +8,6 @@ import importlib.util
 import io
 import json
 import re
-import shlex
 import types
 import zipfile
 
@@ -82,21 +81,6 @@ def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, p
         data.read_table(path, "train_csv", load_config([f"--train_csv={path}"]))
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"train_csv {path} ") and re.search(pattern, message), message
-
-
-@pytest.mark.parametrize("name", ["train.json", "train.json.gz"])
-def test_a_conversion_hint_runs_as_printed(name, tmp_path):
-    """The hint's command, run as a shell would run it (python -c and its code), writes the CSV it names, which
-    is then read as the rows the file held."""
-    path = write(tmp_path, name, gzip.compress(json.dumps(ROWS).encode()) if name.endswith(".gz") else
-                 json.dumps(ROWS).encode())
-    with pytest.raises(data.UserError) as info:
-        data.read_table(path, "train_csv", load_config([]))
-    command, _, rest = str(info.value).partition("convert it: ")[2].partition(", then pass --train_csv=")
-    program, flag, code = shlex.split(command)
-    assert (program, flag) == ("python", "-c")
-    exec(code, {})  # a fresh namespace, as python -c has
-    assert pd.read_csv(rest).astype(str).to_dict("records") == pd.DataFrame(ROWS).astype(str).to_dict("records")
 
 
 @pytest.mark.parametrize("magic, what, hint, package", data.NOT_CSV, ids=[kind[1] for kind in data.NOT_CSV])

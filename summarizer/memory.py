@@ -283,8 +283,8 @@ def generation_memory(cfg, device):
     (counting what the caching allocator holds unused), else CPU_GEN_MEMORY_GB; never more than the device has
     left (on a CPU: host_memory)."""
     if device.type == "cuda":
-        left = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
-            device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        left = torch.cuda.mem_get_info(device)[0] + cached
         return min(cfg.gen_memory_gb * 2**30 or left / 2, left)
     return min(cfg.gen_memory_gb * 2**30 or CPU_GEN_MEMORY_GB * 2**30, host_memory())
 

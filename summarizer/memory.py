@@ -224,12 +224,13 @@ def device_memory(device):
 
 
 def host_memory():
-    """Bytes this process may still take on the host: its free memory, at most what RLIMIT_AS (`ulimit -v`) leaves
-    beside the address space in use and what its container's cgroup leaves (CGROUP_FILES)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    left = [os.sysconf("SC_AVPHYS_PAGES") * page]
+    """Bytes this process may still take on the host: its available memory (free, and the page cache the kernel
+    drops on demand), at most what RLIMIT_AS (`ulimit -v`) leaves beside the address space in use and what its
+    container's cgroup leaves (CGROUP_FILES)."""
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+    left = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB
     if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
-        left.append(address_space - int(Path("/proc/self/statm").read_text().split()[0]) * page)
+        left.append(address_space - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
     for limit, usage in CGROUP_FILES:
         with contextlib.suppress(OSError, ValueError):  # no such cgroup, or no limit (memory.max: "max")
             left.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))

@@ -490,8 +490,8 @@ class Summarizing:
     """How many dialogues one generate() call takes, and evaluate.py's sweep."""
     gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)",
                                  Scope.COMMAND, bound=POSITIVE)
-    gen_memory_gb: float = option(0.0, "GiB the KV cache of one generate() call may take (docs/memory.md); 0 = "
-                                       "auto: half the GPU's free memory, 2 on CPU", Scope.COMMAND,
+    gen_memory_gb: float = option(0.0, "GiB the KV cache and logits of one generate() call may take (docs/memory.md); "
+                                       "0 = auto: half the GPU's free memory, 2 on CPU", Scope.COMMAND,
                                   bound=Bound(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     sweep: dict = option(dict, "evaluate.py: score every combination of these decoding settings instead, e.g. "
                                "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)",

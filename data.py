@@ -654,7 +654,8 @@ def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0
 # The other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
 # space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a free CSV name beside it, {key}
 # the setting; the package that needs, if any). Any other file with control bytes is binary data.
-CONVERT = "convert it: pandas.{}({{src!r}}).to_csv({{dst!r}}, index=False), then pass --{{key}}={{dst}}"
+CONVERT = ('convert it: python -c "import pandas; pandas.{}({{src!r}}).to_csv({{dst!r}}, index=False)", then pass '
+           '--{{key}}={{dst}}')
 NOT_CSV = ((b"PAR1", "a Parquet file", CONVERT.format("read_parquet"), "pyarrow"),
            (b"{", "JSON", CONVERT.format("read_json") + " (add lines=True for one record a line)", None),
            (b"[", "JSON", CONVERT.format("read_json"), None))

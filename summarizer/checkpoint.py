@@ -150,8 +150,8 @@ def load_checkpoint(path, key="ckpt"):
             raise UserError(f"checkpoint {path} does not exist yet: a training run writes into "
                             f"{os.path.dirname(path) or '.'} ({training}) and has not saved yet: wait for its first "
                             f"save (after its first evaluation), then run this again")
-        raise UserError(f"checkpoint {path} {what}: train first, or pass --{key}=<a best.pt or ckpt.pt>"
-                        + run_folder.missing_file_hint(path, f"--{key}"))
+        raise UserError(f"checkpoint {path} {what}" + (run_folder.missing_file_hint(path, f"--{key}")
+                                                          or f": train first, or pass --{key}=<a best.pt or ckpt.pt>"))
     if not_an_archive(path):
         raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
                         f"archives): pass --{key}=<a best.pt or ckpt.pt>")

@@ -143,17 +143,22 @@ def describe_checkpoint(ckpt):
 
 def describe_decoding(cfg, overridden=(), from_run=True):
     """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding, the settings
-    that are not defaults (max_new_tokens always) and where they come from; 'none' for an extractive baseline."""
+    that act on it and are not defaults (max_new_tokens always), where they come from, and the settings this kind
+    ignores that are not defaults; 'none' for an extractive baseline."""
     if cfg.baseline in EXTRACTIVE:
         return "none: lines of the dialogue"
     defaults = Config()
     kind = ("MBR" if cfg.mbr_samples else "beam search" if cfg.num_beams > 1 else
             "sampling" if cfg.temperature > 0 else "greedy")
-    shown = [key for key in RUN_DECODING if key == "max_new_tokens" or (
-        getattr(cfg, key) != getattr(defaults, key) and (key != "seed" or cfg.temperature > 0))]
+    inert = {*(("top_k", "top_p", "epsilon", "seed") if cfg.temperature == 0 else ()),  # a greedy seed: training's
+             *(("length_penalty",) if cfg.num_beams == 1 else ()),
+             *(() if cfg.mbr_samples else ("mbr_metric", "mbr_include_beam"))}
+    given = [key for key in RUN_DECODING if key == "max_new_tokens" or getattr(cfg, key) != getattr(defaults, key)]
+    ignored = " ".join(f"{k}={getattr(cfg, k)}" for k in given if k in inert and k != "seed")
     source = ("the run's" + (f", except {', '.join(f'--{k}' for k in overridden)}" if overridden else "")
               if from_run else "this command's")
-    return f"{kind}: {' '.join(f'{k}={getattr(cfg, k)}' for k in shown)} ({source})"
+    return (f"{kind}: {' '.join(f'{k}={getattr(cfg, k)}' for k in given if k not in inert)} ({source})"
+            + (f"; {ignored} ignored by {kind}" if ignored else ""))
 
 
 def describe_validation(cfg):

@@ -242,8 +242,11 @@ def out_of_memory_hint(doing, settings):
 def training_memory_hint(cfg, rt):
     """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
     n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
-    return out_of_memory_hint(f"training on micro-batches of {n} sequences",
-                              f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)"
+    model = "--n_layer, --n_embd" if cfg.init_from == "scratch" else f"--init_from, now {cfg.init_from}"
+    lower = (f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)" if n > 1 else
+             f"--block_size (now {cfg.block_size}) or the model's size ({model})"  # one row: what is left
+             + ("" if cfg.lora_rank else " or set --lora_rank=8 (train adapters only)"))
+    return out_of_memory_hint(f"training on micro-batches of {n} sequence{'s' * (n > 1)}", lower
                               + ("" if cfg.gradient_checkpointing else " or set --gradient_checkpointing=True")
                               + (" or set --fsdp_reduce_once=False (it keeps the weights gathered and the "
                                  "gradients unsharded)" if reduce_once is True else ""))

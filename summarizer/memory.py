@@ -10,9 +10,13 @@ lowers it only on an out-of-memory error) and what bench --section=memory report
   rouge_model: in the run's dtype, gathered under FSDP) and one generation batch's KV cache and logits.
 - A LoRA run's save builds, on rank 0, the merged float32 copy of every adapted weight.
 Not counted: backward's transient buffers and the CUDA context, which HEADROOM leaves room for."""
+import bisect
+import contextlib
 import math
 import os
-from dataclasses import asdict, dataclass
+import resource
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -20,11 +24,15 @@ from config import Decoding, part
 from generate import greedy_slots, on_static_shapes
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
+from summarizer.errors import UserError
 
 PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
 CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may fill
+# a container's memory limit and what its processes use: cgroup v2's, then v1's
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 
 
 def nbytes(tensors, per_tensor=0):
@@ -201,20 +209,32 @@ def plan(run, rows, rates, budget):
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
     """(prompts in the first generation batch, its KV cache's bytes, its logits' bytes) when `prompts` prompts of
-    `prompt_tokens` tokens are summarized at cfg's decoding in `dtype`, in batches of `room` bytes of KV cache."""
-    decoding = part(cfg, Decoding)
-    batch = len(generation_batches([[0] * prompt_tokens] * prompts, decoding, cfg.gen_batch_size, model_config, room,
-                                   dtype)[0]) if prompts else 0
-    kv = kv_cache_bytes(model_config, batch * cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size),
-                        dtype)
-    return batch, kv, LOGITS_COPIES * batch * max(cfg.num_beams, cfg.mbr_samples, 1) * model_config.vocab_size * 4
+    `prompt_tokens` tokens are summarized at cfg's decoding in `dtype`, in batches of `room` bytes (as
+    generation_batches forms them)."""
+    kv, logits = dialogue_bytes(part(cfg, Decoding), prompt_tokens, model_config, dtype)
+    batch = min(prompts, cfg.gen_batch_size, max(1, int(room // (kv + logits)))) if prompts else 0
+    return batch, batch * kv, batch * logits
 
 
 def device_memory(device):
-    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory, CPU_SHARE of the host's available."""
+    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory, CPU_SHARE of what the host leaves."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * HEADROOM)
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_SHARE)
+    return int(host_memory() * CPU_SHARE)
+
+
+def host_memory():
+    """Bytes this process may still take on the host: its available memory (free, and the page cache the kernel
+    drops on demand), at most what RLIMIT_AS (`ulimit -v`) leaves beside the address space in use and what its
+    container's cgroup leaves (CGROUP_FILES)."""
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+    left = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB
+    if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
+        left.append(address_space - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    for limit, usage in CGROUP_FILES:
+        with contextlib.suppress(OSError, ValueError):  # no such cgroup, or no limit (memory.max: "max")
+            left.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))
+    return max(min(left), 0)
 
 
 def choose_micro_batch(cfg, rt, model, train_set, val_set):
@@ -260,14 +280,14 @@ CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
 def generation_memory(cfg, device):
-    """Bytes the KV cache of one generate() call may take: gen_memory_gb, else half the GPU's free memory (counting
-    what the caching allocator holds unused), else CPU_GEN_MEMORY_GB."""
-    if cfg.gen_memory_gb:
-        return cfg.gen_memory_gb * 2**30
+    """Bytes the KV cache and logits of one generate() call may take: gen_memory_gb, else half the GPU's free memory
+    (counting what the caching allocator holds unused), else CPU_GEN_MEMORY_GB; never more than the device has
+    left (on a CPU: host_memory)."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return (torch.cuda.mem_get_info(device)[0] + cached) / 2
-    return CPU_GEN_MEMORY_GB * 2**30
+        left = torch.cuda.mem_get_info(device)[0] + cached
+        return min(cfg.gen_memory_gb * 2**30 or left / 2, left)
+    return min(cfg.gen_memory_gb * 2**30 or CPU_GEN_MEMORY_GB * 2**30, host_memory())
 
 
 def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
@@ -291,16 +311,40 @@ def kv_cache_bytes(model_config, slots, dtype):
     return 2 * model_config.n_layer * model_config.n_embd * slots * dtype.itemsize
 
 
+def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
+    """(KV cache bytes, logits bytes) that one dialogue of `prompt_tokens` tokens holds at the peak of generate():
+    cache_slots_per_prompt, and LOGITS_COPIES float32 rows of scores per beam or sample."""
+    slots = cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size)
+    rows = max(decoding.num_beams, decoding.mbr_samples, 1)
+    return kv_cache_bytes(model_config, slots, dtype), LOGITS_COPIES * rows * model_config.vocab_size * 4
+
+
+def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
+    """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
+    naming the setting that multiplies what it holds (mbr_samples, num_beams, else max_new_tokens) and the largest
+    value of it that fits."""
+    key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
+
+    def needs(value):
+        return sum(dialogue_bytes(replace(decoding, **{key: value}), prompt_tokens, model_config, dtype))
+    if needs(now := getattr(decoding, key)) > memory:
+        raise UserError(f"{key}={now} does not fit: one dialogue ({prompt_tokens} prompt tokens) holds "
+                        f"{needs(now) / 2**30:.1f} GiB of KV cache and logits, where a generate() call may take "
+                        f"{memory / 2**30:.1f} GiB (gen_memory_gb, at most what the device has left): the largest "
+                        f"{key} that fits is {bisect.bisect_right(range(1, now), memory, key=needs)}")
+
+
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
     """This rank's (every world_size-th) batches of prompt indices, length-sorted (left padding stays small): at most
-    batch_size prompts whose KV cache fits `memory` bytes (one prompt at least)."""
-    batches = []
-    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        # the longest prompt so far (lengths ascend) sets the batch's slots
-        slots = cache_slots_per_prompt(decoding, len(prompts[i]), model_config.block_size)
+    batch_size prompts whose KV caches and logits fit `memory` bytes; UserError where the longest prompt alone does
+    not (check_one_dialogue)."""
+    order, batches = sorted(range(len(prompts)), key=lambda i: len(prompts[i])), []
+    if order:
+        check_one_dialogue(decoding, len(prompts[order[-1]]), model_config, memory, dtype)
+    for i in order:  # the longest prompt so far (lengths ascend) sets the batch's bytes
         batch = batches[-1] if batches else []
-        if batch and len(batch) < batch_size and kv_cache_bytes(model_config, slots * (len(batch) + 1),
-                                                                dtype) <= memory:
+        if batch and len(batch) < batch_size and (len(batch) + 1) * sum(
+                dialogue_bytes(decoding, len(prompts[i]), model_config, dtype)) <= memory:
             batch.append(i)
         else:
             batches.append([i])

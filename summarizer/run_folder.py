@@ -29,6 +29,7 @@ PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the r
 RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SUBMISSION_RECORD, SWEEP_CSV, SWEEP_MD,
              "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the commands' folder, where presets' runs are
 
 
 def make(path, reads=None):
@@ -209,19 +210,19 @@ def keep_best_of_metric(out_dir, metric):
     return kept
 
 
-def earlier_copies(path):
-    """Copies of the file `path` that fresh runs moved into previous-run-*/ beside it, newest first."""
-    folder, name = os.path.split(os.path.abspath(path))
-    pattern = os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)
-    return sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True)
-
-
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: where an earlier run's copy is, and the flag `use` that
-    takes it; '' when there is none."""
-    if not (copies := earlier_copies(path)):
+    """The clause that ends a 'does not exist' line: where the file is found, and the flag `use` that takes it; ''
+    where it is not. Relative paths resolve against the working folder, so a command run from another folder misses
+    the repository's file; a fresh run moves an earlier run's into previous-run-*/ beside it (the newest is named)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    earlier = max(glob.glob(os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)), key=os.path.getmtime,
+                  default=None)
+    if not os.path.isabs(path) and os.path.exists(there := os.path.join(REPO, path)):
+        return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it "
+                f"with {use}={there}, or run from {REPO}")
+    if not earlier:
         return ""
-    return f"; an earlier run's is {copies[0]} (a fresh run moved it there): use it with {use}={copies[0]}"
+    return f"; an earlier run's is {earlier} (a fresh run moved it there): use it with {use}={earlier}"
 
 
 # ---- the disk a run's checkpoints take -------------------------------------------------------------------

@@ -19,7 +19,8 @@ def write_submission(ids, summaries, path):
 
 
 def check_against_sample(ids, path):
-    """UserError unless the sample submission has the columns id,summary and exactly the test ids."""
+    """UserError unless the sample submission has the columns id,summary and exactly the test ids; the note line
+    that says submission.csv follows test_csv's order where the sample's differs, else ''."""
     _, sample = data.read_frame(path, "sample_submission_csv",
                                 "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
     skip = "--sample_submission_csv='' skips the check"
@@ -34,6 +35,8 @@ def check_against_sample(ids, path):
         raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
                         f"in test_csv, {len(extra)} test ids are not in it ({examples}): pass the test_csv and "
                         f"sample_submission_csv of one competition ({skip})")
+    return ("" if list(sample["id"].str.strip()) == list(ids) else f"note: submission.csv lists the ids in "
+            f"test_csv's order, which differs from sample_submission_csv {path}'s")
 
 
 def predict(cfg, explicit, rt):
@@ -43,8 +46,8 @@ def predict(cfg, explicit, rt):
         inference.make_output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(summarizer.cfg)
-    if cfg.sample_submission_csv:
-        check_against_sample(test.ids, cfg.sample_submission_csv)
+    if (note := cfg.sample_submission_csv and check_against_sample(test.ids, cfg.sample_submission_csv)) and rt.is_main:
+        print(note)  # every rank checks: each stops alike
     prompts, cut = summarizer.prompts(test.dialogues)
     if rt.is_main and cut:
         print(inference.cut_line(summarizer, cut, len(prompts)))

@@ -230,8 +230,7 @@ def test_a_generation_budget_that_splits_batches_changes_no_summary(tiny_hf_dir,
     cfg = load_config(["--gen_batch_size=24", "--max_new_tokens=12", "--device=cpu", *options])
     decoding = part(cfg, Decoding)
     # room for 3 of the shortest prompts: fewer of the longer ones
-    small = memory.kv_cache_bytes(model.config, 3 * memory.cache_slots_per_prompt(decoding, 3, model.config.block_size),
-                                  torch.float32)
+    small = 3 * sum(memory.dialogue_bytes(decoding, 3, model.config, torch.float32))
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, small, torch.float32)) >= 6
     assert len(memory.generation_batches(prompts, decoding, 24, model.config, 2**40, torch.float32)) == 1
     whole = inference.summarize_batches(model, prompts, cfg, contextlib.nullcontext(), memory=2**40)
@@ -249,6 +248,8 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
     for options, slots in (([], 2 * 128), (["--num_beams=4"], 70 + 2 * (50 + 4 * 20)),
                            (["--temperature=0.7", "--mbr_samples=16"], 70 + 2 * (50 + 16 * 20))):
         per_prompt = memory.kv_cache_bytes(model.config, slots, torch.float32)
+        rows = int(options[-1].split("=")[1]) if options else 1  # beams or samples
+        per_prompt += memory.LOGITS_COPIES * rows * 50257 * 4  # and their logits: float32 rows of the vocabulary
         cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
                            *options])
         decoding = part(cfg, Decoding)

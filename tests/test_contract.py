@@ -87,6 +87,21 @@ def test_a_decoding_flag_overrides_the_runs_and_the_first_line_says_so(trained, 
     assert "decoding: beam search: max_new_tokens=12 num_beams=3 (the run's, except --num_beams)" in first_line
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--top_k=50", "--length_penalty=0.8"], "greedy: max_new_tokens=128 (this command's); top_k=50 length_penalty=0.8 "
+                                             "ignored by greedy"),
+    (["--num_beams=4", "--top_p=0.9", "--seed=3"], "beam search: max_new_tokens=128 num_beams=4 (this command's); "
+                                                   "top_p=0.9 ignored by beam search"),
+    (["--temperature=0.7", "--top_k=50", "--length_penalty=0.8", "--mbr_metric=rouge1"],
+     "sampling: max_new_tokens=128 temperature=0.7 top_k=50 (this command's); length_penalty=0.8 mbr_metric=rouge1 "
+     "ignored by sampling"),
+    (["--temperature=0.7", "--mbr_samples=8", "--num_beams=2", "--length_penalty=0.8", "--seed=3"],
+     "MBR: max_new_tokens=128 num_beams=2 temperature=0.7 length_penalty=0.8 mbr_samples=8 seed=3 (this command's)")])
+def test_the_decoding_line_shows_what_acts_on_its_kind_and_says_what_it_ignores(flags, said):
+    """A greedy seed is training's, not an ignored decoding setting; MBR's beam candidate takes length_penalty."""
+    assert inference.describe_decoding(load_config(flags), from_run=False) == said
+
+
 def test_rows_the_run_trained_on_are_refused_and_a_disjoint_csv_is_scored(trained, tmp_path, capsys):
     folder, preset, _ = trained
     for flags in ([f"--validation_csv={folder / 'train.csv'}"], ["--validation_csv=", "--val_fraction=0.2"]):

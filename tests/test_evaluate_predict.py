@@ -236,6 +236,14 @@ def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
         submission.check_against_sample(["007", "cafe"], str(sample))
 
 
+def test_a_sample_submission_in_another_order_is_a_note_that_submission_csv_follows_test_csv(tmp_path):
+    sample = tmp_path / "sample_submission.csv"
+    sample.write_text("id,summary\n2,\n1,\n3,\n")
+    assert submission.check_against_sample(["2", "1", "3"], str(sample)) == ""
+    assert submission.check_against_sample(["1", "2", "3"], str(sample)) == (
+        f"note: submission.csv lists the ids in test_csv's order, which differs from sample_submission_csv {sample}'s")
+
+
 # ---- issue 43: extractive baselines --------------------------------------------------------------------------
 
 def test_extractive_baselines_score_lines_of_each_dialogue_with_the_same_report(tmp_path, capsys):

@@ -49,13 +49,15 @@ NOT_CSVS = [
     ("train.zip", zipped({"train.csv": CSV, "test.csv": CSV}),
      r"is a zip archive of 2 files \(train\.csv, test\.csv\), not a CSV: unzip it \(unzip -d \S+ \S+train\.zip\)"),
     ("train.json", json.dumps(ROWS).encode(),
-     r"is JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json'\)\.to_csv\('\S+train\.csv', index=False\), "
-     r"then pass --train_csv=\S+train\.csv"),
+     r"is JSON, not a CSV: convert it: python -c \"import pandas; pandas\.read_json\('\S+train\.json'\)\.to_csv\("
+     r"'\S+train\.csv', index=False\)\", then pass --train_csv=\S+train\.csv"),
     ("train.jsonl", "\n".join(map(json.dumps, ROWS)).encode(), r"is JSON, not a CSV: .*lines=True for one record"),
     ("train.parquet", b"PAR1" + bytes(64) + b"PAR1",
-     r"is a Parquet file, not a CSV: (pip install pyarrow, then )?convert it: pandas\.read_parquet"),
+     r"is a Parquet file, not a CSV: (pip install pyarrow, then )?convert it: python -c \"import pandas; "
+     r"pandas\.read_parquet"),
     ("train.xlsx", zipped({"[Content_Types].xml": "<Types/>", "xl/workbook.xml": "<workbook/>"}),
-     r"is an Excel workbook \(\.xlsx\), not a CSV: (pip install openpyxl, then )?convert it: pandas\.read_excel"),
+     r"is an Excel workbook \(\.xlsx\), not a CSV: (pip install openpyxl, then )?convert it: python -c "
+     r"\"import pandas; pandas\.read_excel"),
     ("train.csv", b"<!DOCTYPE html>\n<html><body>Sign in</body></html>",
      r"is not a CSV of rows: its first line '<!DOCTYPE html>' reads as one column: pass --train_csv=<a CSV with a "
      r"header row, e.g. id,dialogue,summary>$"),
@@ -63,8 +65,8 @@ NOT_CSVS = [
      r"is binary data, not a CSV: it starts with bytes 89 50 4e 47 0d 0a 1a 0a \(\.PNG\.\.\.\.\); save its rows as a "
      r"CSV with a header row and pass --train_csv=<it>$"),
     ("train.json.gz", gzip.compress(json.dumps(ROWS).encode()),
-     r"is a gzip-compressed file holding JSON, not a CSV: convert it: pandas\.read_json\('\S+train\.json\.gz'\)"
-     r"\.to_csv\('\S+train\.csv'"),
+     r"is a gzip-compressed file holding JSON, not a CSV: convert it: python -c \"import pandas; "
+     r"pandas\.read_json\('\S+train\.json\.gz'\)\.to_csv\('\S+train\.csv'"),
     ("train.csv.gz", gzip.compress(CSV)[:-8],
      r"is a compressed file that cannot be unpacked \(.+\): unpack it yourself"),
     ("train.tar.gz", gzip.compress(b"train.csv".ljust(257, b"\0") + b"ustar" + bytes(250)),

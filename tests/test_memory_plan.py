@@ -4,6 +4,8 @@ explicit micro-batch would."""
 import glob
 import json
 import os
+import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +74,25 @@ def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monke
     train.main([*args, "--micro_batch_size=2", f"--out_dir={tmp_path / 'explicit'}"])
     losses = [[row["loss"] for row in metrics(tmp_path / name) if "loss" in row] for name in ("auto", "explicit")]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("limit", ["ulimit -v", "cgroup v2", "cgroup v1"])
+def test_a_cpu_plan_fills_at_most_what_the_process_limits_leave(limit, tmp_path, monkeypatch):
+    """The host's free memory is not all a process may take: RLIMIT_AS (`ulimit -v`) bounds its address space, and
+    a container's cgroup (Kaggle's RAM) bounds what its processes use. Each limit, injected 1 GiB above what is in
+    use, bounds the host's memory, and a CPU plan fills at most CPU_SHARE of it."""
+    page, real = os.sysconf("SC_PAGE_SIZE"), resource.getrlimit
+    in_use = int(Path("/proc/self/statm").read_text().split()[0]) * page
+    cgroup = [tmp_path / name for name in ("max", "current", "v1_limit", "v1_usage")]
+    for path, content in zip(cgroup, ["max\n", "0\n", f"{2**63 - 4096}\n", "0\n"], strict=True):  # no limits
+        path.write_text(content)
+    if limit == "ulimit -v":
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (in_use + 2**30, resource.RLIM_INFINITY)
+                            if which == resource.RLIMIT_AS else real(which))
+    else:
+        used = cgroup[1 if limit == "cgroup v2" else 3]
+        used.write_text(f"{5 * 2**30}\n")
+        cgroup[0 if limit == "cgroup v2" else 2].write_text(f"{6 * 2**30}\n")
+    monkeypatch.setattr(memory, "CGROUP_FILES", ((cgroup[0], cgroup[1]), (cgroup[2], cgroup[3])))
+    assert 0 < memory.host_memory() <= 2**30 + 2**20  # the address space in use may have shrunk a little
+    assert memory.device_memory(torch.device("cpu")) <= memory.CPU_SHARE * (2**30 + 2**20)

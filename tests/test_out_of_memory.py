@@ -4,8 +4,10 @@ never taken for a failed torch.compile (in training's compiled step it propagate
 retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
 and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays and its
 one line names what to lower."""
+import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -14,9 +16,11 @@ import evaluate
 import generate
 import predict
 import train
-from config import Decoding
-from conftest import metrics, one_error_line, run, tiny, torchrun
-from model import GPT
+from config import Decoding, keys
+from conftest import REPO, metrics, one_error_line, run, tiny, torchrun
+from model import GPT, GPTConfig
+from summarizer import memory, micro_batch
+from summarizer.checkpoint import load_checkpoint
 
 
 @pytest.fixture
@@ -154,6 +158,19 @@ def test_a_micro_batch_size_the_user_set_stays_and_out_of_memory_ends_the_run_in
                            "--micro_batch_size (now 8")
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_out_of_memory_at_one_row_names_what_is_left_to_lower(checkpointing, run_args, tmp_path, monkeypatch, capsys):
+    """micro_batch_size=auto lowered to 1 row and still out of memory: not 'lower --micro_batch_size (now 1)', but
+    block_size, the model's size, LoRA and, where it is off, gradient checkpointing."""
+    monkeypatch.setattr(micro_batch, "peak_step", lambda *args: run_out_of_memory("GPU"))  # at every micro-batch
+    line = one_error_line(capsys, train.main, run_args(tmp_path / "out", "--micro_batch_size=auto",
+                                                       f"--gradient_checkpointing={checkpointing}"), code=1)
+    assert line.startswith("error: out of memory while training on micro-batches of 1 sequence: lower --block_size "
+                           "(now 128) or the model's size (--n_layer, --n_embd) or set --lora_rank=8 (train adapters "
+                           "only)" + ("" if checkpointing else " or set --gradient_checkpointing=True")
+                           + " (rank 0: CUDA out")
+
+
 def rouge(out_dir):
     """The ROUGE of the run's evaluations."""
     return [(r["rouge1"], r["rougeL"]) for r in metrics(out_dir) if "rougeL" in r]
@@ -221,3 +238,32 @@ def test_one_rank_out_of_memory_lowers_every_rank_alike(run_args, tmp_path):
     assert (f"out of memory while summarizing 4 dialogues at a time ({said}): went on in batches of at most 2"
             in done.stdout)
     assert trained_weights(out)[1]["micro_batch_size"] == 2 and (out / "submission.csv").exists()
+
+
+# ---- what no smaller batch avoids: one dialogue that does not fit -------------------------------------------------
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "checkpoints", "2026-11-26", "best.pt")  # a run on data/demo
+
+
+@pytest.mark.parametrize("key, flags", [("mbr_samples", {"mbr_samples": 100000, "temperature": 0.7}),
+                                        ("num_beams", {"num_beams": 100000})])
+def test_one_dialogue_beyond_the_generation_memory_is_one_line_naming_what_fits(key, flags, tmp_path, monkeypatch,
+                                                                                capsys):
+    """MBR or beams too wide for one dialogue in gen_memory_gb: one line, before any allocation (no prefill), naming
+    the setting and the largest value at which the longest prompt's KV cache and logits fit."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(GPT, "prefill", lambda *args: pytest.fail("allocated before the check"))
+    line = one_error_line(capsys, evaluate.main, [f"--ckpt={FIXTURE}", f"--out_dir={tmp_path}", "--gen_memory_gb=0.5",
+                                                  f"--data_cache_dir={tmp_path / 'c'}",
+                                                  *(f"--{k}={v}" for k, v in flags.items())])
+    said = re.fullmatch(rf"error: {key}=100000 does not fit: one dialogue \((\d+) prompt tokens\) holds [\d.]+ GiB of "
+                        rf"KV cache and logits, where a generate\(\) call may take 0\.5 GiB \(gen_memory_gb, at most "
+                        rf"what the device has left\): the largest {key} that fits is (\d+)", line)
+    ckpt = load_checkpoint(FIXTURE)
+    run = Decoding(**{k: ckpt["config"][k] for k in keys(Decoding)})
+    prompt, fits = int(said[1]), int(said[2])
+
+    def needs(value):
+        return sum(memory.dialogue_bytes(dataclasses.replace(run, **{**flags, key: value}), prompt,
+                                         GPTConfig(**ckpt["model_args"]), torch.float32))
+    assert 1 < fits < 100000 and needs(fits) <= 2**29 < needs(fits + 1)

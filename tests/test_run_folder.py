@@ -176,3 +176,29 @@ def test_a_command_on_a_folder_whose_training_has_not_saved_yet_says_to_wait(csv
         err = one_error_line(capsys, main, args(csvs, out))
     assert f"checkpoint {out / 'best.pt'} does not exist yet: a training run writes into {out} (pid " \
            f"{pid} on host " in err and "wait for its first save" in err, err
+
+
+def test_a_relative_checkpoint_missing_here_names_the_one_in_the_repository(tmp_path, monkeypatch, capsys):
+    """Relative paths resolve against the working folder (docs/config.md): `cd /tmp && python <repo>/evaluate.py
+    <repo>/config/demo.py` misses <repo>/out-demo/best.pt. Not 'train first', but the one there and the flag."""
+    import evaluate
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (repo / "out-demo").mkdir(parents=True)
+    (repo / "out-demo" / "best.pt").write_bytes(b"")
+    elsewhere.mkdir()
+    monkeypatch.setattr(run_folder, "REPO", str(repo))
+    monkeypatch.chdir(elsewhere)
+    err = one_error_line(capsys, evaluate.main, [os.path.join(REPO, "config", "demo.py")])
+    there = repo / "out-demo" / "best.pt"
+    assert err == (f"error: checkpoint out-demo/best.pt does not exist; relative paths resolve against the working "
+                   f"folder ({elsewhere}), and {there} exists: use it with --ckpt={there}, or run from {repo}")
+
+
+def test_a_checkpoint_missing_in_out_dir_names_the_newest_that_a_fresh_run_moved_aside(tmp_path):
+    for stamp in ("20260101-000000", "20260102-000000"):
+        (tmp_path / f"previous-run-{stamp}").mkdir()
+        (tmp_path / f"previous-run-{stamp}" / "best.pt").write_bytes(b"")
+    newest = tmp_path / "previous-run-20260102-000000" / "best.pt"
+    os.utime(tmp_path / "previous-run-20260101-000000" / "best.pt", (0, 0))
+    assert run_folder.missing_file_hint(str(tmp_path / "best.pt"), "--ckpt") == (
+        f"; an earlier run's is {newest} (a fresh run moved it there): use it with --ckpt={newest}")

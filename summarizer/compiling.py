@@ -137,15 +137,13 @@ class StepGraphs:
         """The batch copied into this bucket's fixed buffers (as it is once graphs failed)."""
         if self.failed:
             return batch
-        first = batch.caches[0].k
+        first = batch.caches[0].kv
         if not self.storage or self.storage[0].numel() < first.numel() or self.storage[0].dtype != first.dtype:
             self.release()  # the graphs read the storage they were captured on: they go with it
-            self.storage = [cache.k.new_empty(first.numel()) for cache in batch.caches for _ in "kv"]
-        key = (model, len(batch.pad), batch.caches[0].max_len)
+            self.storage = [cache.kv.new_empty(first.numel()) for cache in batch.caches]
+        key = (model, len(batch.tokens), batch.caches[0].slots)
         if key not in self.inputs:
-            caches = [KVCache(batch.caches[0].max_len) for _ in batch.caches]
-            for i, cache in enumerate(caches):
-                cache.k, cache.v = (self.storage[2 * i + j][:first.numel()].view(first.shape) for j in range(2))
+            caches = [KVCache(batch.caches[0].slots, kv[:first.numel()].view(first.shape)) for kv in self.storage]
             self.inputs[key] = GreedyBatch(*(torch.empty_like(t) for t in batch[:4]), caches)
         held = self.inputs[key]
         for target, source in zip(held.tensors(), batch.tensors(), strict=True):
@@ -154,7 +152,7 @@ class StepGraphs:
 
     def __call__(self, model, batch):
         """The step's logits: the bucket's graph replayed, captured and checked at its first use."""
-        key = (model, len(batch.pad), batch.caches[0].max_len)
+        key = (model, len(batch.tokens), batch.caches[0].slots)
         if not self.failed and key not in self.graphs:
             try:
                 graph, logits, expected = self.capture(lambda: static_step(model, batch))

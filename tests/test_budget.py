@@ -245,9 +245,9 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
     model = GPT.from_pretrained(tiny_hf_dir).eval()
     prompts = [[1] * 50] * 40
     # P = 50 prompt tokens, M = 20 new: greedy's static cache (70 slots, up to 128) and its copy; beams and samples
-    # over the prefill's row (70), then the shared prompt (50) with their 20 generated slots each, and a copy of those
-    for options, slots in (([], 2 * 128), (["--num_beams=4"], 70 + 2 * (50 + 4 * 20)),
-                           (["--temperature=0.7", "--mbr_samples=16"], 70 + 2 * (50 + 16 * 20))):
+    # over the prefill's prompt (50), shared, with their 20 own slots each, and a copy of those
+    for options, slots in (([], 2 * 128), (["--num_beams=4"], 2 * (50 + 4 * 20)),
+                           (["--temperature=0.7", "--mbr_samples=16"], 2 * (50 + 16 * 20))):
         per_prompt = memory.kv_cache_bytes(model.config, slots, torch.float32)
         cfg = load_config(["--gen_batch_size=64", "--max_new_tokens=20", f"--gen_memory_gb={10.5 * per_prompt / 2**30}",
                            *options])

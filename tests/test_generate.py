@@ -202,7 +202,7 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
     def record(module, args):
         x, cache, lengths = args[0], args[1], args[4]
         if lengths is None:
-            steps.append((x.size(0), cache.prompt_k.size(0), cache.k.size(2)))
+            steps.append((x.size(0), cache.prompt.kv.size(0), cache.own.slots))
 
     hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
     try:

@@ -122,13 +122,11 @@ class DecodeState:
         self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)  # append() moves them on
         self.input_pos = torch.tensor([-1], device=device)
         self.own_mask = torch.full((1, 1, 1, max_new_tokens), -math.inf, device=device)  # every row's alike
-        self.tokens = None
         self.generated = 0  # tokens generated so far
 
     def append(self, next_tokens):
         """Record each row's next token and point the state at the own slot it goes into."""
         self.history[:, self.prompt_len + self.generated] = next_tokens
-        self.tokens = next_tokens[:, None]
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
         self.own_mask = self.own_mask.index_fill(3, self.input_pos, 0)  # a new one: copies share the old
@@ -141,7 +139,6 @@ class DecodeState:
         """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         selected = copy.copy(self)
         selected.history, selected.pad, selected.positions = self.history[rows], self.pad[rows], self.positions[rows]
-        selected.tokens = None if self.tokens is None else self.tokens[rows]
         return selected
 
 
@@ -260,7 +257,7 @@ class Decoder:
                 if rows[i] is not None:
                     heads[alike[i]] = i
             state.append(every)
-            logits = self.model.next_logits(state.tokens, state.positions, state.input_pos, kv_caches, state.own_mask,
+            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.own_mask,
                                             torch.tensor(heads, device=device))
         return results
 
@@ -312,8 +309,9 @@ class Decoder:
             reorder = (batch_offset + parent).view(-1)
             kv_caches = [cache.select_rows(reorder) for cache in kv_caches]
             state = state.select_rows(reorder)
-            state.append(running_seqs[:, :, step].reshape(-1))
-            logits = self.model.next_logits(state.tokens, state.positions, state.input_pos, kv_caches, state.own_mask)
+            tokens = running_seqs[:, :, step].reshape(-1, 1)
+            state.append(tokens[:, 0])
+            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.own_mask)
         n = num_return_sequences
         return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]

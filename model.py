@@ -53,18 +53,10 @@ class KVCache:
     def __init__(self, slots, kv=None):
         self.slots, self.kv = slots, kv
 
-    @property
-    def k(self):
-        return self.kv[:, 0]
-
-    @property
-    def v(self):
-        return self.kv[:, 1]
-
     def update(self, input_pos, kv):
         """Write kv (rows, 2, heads, T, head_dim) at slots input_pos (T,); return the keys and values of every slot."""
         self.kv.index_copy_(3, input_pos, kv)
-        return self.k, self.v
+        return self.kv.unbind(1)
 
     def attend(self, q, input_pos, kv, mask):
         """A decode step's attention: kv written at slots input_pos, q over every slot as the additive mask allows."""
@@ -116,11 +108,12 @@ def shared_prompt_attention(q, cache, k, v, mask):
     over the row's own slots k, v as the additive mask allows. Scores, softmax and sums in float32: as precise as
     full-cache SDPA, where half-precision scores would round before the softmax."""
     B, _, H, P, D = cache.prompt.kv.shape
+    prompt_k, prompt_v = cache.prompt.kv.float().unbind(1)
     q = q.float() * D ** -0.5
-    prompt = q.view(B, -1, H, D).transpose(1, 2) @ cache.prompt.k.float().transpose(2, 3)  # (prompts, H, per_prompt, P)
+    prompt = q.view(B, -1, H, D).transpose(1, 2) @ prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
     prompt = (prompt + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
     probs = torch.cat((prompt, q @ k.float().transpose(2, 3) + mask), dim=-1).softmax(dim=-1)
-    from_prompt = probs[..., :P].reshape(B, -1, H, P).transpose(1, 2) @ cache.prompt.v.float()
+    from_prompt = probs[..., :P].reshape(B, -1, H, P).transpose(1, 2) @ prompt_v
     return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D) + probs[..., P:] @ v.float()).to(v.dtype)
 
 

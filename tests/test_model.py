@@ -39,8 +39,8 @@ def test_packed_prefill_matches_each_prompt_alone(ours):
             assert torch.allclose(last[row], full[0, -1], atol=1e-5)
             end = len(prompts[0])
             for cache, alone_cache in zip(caches, alone_caches, strict=True):
-                assert torch.allclose(cache.k[row, :, end - len(p):end], alone_cache.k[0], atol=1e-5)
-                assert torch.allclose(cache.v[row, :, end - len(p):end], alone_cache.v[0], atol=1e-5)
+                assert torch.allclose(cache.kv[row, 0, :, end - len(p):end], alone_cache.kv[0, 0], atol=1e-5)
+                assert torch.allclose(cache.kv[row, 1, :, end - len(p):end], alone_cache.kv[0, 1], atol=1e-5)
 
 
 def test_loss_ignores_minus_one_and_matches_full_logits(ours):

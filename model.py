@@ -87,7 +87,8 @@ class SharedPromptCache(NamedTuple):
     def attend(self, q, input_pos, kv, mask):
         """A decode step's attention: kv written at own slots input_pos, q over its prompt and, as the additive mask
         (rows, 1, 1, own slots) allows, its own slots."""
-        return shared_prompt_attention(q, self, *self.own.update(input_pos, kv), mask)
+        self.own.update(input_pos, kv)
+        return shared_prompt_attention(q, self, mask)
 
     def select_rows(self, rows, prompts=None):
         """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated) and, where `prompts`
@@ -103,18 +104,18 @@ def attention_mask(allowed, dtype):
     return mask.masked_fill_(~allowed, -math.inf)[:, None, None]
 
 
-def shared_prompt_attention(q, cache, k, v, mask):
-    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for its rows, and
-    over the row's own slots k, v as the additive mask allows. Scores, softmax and sums in float32: as precise as
-    full-cache SDPA, where half-precision scores would round before the softmax."""
+def shared_prompt_attention(q, cache, mask):
+    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt in `cache`, read once for its
+    rows, and over the row's own slots as the additive mask allows. Scores, softmax and sums in float32 (one cast of
+    each cache): as precise as full-cache SDPA, where half-precision scores would round before the softmax."""
     B, _, H, P, D = cache.prompt.kv.shape
-    prompt_k, prompt_v = cache.prompt.kv.float().unbind(1)
+    (prompt_k, prompt_v), (k, v) = cache.prompt.kv.float().unbind(1), cache.own.kv.float().unbind(1)
     q = q.float() * D ** -0.5
     prompt = q.view(B, -1, H, D).transpose(1, 2) @ prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
     prompt = (prompt + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
-    probs = torch.cat((prompt, q @ k.float().transpose(2, 3) + mask), dim=-1).softmax(dim=-1)
+    probs = torch.cat((prompt, q @ k.transpose(2, 3) + mask), dim=-1).softmax(dim=-1)
     from_prompt = probs[..., :P].reshape(B, -1, H, P).transpose(1, 2) @ prompt_v
-    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D) + probs[..., P:] @ v.float()).to(v.dtype)
+    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D) + probs[..., P:] @ v).to(cache.own.kv.dtype)
 
 
 class CausalSelfAttention(nn.Module):

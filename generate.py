@@ -3,7 +3,6 @@ logits processors, greedy and sampled decoding, beam search with n-best lists, t
 risk (MBR) decoding, and greedy decoding on static shapes (as CUDA graphs where the caller captures it). Token ids
 in, token ids out."""
 import copy
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -121,7 +120,8 @@ class DecodeState:
         self.pad = torch.tensor([P - len(p) for p in prompts], device=device)
         self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)  # append() moves them on
         self.input_pos = torch.tensor([-1], device=device)
-        self.own_mask = torch.full((1, 1, 1, max_new_tokens), -math.inf, device=device)  # every row's alike
+        # every row's alike: none of its own slots written yet
+        self.own_mask = attention_mask(torch.zeros(1, max_new_tokens, dtype=torch.bool, device=device), torch.float32)
         self.generated = 0  # tokens generated so far
 
     def append(self, next_tokens):

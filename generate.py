@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from model import KVCache, SharedPromptCache
+from model import KVCache, SharedPromptCache, attention_mask
 
 
 class Sequence(NamedTuple):
@@ -43,12 +43,13 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     if compact_below is None:
         compact_below = 1.0 if device.type == "cpu" else 0.5
     processors = LogitsProcessors(d, eos_token_id)
-    if on_static_shapes(d):
+    if plain_greedy(d):
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
         graphed = graphs is not None and not torch.is_autocast_enabled(device.type)
         return greedy(model, prompts, d.max_new_tokens, processors, graphs if graphed else None, compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
-    kv_caches = [KVCache(state.max_len) for _ in model.transformer.h]
+    # the prompts' slots alone: each row's new tokens go into its own slots (share_prompts)
+    kv_caches = [KVCache(state.prompt_len) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
     run = Decoder(model, processors, eos_token_id, compact_below)
 
@@ -64,10 +65,8 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         # whichever batch it is decoded in (a memory budget may split batches) and however rows end
         entropy = np.random.SeedSequence().entropy if seed is None else seed
         streams = [np.random.default_rng([entropy, *prompt]) for prompt in prompts]
-        if d.mbr_samples:
-            every_row = torch.arange(len(prompts), device=device)
-            best = (deterministic(state.select_rows(every_row), [c.select_rows(every_row) for c in kv_caches])
-                    if d.mbr_include_beam else [[] for _ in prompts])
+        if d.mbr_samples:  # beam_search and sample change neither the state nor the caches they are given
+            best = deterministic(state, kv_caches) if d.mbr_include_beam else [[] for _ in prompts]
             samples = run.sample(logits, state, kv_caches, streams, d.mbr_samples)
             results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples, strict=True)]
         else:
@@ -75,8 +74,9 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     return [s.tokens for row in results for s in row]
 
 
-def on_static_shapes(d):
-    """Whether `d` (a Decoding) is plain greedy, which greedy() decodes on static shapes."""
+def plain_greedy(d):
+    """Whether `d` (a Decoding) is plain greedy (no beams, sampling or processors), which greedy() decodes on static
+    shapes."""
     return d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size
 
 
@@ -108,36 +108,30 @@ def mbr_choice(best, samples, mbr_pick, metric):
 
 
 class DecodeState:
-    """The left-padded batch being decoded: token history, which cache slots hold real tokens, positions."""
+    """The left-padded rows being decoded over SharedPromptCaches: token history, each row's padding and position,
+    and the own slot (0: the first new token's) that the next token goes into, with the mask of those written."""
 
     def __init__(self, prompts, max_new_tokens, device):
         P = max(len(p) for p in prompts)
-        self.prompt_len, self.max_len = P, P + max_new_tokens
+        self.prompt_len, self.max_new = P, max_new_tokens
         # Left padding repeats each row's first token, so padding never adds a token the row does not have
         # (repetition penalty scatters over the history); pad slots are masked out of attention.
         history = [[p[0]] * (P - len(p)) + p + [0] * max_new_tokens for p in prompts]
         self.history = torch.tensor(history, dtype=torch.long, device=device)
         self.pad = torch.tensor([P - len(p) for p in prompts], device=device)
-        slots = torch.arange(self.max_len, device=device)
-        self.slot_filled = (slots[None, :] >= self.pad[:, None]) & (slots[None, :] < P)
-        # The position and cache slot of each row's last prompt token; append() moves them on.
-        self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)
-        self.input_pos = slots[P - 1:P]
-        self.tokens = None
+        self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)  # append() moves them on
+        self.input_pos = torch.tensor([-1], device=device)
+        # every row's alike: none of its own slots written yet
+        self.own_mask = attention_mask(torch.zeros(1, max_new_tokens, dtype=torch.bool, device=device), torch.float32)
         self.generated = 0  # tokens generated so far
 
     def append(self, next_tokens):
-        """Record each row's next token and point the state at the slot it goes into."""
-        slot = self.prompt_len + self.generated
-        self.history[:, slot] = next_tokens
-        self.slot_filled[:, slot] = True
-        self.tokens = next_tokens[:, None]
+        """Record each row's next token and point the state at the own slot it goes into."""
+        self.history[:, self.prompt_len + self.generated] = next_tokens
         self.positions = self.positions + 1
         self.input_pos = self.input_pos + 1
+        self.own_mask = self.own_mask.index_fill(3, self.input_pos, 0)  # a new one: copies share the old
         self.generated += 1
-
-    def decode_mask(self):
-        return self.slot_filled[:, None, None, :self.prompt_len + self.generated]
 
     def seen_tokens(self):
         return self.history[:, :self.prompt_len + self.generated]
@@ -145,9 +139,7 @@ class DecodeState:
     def select_rows(self, rows):
         """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         selected = copy.copy(self)
-        selected.history, selected.pad = self.history[rows], self.pad[rows]
-        selected.slot_filled, selected.positions = self.slot_filled[rows], self.positions[rows]
-        selected.tokens = None if self.tokens is None else self.tokens[rows]
+        selected.history, selected.pad, selected.positions = self.history[rows], self.pad[rows], self.positions[rows]
         return selected
 
 
@@ -215,17 +207,13 @@ class Decoder:
     def __init__(self, model, processors, eos_token_id, compact_below):
         self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
-    def next_logits(self, state, kv_caches, rows=None):
-        return forward_step(self.model, state.tokens, state.positions, state.input_pos, kv_caches, state.decode_mask(),
-                            rows)
-
     def sample(self, logits, state, kv_caches, streams, per_prompt):
         """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
         values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
         uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
         ignored, until the running prompts' rows are at most compact_below of the batch: then those are copied
         into a smaller batch. Each step waits for the device once, to read its tokens."""
-        n, max_new, device = per_prompt, state.max_len - state.prompt_len, logits.device
+        n, max_new, device = per_prompt, state.max_new, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
         results = [[] for _ in range(logits.size(0))]
@@ -263,14 +251,15 @@ class Decoder:
                 prompts = torch.tensor(running, device=device)
                 kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
                 state, every = state.select_rows(kept), every[kept]
-                kv_caches = [cache.select_prompts(prompts) for cache in kv_caches]
+                kv_caches = [cache.select_rows(kept, prompts) for cache in kv_caches]
                 rows, alike = ([x[p * n + j] for p in running for j in range(n)] for x in (rows, alike))
             heads = [0] * len(classes)
             for i in reversed(range(len(rows))):
                 if rows[i] is not None:
                     heads[alike[i]] = i
             state.append(every)
-            logits = self.next_logits(state, kv_caches, torch.tensor(heads, device=device))
+            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.own_mask,
+                                            torch.tensor(heads, device=device))
         return results
 
     def beam_search(self, logits, state, kv_caches, num_beams, length_penalty, num_return_sequences):
@@ -279,7 +268,7 @@ class Decoder:
         sum_logprob / new_len**length_penalty; a batch item stops once no running beam can beat its worst
         finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
         B, V, K = logits.size(0), logits.size(-1), num_beams
-        max_new = state.max_len - state.prompt_len
+        max_new = state.max_new
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
         kv_caches = share_prompts(kv_caches, state, K)
         state = state.select_rows(expand)
@@ -319,11 +308,11 @@ class Decoder:
             if not (improvable.any() & ~hits_stop.all()).item():  # the step's one wait for the device
                 break
             reorder = (batch_offset + parent).view(-1)
-            for cache in kv_caches:
-                cache.reorder_rows(reorder, state.generated)
+            kv_caches = [cache.select_rows(reorder) for cache in kv_caches]
             state = state.select_rows(reorder)
-            state.append(running_seqs[:, :, step].reshape(-1))
-            logits = self.next_logits(state, kv_caches)
+            tokens = running_seqs[:, :, step].reshape(-1, 1)
+            state.append(tokens[:, 0])
+            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.own_mask)
         n = num_return_sequences
         return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]
@@ -341,10 +330,13 @@ def beam_tensors(B, K, max_new, eos, device):
 
 
 def share_prompts(kv_caches, state, per_prompt):
-    """Each layer's prefilled cache as a SharedPromptCache of per_prompt rows a prompt: the prompt slots in place."""
-    P = state.prompt_len
-    return [SharedPromptCache(c.k[:, :, :P].contiguous(), c.v[:, :, :P].contiguous(), state.slot_filled[:, :P],
-                              per_prompt, state.max_len - P) for c in kv_caches]
+    """Each layer's prefilled cache (the prompts' slots, not copied) shared by per_prompt rows a prompt, beside each
+    row's own max_new slots (zeros)."""
+    real = torch.arange(state.prompt_len, device=state.pad.device) >= state.pad[:, None]
+    pad_mask = attention_mask(real, torch.float32)
+    return [SharedPromptCache(c, KVCache(state.max_new, c.kv.new_zeros(len(c.kv) * per_prompt, *c.kv.shape[1:3],
+                                                                       state.max_new, c.kv.size(4))), pad_mask)
+            for c in kv_caches]
 
 
 def inverse_cdf(probs, u):
@@ -369,20 +361,21 @@ READ_EVERY = 8  # greedy steps between the host's reads of the tokens (which row
 
 class GreedyBatch(NamedTuple):
     """What greedy's static-shape step reads and writes, fixed in shape: the last tokens (rows, 1), their
-    positions (rows, 1), the cache slot they go into (1,), each row's left padding (rows,) and the KV caches
-    (rows, heads, slots, head_dim). The step updates them in place, so a CUDA graph of it can be replayed."""
+    positions (rows, 1), the cache slot they go into (1,), the additive mask of the slots each row attends (rows, 1,
+    1, slots) and the KV caches (rows, 2, heads, slots, head_dim). The step updates them in place, so a CUDA graph
+    of it can be replayed."""
     tokens: torch.Tensor
     positions: torch.Tensor
     slot: torch.Tensor
-    pad: torch.Tensor
+    mask: torch.Tensor
     caches: list
 
     def tensors(self):
-        return [self.tokens, self.positions, self.slot, self.pad, *(t for c in self.caches for t in (c.k, c.v))]
+        return [self.tokens, self.positions, self.slot, self.mask, *(c.kv for c in self.caches)]
 
     def select_rows(self, rows):
         """A new batch of the rows given by index tensor `rows` (kept or repeated), copied."""
-        return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.pad[rows],
+        return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.mask[rows],
                            [cache.select_rows(rows) for cache in self.caches])
 
 
@@ -393,11 +386,10 @@ def greedy_slots(prompt_len, max_new, block_size):
 
 
 def static_step(model, batch):
-    """Next-token logits of one greedy step: the batch's tokens written at its cache slot, each row attending to
-    its slots from its padding to that slot, through a mask built on the device. Every shape is the batch's."""
-    slots = torch.arange(batch.caches[0].max_len, device=batch.pad.device)
-    mask = (slots >= batch.pad[:, None]) & (slots <= batch.slot)
-    return forward_step(model, batch.tokens, batch.positions, batch.slot, batch.caches, mask[:, None, None, :])
+    """Next-token logits of one greedy step: the batch's tokens written at its cache slot, which the mask opens (its
+    one write a step), each row attending from its padding to that slot. Every shape is the batch's."""
+    batch.mask.index_fill_(3, batch.slot, 0)
+    return model.next_logits(batch.tokens, batch.positions, batch.slot, batch.caches, batch.mask)
 
 
 def greedy(model, prompts, max_new, processors, graphs, compact_below):
@@ -410,9 +402,11 @@ def greedy(model, prompts, max_new, processors, graphs, compact_below):
     P = max(len(p) for p in prompts)
     slots = greedy_slots(P, max_new, model.config.block_size)
     pad = torch.tensor([P - len(p) for p in prompts], device=device)
+    real = torch.arange(slots, device=device) >= pad[:, None]
+    mask = attention_mask(real & (torch.arange(slots, device=device) < P), model.lm_head.weight.dtype)
     # the prefill's caches are the batch's alone: a copy into graphs' buffers or a smaller batch frees them
     batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
-                        pad, [KVCache(slots) for _ in model.transformer.h])
+                        mask, [KVCache(slots) for _ in model.transformer.h])
     logits = model.prefill(prompts, batch.caches)
     batch = graphs.hold(model, batch) if graphs else batch
     out = torch.full((len(prompts), max_new), eos, device=device)
@@ -521,15 +515,13 @@ class StepGraphs:
         """The batch copied into this bucket's fixed buffers (as it is once graphs are off)."""
         if self.eager_why:
             return batch
-        first = batch.caches[0].k
+        first = batch.caches[0].kv
         if not self.storage or self.storage[0].numel() < first.numel() or self.storage[0].dtype != first.dtype:
             self.release()  # the graphs read the storage they were captured on: they go with it
-            self.storage = [cache.k.new_empty(first.numel()) for cache in batch.caches for _ in "kv"]
-        key = (model, len(batch.pad), batch.caches[0].max_len)
+            self.storage = [cache.kv.new_empty(first.numel()) for cache in batch.caches]
+        key = (model, len(batch.tokens), batch.caches[0].slots)
         if key not in self.inputs:
-            caches = [KVCache(batch.caches[0].max_len) for _ in batch.caches]
-            for i, cache in enumerate(caches):
-                cache.k, cache.v = (self.storage[2 * i + j][:first.numel()].view(first.shape) for j in range(2))
+            caches = [KVCache(batch.caches[0].slots, kv[:first.numel()].view(first.shape)) for kv in self.storage]
             self.inputs[key] = GreedyBatch(*(torch.empty_like(t) for t in batch[:4]), caches)
         held = self.inputs[key]
         for target, source in zip(held.tensors(), batch.tensors(), strict=True):
@@ -539,7 +531,7 @@ class StepGraphs:
     def __call__(self, model, batch):
         """The step's logits: the bucket's graph replayed; at its first use captured and checked, and where the
         capture fails or the first replay disagrees, the eager step's, graphs off."""
-        key, step = (model, len(batch.pad), batch.caches[0].max_len), lambda: static_step(model, batch)
+        key, step = (model, len(batch.tokens), batch.caches[0].slots), lambda: static_step(model, batch)
         if self.eager_why:
             return step()
         if key in self.graphs:
@@ -567,15 +559,3 @@ class StepGraphs:
         self.graphs[key], self.capture_seconds[key[1:]] = (graph, logits), seconds
         return logits
 
-
-# ---- the forward step --------------------------------------------------------------------------------------------
-
-def forward_step(model, tokens, positions, input_pos, kv_caches, mask, rows=None):
-    """Next-token logits of one decode step (of the batch's `rows` only, an index tensor, if given). Below 64 rows a
-    CPU's BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x faster than x @ W^T (50257 x 64..768
-    weights, 8-48 rows; the argmax after it included)."""
-    hidden = model.forward_cached(tokens, positions, input_pos, kv_caches, mask, head=False)
-    hidden = model.transformer.ln_f(hidden if rows is None else hidden[rows])
-    if hidden.device.type == "cpu" and hidden.size(0) < 64:
-        return (model.lm_head.weight @ hidden.t()).t()
-    return model.lm_head(hidden)

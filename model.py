@@ -1,6 +1,5 @@
 """GPT-2 in the shape of nanoGPT, loadable from transformers, with the KV cache its attention writes during decoding
 (generate.py drives the cached forward passes). Imports torch only."""
-import copy
 import math
 import os
 from dataclasses import dataclass
@@ -47,80 +46,76 @@ class Targets(NamedTuple):
 
 
 class KVCache:
-    """One layer's keys and values, (rows, heads, max_len, head_dim), allocated by the prefill (write_prompts, in
-    the dtype the layer computes in, e.g. fp16 under autocast) and then written in place by each decode step."""
+    """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): keys at [:, 0], values at [:, 1], so that a
+    step writes both with one copy. Allocated by the prefill (write_prompts, in the dtype the layer computes in, e.g.
+    fp16 under autocast), then written in place by each decode step."""
 
-    def __init__(self, max_len):
-        self.max_len = max_len
-        self.k = self.v = None
+    def __init__(self, slots, kv=None):
+        self.slots, self.kv = slots, kv
 
-    def update(self, input_pos, k, v, length):
-        """Write k, v at slots input_pos; return the first `length` slots (the rest are not yet written)."""
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k[:, :, :length], self.v[:, :, :length]
+    def update(self, input_pos, kv):
+        """Write kv (rows, 2, heads, T, head_dim) at slots input_pos (T,); return the keys and values of every slot."""
+        self.kv.index_copy_(3, input_pos, kv)
+        return self.kv.unbind(1)
 
-    def write_prompts(self, k, v, lengths):
-        """Write prompts packed along k, v (1, H, sum(lengths), D) into one row each, right-aligned at slot
+    def attend(self, q, input_pos, kv, mask):
+        """A decode step's attention: kv written at slots input_pos, q over every slot as the additive mask allows."""
+        return F.scaled_dot_product_attention(q, *self.update(input_pos, kv), attn_mask=mask)
+
+    def write_prompts(self, kv, lengths):
+        """Write prompts packed along kv (1, 2, H, sum(lengths), D) into one row each, right-aligned at slot
         max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
-        _, H, _, D = k.shape
-        self.k = k.new_zeros(len(lengths), H, self.max_len, D)
-        self.v = k.new_zeros(len(lengths), H, self.max_len, D)
+        self.kv = kv.new_zeros(len(lengths), *kv.shape[1:3], self.slots, kv.size(4))
         end = max(lengths)
-        for row, (k_row, v_row) in enumerate(zip(k.split(lengths, 2), v.split(lengths, 2), strict=True)):
-            self.k[row, :, end - k_row.size(2):end] = k_row[0]
-            self.v[row, :, end - v_row.size(2):end] = v_row[0]
+        for row, prompt in enumerate(kv.split(lengths, 3)):
+            self.kv[row, :, :, end - prompt.size(3):end] = prompt[0]
 
     def select_rows(self, rows):
         """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
-        selected = KVCache(self.max_len)
-        selected.k, selected.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
-        return selected
+        return KVCache(self.slots, self.kv[rows])
 
 
-class SharedPromptCache:
-    """One layer's keys and values while `per_prompt` rows (samples, beams) continue each prompt: the prompts' (prompts,
-    heads, P, head_dim), read once a step for all their rows, with their `filled` slots (prompts, P); and each row's
-    generated slots (rows, heads, max_new, head_dim), a prompt's rows one after another."""
+class SharedPromptCache(NamedTuple):
+    """One layer's keys and values while several rows (samples, beams) continue each prompt: the prompts' slots (a
+    KVCache of one row a prompt, read once a step for all of its rows) and each row's own generated slots (a KVCache,
+    a prompt's rows one after another, slot 0 its first new token); `pad_mask` (prompts, 1, 1, P), additive, hides
+    the prompts' padding."""
+    prompt: KVCache
+    own: KVCache
+    pad_mask: torch.Tensor
 
-    def __init__(self, k, v, filled, per_prompt, max_new):
-        self.prompt_k, self.prompt_v, self.per_prompt = k, v, per_prompt
-        self.pad_mask = torch.zeros(filled.shape, device=k.device).masked_fill(~filled, -float("inf"))[:, None, None]
-        self.k, self.v = (k.new_zeros(k.size(0) * per_prompt, k.size(1), max_new, k.size(3)) for _ in "kv")
+    def attend(self, q, input_pos, kv, mask):
+        """A decode step's attention: kv written at own slots input_pos, q over its prompt and, as the additive mask
+        (rows, 1, 1, own slots) allows, its own slots."""
+        self.own.update(input_pos, kv)
+        return shared_prompt_attention(q, self, mask)
 
-    def update(self, input_pos, k, v):
-        """Write k, v at slots input_pos (after the prompt's P); return every generated slot (masked after it)."""
-        self.k.index_copy_(2, input_pos - self.prompt_k.size(2), k)
-        self.v.index_copy_(2, input_pos - self.prompt_k.size(2), v)
-        return self.k, self.v
-
-    def reorder_rows(self, rows, generated):
-        """Reorder the rows in place within their prompts (beam search's step): their first `generated` slots."""
-        self.k[:, :, :generated] = self.k[rows, :, :generated]
-        self.v[:, :, :generated] = self.v[rows, :, :generated]
-
-    def select_prompts(self, prompts):
-        """A new cache of the prompts given by index tensor `prompts`, with their rows, copied."""
-        selected = copy.copy(self)
-        rows = (prompts[:, None] * self.per_prompt + torch.arange(self.per_prompt, device=prompts.device)).view(-1)
-        selected.prompt_k, selected.prompt_v = self.prompt_k[prompts], self.prompt_v[prompts]
-        selected.pad_mask, selected.k, selected.v = self.pad_mask[prompts], self.k[rows], self.v[rows]
-        return selected
+    def select_rows(self, rows, prompts=None):
+        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated) and, where `prompts`
+        (an index tensor) is given, of the prompts they continue; copied."""
+        if prompts is None:
+            return self._replace(own=self.own.select_rows(rows))
+        return SharedPromptCache(self.prompt.select_rows(prompts), self.own.select_rows(rows), self.pad_mask[prompts])
 
 
-def shared_prompt_attention(q, k, v, cache, input_pos):
-    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt, read once for its rows, and
-    over the row's own slots k, v: one softmax, in float32 (in fp16, scores and sums would round and overflow)."""
-    B, H, P, D = cache.prompt_k.shape
-    q = q * D ** -0.5
-    prompt = q.view(B, -1, H, D).transpose(1, 2) @ cache.prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
-    prompt = (prompt.float() + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
-    own = (q @ k.transpose(2, 3)).float().masked_fill(torch.arange(k.size(2), device=q.device) > input_pos - P,
-                                                      -math.inf)
-    probs = torch.cat((prompt, own), dim=-1).softmax(dim=-1)
-    from_prompt = probs[..., :P].to(v.dtype).reshape(B, -1, H, P).transpose(1, 2) @ cache.prompt_v
-    from_own = (probs[..., P:].to(v.dtype) @ v).float()
-    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D).float() + from_own).to(v.dtype)
+def attention_mask(allowed, dtype):
+    """The additive mask (rows, 1, 1, slots) of a boolean (rows, slots): 0 where allowed, -inf elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, -math.inf)[:, None, None]
+
+
+def shared_prompt_attention(q, cache, mask):
+    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt in `cache`, read once for its
+    rows, and over the row's own slots as the additive mask allows. Scores, softmax and sums in float32 (one cast of
+    each cache): as precise as full-cache SDPA, where half-precision scores would round before the softmax."""
+    B, _, H, P, D = cache.prompt.kv.shape
+    (prompt_k, prompt_v), (k, v) = cache.prompt.kv.float().unbind(1), cache.own.kv.float().unbind(1)
+    q = q.float() * D ** -0.5
+    prompt = q.view(B, -1, H, D).transpose(1, 2) @ prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
+    prompt = (prompt + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
+    probs = torch.cat((prompt, q @ k.transpose(2, 3) + mask), dim=-1).softmax(dim=-1)
+    from_prompt = probs[..., :P].reshape(B, -1, H, P).transpose(1, 2) @ prompt_v
+    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D) + probs[..., P:] @ v).to(cache.own.kv.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -135,26 +130,21 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x, kv_cache=None, input_pos=None, mask=None, lengths=None):
-        """Causal attention over x; with kv_cache, x's keys/values are first written into cache slots
-        input_pos and the queries attend to the cache slots that `mask` (B, 1, T, cache_len) allows.
-        With `lengths`, x (1, T, C) is prompts packed back to back: each attends causally within itself
-        and its keys/values go into its own cache row (KVCache.write_prompts)."""
+        """Causal attention over x. With `lengths`, x (1, T, C) is prompts packed back to back: each attends causally
+        within itself and its keys/values go into its own row of kv_cache (KVCache.write_prompts). Else with
+        kv_cache (a decode step), the cache's attention (KVCache.attend, SharedPromptCache.attend)."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, kv = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1:].permute(0, 2, 3, 1, 4)  # kv (B, 2, heads, T, head_dim)
         if lengths is not None:
-            kv_cache.write_prompts(k, v, lengths)
-            y = torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
-                           for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)],
-                          dim=2)
-        elif kv_cache is None:  # training: causal
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+            kv_cache.write_prompts(kv, lengths)
+            y = torch.cat([F.scaled_dot_product_attention(q, *kv.unbind(1), is_causal=True)
+                           for q, kv in zip(q.split(lengths, 2), kv.split(lengths, 3), strict=True)], dim=2)
+        elif kv_cache is None:  # training
+            y = F.scaled_dot_product_attention(q, *kv.unbind(1), dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=True)
-        elif isinstance(kv_cache, SharedPromptCache):
-            y = shared_prompt_attention(q, *kv_cache.update(input_pos, k, v), kv_cache, input_pos)
         else:
-            k, v = kv_cache.update(input_pos, k, v, mask.size(-1))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = kv_cache.attend(q, input_pos, kv, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -251,16 +241,18 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float(), y.view(-1).index_select(0, index), reduction="sum")
         return None, loss / max(index.numel(), 1)
 
-    def forward_cached(self, idx, positions, input_pos, kv_caches, mask, head=True):
-        """Run idx (B, T) at per-row positions (B, T), writing its keys/values into the caches at cache slots
-        input_pos (T,); queries attend to the first L cache slots as the boolean mask (B, 1, T, L) allows.
-        Returns the logits of the last position only (B, vocab); with head=False its hidden state before ln_f
-        (B, C), for a caller that applies ln_f and lm_head its own way (to some rows)."""
+    def next_logits(self, idx, positions, input_pos, kv_caches, mask, rows=None):
+        """A decode step's logits (of its `rows` only, an index tensor, if given): idx (B, 1) at positions (B, 1),
+        its keys/values written at cache slots input_pos (1,), each cache's attention as the additive mask allows.
+        Below 64 rows a CPU's BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x faster than x @ W^T
+        (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, input_pos, mask)
-        return self.next_token_logits(x[:, -1]) if head else x[:, -1]
+        x = self.transformer.ln_f(x[:, -1] if rows is None else x[rows, -1])
+        if x.device.type == "cpu" and x.size(0) < 64:
+            return (self.lm_head.weight @ x.t()).t()
+        return self.lm_head(x)
 
     def prefill(self, prompts, kv_caches):
         """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each
@@ -273,11 +265,7 @@ class GPT(nn.Module):
         for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, lengths=lengths)
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
-        return self.next_token_logits(x[0, last])
-
-    def next_token_logits(self, x):
-        """lm_head over one hidden state per row (B, C) -> (B, vocab)."""
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.lm_head(self.transformer.ln_f(x[0, last]))
 
     def set_dropout(self, p):
         """Change the dropout probability everywhere (a resumed run may train with another one)."""

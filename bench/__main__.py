@@ -29,7 +29,7 @@ from bench.compile import Waits, decoding_steps, summary_end_token
 from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
-from model import GPT
+from model import GPT, SharedPromptCache
 from summarizer import inference, mbr
 from summarizer.inference import open_summarizer, summarize_batches
 from summarizer.memory import kv_cache_bytes
@@ -283,12 +283,13 @@ def kv_bytes_per_step(model, prompts, decoding):
         x, cache, mask, lengths = args[0], args[1], args[3], args[4]
         if lengths is None:
             calls[0] += module is model.transformer.h[0].attn
-            prompt = getattr(cache, "prompt_k", None)  # a shared prompt's (prompts, heads, P, head_dim)
-            P = mask.size(-1) - calls[0]  # the step's slots: the padded prompt's, then one per token generated
-            prompt_slots = x.size(0) * P if prompt is None else prompt.size(0) * P
-            slot = 2 * cache.k.size(1) * cache.k.size(3) * cache.k.element_size()
+            shared = isinstance(cache, SharedPromptCache)
+            kv = cache.prompt.kv if shared else cache.kv  # (rows or prompts, 2, heads, slots, head_dim)
+            P = kv.size(3) if shared else mask.size(-1) - calls[0]  # greedy's: the padded prompt's, then one a token
+            prompt_slots = kv.size(0) * P
+            slot = kv[0, :, :, 0].numel() * kv.element_size()
             read[0] += prompt_slots * slot
-            read[1] += (prompt_slots + x.size(0) * (calls[0] if prompt is None else cache.k.size(2))) * slot
+            read[1] += (prompt_slots + x.size(0) * (cache.own.kv.size(3) if shared else calls[0])) * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
     generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=mbr.pick)

@@ -153,8 +153,7 @@ def kv_cache_traffic():
     prompts once) and copied by row selection (rows dropped, reordered or repeated). Yields the running totals."""
     traffic = {"read": 0, "copied": 0}
     full, shared = model_module.KVCache, model_module.SharedPromptCache
-    originals = [(full, "update"), (full, "select_rows"), (shared, "update"), (shared, "select_prompts"),
-                 (shared, "reorder_rows")]
+    originals = [(full, "update"), (full, "select_rows"), (shared, "attend")]
     originals = [(cls, name, getattr(cls, name)) for cls, name in originals]
 
     def counted(name, method):
@@ -162,12 +161,10 @@ def kv_cache_traffic():
             out = method(self, *args)
             if name == "update":
                 traffic["read"] += out[0].nbytes + out[1].nbytes
-                traffic["read"] += self.prompt_k.nbytes + self.prompt_v.nbytes if hasattr(self, "prompt_k") else 0
-            elif name == "reorder_rows":
-                traffic["copied"] += 2 * self.k[:, :, :args[1]].nbytes
+            elif name == "attend":
+                traffic["read"] += self.prompt.kv.nbytes
             else:
-                traffic["copied"] += out.k.nbytes + out.v.nbytes + (
-                    out.prompt_k.nbytes + out.prompt_v.nbytes if hasattr(out, "prompt_k") else 0)
+                traffic["copied"] += out.kv.nbytes
             return out
         return wrapper
     with contextlib.ExitStack() as patched:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 import data
 from config import Config, Decoding, Split, Use, keys, part, resolve
-from generate import generate, on_static_shapes
+from generate import generate, plain_greedy
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.checkpoint import load_checkpoint
@@ -75,7 +75,7 @@ class Summarizer:
         if self.extractive:
             return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
         cfg = cfg or self.cfg
-        graphed = rt.graphs and on_static_shapes(part(cfg, Decoding))  # whether they replayed is known after
+        graphed = rt.graphs and plain_greedy(part(cfg, Decoding))  # whether they replayed is known after
         if rt.is_main:
             print(f"summarizing {len(prompts)} dialogues" + ("" if graphed else ": eager decode steps"))
         summaries = summarize_on_ranks(self.model, prompts, cfg, rt)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from config import Decoding, part
-from generate import greedy_slots, on_static_shapes
+from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
 from summarizer.errors import UserError
@@ -292,18 +292,14 @@ def generation_memory(cfg, device):
 
 def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
     """KV-cache slots (one token's keys and values in every layer) that one prompt of P tokens holds at the peak of
-    generate(), M new tokens after it. Plain greedy: its static cache (greedy_slots) twice
-    (the copy that drops ended rows, or CUDA graphs' buffers). Else the prefill's row (P + M), then the prompt once
-    for its rows (beams, samples; 1 for greedy with processors) and their M generated slots each, twice at a copy
-    (dropping ended prompts, reordering beams); MBR's greedy or beam candidate first decodes from a copy of the
-    prefill's row."""
+    generate(), M new tokens after it. Plain greedy: its static cache (greedy_slots) twice (the copy that drops
+    ended rows, or CUDA graphs' buffers). Else the prefill's P, shared by the prompt's rows (beams, samples, MBR's
+    candidate; 1 for greedy with processors), and their M own slots each, all twice at a copy (dropping ended
+    prompts, reordering beams). MBR's candidate decodes before its samples, over the same prefill."""
     d, P, M = decoding, prompt_tokens, decoding.max_new_tokens
-    if on_static_shapes(d) and not d.mbr_samples:
+    if plain_greedy(d) and not d.mbr_samples:
         return 2 * greedy_slots(P, M, block_size)
-    deterministic = (P + M) + 2 * (P + d.num_beams * M)
-    if not d.mbr_samples:
-        return deterministic
-    return max((P + M) + deterministic if d.mbr_include_beam else 0, (P + M) + 2 * (P + d.mbr_samples * M))
+    return 2 * (P + max(d.num_beams, d.mbr_samples) * M)
 
 
 def kv_cache_bytes(model_config, slots, dtype):

@@ -244,9 +244,9 @@ def test_gen_memory_gb_sizes_the_batches(tiny_hf_dir):
     model = GPT.from_pretrained(tiny_hf_dir).eval()
     prompts = [[1] * 50] * 40
     # P = 50 prompt tokens, M = 20 new: greedy's static cache (70 slots, up to 128) and its copy; beams and samples
-    # over the prefill's row (70), then the shared prompt (50) with their 20 generated slots each, and a copy of those
-    for options, slots in (([], 2 * 128), (["--num_beams=4"], 70 + 2 * (50 + 4 * 20)),
-                           (["--temperature=0.7", "--mbr_samples=16"], 70 + 2 * (50 + 16 * 20))):
+    # over the prefill's prompt (50), shared, with their 20 own slots each, and a copy of those
+    for options, slots in (([], 2 * 128), (["--num_beams=4"], 2 * (50 + 4 * 20)),
+                           (["--temperature=0.7", "--mbr_samples=16"], 2 * (50 + 16 * 20))):
         per_prompt = memory.kv_cache_bytes(model.config, slots, torch.float32)
         rows = int(options[-1].split("=")[1]) if options else 1  # beams or samples
         per_prompt += memory.LOGITS_COPIES * rows * 50257 * 4  # and their logits: float32 rows of the vocabulary

@@ -1,10 +1,14 @@
+import collections
 import random
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 from rouge_score import rouge_scorer
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import generate as generate_module
 from config import Decoding
 from conftest import mid_way_eos
 from data import summary_text
@@ -79,6 +83,35 @@ def test_eos_stops_only_its_row(ours, prompts, eos):
     for f, s in zip(free, stopped, strict=True):
         assert s == cut(f, eos)
         assert eos not in s
+
+
+class OperatorCount(TorchDispatchMode):
+    """The ATen operators run, by name (views, which launch nothing, aside)."""
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_greedy_step_writes_keys_and_values_by_one_copy_a_layer_and_opens_its_mask_by_one_write(ours, prompts):
+    # a step replayed as a CUDA graph costs its kernel count: per layer 4 linear, 2 layer_norm, one index_copy_ (keys
+    # and values together), SDPA, gelu and 2 adds; then one write to the kept mask, the embeddings, ln_f and lm_head
+    steps, static_step = [], generate_module.static_step
+
+    def counted(model, batch):
+        with OperatorCount() as ops:
+            logits = static_step(model, batch)
+        steps.append(ops.counts)
+        return logits
+    with mock.patch.object(generate_module, "static_step", counted):
+        generate(ours, prompts[:8], Decoding(max_new_tokens=4), eos_token_id=-1)
+    ops, layers = steps[-1], ours.config.n_layer
+    ops.pop("dropout")  # in eval, its input itself
+    assert ops["index_copy_"] == layers and ops["index_fill_"] == 1
+    assert sum(ops.values()) == 11 * layers + 6, ops
 
 
 @pytest.mark.slow
@@ -196,13 +229,13 @@ def test_samples_follow_the_model_distribution(ours):
 @pytest.mark.parametrize("settings", [dict(num_beams=4), dict(temperature=1.0, top_k=3, mbr_samples=6)])
 def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts, eos, settings):
     # every decode step attends each prompt's keys and values once for all of its rows, and each row keeps its
-    # generated slots only (beam search reorders those alone)
+    # generated slots only (beam search reorders those alone); the prefill's cache holds the prompt's slots alone
     steps = []
 
     def record(module, args):
         x, cache, lengths = args[0], args[1], args[4]
         if lengths is None:
-            steps.append((x.size(0), cache.prompt_k.size(0), cache.k.size(2)))
+            steps.append((x.size(0), cache.prompt.kv.size(0), cache.own.slots, cache.prompt.kv.size(3)))
 
     hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
     try:
@@ -212,8 +245,9 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
         for hook in hooks:
             hook.remove()
     per_prompt = settings.get("num_beams", settings.get("mbr_samples"))
-    assert steps[0] == (len(prompts) * per_prompt, len(prompts), MAX_NEW) and len(steps) > len(ours.transformer.h)
-    assert all(rows == cached * per_prompt and slots == MAX_NEW for rows, cached, slots in steps)
+    P = max(map(len, prompts))
+    assert steps[0] == (len(prompts) * per_prompt, len(prompts), MAX_NEW, P) and len(steps) > len(ours.transformer.h)
+    assert all(rows == cached * per_prompt and (slots, prompt) == (MAX_NEW, P) for rows, cached, slots, prompt in steps)
 
 
 def test_samples_that_agree_so_far_go_through_lm_head_once(ours, prompts, eos):

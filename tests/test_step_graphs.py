@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 import generate as generate_module
 from config import Decoding, load_config
 from conftest import mid_way_eos
-from generate import GreedyBatch, StepGraphs, capture_graph, forward_step, generate, static_step
-from model import KVCache
+from generate import GreedyBatch, StepGraphs, capture_graph, generate, static_step
+from model import KVCache, attention_mask
 from summarizer.inference import Summarizer
 from summarizer.runtime import Runtime
 
@@ -149,9 +149,8 @@ def test_each_model_replays_its_own_graph(model, prompts, eos, cuda):
 def host_reading_step(model, batch):
     """static_step with its slot read on the host: right on any step run eagerly, wrong in a graph (its replays
     would attend up to the captured step's slot)."""
-    slots = torch.arange(batch.caches[0].max_len)
-    mask = (slots >= batch.pad[:, None]) & (slots <= int(batch.slot[0]))
-    return forward_step(model, batch.tokens, batch.positions, batch.slot, batch.caches, mask[:, None, None, :])
+    batch.mask[..., int(batch.slot[0])] = 0
+    return model.next_logits(batch.tokens, batch.positions, batch.slot, batch.caches, batch.mask)
 
 
 def test_a_step_that_reads_the_host_fails_its_capture_and_decodes_eagerly(model, prompts, eos, cuda, monkeypatch,
@@ -174,8 +173,9 @@ def test_a_step_that_reads_the_host_fails_its_capture_and_decodes_eagerly(model,
 
 def prefilled(model):
     """greedy()'s batch of two prompts (one padded) after its prefill, at the first step's slot, tokens written."""
-    pad = torch.tensor([1, 0])
-    batch = GreedyBatch(torch.tensor([[7], [8]]), (4 - pad)[:, None], torch.tensor([4]), pad,
+    pad, slots = torch.tensor([1, 0]), torch.arange(64)
+    mask = attention_mask((slots >= pad[:, None]) & (slots < 4), torch.float32)
+    batch = GreedyBatch(torch.tensor([[7], [8]]), (4 - pad)[:, None], torch.tensor([4]), mask,
                         [KVCache(64) for _ in model.transformer.h])
     model.prefill([[1, 2, 3], [4, 5, 6, 7]], batch.caches)
     return batch

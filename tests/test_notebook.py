@@ -61,7 +61,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "model" / "model.safetensors").is_file()
     outputs = [cell.outputs for cell in nb.cells if cell.cell_type == "code"]
     trained = "".join(o.get("text", "") for o in outputs[4])
-    assert "micro-batch x 2 process(es)" in trained and "Traceback" not in trained  # torchrun, two ranks
+    assert "over 2 process(es)" in trained and "Traceback" not in trained  # torchrun, two ranks
     # one progress bar updated in place ("\r"), not a line per refresh
     assert "\r" in trained and sum("training:" in line for line in trained.split("\n")) <= 3
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in outputs[5])

@@ -148,7 +148,7 @@ def test_two_nodes_on_localhost_equal_two_processes_on_one_node(parity_data, sin
             node.kill()
     for node, (_, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr[-3000:]
-    assert sum("x 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of 2 ranks, logged by rank 0
+    assert sum("over 2 process(es)" in stdout for stdout, _ in outputs) == 1  # one job of 2 ranks, logged by rank 0
     two_nodes = metrics(parity_data / "two_nodes")
     assert [r["loss"] for r in two_nodes] == [r["loss"] for r in metrics(parity_data / "one_node")]
     assert_same_losses(two_nodes, single_process)

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -13,15 +14,17 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import Config, Decoding, Split, Use, keys, part, resolve
+from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
 from generate import generate, on_static_shapes
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from summarizer.launch import out_of_memory, out_of_memory_hint
+from summarizer.files import no_empty_folder_left
+from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
 from summarizer.memory import generation_batches, generation_memory
+from summarizer.runtime import Runtime
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
@@ -197,6 +200,16 @@ def validation_set(summarizer, cfg, explicit, rt):
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
+
+
+def decoding_command(argv, usage, command, work):
+    """evaluate.py's and predict.py's main: `work(cfg, the flags given, rt)` in the Runtime of the command line's
+    Config, errors in one line, no empty output folder left behind."""
+    argv = sys.argv[1:] if argv is None else argv
+    with one_line_errors():
+        cfg = load_config(argv, usage, command)
+        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
+            work(cfg, flags_given(argv), rt)
 
 
 def checkpoint_path(cfg):

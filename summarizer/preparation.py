@@ -175,8 +175,9 @@ def time_step(cfg, rt, batches, state, module):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
     run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
     busy machine must not mislead). Leaves no gradients and draws no random numbers."""
-    rng, runs = rng_state(), []
-    x, found = first_micro_batch(batches, state.step, rt.device)
+    rng, runs, batch = rng_state(), [], batches(state.step)
+    x, y = batch.micro_batches[0]  # the step's longest
+    x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
     say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, rt):
         for _ in range(1 + WARM_RUNS):
@@ -188,7 +189,7 @@ def time_step(cfg, rt, batches, state, module):
         say_start_up(rt, "timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    return max(runs[1:]) * len(batches(state.step).micro_batches), batches(state.step).tokens
+    return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
 def time_decoding(cfg, rt, state, prompts):
@@ -205,12 +206,6 @@ def time_decoding(cfg, rt, state, prompts):
             timed.append((time.perf_counter() - start, len(prompts)))
         set_rng_state(rng)
     return timed
-
-
-def first_micro_batch(batches, step, device):
-    """(x, its Targets) of this rank's first micro-batch of step `step`, on `device`: the step's longest."""
-    x, y = batches(step).micro_batches[0]
-    return x.to(device, non_blocking=True), Targets.of(y).to(device)
 
 
 def validation_tokens(cfg, val_set):

@@ -53,18 +53,16 @@ def generation_config(d):
                         f"generation_config.json; export with --mbr_samples=0 and the greedy, beam or sampling "
                         f"settings to ship")
     settings = dict(max_new_tokens=d.max_new_tokens, num_beams=d.num_beams, repetition_penalty=d.repetition_penalty,
-                    no_repeat_ngram_size=d.no_repeat_ngram_size,
+                    no_repeat_ngram_size=d.no_repeat_ngram_size, do_sample=d.temperature > 0,
                     bos_token_id=data.EOT_ID, eos_token_id=data.EOT_ID, pad_token_id=data.EOT_ID)
     if d.num_beams > 1:
         settings.update(length_penalty=d.length_penalty, early_stopping=False)
     if d.min_new_tokens > 0:
         settings["min_new_tokens"] = d.min_new_tokens
     if d.temperature > 0:  # top_k=0 is off in both, whereas transformers' own default is 50
-        settings.update(do_sample=True, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
+        settings.update(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
         if d.epsilon > 0:
             settings["epsilon_cutoff"] = d.epsilon
-    else:
-        settings["do_sample"] = False
     return GenerationConfig(**settings)
 
 
@@ -158,11 +156,9 @@ print(summarize("Amanda: I baked cookies. Do you want some?\\nJerry: Sure!\\nAma
 
 def check_target(path, overwrite):
     """UserError unless `path` can take the export: absent, empty, or (with overwrite) an earlier export."""
-    if not os.path.exists(path):
-        return
-    if not os.path.isdir(path):
+    if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"export_dir {path} is a file: choose a folder with --export_dir=DIR")
-    if not os.listdir(path):
+    if not os.path.exists(path) or not os.listdir(path):
         return
     if not overwrite:
         raise UserError(f"export_dir {path} is not empty: choose a new folder, or pass --overwrite=True to "

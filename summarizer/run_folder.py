@@ -279,19 +279,15 @@ def gb(n):
 
 def checkpoint_bytes(state):
     """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
-    tensors = []
+    return nbytes(tensors_in(state), ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
 
-    def collect(obj):
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                collect(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                collect(value)
-    collect(state)
-    return nbytes(tensors, ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
+
+def tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors_in(value)
 
 
 class DiskPlan:

@@ -167,17 +167,13 @@ def plot_metrics(jsonl_path, png_path, title=""):
     fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
     ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
-    ax_loss.set_xlabel("iter")
-    ax_loss.set_ylabel("loss (cross-entropy per target token)")
-    ax_loss.set_title("loss")
+    ax_loss.set(xlabel="iter", ylabel="loss (cross-entropy per target token)", title="loss")
     ax_loss.legend()
     for key in ("rouge1", "rouge2", "rougeL"):
         if points := [(r["iter"], r[key]) for r in evals if key in r]:
             ax_rouge.plot(*zip(*points, strict=True), "o-", label=key)
             ax_rouge.legend()
-    ax_rouge.set_xlabel("iter")
-    ax_rouge.set_ylabel("ROUGE F1")
-    ax_rouge.set_title("validation ROUGE")
+    ax_rouge.set(xlabel="iter", ylabel="ROUGE F1", title="validation ROUGE")
     fig.suptitle(title or os.path.dirname(os.path.abspath(png_path)))
     fig.tight_layout()
     with atomic_write(png_path, "wb") as f:

@@ -74,8 +74,7 @@ def upgrade_3(ckpt):
 
 
 def upgrade_4(ckpt):
-    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents (format 5 marked a new command setting, which
-    a run's file need not hold)."""
+    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents; 5 marked a command setting a run's file lacks."""
     return {**ckpt, "format": 5}
 
 

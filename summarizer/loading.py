@@ -24,8 +24,7 @@ GPT2_POSITIONS = 1024
 
 
 def is_checkpoint(source):
-    """Whether `source` names a checkpoint file (what train.py writes) rather than 'scratch', a GPT-2 name or a
-    transformers folder."""
+    """Whether `source` names a checkpoint file (train.py's), not scratch, a GPT-2 name or a transformers folder."""
     return os.path.isfile(source) or source.endswith(".pt")
 
 

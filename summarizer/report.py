@@ -118,8 +118,7 @@ def scores_section(report):
 
 
 def interval_text(ci95, signed=False):
-    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or what stands for an interval that fewer than two
-    dialogues cannot give."""
+    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or a note where fewer than two dialogues give none."""
     if ci95 is None or ci95[0] is None:
         return "(no interval: fewer than 2 dialogues)"
     return f"[{ci95[0]:{'+' if signed else ''}.4f}, {ci95[1]:{'+' if signed else ''}.4f}]"

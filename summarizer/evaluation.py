@@ -144,8 +144,7 @@ def bootstrap_interval(values, samples=1000, seed=0):
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
+    means = values[np.random.default_rng(seed).integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 

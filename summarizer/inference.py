@@ -188,8 +188,7 @@ def validation_set(summarizer, cfg, explicit, rt):
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
-    saved = summarizer.ckpt["config"]
-    own = (all(getattr(summarizer.cfg, key) == saved[key] for key in keys(Split))
+    own = (all(getattr(summarizer.cfg, key) == summarizer.ckpt["config"][key] for key in keys(Split))
            and splits.train.digest == trained["digest"] and val.digest == summarizer.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
@@ -246,8 +245,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
     same whatever the number of ranks, so sharded output is the single-process output. graphs: greedy's steps as
     CUDA graphs (generate.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
-    device = model.lm_head.weight.device
-    memory = generation_memory(cfg, device) if memory is None else memory
+    memory = generation_memory(cfg, model.lm_head.weight.device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
     decoding = part(cfg, Decoding)
     batches = generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory, dtype, rank, world_size)

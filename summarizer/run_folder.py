@@ -134,9 +134,8 @@ def describe_holder(who):
 def training_in(out_dir):
     """The holder of out_dir's lock when a training run other than this process holds it, else None: evaluate,
     predict and export then read the last complete save (saves replace files whole, never in place)."""
-    path = os.path.join(out_dir, LOCK)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return None

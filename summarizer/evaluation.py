@@ -47,10 +47,8 @@ def validation_loss(model, val_set, cfg, rt):
 def prepare_scoring(cfg, explicit, rt):
     """(summarizer, validation examples, their prompts, the --compare evaluation's rows or None), after the notes."""
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
-    if rt.is_main:
-        inference.make_output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, inference.describe_validation)
-    val, notes = inference.validation_set(summarizer, cfg, explicit, rt)
+    val, notes = inference.validation_set(summarizer, explicit, rt)
     prompts, cut = summarizer.prompts(val.dialogues)
     if rt.is_main:
         for note in [*notes, inference.cut_line(summarizer, cut, len(val)) if cut else ""]:

@@ -113,8 +113,10 @@ def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
 
 
 def load_summarizer(cfg, explicit, rt, describe_data):
-    """open_summarizer, on rank 0 the first line (weights, template, describe_data(its config), decoding), then
-    the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts a weight again."""
+    """Rank 0 makes the output folder; open_summarizer, on rank 0 its first line (weights, template, describe_data(its
+    config), decoding), the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts again."""
+    if rt.is_main:
+        make_output_dir(cfg)
     summarizer = open_summarizer(cfg, explicit)
     run_cfg, model = summarizer.cfg, summarizer.model
     if rt.is_main and model is None:  # an extractive baseline
@@ -170,7 +172,7 @@ def describe_validation(cfg):
     return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
 
 
-def validation_set(summarizer, cfg, explicit, rt):
+def validation_set(summarizer, explicit, rt):
     """(validation examples, notes): the run's split, or the one the command names. Rows the checkpoint trained on
     (data.repeated_rows) are refused in one line, unless they are duplicates inside the run's own split (a note)."""
     if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read

@@ -70,7 +70,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module, compiled_module, compiled = step_module(cfg, rt, state)
+    module, compiled_module, compiled = step_module(rt, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
@@ -160,7 +160,7 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def step_module(cfg, rt, state):
+def step_module(rt, state):
     """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
     after a compiler failure) and wrapped by the backend; the CompiledModule in it, or None; what
     runs under torch.compile, in words, for the start line)."""

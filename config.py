@@ -548,10 +548,6 @@ def part(cfg, group):
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
-def scope(key):
-    return FIELDS[key].metadata["scope"]
-
-
 def grad_accum_steps(cfg, world_size):
     """Micro-batches each rank runs per optimizer step so that all ranks together process batch_size sequences;
     UserError when batch_size does not split so (Training's rule, with world_size=1, as every Config is made)."""

@@ -60,13 +60,10 @@ class Take(enum.Enum):
 # it, docs/config.md prints it (settings_report.scope_table) and --help points there. A resume changes only what a
 # flag gives, since a preset would silently change a run it continues.
 TAKES = {
-    Scope.SHAPE: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN, Use.INFERENCE: Take.RUN, Use.EXPORT: Take.RUN},
-    Scope.TRAINED: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN,
-                    Use.EXPORT: Take.RUN},
-    Scope.TRAINING: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.OWN,
-                     Use.EXPORT: Take.RUN},
-    Scope.RUN: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN_OR_GIVEN,
-                Use.EXPORT: Take.RUN},
+    Scope.SHAPE: dict.fromkeys(Use, Take.RUN),
+    Scope.TRAINED: {**dict.fromkeys(Use, Take.RUN), Use.WEIGHTS: Take.RUN_OR_GIVEN},
+    Scope.TRAINING: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.INFERENCE: Take.OWN, Use.EXPORT: Take.RUN},
+    Scope.RUN: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.EXPORT: Take.RUN},
     Scope.DECODING: dict.fromkeys(Use, Take.RUN_OR_GIVEN),
     Scope.COMMAND: dict.fromkeys(Use, Take.OWN),
 }

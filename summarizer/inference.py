@@ -31,7 +31,7 @@ RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unle
 
 def utterances(dialogue):
     """A dialogue's non-empty lines (its utterances, speaker included), in order."""
-    return [line.strip() for line in dialogue.replace("\r\n", "\n").replace("\r", "\n").split("\n") if line.strip()]
+    return [line.strip() for line in data.clean_text(dialogue).split("\n") if line.strip()]
 
 
 def longest(lines, n):

@@ -161,9 +161,8 @@ def training_state(cfg, rt, model, resumed, splits, given):
 
 
 def step_module(rt, state):
-    """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
-    after a compiler failure) and wrapped by the backend; the CompiledModule in it, or None; what
-    runs under torch.compile, in words, for the start line)."""
+    """(what a step calls: the model, compiled at step 1 where the runtime compiles training (eager after a compiler
+    failure), wrapped by the backend; the CompiledModule in it, or None; what runs, in words, for the start line)."""
     compiled = CompiledModule(state.model) if rt.compile_training else None
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
     words = ("torch.compile (compiled at step 1)" if compiled else

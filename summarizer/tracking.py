@@ -198,7 +198,5 @@ PEAK_TFLOPS = {
 def peak_flops(device_name, dtype):
     """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
     dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
-    for key, table in PEAK_TFLOPS.items():
-        if re.search(rf"\b{key}\b", device_name.upper()):
-            return table[dtype] * 1e12 if dtype in table else None
-    return None
+    peaks = next((peaks for key, peaks in PEAK_TFLOPS.items() if re.search(rf"\b{key}\b", device_name.upper())), {})
+    return peaks[dtype] * 1e12 if dtype in peaks else None

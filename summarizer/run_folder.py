@@ -108,11 +108,9 @@ def lock(out_dir):
         except BlockingIOError:
             handle.close()
             return None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
-        except FileNotFoundError:
-            pass
         handle.close()
     handle.seek(0)
     handle.truncate()
@@ -136,11 +134,9 @@ def training_in(out_dir):
     predict and export then read the last complete save (saves replace files whole, never in place)."""
     try:
         with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return None
-            except BlockingIOError:
-                pass
             who = json.loads(f.read() or "{}")
     except (OSError, ValueError):
         return None

@@ -15,7 +15,6 @@ from command_line import UserError
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 LOG_DESTINATIONS = ("tensorboard", "wandb")
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"

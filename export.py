@@ -19,8 +19,8 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, Config, Decoding, Use, flags_given, load_config, part
-from model import CONV1D_WEIGHTS
+from config import Config, Decoding, Use, flags_given, load_config, part
+from model import CONV1D_WEIGHTS, PRETRAINED
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
@@ -87,14 +87,14 @@ def model_card(ckpt, trained, cfg, fmt, name):
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {trained.rouge_samples} validation dialogues)"
     validation = describe_validation(trained).removeprefix("validation ")
-    base = (trained.init_from if trained.init_from in GPT2_NAMES else
+    base = (trained.init_from if trained.init_from in PRETRAINED else
             "not recorded (a resumed run's checkpoint written before 2026-11-26)" if trained.init_from == "resume"
             else f"{trained.init_from} (init_from)")
     decoding = "beam search" if cfg.num_beams > 1 else "sampling" if cfg.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
     head, tail = data.template_text(cfg.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
-                       *([f"base_model: {trained.init_from}"] if trained.init_from in GPT2_NAMES else []),
+                       *([f"base_model: {trained.init_from}"] if trained.init_from in PRETRAINED else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
     return f"""{front}
 

@@ -157,14 +157,13 @@ def progress_postfix(stats, skipped=None, left=None):
 
 def plot_metrics(jsonl_path, png_path, title=""):
     """metrics.png: training and validation loss and ROUGE by step, from metrics.jsonl, titled with the out_dir."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend, no figure to close
 
     with open(jsonl_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     evals = [r for r in rows if "val_loss" in r]
-    fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_rouge = fig.subplots(1, 2)
     ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
     ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
     ax_loss.set(xlabel="iter", ylabel="loss (cross-entropy per target token)", title="loss")
@@ -178,7 +177,6 @@ def plot_metrics(jsonl_path, png_path, title=""):
     fig.tight_layout()
     with atomic_write(png_path, "wb") as f:
         fig.savefig(f, format="png")
-    plt.close(fig)
 
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,

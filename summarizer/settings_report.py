@@ -6,17 +6,7 @@ import json
 import os
 from typing import NamedTuple
 
-from config import (
-    FIELDS,
-    GROUPS,
-    TAKES,
-    Config,
-    Use,
-    describe_duration,
-    keys,
-    settings_given,
-    type_name,
-)
+from config import FIELDS, GROUPS, TAKES, Config, Use, describe_duration, keys, settings_given, type_name
 from summarizer.files import atomic_write
 
 

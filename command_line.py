@@ -105,9 +105,8 @@ def preset(path):
 def near_preset(path):
     """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
     name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
-    for ext in (".py", ".json"):
-        if os.path.isfile(path + ext):
-            return path + ext
+    if found := next((path + ext for ext in (".py", ".json") if os.path.isfile(path + ext)), None):
+        return found
     shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
     files = {}  # name: its path, the path's own folder first
     for folder in dict.fromkeys([os.path.dirname(path), shipped]):

@@ -15,7 +15,6 @@ from command_line import UserError
 KAGGLE_INPUT = "/kaggle/input/nanogpt-fudannlp-cs-30040"
 PROMPT_TEMPLATE = "\n\n### DIALOGUE:\n{dialogue}\n\n### SUMMARY:\n"
 LOG_DESTINATIONS = ("tensorboard", "wandb")
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
@@ -60,13 +59,10 @@ class Take(enum.Enum):
 # it, docs/config.md prints it (settings_report.scope_table) and --help points there. A resume changes only what a
 # flag gives, since a preset would silently change a run it continues.
 TAKES = {
-    Scope.SHAPE: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN, Use.INFERENCE: Take.RUN, Use.EXPORT: Take.RUN},
-    Scope.TRAINED: {Use.RESUME: Take.RUN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN,
-                    Use.EXPORT: Take.RUN},
-    Scope.TRAINING: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.OWN,
-                     Use.EXPORT: Take.RUN},
-    Scope.RUN: {Use.RESUME: Take.RUN_OR_GIVEN, Use.WEIGHTS: Take.RUN_OR_GIVEN, Use.INFERENCE: Take.RUN_OR_GIVEN,
-                Use.EXPORT: Take.RUN},
+    Scope.SHAPE: dict.fromkeys(Use, Take.RUN),
+    Scope.TRAINED: {**dict.fromkeys(Use, Take.RUN), Use.WEIGHTS: Take.RUN_OR_GIVEN},
+    Scope.TRAINING: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.INFERENCE: Take.OWN, Use.EXPORT: Take.RUN},
+    Scope.RUN: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.EXPORT: Take.RUN},
     Scope.DECODING: dict.fromkeys(Use, Take.RUN_OR_GIVEN),
     Scope.COMMAND: dict.fromkeys(Use, Take.OWN),
 }
@@ -546,10 +542,6 @@ def keys(group, scope=None):
 def part(cfg, group):
     """The group's settings of a Config (e.g. part(cfg, Decoding) for generate)."""
     return group(**{key: getattr(cfg, key) for key in keys(group)})
-
-
-def scope(key):
-    return FIELDS[key].metadata["scope"]
 
 
 def grad_accum_steps(cfg, world_size):

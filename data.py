@@ -61,13 +61,8 @@ def _read_verified(path, expected_sha256):
 def _bytes_of_printable_char():
     """GPT-2 stores token bytes as printable unicode chars; this inverts that byte -> char table."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    table = {chr(b): b for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shift)] = b
-            shift += 1
-    return table
+    others = [b for b in range(256) if b not in printable]  # shifted past 255, in order
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def build_tokenizer(encoder_json, vocab_bpe):

@@ -15,24 +15,14 @@ another evaluation of the same dialogues, on stdout and in the report. Earlier f
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
-import sys
-
-from config import flags_given, load_config
 from summarizer.evaluation import evaluate, sweep
-from summarizer.files import no_empty_folder_left
-from summarizer.inference import output_dir
-from summarizer.launch import one_line_errors
-from summarizer.runtime import Runtime
+from summarizer.inference import decoding_command
 
 quiet_start.imported(__name__)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    with one_line_errors():
-        cfg = load_config(argv, __doc__, "evaluate.py")
-        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
-            (sweep if cfg.sweep else evaluate)(cfg, flags_given(argv), rt)
+    decoding_command(argv, __doc__, "evaluate.py", lambda cfg, *rest: (sweep if cfg.sweep else evaluate)(cfg, *rest))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
-from config import GPT2_NAMES, Config, Decoding, Use, flags_given, load_config, part
-from model import CONV1D_WEIGHTS
+from config import Config, Decoding, Use, flags_given, load_config, part
+from model import CONV1D_WEIGHTS, PRETRAINED
 from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
@@ -53,18 +53,16 @@ def generation_config(d):
                         f"generation_config.json; export with --mbr_samples=0 and the greedy, beam or sampling "
                         f"settings to ship")
     settings = dict(max_new_tokens=d.max_new_tokens, num_beams=d.num_beams, repetition_penalty=d.repetition_penalty,
-                    no_repeat_ngram_size=d.no_repeat_ngram_size,
+                    no_repeat_ngram_size=d.no_repeat_ngram_size, do_sample=d.temperature > 0,
                     bos_token_id=data.EOT_ID, eos_token_id=data.EOT_ID, pad_token_id=data.EOT_ID)
     if d.num_beams > 1:
         settings.update(length_penalty=d.length_penalty, early_stopping=False)
     if d.min_new_tokens > 0:
         settings["min_new_tokens"] = d.min_new_tokens
     if d.temperature > 0:  # top_k=0 is off in both, whereas transformers' own default is 50
-        settings.update(do_sample=True, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
+        settings.update(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
         if d.epsilon > 0:
             settings["epsilon_cutoff"] = d.epsilon
-    else:
-        settings["do_sample"] = False
     return GenerationConfig(**settings)
 
 
@@ -89,14 +87,14 @@ def model_card(ckpt, trained, cfg, fmt, name):
     if "rougeL" in metrics:
         scores += f" (ROUGE F1 on up to {trained.rouge_samples} validation dialogues)"
     validation = describe_validation(trained).removeprefix("validation ")
-    base = (trained.init_from if trained.init_from in GPT2_NAMES else
+    base = (trained.init_from if trained.init_from in PRETRAINED else
             "not recorded (a resumed run's checkpoint written before 2026-11-26)" if trained.init_from == "resume"
             else f"{trained.init_from} (init_from)")
     decoding = "beam search" if cfg.num_beams > 1 else "sampling" if cfg.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
     head, tail = data.template_text(cfg.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
-                       *([f"base_model: {trained.init_from}"] if trained.init_from in GPT2_NAMES else []),
+                       *([f"base_model: {trained.init_from}"] if trained.init_from in PRETRAINED else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
     return f"""{front}
 
@@ -158,11 +156,9 @@ print(summarize("Amanda: I baked cookies. Do you want some?\\nJerry: Sure!\\nAma
 
 def check_target(path, overwrite):
     """UserError unless `path` can take the export: absent, empty, or (with overwrite) an earlier export."""
-    if not os.path.exists(path):
-        return
-    if not os.path.isdir(path):
+    if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"export_dir {path} is a file: choose a folder with --export_dir=DIR")
-    if not os.listdir(path):
+    if not os.path.exists(path) or not os.listdir(path):
         return
     if not overwrite:
         raise UserError(f"export_dir {path} is not empty: choose a new folder, or pass --overwrite=True to "

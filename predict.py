@@ -10,24 +10,14 @@ decoding is moved aside, not overwritten.
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
-import sys
-
-from config import flags_given, load_config
-from summarizer.files import no_empty_folder_left
-from summarizer.inference import output_dir
-from summarizer.launch import one_line_errors
-from summarizer.runtime import Runtime
+from summarizer.inference import decoding_command
 from summarizer.submission import predict
 
 quiet_start.imported(__name__)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    with one_line_errors():
-        cfg = load_config(argv, __doc__, "predict.py")
-        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
-            predict(cfg, flags_given(argv), rt)
+    decoding_command(argv, __doc__, "predict.py", predict)
 
 
 if __name__ == "__main__":

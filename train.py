@@ -75,8 +75,7 @@ def main(argv=None):
         with Runtime(cfg) as rt, one_line_errors(), rank_error_lines(), \
                 run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
-                config_json = os.path.join(cfg.out_dir, run_folder.CONFIG)
-                print(settings_report(argv, config_json, from_run))
+                print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG), from_run))
             go_on = continue_command(argv, rt.world_size)
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
             signals = StopSignals(lambda step: f"stopping after iter {step}, then saving {ckpt}" if rt.is_main

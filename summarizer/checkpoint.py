@@ -65,10 +65,6 @@ def format_of(ckpt):
     return 3 if "best_val_loss" in ckpt else 2 if "tokenizer" in ckpt else 1
 
 
-# A setting a later command takes from a run (config.TAKES) that an older format lacks gets, as the file is
-# upgraded, the value that run had in effect; a command's own settings are never read from a run (resolve), so a
-# file may lack them.
-
 def upgrade_3(ckpt):
     """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple, sweep a
     mapping), and the config's shape keys are the model's (a pretrained model's kept init_from=scratch's defaults)."""
@@ -78,8 +74,7 @@ def upgrade_3(ckpt):
 
 
 def upgrade_4(ckpt):
-    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents (format 5 marked a new command setting, which
-    a run's file need not hold)."""
+    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents; 5 marked a command setting a run's file lacks."""
     return {**ckpt, "format": 5}
 
 

@@ -150,9 +150,8 @@ class RunClock:
         return rest + self.rouge_summaries * (self.summaries.per_unit() or 0.0)
 
     def after_run(self, keys=None):
-        """The seconds of after-runs `keys` (else all): their summaries at the slowest recent warm rate (a quiet
-        moment of a busy machine must not start what cannot end in time), each one's loading and writing as an
-        evaluation's rest."""
+        """The seconds of after-runs `keys` (else all): their summaries at the slowest recent warm rate (a busy
+        machine's quiet moment must not start what cannot end in time), plus an evaluation's rest each."""
         rest = self.evaluations.per_unit() or 0.0
         return sum(self.after[key] * (self.summaries.slowest() or 0.0) + rest for key in keys or self.after)
 

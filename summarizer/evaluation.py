@@ -47,10 +47,8 @@ def validation_loss(model, val_set, cfg, rt):
 def prepare_scoring(cfg, explicit, rt):
     """(summarizer, validation examples, their prompts, the --compare evaluation's rows or None), after the notes."""
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
-    if rt.is_main:
-        inference.make_output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, inference.describe_validation)
-    val, notes = inference.validation_set(summarizer, cfg, explicit, rt)
+    val, notes = inference.validation_set(summarizer, explicit, rt)
     prompts, cut = summarizer.prompts(val.dialogues)
     if rt.is_main:
         for note in [*notes, inference.cut_line(summarizer, cut, len(val)) if cut else ""]:
@@ -86,16 +84,13 @@ def scored_frame(val, predictions):
 
 def scores_report(frame, summarizer, decoding_cfg, overridden):
     """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE with 95% intervals, diagnostics."""
-    report = {t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES}
-    report["weights"] = summarizer.weights
-    report["step"] = summarizer.ckpt["iter_num"] if summarizer.ckpt else None
-    report["decoding"] = inference.describe_decoding(decoding_cfg, overridden, summarizer.ckpt is not None)
-    report["split"] = inference.describe_validation(summarizer.cfg)
-    report["n"] = len(frame)
-    report["mean_generated_tokens"] = float(frame["generated_tokens"].mean())
-    report["mean_reference_tokens"] = float(frame["reference_tokens"].mean())
-    report["diagnostics"] = diagnostics(frame, decoding_cfg.max_new_tokens)
-    return report
+    return {**{t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES},
+            "weights": summarizer.weights, "step": summarizer.ckpt["iter_num"] if summarizer.ckpt else None,
+            "decoding": inference.describe_decoding(decoding_cfg, overridden, summarizer.ckpt is not None),
+            "split": inference.describe_validation(summarizer.cfg), "n": len(frame),
+            "mean_generated_tokens": float(frame["generated_tokens"].mean()),
+            "mean_reference_tokens": float(frame["reference_tokens"].mean()),
+            "diagnostics": diagnostics(frame, decoding_cfg.max_new_tokens)}
 
 
 def diagnostics(frame, max_new_tokens):
@@ -147,8 +142,7 @@ def bootstrap_interval(values, samples=1000, seed=0):
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
+    means = values[np.random.default_rng(seed).integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
@@ -308,8 +302,7 @@ def format_sweep(rows):
 def format_report(report):
     lines = [f"ROUGE F1 on {report['n']} validation dialogues (rouge-score, stemmer on)",
              f"{'metric':<10} {'mean':>7}   95% bootstrap interval"]
-    for t in ROUGE_TYPES:
-        lines.append(f"{t:<10} {report[t]['mean']:>7.4f}   {interval_text(report[t]['ci95'])}")
+    lines += [f"{t:<10} {report[t]['mean']:>7.4f}   {interval_text(report[t]['ci95'])}" for t in ROUGE_TYPES]
     found = report["diagnostics"]
     lines.append(f"mean length: generated {report['mean_generated_tokens']:.1f} tokens, reference "
                  f"{report['mean_reference_tokens']:.1f} tokens (ratio {found['length_ratio']:.2f}); "

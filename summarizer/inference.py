@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -13,22 +14,24 @@ import torch
 from tqdm import tqdm
 
 import data
-from config import Config, Decoding, Split, Use, keys, part, resolve
+from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
 from generate import generate, plain_greedy
 from model import GPT, GPTConfig
 from summarizer import lora, mbr, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.errors import UserError
-from summarizer.launch import out_of_memory, out_of_memory_hint
+from summarizer.files import no_empty_folder_left
+from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
 from summarizer.memory import generation_batches, generation_memory
+from summarizer.runtime import Runtime
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
 
 def utterances(dialogue):
     """A dialogue's non-empty lines (its utterances, speaker included), in order."""
-    return [line.strip() for line in dialogue.replace("\r\n", "\n").replace("\r", "\n").split("\n") if line.strip()]
+    return [line.strip() for line in data.clean_text(dialogue).split("\n") if line.strip()]
 
 
 def longest(lines, n):
@@ -110,8 +113,10 @@ def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
 
 
 def load_summarizer(cfg, explicit, rt, describe_data):
-    """open_summarizer, on rank 0 the first line (weights, template, describe_data(its config), decoding), then
-    the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts a weight again."""
+    """Rank 0 makes the output folder; open_summarizer, on rank 0 its first line (weights, template, describe_data(its
+    config), decoding), the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts again."""
+    if rt.is_main:
+        make_output_dir(cfg)
     summarizer = open_summarizer(cfg, explicit)
     run_cfg, model = summarizer.cfg, summarizer.model
     if rt.is_main and model is None:  # an extractive baseline
@@ -167,7 +172,7 @@ def describe_validation(cfg):
     return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
 
 
-def validation_set(summarizer, cfg, explicit, rt):
+def validation_set(summarizer, explicit, rt):
     """(validation examples, notes): the run's split, or the one the command names. Rows the checkpoint trained on
     (data.repeated_rows) are refused in one line, unless they are duplicates inside the run's own split (a note)."""
     if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
@@ -185,8 +190,7 @@ def validation_set(summarizer, cfg, explicit, rt):
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
-    saved = summarizer.ckpt["config"]
-    own = (all(getattr(summarizer.cfg, key) == saved[key] for key in keys(Split))
+    own = (all(getattr(summarizer.cfg, key) == summarizer.ckpt["config"][key] for key in keys(Split))
            and splits.train.digest == trained["digest"] and val.digest == summarizer.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
@@ -197,6 +201,16 @@ def validation_set(summarizer, cfg, explicit, rt):
                     f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
+
+
+def decoding_command(argv, usage, command, work):
+    """evaluate.py's and predict.py's main: `work(cfg, the flags given, rt)` in the Runtime of the command line's
+    Config, errors in one line, no empty output folder left behind."""
+    argv = sys.argv[1:] if argv is None else argv
+    with one_line_errors():
+        cfg = load_config(argv, usage, command)
+        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
+            work(cfg, flags_given(argv), rt)
 
 
 def checkpoint_path(cfg):
@@ -233,8 +247,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
     same whatever the number of ranks, so sharded output is the single-process output. graphs: greedy's steps as
     CUDA graphs (generate.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
-    device = model.lm_head.weight.device
-    memory = generation_memory(cfg, device) if memory is None else memory
+    memory = generation_memory(cfg, model.lm_head.weight.device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
     decoding = part(cfg, Decoding)
     batches = generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory, dtype, rank, world_size)

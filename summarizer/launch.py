@@ -115,8 +115,7 @@ def rank_error_lines():
                   f"notebook_main", file=sys.stderr)
             sys.exit(1)
         traceback.print_exc()
-        first_line = str(e).strip().partition("\n")[0]
-        print(f"error (rank {rank}): {type(e).__name__}: {first_line}", file=sys.stderr)
+        print(f"error (rank {rank}): {type(e).__name__}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -164,9 +163,8 @@ def lost_rank_keeps_checkpoints(folder, go_on):
             raise
         intact = intact_in(folder)
         kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
-        first_line = str(e).strip().partition("\n")[0]
-        raise UserError(f"another rank of this run is gone ({type(e).__name__}: {first_line}); {kept}; continue "
-                        f"with: {go_on}") from None
+        raise UserError(f"another rank of this run is gone ({type(e).__name__}: "
+                        f"{str(e).strip().partition(chr(10))[0]}); {kept}; continue with: {go_on}") from None
 
 
 def notebook_launch(main, argv, num_processes, port):

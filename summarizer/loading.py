@@ -2,6 +2,7 @@
 transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, a LoRA
 run's frozen base (referenced by where it came from and its hash instead of stored), and the model a training run
 trains: the checkpoint it continues or starts from, and its shape."""
+import contextlib
 import difflib
 import hashlib
 import json
@@ -24,8 +25,7 @@ GPT2_POSITIONS = 1024
 
 
 def is_checkpoint(source):
-    """Whether `source` names a checkpoint file (what train.py writes) rather than 'scratch', a GPT-2 name or a
-    transformers folder."""
+    """Whether `source` names a checkpoint file (train.py's), not scratch, a GPT-2 name or a transformers folder."""
     return os.path.isfile(source) or source.endswith(".pt")
 
 
@@ -165,11 +165,9 @@ def hub_reachable(timeout=3.0):
     answered = []
 
     def connect():  # in a thread: a name lookup has no timeout of its own
-        try:
+        with contextlib.suppress(OSError):
             socket.create_connection(address, timeout=timeout).close()
             answered.append(True)
-        except OSError:
-            pass
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
     thread.join(timeout)

@@ -10,12 +10,9 @@ from config import ROUGE_TYPES
 def rouge_per_example(predictions, references):
     """rouge-score F1 (Porter stemmer on) for each (prediction, reference) pair: {type: [f1, ...]}."""
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=StemCachedTokenizer())
-    scores = {t: [] for t in ROUGE_TYPES}
-    for prediction, reference in zip(predictions, references, strict=True):
-        result = scorer.score(reference, prediction)
-        for t in ROUGE_TYPES:
-            scores[t].append(result[t].fmeasure)
-    return scores
+    results = [scorer.score(reference, prediction)
+               for prediction, reference in zip(predictions, references, strict=True)]
+    return {t: [result[t].fmeasure for result in results] for t in ROUGE_TYPES}
 
 
 def rouge(predictions, references):

@@ -70,7 +70,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module, compiled_module, compiled = step_module(cfg, rt, state)
+    module, compiled_module, compiled = step_module(rt, state)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
@@ -160,10 +160,9 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def step_module(cfg, rt, state):
-    """(what a step calls: the model, under torch.compile when the runtime compiles (compiled at step 1, eager
-    after a compiler failure) and wrapped by the backend; the CompiledModule in it, or None; what
-    runs under torch.compile, in words, for the start line)."""
+def step_module(rt, state):
+    """(what a step calls: the model, compiled at step 1 where the runtime compiles training (eager after a compiler
+    failure), wrapped by the backend; the CompiledModule in it, or None; what runs, in words, for the start line)."""
     compiled = CompiledModule(state.model) if rt.compile_training else None
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
     words = ("torch.compile (compiled at step 1)" if compiled else
@@ -175,8 +174,9 @@ def time_step(cfg, rt, batches, state, module):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
     run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
     busy machine must not mislead). Leaves no gradients and draws no random numbers."""
-    rng, runs = rng_state(), []
-    x, found = first_micro_batch(batches, state.step, rt.device)
+    rng, runs, batch = rng_state(), [], batches(state.step)
+    x, y = batch.micro_batches[0]  # the step's longest
+    x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
     say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, rt):
         for _ in range(1 + WARM_RUNS):
@@ -188,7 +188,7 @@ def time_step(cfg, rt, batches, state, module):
         say_start_up(rt, "timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=True)
     set_rng_state(rng)
-    return max(runs[1:]) * len(batches(state.step).micro_batches), batches(state.step).tokens
+    return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
 def time_decoding(cfg, rt, state, prompts):
@@ -205,12 +205,6 @@ def time_decoding(cfg, rt, state, prompts):
             timed.append((time.perf_counter() - start, len(prompts)))
         set_rng_state(rng)
     return timed
-
-
-def first_micro_batch(batches, step, device):
-    """(x, its Targets) of this rank's first micro-batch of step `step`, on `device`: the step's longest."""
-    x, y = batches(step).micro_batches[0]
-    return x.to(device, non_blocking=True), Targets.of(y).to(device)
 
 
 def validation_tokens(cfg, val_set):

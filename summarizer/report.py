@@ -118,8 +118,7 @@ def scores_section(report):
 
 
 def interval_text(ci95, signed=False):
-    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or what stands for an interval that fewer than two
-    dialogues cannot give."""
+    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or a note where fewer than two dialogues give none."""
     if ci95 is None or ci95[0] is None:
         return "(no interval: fewer than 2 dialogues)"
     return f"[{ci95[0]:{'+' if signed else ''}.4f}, {ci95[1]:{'+' if signed else ''}.4f}]"
@@ -250,14 +249,13 @@ def svg(fig):
 
 
 def rouge_histogram(frame):
-    fig = Figure(figsize=(6, 3.6), layout="tight")
-    ax = fig.subplots()
+    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
     values = frame["rougeL"]
     ax.hist(values, bins=np.linspace(0, 1, 21), color="#4c72b0", edgecolor="white")
     ax.axvline(values.mean(), color="#c62828", linestyle="--", label=f"mean {values.mean():.4f}")
     ax.set(xlabel="ROUGE-L F1 of one summary", ylabel="dialogues", title="Per-dialogue ROUGE-L", xlim=(0, 1))
     ax.legend()
-    return svg(fig)
+    return svg(ax.figure)
 
 
 def rouge_by_length(frame):
@@ -266,20 +264,18 @@ def rouge_by_length(frame):
     buckets = pd.qcut(lengths.rank(method="first"), min(LENGTH_BUCKETS, len(frame)), labels=False)
     groups = frame.groupby(buckets).agg(low=("dialogue_tokens", "min"), high=("dialogue_tokens", "max"),
                                         rouge=("rougeL", "mean"), n=("rougeL", "size"))
-    fig = Figure(figsize=(6, 3.6), layout="tight")
-    ax = fig.subplots()
+    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
     bars = ax.bar([f"{g.low}-{g.high}" for g in groups.itertuples()], groups["rouge"], color="#55a868")
     ax.bar_label(bars, labels=[f"n={n}" for n in groups["n"]], fontsize=8)
     ax.axhline(frame["rougeL"].mean(), color="#c62828", linestyle="--", label="all dialogues")
     ax.set(xlabel="dialogue length (tokens)", ylabel="mean ROUGE-L", title="ROUGE-L by dialogue length",
            ylim=(0, 1.3 * max(groups["rouge"].max(), 0.01)))  # room above the bars for their labels and the legend
     ax.legend(loc="upper left")
-    return svg(fig)
+    return svg(ax.figure)
 
 
 def lengths_scatter(frame, max_new_tokens):
-    fig = Figure(figsize=(6, 3.6), layout="tight")
-    ax = fig.subplots()
+    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
     ax.scatter(frame["reference_tokens"], frame["generated_tokens"], s=14, alpha=0.5, color="#4c72b0", linewidths=0)
     top = max(frame["reference_tokens"].max(), frame["generated_tokens"].max(), max_new_tokens) + 2
     ax.plot([0, top], [0, top], color="#6e6e73", linewidth=1, label="same length")
@@ -287,7 +283,7 @@ def lengths_scatter(frame, max_new_tokens):
     ax.set(xlabel="reference length (tokens)", ylabel="generated length (tokens)", xlim=(0, top), ylim=(0, top),
            title="Generated against reference length")
     ax.legend(loc="upper left")
-    return svg(fig)
+    return svg(ax.figure)
 
 
 def training_curve(jsonl_path):

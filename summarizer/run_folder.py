@@ -108,11 +108,9 @@ def lock(out_dir):
         except BlockingIOError:
             handle.close()
             return None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
-        except FileNotFoundError:
-            pass
         handle.close()
     handle.seek(0)
     handle.truncate()
@@ -134,14 +132,11 @@ def describe_holder(who):
 def training_in(out_dir):
     """The holder of out_dir's lock when a training run other than this process holds it, else None: evaluate,
     predict and export then read the last complete save (saves replace files whole, never in place)."""
-    path = os.path.join(out_dir, LOCK)
     try:
-        with open(path, encoding="utf-8") as f:
-            try:
+        with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return None
-            except BlockingIOError:
-                pass
             who = json.loads(f.read() or "{}")
     except (OSError, ValueError):
         return None
@@ -279,19 +274,15 @@ def gb(n):
 
 def checkpoint_bytes(state):
     """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
-    tensors = []
+    return nbytes(tensors_in(state), ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
 
-    def collect(obj):
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                collect(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                collect(value)
-    collect(state)
-    return nbytes(tensors, ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
+
+def tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for value in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors_in(value)
 
 
 class DiskPlan:

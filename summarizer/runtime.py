@@ -67,7 +67,6 @@ class Runtime:
         self.is_main = self.rank == 0
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
-        # with rt.autocast(): the dtype's autocast, none in float32
         self.autocast = (contextlib.nullcontext if self.dtype == "float32" else
                          functools.partial(torch.autocast, self.device.type, dtype=getattr(torch, self.dtype)))
         self.compile = use_compile(cfg.compile, self.device.type, accelerate_dynamo)

@@ -6,17 +6,7 @@ import json
 import os
 from typing import NamedTuple
 
-from config import (
-    FIELDS,
-    GROUPS,
-    TAKES,
-    Config,
-    Use,
-    describe_duration,
-    keys,
-    settings_given,
-    type_name,
-)
+from config import FIELDS, GROUPS, TAKES, Config, Use, describe_duration, keys, settings_given, type_name
 from summarizer.files import atomic_write
 
 
@@ -81,13 +71,10 @@ def settings_report(argv, config_json, from_run=None):
         lines = [f"settings (changed from the defaults; every key in {config_json} before step 1):"]
     sources = dict.fromkeys(source for *_, source in given)  # the presets, then the command line
     for source in [source for source in sources if any(where == source for *_, where in changed)]:
-        segments = []
-        for group in GROUPS:
-            words = [setting_text(key, value) for key, value, where in changed
-                     if where == source and key in keys(group)]
-            if words:
-                segments.append([f"{group.__name__}: {words[0]}", *words[1:]])
-        lines += pack(segments, f"  {source}: ", "    ")
+        by_group = [(group, [setting_text(key, value) for key, value, where in changed
+                             if where == source and key in keys(group)]) for group in GROUPS]
+        lines += pack([[f"{group.__name__}: {words[0]}", *words[1:]] for group, words in by_group if words],
+                      f"  {source}: ", "    ")
     return "\n".join(lines)
 
 

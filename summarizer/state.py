@@ -100,7 +100,6 @@ class TrainingState:
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
                             f"continue with --max_iters above {ckpt['iter_num']}")
-        notes = []
         if ckpt["train_rows"]["digest"] != self.train_rows["digest"]:
             raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
                             f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
@@ -117,9 +116,9 @@ class TrainingState:
         if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
             set_rng_state(ckpt["rng"][rt.rank])
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step, given)
-        notes.insert(0, f"resuming {path} at iter {self.step}; "
-                     + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate,
-                                         cfg.max_time is not None and sessions_done(self.schedule) + 1 >= cfg.sessions))
+        notes = [f"resuming {path} at iter {self.step}; "
+                 + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate,
+                                     cfg.max_time is not None and sessions_done(self.schedule) + 1 >= cfg.sessions)]
         if ckpt["best_metric"] == cfg.best_metric:
             self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
         else:

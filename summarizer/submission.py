@@ -42,8 +42,6 @@ def check_against_sample(ids, path):
 def predict(cfg, explicit, rt):
     """Summarize every test dialogue (sharded across ranks); rank 0 writes submission.csv and returns its path."""
     out = inference.output_dir(cfg)
-    if rt.is_main:
-        inference.make_output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(summarizer.cfg)
     if (note := cfg.sample_submission_csv and check_against_sample(test.ids, cfg.sample_submission_csv)) and rt.is_main:

@@ -157,32 +157,26 @@ def progress_postfix(stats, skipped=None, left=None):
 
 def plot_metrics(jsonl_path, png_path, title=""):
     """metrics.png: training and validation loss and ROUGE by step, from metrics.jsonl, titled with the out_dir."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend, no figure to close
 
     with open(jsonl_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     evals = [r for r in rows if "val_loss" in r]
-    fig, (ax_loss, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_rouge = fig.subplots(1, 2)
     ax_loss.plot([r["iter"] for r in rows], [r["loss"] for r in rows], label="train loss", alpha=0.7)
     ax_loss.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
-    ax_loss.set_xlabel("iter")
-    ax_loss.set_ylabel("loss (cross-entropy per target token)")
-    ax_loss.set_title("loss")
+    ax_loss.set(xlabel="iter", ylabel="loss (cross-entropy per target token)", title="loss")
     ax_loss.legend()
     for key in ("rouge1", "rouge2", "rougeL"):
         if points := [(r["iter"], r[key]) for r in evals if key in r]:
             ax_rouge.plot(*zip(*points, strict=True), "o-", label=key)
             ax_rouge.legend()
-    ax_rouge.set_xlabel("iter")
-    ax_rouge.set_ylabel("ROUGE F1")
-    ax_rouge.set_title("validation ROUGE")
+    ax_rouge.set(xlabel="iter", ylabel="ROUGE F1", title="validation ROUGE")
     fig.suptitle(title or os.path.dirname(os.path.abspath(png_path)))
     fig.tight_layout()
     with atomic_write(png_path, "wb") as f:
         fig.savefig(f, format="png")
-    plt.close(fig)
 
 
 # Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
@@ -202,7 +196,5 @@ PEAK_TFLOPS = {
 def peak_flops(device_name, dtype):
     """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
     dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
-    for key, table in PEAK_TFLOPS.items():
-        if re.search(rf"\b{key}\b", device_name.upper()):
-            return table[dtype] * 1e12 if dtype in table else None
-    return None
+    peaks = next((peaks for key, peaks in PEAK_TFLOPS.items() if re.search(rf"\b{key}\b", device_name.upper())), {})
+    return peaks[dtype] * 1e12 if dtype in peaks else None

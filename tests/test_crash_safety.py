@@ -61,7 +61,7 @@ def test_sigkill_at_random_moments_never_loses_the_checkpoint(write_csv, tmp_pat
             f"--out_dir={out}", "--max_iters=100000", "--eval_interval=1"]
     # Forked from a server that has imported train already: a fresh interpreter would spend seconds on imports.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["train", "matplotlib.pyplot"])
+    context.set_forkserver_preload(["train", "matplotlib.figure"])
     rng = random.Random(0)
     last_iter, moments = 0, []
     for kill in range(KILLS):

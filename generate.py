@@ -23,7 +23,7 @@ class Sequence(NamedTuple):
 
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
-             graphs=None, compact_below=None):
+             graphs=None, compact_below=0.5):
     """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
     by prompt, num_return_sequences new-token lists cut before EOS.
     - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
@@ -32,16 +32,13 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, metric) -> index chooses (summarizer.mbr.pick).
     graphs: a StepGraphs that replays greedy's static-shape steps as CUDA graphs (None: eagerly). compact_below:
-    running rows at most this fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every
-    row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
+    running rows at most this fraction of the batch are copied into a smaller one."""
     d = decoding
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
         return []
     prompts = [list(p) for p in prompts]
     device = model.lm_head.weight.device
-    if compact_below is None:
-        compact_below = 1.0 if device.type == "cpu" else 0.5
     processors = LogitsProcessors(d, eos_token_id)
     if plain_greedy(d):
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it

@@ -72,8 +72,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
 
 
 def plain_greedy(d):
-    """Whether `d` (a Decoding) is plain greedy (no beams, sampling or processors), which greedy() decodes on static
-    shapes."""
+    """Whether `d` (a Decoding) is plain greedy (no beams, sampling or processors): greedy() on static shapes."""
     return d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size
 
 
@@ -134,7 +133,7 @@ class DecodeState:
         return self.history[:, :self.prompt_len + self.generated]
 
     def select_rows(self, rows):
-        """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
+        """A copy of the rows `rows` (index tensor: kept, reordered or repeated)."""
         selected = copy.copy(self)
         selected.history, selected.pad, selected.positions = self.history[rows], self.pad[rows], self.positions[rows]
         return selected
@@ -205,11 +204,9 @@ class Decoder:
         self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
     def sample(self, logits, state, kv_caches, streams, per_prompt):
-        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
-        values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
-        uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
-        ignored, until the running prompts' rows are at most compact_below of the batch: then those are copied
-        into a smaller batch. Each step waits for the device once, to read its tokens."""
+        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt; returns each prompt's
+        Sequences. A running row draws by inverse CDF at its prompt's stream's next uniform number, in row order: a
+        prompt's draws depend on its stream and itself alone. Ended rows stay until compaction (compact_below)."""
         n, max_new, device = per_prompt, state.max_new, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
@@ -385,11 +382,10 @@ def static_step(model, batch):
 
 
 def greedy(model, prompts, max_new, processors, graphs, compact_below):
-    """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
-    which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
-    READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
-    at most compact_below of it; padding rows copy a running row). `graphs` (StepGraphs, or None: eagerly) holds
-    the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
+    """Greedy decoding on static shapes (greedy_slots), EOS tracked on the device; every READ_EVERY steps the host
+    reads the tokens and ends the batch or copies its running rows into a smaller one (padding rows copy a running
+    row). `graphs` (StepGraphs, or None: eagerly) holds the batch and runs the step. Returns, per prompt, its new
+    tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = greedy_slots(P, max_new, model.config.block_size)

@@ -261,8 +261,7 @@ class Decoder:
         those ending in EOS (or at the length limit) among the top num_beams become finished hypotheses scored
         sum_logprob / new_len**length_penalty; a batch item stops once no running beam can beat its worst
         finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
-        B, V, K = logits.size(0), logits.size(-1), num_beams
-        max_new = state.max_new
+        B, V, K, max_new = logits.size(0), logits.size(-1), num_beams, state.max_new
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
         kv_caches = share_prompts(kv_caches, state, K)
         state = state.select_rows(expand)
@@ -481,10 +480,9 @@ def replay_disagrees(replayed, eager):
 
 class StepGraphs:
     """Greedy's static-shape step as a CUDA graph per (model, rows, slots) bucket, captured at its first use by
-    `capture` (capture_seconds[rows, slots]) and replayed, on the batch held in fixed buffers (hold): per bucket its
-    small inputs; one KV storage per layer, sized for the largest bucket, whose front each bucket's caches view. A
-    capture error or a first replay that disagrees turns graphs off for this object's life (the Runtime's: the
-    process's, as both would recur), with one line (`warn`) that eager_why keeps. release() frees graphs and buffers."""
+    `capture` and replayed on the batch held in fixed buffers (hold): one KV storage per layer, sized for the largest
+    bucket, whose front each bucket's caches view. A capture error or a first replay that disagrees turns graphs off
+    for this object's life (the Runtime's: the process's, as both would recur), with one line (`warn`)."""
 
     def __init__(self, capture=capture_graph, warn=None):
         self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))

@@ -313,8 +313,7 @@ def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
     """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
-    naming the setting that multiplies what it holds (mbr_samples, num_beams, else max_new_tokens) and the largest
-    value of it that fits."""
+    naming the setting that multiplies what it holds and the largest value of it that fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):

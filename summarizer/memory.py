@@ -201,9 +201,7 @@ def plan(run, rows, rates, budget):
     batch, kv, logits = decoding_bytes(cfg, model.config, run.dtype, min(cfg.rouge_samples, cfg.gen_batch_size),
                                        run.longest_prompt, room)
     evaluation = held + kv + logits if batch else weights + optimizer
-    merged = 0
-    if cfg.lora_rank:
-        merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
+    merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
     return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merged)
 
 

@@ -23,7 +23,7 @@ class Sequence(NamedTuple):
 
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
-             graphs=None, compact_below=None):
+             graphs=None, compact_below=0.5):
     """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
     by prompt, num_return_sequences new-token lists cut before EOS.
     - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
@@ -32,16 +32,13 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
       mbr_pick(token lists, metric) -> index chooses (summarizer.mbr.pick).
     graphs: a StepGraphs that replays greedy's static-shape steps as CUDA graphs (None: eagerly). compact_below:
-    running rows at most this fraction of the batch are copied into a smaller one (None: 1.0 on a CPU, where every
-    row costs compute, 0.5 on a GPU, where a cache copy costs more than decoding ended rows)."""
+    running rows at most this fraction of the batch are copied into a smaller one."""
     d = decoding
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
         return []
     prompts = [list(p) for p in prompts]
     device = model.lm_head.weight.device
-    if compact_below is None:
-        compact_below = 1.0 if device.type == "cpu" else 0.5
     processors = LogitsProcessors(d, eos_token_id)
     if plain_greedy(d):
         # a graph reads autocast's cast weights from a cache that is gone at the context's end: eager under it
@@ -75,8 +72,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
 
 
 def plain_greedy(d):
-    """Whether `d` (a Decoding) is plain greedy (no beams, sampling or processors), which greedy() decodes on static
-    shapes."""
+    """Whether `d` (a Decoding) is plain greedy (no beams, sampling or processors): greedy() on static shapes."""
     return d.temperature == 0 and d.num_beams == 1 and d.repetition_penalty == 1.0 and not d.no_repeat_ngram_size
 
 
@@ -137,7 +133,7 @@ class DecodeState:
         return self.history[:, :self.prompt_len + self.generated]
 
     def select_rows(self, rows):
-        """A new state of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
+        """A copy of the rows `rows` (index tensor: kept, reordered or repeated)."""
         selected = copy.copy(self)
         selected.history, selected.pad, selected.positions = self.history[rows], self.pad[rows], self.positions[rows]
         return selected
@@ -208,11 +204,9 @@ class Decoder:
         self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
     def sample(self, logits, state, kv_caches, streams, per_prompt):
-        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt, over its shared keys and
-        values; returns each prompt's Sequences. A running row draws by inverse CDF at its prompt's stream's next
-        uniform number, in row order: a prompt's draws depend on its stream and itself alone. Rows that end stay,
-        ignored, until the running prompts' rows are at most compact_below of the batch: then those are copied
-        into a smaller batch. Each step waits for the device once, to read its tokens."""
+        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt; returns each prompt's
+        Sequences. A running row draws by inverse CDF at its prompt's stream's next uniform number, in row order: a
+        prompt's draws depend on its stream and itself alone. Ended rows stay until compaction (compact_below)."""
         n, max_new, device = per_prompt, state.max_new, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
@@ -267,8 +261,7 @@ class Decoder:
         those ending in EOS (or at the length limit) among the top num_beams become finished hypotheses scored
         sum_logprob / new_len**length_penalty; a batch item stops once no running beam can beat its worst
         finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
-        B, V, K = logits.size(0), logits.size(-1), num_beams
-        max_new = state.max_new
+        B, V, K, max_new = logits.size(0), logits.size(-1), num_beams, state.max_new
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
         kv_caches = share_prompts(kv_caches, state, K)
         state = state.select_rows(expand)
@@ -373,11 +366,6 @@ class GreedyBatch(NamedTuple):
     def tensors(self):
         return [self.tokens, self.positions, self.slot, self.mask, *(c.kv for c in self.caches)]
 
-    def select_rows(self, rows):
-        """A new batch of the rows given by index tensor `rows` (kept or repeated), copied."""
-        return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.mask[rows],
-                           [cache.select_rows(rows) for cache in self.caches])
-
 
 def greedy_slots(prompt_len, max_new, block_size):
     """The slots of greedy's static cache: the prompt and max_new up to a multiple of SLOTS_BUCKET (block_size at
@@ -393,11 +381,10 @@ def static_step(model, batch):
 
 
 def greedy(model, prompts, max_new, processors, graphs, compact_below):
-    """Greedy decoding on static shapes: a KV cache of the prompt and max_new slots rounded up to SLOTS_BUCKET,
-    which each step writes at a device slot index; EOS tracked on the device; the host reads the tokens every
-    READ_EVERY steps, and only then ends the batch or copies its running rows into a smaller one (when they are
-    at most compact_below of it; padding rows copy a running row). `graphs` (StepGraphs, or None: eagerly) holds
-    the batch and runs the step. Returns, per prompt, its new tokens cut before EOS."""
+    """Greedy decoding on static shapes (greedy_slots), EOS tracked on the device; every READ_EVERY steps the host
+    reads the tokens and ends the batch or copies its running rows into a smaller one (padding rows copy a running
+    row). `graphs` (StepGraphs, or None: eagerly) holds the batch and runs the step. Returns, per prompt, its new
+    tokens cut before EOS."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = greedy_slots(P, max_new, model.config.block_size)
@@ -427,7 +414,9 @@ def greedy(model, prompts, max_new, processors, graphs, compact_below):
             smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if graphs else len(running)
             if smaller < rows and len(running) <= compact_below * rows:
                 keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
-                batch = graphs.hold(model, batch.select_rows(keep)) if graphs else batch.select_rows(keep)
+                batch = GreedyBatch(batch.tokens[keep], batch.positions[keep], batch.slot.clone(), batch.mask[keep],
+                                    [cache.select_rows(keep) for cache in batch.caches])
+                batch = graphs.hold(model, batch) if graphs else batch
                 out, done, tokens = out[keep], done[keep], tokens[keep]
                 owners = [owners[i] for i in running] + [None] * (smaller - len(running))
         batch.tokens.copy_(tokens[:, None])
@@ -491,10 +480,9 @@ def replay_disagrees(replayed, eager):
 
 class StepGraphs:
     """Greedy's static-shape step as a CUDA graph per (model, rows, slots) bucket, captured at its first use by
-    `capture` (capture_seconds[rows, slots]) and replayed, on the batch held in fixed buffers (hold): per bucket its
-    small inputs; one KV storage per layer, sized for the largest bucket, whose front each bucket's caches view. A
-    capture error or a first replay that disagrees turns graphs off for this object's life (the Runtime's: the
-    process's, as both would recur), with one line (`warn`) that eager_why keeps. release() frees graphs and buffers."""
+    `capture` and replayed on the batch held in fixed buffers (hold): one KV storage per layer, sized for the largest
+    bucket, whose front each bucket's caches view. A capture error or a first replay that disagrees turns graphs off
+    for this object's life (the Runtime's: the process's, as both would recur), with one line (`warn`)."""
 
     def __init__(self, capture=capture_graph, warn=None):
         self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))

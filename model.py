@@ -47,8 +47,7 @@ class Targets(NamedTuple):
 
 class KVCache:
     """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): keys at [:, 0], values at [:, 1], so that a
-    step writes both with one copy. Allocated by the prefill (write_prompts, in the dtype the layer computes in, e.g.
-    fp16 under autocast), then written in place by each decode step."""
+    step writes both with one copy. Allocated by the prefill (write_prompts, in the layer's compute dtype)."""
 
     def __init__(self, slots, kv=None):
         self.slots, self.kv = slots, kv
@@ -85,14 +84,12 @@ class SharedPromptCache(NamedTuple):
     pad_mask: torch.Tensor
 
     def attend(self, q, input_pos, kv, mask):
-        """A decode step's attention: kv written at own slots input_pos, q over its prompt and, as the additive mask
-        (rows, 1, 1, own slots) allows, its own slots."""
+        """A decode step's attention: kv written at own slots input_pos, q over its prompt and its own slots."""
         self.own.update(input_pos, kv)
         return shared_prompt_attention(q, self, mask)
 
     def select_rows(self, rows, prompts=None):
-        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated) and, where `prompts`
-        (an index tensor) is given, of the prompts they continue; copied."""
+        """A copy of the rows `rows` (index tensor) and, where given, of the prompts `prompts` they continue."""
         if prompts is None:
             return self._replace(own=self.own.select_rows(rows))
         return SharedPromptCache(self.prompt.select_rows(prompts), self.own.select_rows(rows), self.pad_mask[prompts])
@@ -204,9 +201,8 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()  # nanoGPT's count
 
     def training_flops(self, tokens, targets, attended):
         """Model FLOPs of a training step (forward + backward = 3x forward, 2 per multiply-add) over `tokens`
@@ -219,9 +215,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
         With targets (B, T; -1 = ignore), or Targets.of(them): the mean cross-entropy over the targets, and logits
-        None, because only the supervised positions go through lm_head (a summary is ~15% of a training row).
-        Targets found on the host where y is made keep every shape independent of the data: one compiled graph
-        and no wait for the device."""
+        None, because only the supervised positions go through lm_head (a summary is ~15% of a training row)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")

@@ -53,12 +53,10 @@ def backward_compiled_in_forward():
 
 
 class CompiledModule(torch.nn.Module):
-    """`module` under torch.compile: one graph (fullgraph) with its sizes symbolic from the start (dynamic), as
-    micro-batch widths and target counts change every step. Where the compiler fails at a call (lazily: a first
-    call, a recompile, a recompile limit), one warning line, and `module` eagerly for the rest of the run (`why`:
-    the compiler's error, in one line; None while compiled). The program's own errors (out of memory included)
-    propagate. Its parameters are `module`'s, so a backend's wrapper (DDP) and the optimizer see the same tensors
-    either way."""
+    """`module` under torch.compile (fullgraph; sizes symbolic from the start, as micro-batch widths and target
+    counts change every step). Where the compiler fails at a call (a first call, a recompile, its limit): one warning
+    line and `module` eagerly for the rest of the run (`why`: the compiler's error in one line; None while compiled).
+    Its parameters are `module`'s, so DDP and the optimizer see the same tensors either way."""
 
     def __init__(self, module):
         super().__init__()

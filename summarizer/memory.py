@@ -140,8 +140,8 @@ class ActivationRates:
             y = x.clone() if every else torch.full_like(x, -1)
             y[0, -1] = x[0, -1]
             return saved_bytes(one, x, Targets.of(y), autocast)
-        short, long, targets = probe(PROBE_TOKENS // 2, False), probe(PROBE_TOKENS, False), probe(PROBE_TOKENS, True)
         half = PROBE_TOKENS // 2
+        short, long, targets = probe(half, False), probe(PROBE_TOKENS, False), probe(PROBE_TOKENS, True)
         block, rest = (long["block"] - short["block"]) / half, (long["rest"] - short["rest"]) / half
         return cls(block_fixed=long["block"] - PROBE_TOKENS * block, block=block,
                    rest_fixed=long["rest"] - PROBE_TOKENS * rest, rest=rest,
@@ -201,16 +201,13 @@ def plan(run, rows, rates, budget):
     batch, kv, logits = decoding_bytes(cfg, model.config, run.dtype, min(cfg.rouge_samples, cfg.gen_batch_size),
                                        run.longest_prompt, room)
     evaluation = held + kv + logits if batch else weights + optimizer
-    merged = 0
-    if cfg.lora_rank:
-        merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
+    merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
     return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merged)
 
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
-    """(prompts in the first generation batch, its KV cache's bytes, its logits' bytes) when `prompts` prompts of
-    `prompt_tokens` tokens are summarized at cfg's decoding in `dtype`, in batches of `room` bytes (as
-    generation_batches forms them)."""
+    """(prompts, KV cache bytes, logits bytes) of the first generation batch of `prompts` prompts of `prompt_tokens`
+    tokens in batches of `room` bytes (as generation_batches forms them)."""
     kv, logits = dialogue_bytes(part(cfg, Decoding), prompt_tokens, model_config, dtype)
     batch = min(prompts, cfg.gen_batch_size, max(1, int(room // (kv + logits)))) if prompts else 0
     return batch, batch * kv, batch * logits
@@ -225,8 +222,7 @@ def device_memory(device):
 
 def host_memory():
     """Bytes this process may still take on the host: its available memory (free, and the page cache the kernel
-    drops on demand), at most what RLIMIT_AS (`ulimit -v`) leaves beside the address space in use and what its
-    container's cgroup leaves (CGROUP_FILES)."""
+    drops on demand), at most what RLIMIT_AS (`ulimit -v`) and its container's cgroup (CGROUP_FILES) leave."""
     meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
     left = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB
     if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
@@ -303,13 +299,11 @@ def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
 
 
 def kv_cache_bytes(model_config, slots, dtype):
-    """Bytes of keys and values in `slots` slots: 2 x layers x width x slots."""
     return 2 * model_config.n_layer * model_config.n_embd * slots * dtype.itemsize
 
 
 def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
-    """(KV cache bytes, logits bytes) that one dialogue of `prompt_tokens` tokens holds at the peak of generate():
-    cache_slots_per_prompt, and LOGITS_COPIES float32 rows of scores per beam or sample."""
+    """(KV cache bytes, logits bytes) that one dialogue of `prompt_tokens` tokens holds at the peak of generate()."""
     slots = cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size)
     rows = max(decoding.num_beams, decoding.mbr_samples, 1)
     return kv_cache_bytes(model_config, slots, dtype), LOGITS_COPIES * rows * model_config.vocab_size * 4
@@ -317,8 +311,7 @@ def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
     """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
-    naming the setting that multiplies what it holds (mbr_samples, num_beams, else max_new_tokens) and the largest
-    value of it that fits."""
+    naming the setting that multiplies what it holds and the largest value of it that fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):

@@ -317,10 +317,12 @@ def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
     def needs(value):
         return sum(dialogue_bytes(replace(decoding, **{key: value}), prompt_tokens, model_config, dtype))
     if needs(now := getattr(decoding, key)) > memory:
+        fits = bisect.bisect_right(range(1, now), memory, key=needs)  # 0: not even one
         raise UserError(f"{key}={now} does not fit: one dialogue ({prompt_tokens} prompt tokens) holds "
                         f"{needs(now) / 2**30:.1f} GiB of KV cache and logits, where a generate() call may take "
-                        f"{memory / 2**30:.1f} GiB (gen_memory_gb, at most what the device has left): the largest "
-                        f"{key} that fits is {bisect.bisect_right(range(1, now), memory, key=needs)}")
+                        f"{memory / 2**30:.1f} GiB (gen_memory_gb, at most what the device has left): "
+                        + (f"the largest {key} that fits is {fits}" if fits else
+                           f"not even {key}=1 fits ({needs(1) / 2**30:.2g} GiB): give --gen_memory_gb above that"))
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):

@@ -267,3 +267,13 @@ def test_one_dialogue_beyond_the_generation_memory_is_one_line_naming_what_fits(
         return sum(memory.dialogue_bytes(dataclasses.replace(run, **{**flags, key: value}), prompt,
                                          GPTConfig(**ckpt["model_args"]), torch.float32))
     assert 1 < fits < 100000 and needs(fits) <= 2**29 < needs(fits + 1)
+
+
+def test_one_dialogue_that_fits_at_no_value_says_so_and_names_the_memory_it_needs(tmp_path, monkeypatch, capsys):
+    """Where not even one sample fits gen_memory_gb, the line says so (not 'the largest ... is 0', which would turn
+    MBR off) and names the memory one needs."""
+    monkeypatch.chdir(REPO)
+    line = one_error_line(capsys, evaluate.main, [f"--ckpt={FIXTURE}", f"--out_dir={tmp_path}",
+                                                  "--gen_memory_gb=0.00001", f"--data_cache_dir={tmp_path / 'c'}",
+                                                  "--mbr_samples=16", "--temperature=0.7"])
+    assert re.search(r"\): not even mbr_samples=1 fits \([\d.e-]+ GiB\): give --gen_memory_gb above that$", line), line

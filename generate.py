@@ -53,7 +53,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
     def deterministic(state, kv_caches):
         if d.num_beams > 1:
             return run.beam_search(logits, state, kv_caches, d.num_beams, d.length_penalty, num_return_sequences)
-        return run.sample(logits, state, kv_caches, None, 1)
+        return run.decode_rows(logits, state, kv_caches, None, 1)
 
     if d.temperature == 0:
         results = deterministic(state, kv_caches)
@@ -62,12 +62,12 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         # whichever batch it is decoded in (a memory budget may split batches) and however rows end
         entropy = np.random.SeedSequence().entropy if seed is None else seed
         streams = [np.random.default_rng([entropy, *prompt]) for prompt in prompts]
-        if d.mbr_samples:  # beam_search and sample change neither the state nor the caches they are given
+        if d.mbr_samples:  # beam_search and decode_rows change neither the state nor the caches they are given
             best = deterministic(state, kv_caches) if d.mbr_include_beam else [[] for _ in prompts]
-            samples = run.sample(logits, state, kv_caches, streams, d.mbr_samples)
+            samples = run.decode_rows(logits, state, kv_caches, streams, d.mbr_samples)
             results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples, strict=True)]
         else:
-            results = run.sample(logits, state, kv_caches, streams, num_return_sequences)
+            results = run.decode_rows(logits, state, kv_caches, streams, num_return_sequences)
     return [s.tokens for row in results for s in row]
 
 
@@ -203,10 +203,11 @@ class Decoder:
     def __init__(self, model, processors, eos_token_id, compact_below):
         self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
-    def sample(self, logits, state, kv_caches, streams, per_prompt):
-        """Greedy (streams None) or sampled decoding of per_prompt rows of each prompt; returns each prompt's
-        Sequences. A running row draws by inverse CDF at its prompt's stream's next uniform number, in row order: a
-        prompt's draws depend on its stream and itself alone. Ended rows stay until compaction (compact_below)."""
+    def decode_rows(self, logits, state, kv_caches, streams, per_prompt):
+        """per_prompt rows of each prompt decoded over the shared prompt caches, greedily (streams None: MBR's
+        candidate, or with processors) or sampled; returns each prompt's Sequences. A sampled row draws by inverse CDF
+        at its prompt's stream's next uniform number, in row order: a prompt's draws depend on its stream and itself
+        alone. Ended rows stay until compaction (compact_below)."""
         n, max_new, device = per_prompt, state.max_new, logits.device
         kv_caches = share_prompts(kv_caches, state, n)
         state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))

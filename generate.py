@@ -454,7 +454,9 @@ def capture_graph(step, stream=None):
             expected = step()
     graph, error = torch.cuda.CUDAGraph(), None
     try:
-        with torch.cuda.graph(graph, stream=stream):  # synchronizes first: `expected` is ready after it
+        # synchronizes first (`expected` is ready after it); thread_local: another thread's CUDA calls (the NCCL
+        # watchdog's event queries under torchrun, which torch before 2.8 makes in the global mode) cannot end it
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             try:
                 output = step()
             except Exception as e:  # raised once the stream is restored

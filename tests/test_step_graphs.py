@@ -7,6 +7,7 @@ and the memory as they were; summarizing says after the fact which way the steps
 import contextlib
 import copy
 import re
+import threading
 import types
 import weakref
 
@@ -56,12 +57,13 @@ class RecordedGraph:
         self.ops, self.invalidated, self.allocated = [], False, []
         RecordedGraph.made.append(self)
 
-    def capture_begin(self, *pool, **options):
-        self.recording = Recording(self)
+    def capture_begin(self, *pool, capture_error_mode="global", **options):
+        self.recording, self.mode, self.capturing = Recording(self), capture_error_mode, True
         self.recording.__enter__()
 
     def capture_end(self):
         self.recording.__exit__(None, None, None)
+        self.capturing = False
         if self.invalidated:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
@@ -74,6 +76,13 @@ class RecordedGraph:
 
     def reset(self):
         self.ops = []
+
+
+def watchdog_query():
+    """The NCCL watchdog's event query (torchrun), made from its own thread: it invalidates a capture begun in the
+    global mode, which prohibits such calls from any thread (cudaStreamCaptureModeGlobal)."""
+    for graph in RecordedGraph.made:
+        graph.invalidated |= getattr(graph, "capturing", False) and graph.mode == "global"
 
 
 @pytest.fixture
@@ -197,6 +206,22 @@ def test_a_recorded_capture_fails_a_host_read_and_replays_todays_step_at_later_s
     batch.slot.add_(1)
     graph.replay()
     assert torch.equal(output, static_step(model, batch))
+
+
+@torch.inference_mode()
+def test_a_cuda_call_from_another_thread_during_a_capture_leaves_it_valid(model, cuda):
+    """Under torchrun the NCCL watchdog queries events from its own thread, at any moment: the capture is
+    thread-local, so such a call cannot end it."""
+    batch = prefilled(model)
+
+    def step_beside_the_watchdog():
+        watchdog = threading.Thread(target=watchdog_query)
+        watchdog.start()
+        watchdog.join()
+        return static_step(model, batch)
+    graph, output, expected = capture_graph(step_beside_the_watchdog)
+    graph.replay()
+    assert torch.equal(output, expected)
 
 
 def failing(step):

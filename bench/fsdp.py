@@ -15,6 +15,7 @@ import tempfile
 from unittest import mock
 
 import torch
+import torch.distributed.fsdp
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode

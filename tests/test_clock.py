@@ -102,7 +102,8 @@ def virtual(monkeypatch):
 @pytest.fixture
 def run(write_csv, tmp_path):
     csv, test = write_csv("train.csv", 60), write_csv("test.csv", 10, seed=1, test=True)
-    return [*tiny(), f"--train_csv={csv}", f"--test_csv={test}", f"--data_cache_dir={tmp_path / 'cache'}",
+    # width 16: these runs train hundreds of real steps, whose seconds the virtual clock does not count
+    return [*tiny(n_embd=16), f"--train_csv={csv}", f"--test_csv={test}", f"--data_cache_dir={tmp_path / 'cache'}",
             "--val_fraction=0.2", "--batch_size=4", "--micro_batch_size=4", "--max_iters=100000",
             f"--warmup_iters={WARMUP}", "--learning_rate=1e-3", f"--min_lr={MIN_LR}", "--log_interval=1",
             "--eval_val_batches=1", "--rouge_samples=4", f"--gen_batch_size={GEN_BATCH}",

@@ -367,6 +367,11 @@ class GreedyBatch(NamedTuple):
     def tensors(self):
         return [self.tokens, self.positions, self.slot, self.mask, *(c.kv for c in self.caches)]
 
+    def select_rows(self, rows):
+        """A copy of the rows `rows` (index tensor), at the same slot."""
+        return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.mask[rows],
+                           [cache.select_rows(rows) for cache in self.caches])
+
 
 def greedy_slots(prompt_len, max_new, block_size):
     """The slots of greedy's static cache: the prompt and max_new up to a multiple of SLOTS_BUCKET (block_size at
@@ -415,9 +420,7 @@ def greedy(model, prompts, max_new, processors, graphs, compact_below):
             smaller = min(rows, max(8, 1 << (len(running) - 1).bit_length())) if graphs else len(running)
             if smaller < rows and len(running) <= compact_below * rows:
                 keep = torch.tensor(running + running[:1] * (smaller - len(running)), device=device)
-                batch = GreedyBatch(batch.tokens[keep], batch.positions[keep], batch.slot.clone(), batch.mask[keep],
-                                    [cache.select_rows(keep) for cache in batch.caches])
-                batch = graphs.hold(model, batch) if graphs else batch
+                batch = graphs.hold(model, batch.select_rows(keep)) if graphs else batch.select_rows(keep)
                 out, done, tokens = out[keep], done[keep], tokens[keep]
                 owners = [owners[i] for i in running] + [None] * (smaller - len(running))
         batch.tokens.copy_(tokens[:, None])

@@ -395,8 +395,8 @@ def greedy(model, prompts, max_new, processors, graphs, compact_below):
     P = max(len(p) for p in prompts)
     slots = greedy_slots(P, max_new, model.config.block_size)
     pad = torch.tensor([P - len(p) for p in prompts], device=device)
-    real = torch.arange(slots, device=device) >= pad[:, None]
-    mask = attention_mask(real & (torch.arange(slots, device=device) < P), model.lm_head.weight.dtype)
+    every_slot = torch.arange(slots, device=device)
+    mask = attention_mask((every_slot >= pad[:, None]) & (every_slot < P), model.lm_head.weight.dtype)
     # the prefill's caches are the batch's alone: a copy into graphs' buffers or a smaller batch frees them
     batch = GreedyBatch(torch.zeros_like(pad)[:, None], (P - 1 - pad)[:, None], torch.tensor([P - 1], device=device),
                         mask, [KVCache(slots) for _ in model.transformer.h])

@@ -209,12 +209,12 @@ def missing_file_hint(path, use):
     """The clause that ends a 'does not exist' line: where the file is found, and the flag `use` that takes it; ''
     where it is not. Relative paths resolve against the working folder, so a command run from another folder misses
     the repository's file; a fresh run moves an earlier run's into previous-run-*/ beside it (the newest is named)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    earlier = max(glob.glob(os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)), key=os.path.getmtime,
-                  default=None)
     if not os.path.isabs(path) and os.path.exists(there := os.path.join(REPO, path)):
         return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it "
                 f"with {use}={there}, or run from {REPO}")
+    folder, name = os.path.split(os.path.abspath(path))
+    earlier = max(glob.glob(os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)), key=os.path.getmtime,
+                  default=None)
     if not earlier:
         return ""
     return f"; an earlier run's is {earlier} (a fresh run moved it there): use it with {use}={earlier}"

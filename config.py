@@ -616,8 +616,15 @@ def settings_given(argv):
     """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
     flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
     presets, flags = command_line.arguments(argv)
-    given = [(key, value, path) for path in presets for key, value in read_preset(path).items()]
-    return given + [(*parse_override(arg), "command line") for arg in flags]
+    given, problems = [(key, value, path) for path in presets for key, value in read_preset(path).items()], []
+    for arg in flags:  # every flag read, so that one line names all their problems
+        try:
+            given.append((*parse_override(arg), "command line"))
+        except UserError as e:
+            problems.append(str(e))
+    if problems:
+        raise UserError("; ".join(problems))
+    return given
 
 
 def flags_given(argv):

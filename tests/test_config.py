@@ -300,6 +300,10 @@ def test_every_problem_of_a_command_is_in_its_one_line():
     for problem in ("n_embd=100 is not a multiple of n_head=12", "block_size=100 must be a multiple of 8",
                     "best_metric='rougeL' needs rouge_samples > 0", "batch_size=7 is not a multiple of"):
         assert problem in message
+    # flags that cannot be read at all (unknown key, a word for a number, a yes/no that is neither): each named too
+    message = config_error(["--max_iter=5", "--batch_size=abc", "--evaluate_after=maybe"])
+    for problem in ("'max_iter'", "batch_size expects int, got 'abc'", "evaluate_after='maybe'"):
+        assert problem in message
 
 
 def test_a_path_with_a_tilde_is_expanded_from_every_source(tmp_path, monkeypatch):

@@ -694,8 +694,8 @@ def csv_content(raw, path, key):
 
 def conversion(hint, package, path, key):
     """A NOT_CSV hint for the file at `path`, which names the package it needs where that is missing; the CSV to
-    write is beside it, named after it, under a name no file has."""
-    stem = re.sub(r"(\.\w+)?(\.(gz|zip))?$", "", path, flags=re.IGNORECASE)
+    write is named after it in the working folder (Kaggle's /kaggle/input is read-only), under a name no file has."""
+    stem = os.path.abspath(re.sub(r"(\.\w+)?(\.(gz|zip))?$", "", os.path.basename(path), flags=re.IGNORECASE))
     dst = next(name for name in (f"{stem}.csv", *(f"{stem}-{i}.csv" for i in range(2, 1000)))
                if not os.path.exists(name))
     missing = package and importlib.util.find_spec(package) is None

@@ -98,13 +98,15 @@ def test_every_kind_the_table_of_first_bytes_names_is_one_line(magic, what, hint
 def test_a_conversion_hint_names_the_package_it_needs_where_missing_and_a_free_csv_name(name, content, package,
                                                                                        installed, tmp_path,
                                                                                        monkeypatch):
-    """train.csv beside train.xlsx is another file: the hint's CSV is one no file has, so following it
-    overwrites nothing."""
+    """The hint's CSV goes to the working folder (the input's may be read-only, as /kaggle/input is), under a name
+    no file has there (train.csv is another file), so following it overwrites nothing."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda module, *rest: (real("json") if installed else None) if module == package
                         else real(module, *rest))
-    path, sibling = write(tmp_path, name, content), write(tmp_path, "train.csv", CSV)
+    (tmp_path / "input").mkdir()
+    path, sibling = write(tmp_path / "input", name, content), write(tmp_path, "train.csv", CSV)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(data.UserError) as info:
         data.read_table(path, "train_csv", load_config([]))
     message = str(info.value)

@@ -63,6 +63,17 @@ class Summarizer:
         return data.prompt_format(self.cfg.prompt_template, self.model.config.block_size,
                                   max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
+    def cut_warning(self):
+        """A line where this command's larger max_new_tokens leaves a dialogue under half the tokens training gave it:
+        summaries of what is left score low."""
+        now, block, run = self.prompt_format().max_dialogue, self.model.config.block_size, self.trained_max_new_tokens
+        trained = data.prompt_format(self.cfg.prompt_template, block, run or self.cfg.max_new_tokens).max_dialogue
+        if 2 * now < trained:
+            return (f"warning: max_new_tokens={self.cfg.max_new_tokens} leaves each dialogue its first {now} tokens, "
+                    f"where training kept {trained} (max_new_tokens={run}, block_size={block}): the summaries of what "
+                    f"is left will score low; give at most --max_new_tokens={run + trained // 2}")
+        return None
+
     def prompts(self, dialogues):
         """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat; an empty prompt
         starts from <|endoftext|>; an extractive baseline reads the dialogues themselves."""
@@ -124,8 +135,9 @@ def load_summarizer(cfg, explicit, rt, describe_data):
     elif rt.is_main:
         print(f"weights: {summarizer.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
               f"decoding: {describe_decoding(run_cfg, summarizer.overridden, summarizer.ckpt is not None)}")
-        if note := training_note(summarizer.path):
-            print(note)
+        for note in (summarizer.cut_warning(), training_note(summarizer.path)):
+            if note:
+                print(note)
     if model is not None:
         summarizer.model = model.to(rt.device, getattr(torch, rt.dtype)).eval()
     return summarizer

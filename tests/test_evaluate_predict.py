@@ -12,7 +12,8 @@ from rouge_score import rouge_scorer
 import evaluate
 import predict
 import train
-from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, torchrun
+from config import load_config
+from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, tiny_gpt, torchrun
 from summarizer import evaluation, inference, submission
 from summarizer.errors import UserError
 
@@ -310,3 +311,15 @@ def test_outputs_of_other_data_or_decoding_are_moved_aside_and_the_same_inputs_r
         assert {p.name: p.read_text() for p in aside.iterdir()} == before
         before, said = written(), [*said, line[0]]
     assert "other decoding" in said[1] and json.loads((out / record).read_text())["decoding"].startswith("beam")
+
+
+def test_a_max_new_tokens_that_leaves_dialogues_under_half_their_training_length_is_warned_in_one_line():
+    """A larger max_new_tokens than training's shortens every prompt (data.prompt_format); followed to the edge of
+    block_size, the error's hint kept each dialogue's first token, with no warning."""
+    def warning(max_new_tokens):
+        cfg = load_config([f"--max_new_tokens={max_new_tokens}"])
+        return inference.Summarizer(tiny_gpt(block_size=256), cfg, trained_max_new_tokens=48).cut_warning()
+    line = warning(238)
+    assert line.startswith("warning: max_new_tokens=238 leaves each dialogue its first ") and "\n" not in line
+    fits = int(line.rsplit("--max_new_tokens=", 1)[1])
+    assert warning(fits) is None and warning(fits + 1) is not None and warning(48) is None

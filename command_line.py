@@ -22,6 +22,18 @@ takes from it what each key's scope says (the table in docs/config.md); a flag t
 fixed stops in one line."""
 
 
+REPO = os.path.dirname(os.path.abspath(__file__))  # the commands' folder, where the presets' relative paths lead
+
+
+def repository_copy_hint(path, use):
+    """The clause for a relative path missing from the working folder that the repository holds: a command run from
+    another folder misses the repository's file. '' where it does not."""
+    if os.path.isabs(path) or not os.path.exists(there := os.path.join(REPO, path)):
+        return ""
+    return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it with "
+            f"{use}={there}, or run from {REPO}")
+
+
 class UserError(Exception):
     """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
 

@@ -24,7 +24,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from command_line import UserError
+from command_line import UserError, repository_copy_hint
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -139,6 +139,8 @@ def read_frame(path, key, missing_hint=None):
         raise UserError(f"{key} {path} is a folder{inside}: name the CSV inside it, e.g. "
                         f"--{key}={os.path.join(path, next(iter(csvs), 'name.csv'))}")
     if not os.path.isfile(path):
+        if there := repository_copy_hint(path, f"--{key}"):
+            raise UserError(f"{key} {path} does not exist{there}")
         where = "" if os.path.isabs(path) else f" (relative to the current folder {os.getcwd()})"
         raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:

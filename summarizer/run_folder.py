@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from command_line import repository_copy_hint
 from summarizer.errors import UserError
 from summarizer.files import left_by_a_dead_process
 from summarizer.memory import nbytes
@@ -29,7 +30,6 @@ PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the r
 RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SUBMISSION_RECORD, SWEEP_CSV, SWEEP_MD,
              "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the commands' folder, where presets' runs are
 
 
 def make(path, reads=None):
@@ -209,9 +209,8 @@ def missing_file_hint(path, use):
     """The clause that ends a 'does not exist' line: where the file is found, and the flag `use` that takes it; ''
     where it is not. Relative paths resolve against the working folder, so a command run from another folder misses
     the repository's file; a fresh run moves an earlier run's into previous-run-*/ beside it (the newest is named)."""
-    if not os.path.isabs(path) and os.path.exists(there := os.path.join(REPO, path)):
-        return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it "
-                f"with {use}={there}, or run from {REPO}")
+    if repository := repository_copy_hint(path, use):
+        return repository
     folder, name = os.path.split(os.path.abspath(path))
     earlier = max(glob.glob(os.path.join(glob.escape(folder), f"{EARLIER_RUN}-*", name)), key=os.path.getmtime,
                   default=None)

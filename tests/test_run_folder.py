@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+import command_line
+import data
 import predict
 import train
 from bench import preflight
@@ -26,6 +28,7 @@ from conftest import (
 )
 from summarizer import run_folder
 from summarizer.clock import RunClock
+from summarizer.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +189,22 @@ def test_a_relative_checkpoint_missing_here_names_the_one_in_the_repository(tmp_
     (repo / "out-demo").mkdir(parents=True)
     (repo / "out-demo" / "best.pt").write_bytes(b"")
     elsewhere.mkdir()
-    monkeypatch.setattr(run_folder, "REPO", str(repo))
+    monkeypatch.setattr(command_line, "REPO", str(repo))
     monkeypatch.chdir(elsewhere)
     err = one_error_line(capsys, evaluate.main, [os.path.join(REPO, "config", "demo.py")])
     there = repo / "out-demo" / "best.pt"
     assert err == (f"error: checkpoint out-demo/best.pt does not exist; relative paths resolve against the working "
                    f"folder ({elsewhere}), and {there} exists: use it with --ckpt={there}, or run from {repo}")
+
+
+def test_a_relative_csv_missing_here_names_the_one_in_the_repository(tmp_path, monkeypatch):
+    """The next step of the hint above: with --ckpt as printed, the preset's relative train_csv is missing too (it
+    said only 'relative to the current folder')."""
+    monkeypatch.chdir(tmp_path)
+    there = os.path.join(REPO, "data", "demo", "train.csv")
+    with pytest.raises(UserError) as info:
+        data.read_frame(os.path.join("data", "demo", "train.csv"), "train_csv")
+    assert str(info.value).endswith(f"{there} exists: use it with --train_csv={there}, or run from {REPO}")
 
 
 def test_a_checkpoint_missing_in_out_dir_names_the_newest_that_a_fresh_run_moved_aside(tmp_path):

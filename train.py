@@ -105,7 +105,7 @@ def main(argv=None):
                       f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
             # this run's config is the contract: every key counts as given
             took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)  # took: for max_time's last word
-            for key, after in (("evaluate_after", evaluate), ("predict_after", predict)):
+            for key, after in (("predict_after", predict), ("evaluate_after", evaluate)):  # the submission first
                 # what cannot end within the budget is not started (rank 0's clock decides for every rank)
                 later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
                 skip = getattr(cfg, key) and clock and rt.is_main and clock.after_run_problem(key, later)

@@ -14,8 +14,9 @@ from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
-# the budget suggested: SAFE times start-up and a step with the reserve (a busy machine may double either); below
-SAFE, THIN = 2, 1.5  # THIN times them, a preflight's go says its margin is thin
+# the budget suggested: SAFE times start-up and a step with the reserve (a busy machine may double either, so the
+# preflight's verdict and train.py's, seconds apart, may differ within SAFE: either verdict there says it is thin)
+SAFE = 2
 # Before an evaluation was timed, its validation loss is guessed from the training pace (a forward costs about a
 # third of a forward and backward) and its save from its bytes at a modest disk's speed.
 FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
@@ -236,9 +237,10 @@ class RunClock:
             return used_up(self.budget, self.spent(), "(imports, reading the data, building the model, timing a step)")
         if (need := self.suggested())[0] < self.left():
             return None
+        thin = " (a thin margin: a quieter moment may fit)" if self.spent() + need[0] <= SAFE * self.budget else ""
         line = (f"max_time={self.budget:g} leaves {self.left():.0f} s after start-up, and one step with the last "
                 f"evaluation, its save{f' and {self.after_words()}' if self.after else ''} need about {need[0]:.0f} s "
-                f"({self.describe()}): no training would fit; give --max_time above {need[1]:g}")
+                f"({self.describe()}): no training would fit{thin}; give --max_time above {need[1]:g}")
         return line + (f", or summarize later ({' '.join(f'--{key}=False' for key in self.after)}, then "
                        f"{' and '.join(key.split('_')[0] + '.py' for key in self.after)})" if self.after else "")
 
@@ -249,9 +251,9 @@ class RunClock:
         return need, 10 * math.ceil(SAFE * (self.spent() + need) / 10)
 
     def thin_margin(self):
-        """The preflight's line where start-up and one step with the reserve take over 1/THIN of the budget (train.py,
-        slower for a moment on a busy machine, would refuse it), else None."""
-        if THIN * (self.spent() + (need := self.suggested())[0]) <= self.budget:
+        """The preflight's line for a budget below the one it suggests (train.py, slower for a moment on a busy
+        machine, may refuse it), else None."""
+        if self.budget >= (need := self.suggested())[1]:
             return None
         return (f"the margin of max_time={self.budget:g} is thin: start-up took {self.spent():.0f} s, one step with "
                 f"what follows it needs {need[0]:.0f} s; a busier moment may leave no step: give --max_time above "

@@ -477,6 +477,22 @@ def test_an_after_run_starts_where_the_time_left_holds_half_of_what_the_slowest_
         assert (clock.after_run_problem("predict_after", "python predict.py") is None) == started, left
 
 
+def test_within_a_factor_safe_of_the_need_either_verdict_says_its_margin_is_thin():
+    """A new user's preflight and train.py, seconds apart on a busy CPU, timed a step at 2,542 and 980 ms and gave
+    opposite verdicts for one budget, neither saying it was close. Start-up 20 s here, the step's need varied."""
+    from summarizer.clock import RunClock
+
+    def clock(budget, step):
+        timed = RunClock(budget, started=0.0, now=lambda: 20.0)
+        timed.prime(step, tokens=1)
+        return timed
+    assert clock(35, 10).start_up_problem() is None and "is thin" in clock(35, 10).thin_margin()  # 35 < 2 x 30
+    assert clock(60, 10).thin_margin() is None  # the suggested budget: a plain go
+    assert "no training would fit (a thin margin: a quieter moment may fit); give --max_time above 90" in \
+        clock(35, 25).start_up_problem()  # 45 s needed: within 2 x 35
+    assert "thin" not in clock(35, 60).start_up_problem()  # 80 s needed: beyond 2 x 35
+
+
 def test_one_quiet_batch_does_not_size_the_after_run():
     """Three warm batches timed before step 1, one of them 8x faster (a quiet moment on a busy machine): the
     after-run is sized by the slowest, not by that one."""

@@ -23,6 +23,7 @@ from summarizer.report import interval_text, write_report
 COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
 REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing
 TIE = 1e-9  # per-dialogue score changes this small are the same score
+TIMED_ROUNDS = 2  # a sweep's speeds: rounds through its settings, forward then backward (a load that drifts cancels)
 
 
 @torch.no_grad()
@@ -215,6 +216,19 @@ def compare(frame, other):
     return stats
 
 
+def interleaved_seconds(model, prompts, configs, rt):
+    """Seconds each decoding config takes on `prompts`: the mean of TIMED_ROUNDS rounds through every config, in
+    alternating order after a round that pays their first calls, so that a busy machine's changing load falls on
+    every config alike (timed one after another, a sweep's speeds followed the order of its settings)."""
+    seconds = [0.0] * len(configs)
+    for round_ in range(1 + TIMED_ROUNDS):
+        for i in (range(len(configs)) if round_ % 2 else reversed(range(len(configs)))):
+            start = time.perf_counter()
+            inference.summarize_on_ranks(model, prompts, configs[i], rt, progress=False)
+            seconds[i] += (time.perf_counter() - start) / TIMED_ROUNDS if round_ else 0.0
+    return seconds
+
+
 def sweep(cfg, explicit, rt):
     """Score every decoding setting of cfg.sweep with one loaded model: a table (stdout, sweep.csv, sweep.md), and
     the fastest setting a paired test cannot tell from the best: its evaluation files and its flags for predict.py."""
@@ -224,20 +238,17 @@ def sweep(cfg, explicit, rt):
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
     summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
     configs, rows, frames = setting_configs(summarizer.cfg, settings), [], []
+    timed = prompts[:cfg.gen_batch_size * rt.world_size]
+    speeds = [len(timed) / seconds for seconds in interleaved_seconds(summarizer.model, timed, configs, rt)]
     for i, (setting, setting_cfg) in enumerate(zip(settings, configs, strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
         if rt.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
-        warm_up = prompts[:setting_cfg.gen_batch_size * rt.world_size]  # its first calls: the order changes no speed
-        inference.summarize_on_ranks(summarizer.model, warm_up, setting_cfg, rt, progress=False)
-        start = time.perf_counter()
         predictions = summarizer.summarize(prompts, rt, setting_cfg)
-        seconds = time.perf_counter() - start
         if rt.is_main:
             frames.append(scored_frame(val, predictions))
             rows.append({"setting": label, **{t: float(frames[-1][t].mean()) for t in COMPARED},
-                         "mean_tokens": float(frames[-1]["generated_tokens"].mean()),
-                         "summaries_per_s": len(predictions) / seconds})
+                         "mean_tokens": float(frames[-1]["generated_tokens"].mean()), "summaries_per_s": speeds[i]})
     if not rt.is_main:
         return None
     best, pick = against_the_best(rows, frames)

@@ -153,11 +153,13 @@ class FirstCallClock:
 @pytest.mark.slow
 def test_a_sweep_times_each_setting_warm_so_their_order_changes_no_speed(trained, tmp_path, monkeypatch):
     """Two settings that decode the same summaries (greedy ignores the seed), the process's first batch paying 20x a
-    warm one: their summaries/s are within 1.5x (the first setting paid the warm-up, 4x slower, before)."""
+    warm one, on a machine whose load grows through the sweep (a batch costs 1 s more every 10 s): their summaries/s
+    are within 1.3x (the first setting paid the warm-up, 4x slower, before; timed one after the other, the later
+    setting was 2x slower)."""
     clock, generate = FirstCallClock(), inference.generate
 
     def timed(model, prompts, *args, **kwargs):
-        clock.now += 1.0 + FirstCallClock.COLD_BATCHES * clock.cold
+        clock.now += (1.0 + clock.now / 10) * (1 + FirstCallClock.COLD_BATCHES * clock.cold)
         clock.cold = False
         return generate(model, prompts, *args, **kwargs)
     monkeypatch.setattr(evaluation, "time", clock)
@@ -165,7 +167,7 @@ def test_a_sweep_times_each_setting_warm_so_their_order_changes_no_speed(trained
     evaluate.main(args(trained, tmp_path, "--sweep=seed=1,2"))
     rows = pd.read_csv(tmp_path / "sweep.csv")
     fast, slow = sorted(rows["summaries_per_s"])[::-1]
-    assert rows["rougeL"][0] == rows["rougeL"][1] and fast <= 1.5 * slow, rows
+    assert rows["rougeL"][0] == rows["rougeL"][1] and fast <= 1.3 * slow, rows
 
 
 @pytest.mark.slow

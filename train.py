@@ -248,7 +248,7 @@ class Trainer:
             state.scaler.step(state.optimizer)  # with fp16, skips the update if any gradient overflowed
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
-        state.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
         return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
 
     @torch.no_grad()

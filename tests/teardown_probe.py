@@ -21,12 +21,16 @@ from summarizer import backends
 destroy = dist.destroy_process_group
 
 
+def say(line):
+    os.write(2, f"{line}\n".encode())  # one write: the other rank's lines cannot come between its parts
+
+
 class ReportedDDP(DistributedDataParallel):
     """DistributedDataParallel, ours (summarizer/backends.py) and Accelerate's alike."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        print(f"ddp built: gradient_as_bucket_view={self.gradient_as_bucket_view}", file=sys.stderr, flush=True)
+        say(f"ddp built: gradient_as_bucket_view={self.gradient_as_bucket_view}")
 
 
 def alive_at_teardown(*args, **kwargs):
@@ -37,8 +41,8 @@ def alive_at_teardown(*args, **kwargs):
         counts = {"ddp": sum(isinstance(o, DistributedDataParallel) for o in objects),
                   "fsdp": sum(isinstance(o, torch.distributed.fsdp.FSDPModule) for o in objects),
                   "gpt": sum(isinstance(o, GPT) for o in objects)}
-    print(f"alive at teardown: {' '.join(f'{k}={v}' for k, v in counts.items())}", file=sys.stderr, flush=True)
-    print(f"nccl at teardown: {backends.nccl_in_effect(os.environ)}", file=sys.stderr, flush=True)
+    say(f"alive at teardown: {' '.join(f'{k}={v}' for k, v in counts.items())}")
+    say(f"nccl at teardown: {backends.nccl_in_effect(os.environ)}")
     return destroy(*args, **kwargs)
 
 

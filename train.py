@@ -172,7 +172,7 @@ class Trainer:
                          "micro_batches": len(done.batch.micro_batches)}
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
-                        stats["compile_s"] = seconds  # the first step's, its compile included
+                        stats["compile_s"] = seconds  # the first step's: its compile, unless start-up's checks ran it
                     if self.run.compiled_module.why:
                         stats["compile_fallback"] = self.run.compiled_module.why
                 if state.scaler.is_enabled():

@@ -421,8 +421,9 @@ class System:
                                           "= when these, the shards and AdamW state fit the GPU (activations not "
                                           "counted), False = after every micro-step",
                                           Scope.COMMAND, ("auto", True, False))
-    nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1: GPUs talk through host memory (hosts without "
-                                           "working peer-to-peer, e.g. Kaggle's 2xT4)", Scope.COMMAND)
+    nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_CUMEM_HOST_ENABLE=0: GPUs talk through "
+                                           "host memory's /dev/shm files (hosts without peer access, e.g. Kaggle's "
+                                           "2xT4)", Scope.COMMAND)
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
                                           "(only for a broken InfiniBand setup)", Scope.COMMAND)
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing",

@@ -172,7 +172,7 @@ class Trainer:
                          "micro_batches": len(done.batch.micro_batches)}
                 if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
                     if state.step == first_step:
-                        stats["compile_s"] = seconds  # the first step's, its compile included
+                        stats["compile_s"] = seconds  # the first step's: its compile, unless start-up's checks ran it
                     if self.run.compiled_module.why:
                         stats["compile_fallback"] = self.run.compiled_module.why
                 if state.scaler.is_enabled():
@@ -248,7 +248,7 @@ class Trainer:
             state.scaler.step(state.optimizer)  # with fp16, skips the update if any gradient overflowed
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
-        state.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
         return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
 
     @torch.no_grad()

@@ -130,7 +130,8 @@ def collective(cfg, nproc, device, timeout):
     """One all-reduce of 64 MB (NCCL's shared-memory and network transports both set up) between nproc processes
     under torchrun, for each NCCL setting in turn until one works."""
     base = {**(nccl_flags(cfg) if device == "cuda" else {}), **child_environ()}  # as Runtime: the user's own wins
-    tries, tried = [base, *({**base, **setting} for setting in NCCL_SETTINGS if device == "cuda")], []
+    tries, tried = [base, *({**base, **setting} for setting in NCCL_SETTINGS  # those not in effect already
+                            if device == "cuda" and setting.items() - base.items())], []
     for env in tries:
         code, output = torchrun(["-m", "bench.preflight", "--collective", f"--device={device}",
                                  f"--dist_start_timeout={timeout}"], nproc, env, timeout + 60)

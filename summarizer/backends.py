@@ -75,6 +75,10 @@ class SingleProcess:
     def no_sync(self, wrapped, sync):
         return contextlib.nullcontext()
 
+    # between steps, zero_grad(set_to_none=not keeps_gradients): DDP's buckets are its gradients
+    # (gradient_as_bucket_view), and set to None the next backward would allocate a second copy beside them
+    keeps_gradients = False
+
     def training_state(self, model, optimizer):
         """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this."""
         return model.state_dict(), optimizer.state_dict()
@@ -114,10 +118,15 @@ class DDP(SingleProcess):
         if dist.is_initialized():
             end_process_group(self.device, clean, self.rank)
 
+    @property
+    def keeps_gradients(self):
+        return self.world_size > 1
+
     def wrap(self, model):
         if self.world_size == 1:
             return model
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return DistributedDataParallel(zero_gradients(model), gradient_as_bucket_view=True,
+                                       device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def no_sync(self, wrapped, sync):
         """Skip the gradient reduction on all but the last micro-step of an accumulation."""
@@ -126,17 +135,27 @@ class DDP(SingleProcess):
         return wrapped.no_sync()
 
 
+def zero_gradients(model):
+    """`model` with zero gradients, which DDP with gradient_as_bucket_view=True makes views of its buckets as it is
+    built: the first step's backward too accumulates into the buckets, with no second copy."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return model
+
+
 # What to set when NCCL's first collective fails, in this order: Kaggle's T4s have no peer access, and NCCL >= 2.24
 # sets up its shared-memory transport with cuMem host buffers, which fails there ("Cuda failure 217 'peer access is
-# not supported'", NVIDIA/nccl#1838); NCCL_CUMEM_HOST_ENABLE=0 takes the older /dev/shm files, NCCL_SHM_DISABLE=1
-# no shared memory at all (a small /dev/shm fails the files too).
+# not supported'", NVIDIA/nccl#1838); NCCL_CUMEM_HOST_ENABLE=0 takes the older /dev/shm files (nccl_p2p_disable sets
+# it from the start), NCCL_SHM_DISABLE=1 no shared memory at all (a small /dev/shm fails the files too).
 NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
 
 
 def nccl_flags(cfg):
     """The NCCL variables the config's flags ask for (set only where the environment has none)."""
-    return {key: "1" for key, on in (("NCCL_P2P_DISABLE", cfg.nccl_p2p_disable),
-                                     ("NCCL_IB_DISABLE", cfg.nccl_ib_disable)) if on}
+    return {key: value for key, value, on in (("NCCL_P2P_DISABLE", "1", cfg.nccl_p2p_disable),
+                                               ("NCCL_CUMEM_HOST_ENABLE", "0", cfg.nccl_p2p_disable),
+                                               ("NCCL_IB_DISABLE", "1", cfg.nccl_ib_disable)) if on}
 
 
 def next_nccl_setting(environ):
@@ -227,11 +246,13 @@ class Accelerate(DDP):
 
     def __init__(self, cfg, want_cuda):
         from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs
-        # Accelerate must not add an autocast or a torch.compile of its own around the model.
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+        # Accelerate must not add an autocast or a torch.compile of its own around the model; its DDP's buckets are the
+        # gradients, as ours (DDP.keeps_gradients).
         self.accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no", dynamo_backend="no",
                                        kwargs_handlers=[InitProcessGroupKwargs(
-                                           timeout=datetime.timedelta(seconds=cfg.dist_timeout))])
+                                           timeout=datetime.timedelta(seconds=cfg.dist_timeout)),
+                                           DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
         self.device = self.accelerator.device
 
@@ -241,7 +262,7 @@ class Accelerate(DDP):
             end_process_group(self.device, clean, self.rank)
 
     def wrap(self, model):
-        return self.accelerator.prepare_model(model)
+        return self.accelerator.prepare_model(zero_gradients(model))
 
 
 class FSDP(DDP):
@@ -286,6 +307,8 @@ class FSDP(DDP):
                   f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
                   f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
         return fits
+
+    keeps_gradients = False
 
     def close(self, clean):
         self.model = None  # the sharded model holds the group: it goes first

@@ -2,7 +2,7 @@
 what micro_batch_size=auto chooses by (no probing: summarizer/micro_batch.py runs the choice's peak once, and
 lowers it only on an out-of-memory error) and what bench --section=memory reports.
 - Weights, gradients and AdamW's state are the model's own tensors: under FSDP one rank's shards plus the units it
-  gathers while computing; under DDP its gradient buckets, a second copy of the gradients.
+  gathers while computing; under DDP the gradients are its buckets (gradient_as_bucket_view).
 - Activations are what autograd keeps for backward, measured on a one-block model of the run's width over a short
   probe under the run's autocast: per token, and per target (only targets go through lm_head). Attention keeps O(T)
   state, so a micro-batch's bytes are these rates times its rows, length and targets.
@@ -60,8 +60,7 @@ def parameter_bytes(model, backend, world_size):
     trainable = [p for p in params if p.requires_grad]
     moments = 2 * sum(p.numel() for p in trainable) * 4
     if backend != "fsdp":
-        grads = nbytes(trainable) * (2 if backend in ("ddp", "accelerate") and world_size > 1 else 1)
-        return nbytes(params), grads, moments
+        return nbytes(params), nbytes(trainable), moments  # DDP's buckets are the gradients
     gathered = (nbytes(p for n, p in model.named_parameters() if ".h." not in n)
                 + 2 * nbytes(model.transformer.h[0].parameters()))
     return (shard_bytes(params, world_size) + gathered, shard_bytes(trainable, world_size) + gathered,

@@ -1,5 +1,6 @@
 """micro_batch_size=auto on the device, before step 1: the plan (summarizer/memory.py) has never met the user's GPU
-and leaves backward's transient buffers to its headroom, so the micro-batch it chose runs a step's peak once; an
+and leaves backward's transient buffers to its headroom, so the micro-batch it chose runs a step's peak once, on what
+the run's step calls (compiled where it compiles: a compiled, checkpointed step may peak higher, pytorch#120381); an
 out-of-memory error lowers it, on every rank alike, rather than ending the run at its first step. (A generation
 batch that runs out of memory is lowered where batches are formed: inference.summarize_on_ranks.)"""
 from dataclasses import replace
@@ -9,8 +10,9 @@ import torch
 
 import data
 from model import Targets
+from summarizer.backends import zero_gradients
 from summarizer.launch import out_of_memory, training_memory_hint
-from summarizer.memory import nbytes, parameter_bytes
+from summarizer.memory import parameter_bytes
 from summarizer.state import rng_state, set_rng_state
 
 
@@ -39,14 +41,15 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
 
 
 def peak_step(cfg, rt, model, train_set):
-    """A step's peak on `model` before any backend wraps it (no collective: a rank out of memory leaves it alone),
-    beside the bytes the plan counts that backward does not allocate. Leaves no gradients, draws no random numbers."""
+    """A step's peak on `model` (the model, or its CompiledModule) before any backend wraps it (no collective: a rank
+    out of memory leaves it alone), beside AdamW's state and, where the backend keeps them between steps, the
+    gradients. Leaves no gradients, draws no random numbers."""
     rng = rng_state()
     rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
     x, y = data.collate(train_set, rows, cfg.train_on_prompt)
-    _, grads, moments = parameter_bytes(model, rt.backend, rt.world_size)
-    later = grads + moments - nbytes(p for p in model.parameters() if p.requires_grad)
-    held = torch.empty(later, dtype=torch.uint8, device=rt.device)
+    held = torch.empty(parameter_bytes(model, rt.backend, rt.world_size)[2], dtype=torch.uint8, device=rt.device)
+    if rt.parallel.keeps_gradients:
+        zero_gradients(model)
     try:
         with rt.autocast():
             _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))

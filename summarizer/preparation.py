@@ -64,13 +64,14 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    cfg, chosen = auto_micro_batch(cfg, rt, model, splits)
+    compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
+    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model)
     tracker.cfg = cfg  # the tracker logs the chosen settings
     state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module, compiled_module, compiled = step_module(rt, state)
+    module, compiled = step_module(rt, state, compiled_module)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
@@ -92,9 +93,9 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     return run
 
 
-def auto_micro_batch(cfg, rt, model, splits):
-    """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak;
-    the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
+def auto_micro_batch(cfg, rt, model, splits, step):
+    """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak,
+    run by `step`; the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
     if cfg.micro_batch_size != "auto":
         return cfg, None
     say_start_up(rt, "planning memory for micro_batch_size=auto")
@@ -105,7 +106,7 @@ def auto_micro_batch(cfg, rt, model, splits):
     if rt.backend == "fsdp":
         return cfg, chosen
     say_start_up(rt, "running a step on the longest rows")
-    return micro_batch_that_runs(cfg, rt, model.to(rt.device), splits.train, chosen)
+    return micro_batch_that_runs(cfg, rt, step.to(rt.device), splits.train, chosen)
 
 
 def announce(run, rt, notes, train_rows, runs, chosen, disk):
@@ -160,14 +161,14 @@ def training_state(cfg, rt, model, resumed, splits, given):
     return state, disk, notes
 
 
-def step_module(rt, state):
-    """(what a step calls: the model, compiled at step 1 where the runtime compiles training (eager after a compiler
-    failure), wrapped by the backend; the CompiledModule in it, or None; what runs, in words, for the start line)."""
-    compiled = CompiledModule(state.model) if rt.compile_training else None
+def step_module(rt, state, compiled):
+    """(what a step calls: the model, or its CompiledModule `compiled` (compiled at its first call, eager after a
+    compiler failure) where the runtime compiles training, wrapped by the backend; what runs, in words, for the
+    start line)."""
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
-    words = ("torch.compile (compiled at step 1)" if compiled else
+    words = ("torch.compile (compiled at its first call)" if compiled else
              f"eager training ({rt.backend})" if rt.compile else "eager")
-    return rt.parallel.wrap(compiled or state.model), compiled, words
+    return rt.parallel.wrap(compiled or state.model), words
 
 
 def time_step(cfg, rt, batches, state, module):
@@ -186,7 +187,7 @@ def time_step(cfg, rt, batches, state, module):
             loss.backward()
             runs.append(time.perf_counter() - start)
         say_start_up(rt, "timing a training step (warm)")
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
     set_rng_state(rng)
     return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 

@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import traceback
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -42,6 +43,15 @@ def choose_precision(requested, device_type, capability=None, accelerate_precisi
     return requested, requested == "float16"
 
 
+def expandable_segments():
+    """The CUDA allocator's expandable segments, before its first allocation (widths that vary every step fragment
+    fixed segments), set through the release's own setter rather than a variable: torch 2.8-2.11 warn that
+    PYTORCH_CUDA_ALLOC_CONF is deprecated, and some of them ignore PYTORCH_ALLOC_CONF's (pytorch#183387)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 names the setter torch._C's
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 class Runtime:
     """Rank, world size, device, precision and compile of this process; its backend (rt.parallel) and the few
     collective operations the trainer uses."""
@@ -51,8 +61,8 @@ class Runtime:
         want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
             raise UserError(f"device={cfg.device} but no CUDA GPU is visible: use --device=cpu")
-        if want_cuda:  # read at the first CUDA allocation: widths that vary every step fragment fixed segments
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if want_cuda and not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & os.environ.keys():  # the user's wins
+            expandable_segments()
         for key, value in nccl_flags(cfg).items():
             os.environ.setdefault(key, value)  # the user's own environment wins
         accelerate_precision, accelerate_dynamo = (accelerate_settings(os.environ) if self.backend == "accelerate"

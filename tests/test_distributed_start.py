@@ -1,13 +1,26 @@
 """The start of a distributed run: the ranks meet and run one collective within dist_start_timeout, else every rank
 that started stops in one line naming what to change; for NCCL, the next setting to try (the user's own NCCL_*
 variables win: only a setting they do not have is named)."""
+import glob
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import HANG, free_port, run, tiny
-from summarizer.backends import NCCL_SETTINGS, nccl_in_effect, next_nccl_setting
+from config import load_config
+from conftest import HANG, REPO, free_port, run, tiny
+from summarizer.backends import NCCL_SETTINGS, nccl_flags, nccl_in_effect, next_nccl_setting
+
+
+@pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py"))),
+                         ids=os.path.basename)
+def test_a_kaggle_preset_starts_nccl_as_t4s_need_and_names_shared_memory_off_next(preset):
+    """No peer-to-peer path and no cuMem host buffers (NCCL >= 2.24 fails its first collective with them on GPUs
+    without peer access, NVIDIA/nccl#1838) from the start; should that fail, the line names the next setting."""
+    flags = nccl_flags(load_config([preset]))
+    assert flags == {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}
+    assert next_nccl_setting(flags) == {"NCCL_SHM_DISABLE": "1"}
 
 
 @pytest.mark.parametrize("environ, expected", [

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -63,11 +64,15 @@ def test_bfloat16_on_a_t4_is_one_clear_error():
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """fake_gpu(name, capability): torch.cuda reports one such GPU (nothing runs on it)."""
+    """fake_gpu(name, capability): torch.cuda reports one such GPU (nothing runs on it); returns the allocator
+    settings applied to it, in order."""
     def install(name, capability):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        applied = []
+        monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", applied.append)
+        return applied
     return install
 
 
@@ -120,30 +125,60 @@ def test_compile_auto_means_on_cuda_only(requested, device_type, expected):
     assert use_compile(requested, device_type) is expected
 
 
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def test_the_cuda_allocator_uses_expandable_segments_unless_the_user_configured_it(fake_gpu, monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    """Through torch's own setter, with no variable: torch 2.8-2.11 warn that PYTORCH_CUDA_ALLOC_CONF is deprecated
+    (every rank of every command would), and some ignore PYTORCH_ALLOC_CONF's expandable_segments (pytorch#183387).
+    The user's variable, by either name, wins."""
+    for name in ALLOC_CONF:
+        monkeypatch.delenv(name, raising=False)
+    applied = fake_gpu("Tesla T4", (7, 5))
     Runtime(load_config(["--device=cpu"]))
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    fake_gpu("Tesla T4", (7, 5))
+    assert applied == []
     Runtime(load_config(["--device=cuda", "--backend=none"]))
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert applied == ["expandable_segments:True"] and not set(ALLOC_CONF) & os.environ.keys()
+    for name in ALLOC_CONF:
+        with monkeypatch.context() as patched:
+            patched.setenv(name, "max_split_size_mb:128")
+            Runtime(load_config(["--device=cuda", "--backend=none"]))
+            assert applied == ["expandable_segments:True"] and os.environ[name] == "max_split_size_mb:128"
+
+
+def test_the_allocator_setting_warns_on_no_release(fake_gpu, monkeypatch, recwarn):
+    """torch 2.13 deprecates the setter's name for torch._C's (2.7 has no such): the release's own setter is called,
+    its FutureWarning, as 2.13 words it, silenced."""
+    applied = fake_gpu("Tesla T4", (7, 5))
+
+    def deprecated(settings):
+        warnings.warn("torch.cuda._set_allocator_settings is deprecated. Use "
+                      "torch._C._accelerator_setAllocatorSettings instead.", FutureWarning, stacklevel=2)
+        applied.append(settings)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated)
+    for name in ALLOC_CONF:
+        monkeypatch.delenv(name, raising=False)
     Runtime(load_config(["--device=cuda", "--backend=none"]))
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert applied == ["expandable_segments:True"] and not recwarn.list
 
 
 def test_nccl_variables_are_set_only_when_asked(monkeypatch):
-    for name in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
+    """nccl_p2p_disable (every Kaggle preset's): no peer-to-peer path, and no cuMem host buffers for the shared-memory
+    transport (NCCL >= 2.24 fails its first collective with them on GPUs without peer access, NVIDIA/nccl#1838)."""
+    for name in ("NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE", "NCCL_IB_DISABLE"):
+        monkeypatch.setenv(name, "")  # restored as they were after the test, Runtime's setting included
+        monkeypatch.delenv(name)
     Runtime(load_config(["--device=cpu"]))
-    assert "NCCL_P2P_DISABLE" not in os.environ and "NCCL_IB_DISABLE" not in os.environ
+    assert not {"NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE", "NCCL_IB_DISABLE"} & os.environ.keys()
     Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
-    assert os.environ["NCCL_P2P_DISABLE"] == "1" and "NCCL_IB_DISABLE" not in os.environ  # across nodes: InfiniBand
+    assert (os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_CUMEM_HOST_ENABLE"]) == ("1", "0")
+    assert "NCCL_IB_DISABLE" not in os.environ  # across nodes: InfiniBand
     Runtime(load_config(["--device=cpu", "--nccl_ib_disable=True"]))
     assert os.environ["NCCL_IB_DISABLE"] == "1"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own environment wins
+    monkeypatch.setenv("NCCL_CUMEM_HOST_ENABLE", "1")
     Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
-    assert os.environ["NCCL_P2P_DISABLE"] == "0"
+    assert (os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_CUMEM_HOST_ENABLE"]) == ("0", "1")
 
 
 @pytest.mark.parametrize("name, dtype, tflops", [

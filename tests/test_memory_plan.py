@@ -12,7 +12,7 @@ import torch
 
 import train
 from config import load_config
-from conftest import REPO, metrics, tiny
+from conftest import REPO, metrics, tiny, tiny_gpt
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, memory
 
@@ -43,6 +43,13 @@ def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
     assert per_rank % rows == 0 and rows * RANKS * (per_rank // rows) == cfg.batch_size == 256
     bigger = [r for r in range(rows + 1, per_rank + 1) if per_rank % r == 0]
     assert not bigger or memory.plan(run, bigger[0], rates, budget).peak > budget
+
+
+def test_ddp_holds_one_copy_of_the_gradients_its_buckets():
+    """DDP is built with gradient_as_bucket_view=True (summarizer/backends.py): its buckets are the gradients."""
+    model = tiny_gpt()
+    assert memory.parameter_bytes(model, "ddp", RANKS) == memory.parameter_bytes(model, "none", 1)
+    assert memory.parameter_bytes(model, "accelerate", RANKS)[1] == memory.nbytes(model.parameters())
 
 
 def test_activations_grow_with_rows_and_checkpointing_keeps_less():

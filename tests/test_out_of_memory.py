@@ -1,7 +1,8 @@
 """Out of memory, a GPU's or the host's (on a CPU or in host RAM, torch's CPU allocator raises a RuntimeError):
 never taken for a failed torch.compile (in training's compiled step it propagates with the hint to lower
 --micro_batch_size and ends train.py in one error line; in a CUDA graph's capture it propagates, with no eager
-retry); under micro_batch_size=auto before step 1, and in any generation batch, it lowers the batch on every rank
+retry); under micro_batch_size=auto before step 1 (its check runs the compiled step where the run compiles), and in
+any generation batch, it lowers the batch on every rank
 and the run goes on as the smaller batch would have from the start; a micro_batch_size the user set stays and its
 one line names what to lower."""
 import dataclasses
@@ -40,6 +41,26 @@ def test_an_out_of_memory_in_the_compiled_step_propagates(args, monkeypatch, cap
     err = capfd.readouterr().err
     assert exit.value.code == 1 and "torch.compile failed" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: out of memory while training on micro-batches of 8")
+
+
+def test_auto_checks_the_compiled_step_and_lowers_the_micro_batch_it_runs_out_of_memory_in(run_args, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """A compiled, checkpointed step may peak above the eager one (pytorch#120381): micro_batch_size=auto's check
+    runs the compiled step, so where it runs out of memory above 2 rows (eager fits 8) the run lowers to 2, says so in
+    its line, and trains compiled at 2 to its end."""
+    def compiled(model, **kwargs):
+        def step(x, targets):
+            if len(x) > 2:
+                run_out_of_memory("GPU")
+            return model(x, targets)
+        return step
+    monkeypatch.setattr(torch, "compile", compiled)
+    train.main(run_args(tmp_path / "out", "--micro_batch_size=auto", "--compile=True"))
+    lowered = [line for line in capsys.readouterr().out.splitlines() if line.startswith("micro_batch_size=auto:")]
+    assert len(lowered) == 1 and lowered[0].endswith(f"; out of memory at 8 and 4 (rank 0: {says('GPU')}): lowered "
+                                                     f"to 2")
+    assert trained_weights(tmp_path / "out")[1]["micro_batch_size"] == 2
+    assert [r["iter"] for r in metrics(tmp_path / "out") if "loss" in r] == [1, 2, 3]
 
 
 def test_an_out_of_memory_in_a_graph_capture_propagates(tiny_hf_dir, capfd):

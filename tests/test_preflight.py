@@ -10,6 +10,7 @@ import pytest
 
 import train
 from bench import preflight
+from config import load_config
 from conftest import HANG, ONE_STEP, REPO, held_by_another_process, tiny
 from summarizer import loading
 
@@ -158,6 +159,17 @@ def test_the_batch_is_split_over_the_processes_the_run_is_launched_with(tmp_path
 
 
 @pytest.mark.slow
+def test_the_collective_tries_the_runs_nccl_settings_then_each_one_not_in_effect(monkeypatch):
+    """The run's settings (a Kaggle preset's: no peer-to-peer path, no cuMem host buffers), then shared memory off:
+    the order a failed start names them in (summarizer/backends.py), none tried twice."""
+    for name in ("NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE", "NCCL_SHM_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(preflight, "torchrun", lambda args, nproc, env, timeout: (1, "error: a failed collective"))
+    said = preflight.collective(load_config([f"{REPO}/config/kaggle_t4x2.py"]), 2, "cuda", 5)
+    assert said["status"] == "failed" and [t["setting"] for t in said["tried"]] == [
+        "NCCL_CUMEM_HOST_ENABLE=0 NCCL_P2P_DISABLE=1", "NCCL_CUMEM_HOST_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"]
+
+
 def test_two_processes_on_a_cpu_meet_in_a_gloo_collective_that_keeps_the_users_pythonpath(tmp_path):
     """Run as a user runs it, with a PYTHONPATH of the user's own: every child process (the launcher and the
     collective's ranks) keeps it (a site folder that records each process that starts with it); the report goes to

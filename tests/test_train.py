@@ -44,12 +44,13 @@ def single_process(parity_data):
 
 
 # torchrun's launches run train.py under tests/teardown_probe.py, which reports what is alive as each rank destroys
-# its process group; DDP's also evaluates and predicts after training (what evaluate.py and predict.py run)
+# its process group, its NCCL variables and the DDP modules built; DDP's runs the default Kaggle preset (its
+# nccl_p2p_disable) and also evaluates and predicts after training (what evaluate.py and predict.py run)
 PROBED = ("--nproc_per_node=2", "--standalone", "tests/teardown_probe.py", "train.py")
 LAUNCHES = {
     "micro_batch_2": lambda args: [sys.executable, "train.py", *args, "--micro_batch_size=2"],
-    "torchrun_ddp": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--evaluate_after=True",
-                                          "--predict_after=True"),
+    "torchrun_ddp": lambda args: torchrun(*PROBED, "config/kaggle_t4x2.py", *args, "--micro_batch_size=4",
+                                          "--evaluate_after=True", "--predict_after=True"),
     "torchrun_fsdp_checkpointing": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--backend=fsdp",
                                                          "--gradient_checkpointing=True"),
     "torchrun_accelerate": lambda args: torchrun(*PROBED, *args, "--micro_batch_size=4", "--backend=accelerate"),
@@ -66,7 +67,8 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     """Single process with accumulation == 2 DDP ranks == 2 FSDP ranks (with gradient checkpointing) == 2 Accelerate
     ranks == notebook_launcher, loss for loss. Under torchrun, each rank's DDP or FSDP module, and every model, is
     gone when its process group is destroyed (a gloo group whose last holder is DDP's Reducer can deadlock at the
-    interpreter's exit; tests/test_teardown.py)."""
+    interpreter's exit; tests/test_teardown.py); DDP's buckets, ours and Accelerate's, are the gradients
+    (gradient_as_bucket_view); the Kaggle preset's ranks start NCCL without cuMem host buffers, as T4s need."""
     out = parity_data / launch
     args = [*PARITY, f"--train_csv={parity_data / 'train.csv'}", f"--test_csv={parity_data / 'test.csv'}",
             f"--data_cache_dir={parity_data / 'cache'}", f"--out_dir={out}"]
@@ -76,6 +78,11 @@ def test_every_launcher_trains_the_same_model(parity_data, single_process, launc
     if launch.startswith("torchrun"):
         reports = [line for line in result.stderr.splitlines() if line.startswith("alive at teardown:")]
         assert reports == ["alive at teardown: ddp=0 fsdp=0 gpt=0"] * 2, result.stderr[-3000:]
+        built = [line for line in result.stderr.splitlines() if line.startswith("ddp built:")]
+        assert built == ["ddp built: gradient_as_bucket_view=True"] * 2 * (launch != "torchrun_fsdp_checkpointing")
+    if launch == "torchrun_ddp":
+        nccl = [line for line in result.stderr.splitlines() if line.startswith("nccl at teardown:")]
+        assert nccl == ["nccl at teardown: NCCL_CUMEM_HOST_ENABLE=0 NCCL_P2P_DISABLE=1"] * 2, result.stderr[-3000:]
     if launch == "torchrun_ddp":  # the after-run ran before the teardown it reported on
         assert (out / "eval_metrics.json").is_file() and (out / "submission.csv").is_file()
 

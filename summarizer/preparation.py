@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import data
-from config import Use, flags_given, grad_accum_steps, load_config, own_keys, resolve, settings_given
+from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import RunClock
@@ -251,8 +251,7 @@ def validation_problem(cfg, rows):
 def check_before_model(cfg, rt):
     """(the Tracker, the Splits, {after-run: the dialogues it summarizes}) once train.py's and bench/preflight.py's
     checks before the model pass: the batch's split, the loggers, init_from's weights, the inputs."""
-    if cfg.micro_batch_size != "auto":
-        grad_accum_steps(cfg, rt.world_size)
+    rows_per_rank(cfg.batch_size, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
         from_hub_cache(cfg.init_from)

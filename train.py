@@ -37,12 +37,12 @@ from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,
+    error_lines,
     full_disk_keeps_checkpoints,
     lost_rank_keeps_checkpoints,
     notebook_launch,
     one_line_errors,
     process_age,
-    rank_error_lines,
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
@@ -72,7 +72,7 @@ def main(argv=None):
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
         # (SIGTERM) moments after another one failed
-        with Runtime(cfg) as rt, one_line_errors(), rank_error_lines(), \
+        with Runtime(cfg) as rt, one_line_errors(), error_lines(cfg.out_dir), \
                 run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG), from_run))
@@ -80,7 +80,8 @@ def main(argv=None):
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
             signals = StopSignals(lambda step: f"stopping after iter {step}, then saving {ckpt}" if rt.is_main
                                   else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
-            with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
+            with signals, full_disk_keeps_checkpoints(cfg.out_dir), \
+                    lost_rank_keeps_checkpoints(cfg.out_dir, go_on, rt.distributed):
                 with start_up_deadline(cfg.max_time, started, time.monotonic):
                     trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
                 cfg = trainer.run.cfg  # micro_batch_size=auto chosen

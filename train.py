@@ -31,7 +31,6 @@ from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.clock import start_up_deadline
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
@@ -82,8 +81,7 @@ def main(argv=None):
                                   else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
             with signals, full_disk_keeps_checkpoints(cfg.out_dir), \
                     lost_rank_keeps_checkpoints(cfg.out_dir, go_on, rt.distributed):
-                with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
+                trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
                 cfg = trainer.run.cfg  # micro_batch_size=auto chosen
                 del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
                 try:

@@ -278,7 +278,10 @@ class Trainer:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {state.step}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
-        state.save(cfg, self.rt, stats, best=state.improved(stats, cfg.best_metric))
+        best = state.improved(stats, cfg.best_metric)
+        if best and cfg.best_metric != "last":
+            state.best_score, state.best_val_loss = stats[cfg.best_metric], stats["val_loss"]
+        state.save(cfg, self.rt, stats, best=best)
 
     def log(self, stats, bar, steps_left):
         """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar (with the

@@ -159,9 +159,6 @@ def full_disk_keeps_checkpoints(folder):
         raise DiskFull(f"{e}; {kept}") from None
 
 
-GLOO_TRANSPORT = "/gloo/transport/"  # e.g. "[.../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error ..."
-
-
 @contextlib.contextmanager
 def lost_rank_keeps_checkpoints(folder, go_on, distributed):
     """In a run of several processes, a collective that fails because another rank is gone (killed, crashed, out of
@@ -170,7 +167,10 @@ def lost_rank_keeps_checkpoints(folder, go_on, distributed):
     try:
         yield
     except Exception as e:
-        if not distributed or not peer_lost(e):
+        # torch.distributed's error types (NCCL's, the store's); gloo's errors are plain RuntimeErrors whose first
+        # line is the source location in its transport: "[.../gloo/transport/tcp/pair.cc:537] Read error ..."
+        if not distributed or not (isinstance(e, torch.distributed.DistError) or (
+                type(e) is RuntimeError and "/gloo/transport/" in str(e).partition("\n")[0])):
             raise
         intact = intact_in(folder)
         resumable = any(path.startswith(f"{os.path.join(folder, run_folder.CKPT)} (") for path in intact)
@@ -178,13 +178,6 @@ def lost_rank_keeps_checkpoints(folder, go_on, distributed):
             f"; continue with: {go_on}" if resumable else ": start the run again")
         raise UserError(f"another rank of this run is gone ({type(e).__name__}: "
                         f"{str(e).strip().partition(chr(10))[0]}); {kept}") from None
-
-
-def peer_lost(error):
-    """Whether `error` is a collective's failure: torch.distributed's error types (NCCL's, the store's), or the plain
-    RuntimeError of gloo, which has no type of its own: its first line is its transport's source location."""
-    return isinstance(error, torch.distributed.DistError) or (
-        type(error) is RuntimeError and GLOO_TRANSPORT in str(error).partition("\n")[0])
 
 
 def notebook_launch(main, argv, num_processes, port):

@@ -302,11 +302,13 @@ class ModelShape:
 class Training:
     """The optimization: batch, steps, learning rate and its schedule, time budget."""
     dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
-    batch_size: int = option(256, "effective batch: sequences per optimizer step, summed over ranks and "
-                                  "accumulation", Scope.TRAINED, why="the rows of each step", bound=POSITIVE)
-    micro_batch_size: int | str = option(8, "a forward pass's size on one rank: at most the positions of this many "
-                                            "of the longest rows (a step's rows are cut where padding is least); auto "
-                                            "= the most the run's memory plan fits on its GPU (dividing batch_size)",
+    batch_size: int = option(256, "effective batch: sequences per optimizer step over all processes (a multiple of "
+                                  "their number) and micro-batches", Scope.TRAINED, why="the rows of each step",
+                             bound=POSITIVE)
+    micro_batch_size: int | str = option(8, "a micro-batch's memory on one rank: at most the positions and targets "
+                                            "of this many of the longest rows (a step's rows are cut by length where "
+                                            "padding is least, so a micro-batch of short rows holds more); auto = "
+                                            "the most the run's memory plan fits on its GPU",
                                          Scope.RUN,
                                          bound=Bound(lambda v: v == "auto" or (type(v) is int and v > 0),
                                                      "must be a number > 0 or auto"))
@@ -329,14 +331,6 @@ class Training:
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute",
                                                  Scope.TRAINING)
-
-    def problems(self):
-        try:
-            if self.micro_batch_size != "auto" and self.micro_batch_size > 0:
-                grad_accum_steps(self, world_size=1)  # the ranks a run has are counted where it runs
-        except UserError as e:
-            return [str(e)]
-        return []
 
 
 @dataclass
@@ -519,7 +513,7 @@ class Config(*reversed(GROUPS)):
 
     def problems(self):
         """Every rule this config breaks, one message each: each value's choices and range, then the rules of each
-        group whose values keep those (written for values that do: `micro_batch_size` a count or auto)."""
+        group whose values keep those."""
         problems, broken = [], set()
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
@@ -545,18 +539,14 @@ def part(cfg, group):
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
-def grad_accum_steps(cfg, world_size):
-    """Micro-batches each rank runs per optimizer step so that all ranks together process batch_size sequences;
-    UserError when batch_size does not split so (Training's rule, with world_size=1, as every Config is made)."""
-    per_pass = cfg.micro_batch_size * world_size
-    if cfg.batch_size % per_pass == 0:
-        return cfg.batch_size // per_pass
-    if world_size == 1:
-        raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={cfg.micro_batch_size}")
-    raise UserError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size = "
-                    f"{cfg.micro_batch_size} * {world_size} = {per_pass}: set --batch_size to a multiple of "
-                    f"{per_pass} or --micro_batch_size so that micro_batch_size * {world_size} divides "
-                    f"{cfg.batch_size}")
+def rows_per_rank(batch_size, world_size):
+    """The rows of a step each of `world_size` processes takes (the cut deals them out evenly); UserError when
+    batch_size does not split so: batch_size's one rule, checked before the model is built."""
+    if batch_size % world_size:
+        raise UserError(f"batch_size={batch_size} does not split over the {world_size} processes of this run (each "
+                        f"takes as many of a step's rows): give --batch_size a multiple of {world_size}, e.g. "
+                        f"{(batch_size // world_size + 1) * world_size}")
+    return batch_size // world_size
 
 
 FIELDS = {f.name: f for f in fields(Config)}

@@ -335,7 +335,10 @@ def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
             notes.append(f"data_cache_dir {folders[0]} cannot be written ({problem}): tokens cached in {folders[1]} "
                          f"(--data_cache_dir chooses another folder)")
     barrier()
-    path = next(os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name)))
+    path = next((os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name))), None)
+    if path is None:  # rank 0 wrote them on another node's disk
+        raise UserError(f"data_cache_dir {folders[0]} holds no tokens of {table.path} on this node, where the main "
+                        f"rank cached them: on several nodes pass --data_cache_dir=<a folder every node shares>")
     with np.load(path) as f:
         return {key: f[key] for key in f.files}, notes
 

@@ -31,18 +31,17 @@ from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.clock import start_up_deadline
 from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,
+    error_lines,
     full_disk_keeps_checkpoints,
     lost_rank_keeps_checkpoints,
     notebook_launch,
     one_line_errors,
     process_age,
-    rank_error_lines,
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
@@ -72,7 +71,7 @@ def main(argv=None):
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
         # (SIGTERM) moments after another one failed
-        with Runtime(cfg) as rt, one_line_errors(), rank_error_lines(), \
+        with Runtime(cfg) as rt, one_line_errors(), error_lines(cfg.out_dir), \
                 run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG), from_run))
@@ -80,9 +79,9 @@ def main(argv=None):
             ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
             signals = StopSignals(lambda step: f"stopping after iter {step}, then saving {ckpt}" if rt.is_main
                                   else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
-            with signals, full_disk_keeps_checkpoints(cfg.out_dir), lost_rank_keeps_checkpoints(cfg.out_dir, go_on):
-                with start_up_deadline(cfg.max_time, started, time.monotonic):
-                    trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
+            with signals, full_disk_keeps_checkpoints(cfg.out_dir), \
+                    lost_rank_keeps_checkpoints(cfg.out_dir, go_on, rt.distributed):
+                trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
                 cfg = trainer.run.cfg  # micro_batch_size=auto chosen
                 del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
                 try:
@@ -139,6 +138,7 @@ class Trainer:
 
     def __init__(self, run, rt, signals=None):
         self.run, self.rt, self.signals = run, rt, signals or StopSignals(None, lambda: "", rt.distributed)
+        self.upcoming = None  # (step, on_host(step)): the next step's micro-batches, built while a step computes
 
     def fit(self):
         """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
@@ -206,7 +206,8 @@ class Trainer:
     def train_step(self, step):
         """One optimizer step over global batch `step` (0-based); see StepDone."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
-        batch = self.run.batches(step)
+        upcoming, self.upcoming = self.upcoming, None
+        batch, micro_batches = upcoming[1] if upcoming and upcoming[0] == step else self.on_host(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
@@ -214,9 +215,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=rt.device)
         steps_left = clock.steps_left(step, batch.tokens) if clock else None
         settled = steps_left == 0 or clock.settled(step, batch.tokens) if clock else True
-        for i, (x, y) in enumerate(batch.micro_batches):
-            x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
-            with rt.parallel.no_sync(self.run.module, sync=i == len(batch.micro_batches) - 1):
+        for i, (x, found) in enumerate(micro_batches):
+            x, found = x.to(rt.device, non_blocking=True), found.to(rt.device)
+            with rt.parallel.no_sync(self.run.module, sync=i == len(micro_batches) - 1):
                 with rt.autocast():
                     _, loss = self.run.module(x, found)
                 loss = loss * len(found.index)  # summed over the micro-batch's targets
@@ -232,6 +233,8 @@ class Trainer:
         self.next_stop = step + 2  # first: a signal handled from here on is too late for this step's reduction
         if self.signals.stop_after == step + 1:
             stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
+        if step + 1 < cfg.max_iters:  # while the device computes the step's queued kernels, before the host waits
+            self.upcoming = step + 1, self.on_host(step + 1)
         reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
         loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
@@ -250,6 +253,13 @@ class Trainer:
             skipped = state.scaler.get_scale() < loss_scale
         state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
         return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
+
+    def on_host(self, step):
+        """(global batch `step`, its micro-batches as (x, Targets)), pinned on CUDA: their copies to the device
+        then wait for nothing the device does."""
+        batch = self.run.batches(step)
+        kept = (lambda t: t.pin_memory()) if self.rt.device.type == "cuda" else (lambda t: t)
+        return batch, [(kept(x), Targets(*map(kept, Targets.of(y)))) for x, y in batch.micro_batches]
 
     @torch.no_grad()
     def validate(self):
@@ -279,7 +289,10 @@ class Trainer:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {state.step}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
-        state.save(cfg, self.rt, stats, best=state.improved(stats, cfg.best_metric))
+        best = state.improved(stats, cfg.best_metric)
+        if best and cfg.best_metric != "last":
+            state.best_score, state.best_val_loss = stats[cfg.best_metric], stats["val_loss"]
+        state.save(cfg, self.rt, stats, best=best)
 
     def log(self, stats, bar, steps_left):
         """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar (with the

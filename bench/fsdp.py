@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train
 from bench import GIB, PRESETS, ROOT, child_environ, training_csv
 from bench.memory import T4_USABLE_GIB, build, t4_micro_batch
-from config import Config, grad_accum_steps, load_config, read_preset
+from config import Config, load_config, read_preset
 from model import PRETRAINED
 from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
@@ -185,7 +185,7 @@ def t4_dtype(preset):
 def tiny_args(name, preset, csv, folder):
     """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
     cfg = Config(**{**preset, "micro_batch_size": t4_micro_batch(name, preset)})
-    steps = grad_accum_steps(cfg, RANKS)
+    steps = -(-cfg.batch_size // RANKS // cfg.micro_batch_size)  # a rank's micro-steps, its rows block_size long
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
             f"--gradient_checkpointing={cfg.gradient_checkpointing}", f"--lora_rank={cfg.lora_rank}",
             f"--train_csv={csv}", f"--data_cache_dir={os.path.join(folder, 'cache')}"]

@@ -28,7 +28,6 @@ from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
 from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
-from summarizer.clock import start_up_deadline
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors, process_age
@@ -113,10 +112,10 @@ def start(cfg, start_ckpt, nproc):
 
 def judged(cfg, start_ckpt, given, started):
     """train.py's start up to its verdict before step 1 (prepare, verdict_only: out_dir as it was), in this process,
-    eager; with max_time under its start-up deadline, a step and summaries timed. (What max_time buys, or '';
+    eager; with max_time under its start-up budget, a step and summaries timed. (What max_time buys, or '';
     the line of a thin margin, or None.)"""
     cfg = replace(cfg, compile=False, backend="none")
-    with Runtime(cfg) as rt, start_up_deadline(cfg.max_time, started, time.monotonic):
+    with Runtime(cfg) as rt:
         run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
     steps, thin = run.clock and 1 + run.clock.steps_left(run.state.step), run.clock and run.clock.thin_margin()
     run = None

@@ -1,16 +1,12 @@
 """The run's clock under max_time: what each kind of work costs warm apart from its one-time costs, how many steps
 still fit with the margin the pace's spread asks for, and so when training stops and how far the learning rate has
 cooled down (summarizer/schedule.py). Time comes from `now`, which tests replace with a virtual clock."""
-import contextlib
 import math
-import signal
 import statistics
-import threading
 import time
 from collections import deque
 
 from config import describe_duration
-from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
@@ -62,26 +58,6 @@ def used_up(budget, took, doing):
     """The line of a budget that start-up spent in `took` seconds (`doing`: what they went on)."""
     return (f"max_time={budget:g} is used up before the first step: start-up took {took:.0f} s {doing}: give a "
             f"budget well above that, e.g. --max_time={max(60, round(10 * took, -1)):g}")
-
-
-@contextlib.contextmanager
-def start_up_deadline(budget, started, now=time.monotonic):
-    """Until step 1: a budget from `started` that start-up spends (a big model on a CPU takes minutes) ends the run
-    there in one line. A timer (SIGALRM) needs the main thread; elsewhere the checks between the phases stand."""
-    if budget is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def spent(signum, frame):
-        raise UserError(used_up(budget, now() - started, "so far (the last 'start-up:' line says what it was doing)")
-                        + ", or a smaller model or micro_batch_size")
-    previous = signal.signal(signal.SIGALRM, spent)
-    signal.setitimer(signal.ITIMER_REAL, max(budget - (now() - started), 1e-3))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class RunClock:

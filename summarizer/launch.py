@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import torch
@@ -100,22 +101,33 @@ def one_line_errors():
 
 
 @contextlib.contextmanager
-def rank_error_lines():
-    """Under torchrun, a crash of this rank ends with its traceback and then one line naming the rank: among the
-    launcher's reports and the other ranks' errors (e.g. "connection closed by peer"), the root cause."""
+def error_lines(out_dir):
+    """An error that no other handler names ends in one line, naming the rank under torchrun (among the launcher's
+    report and the other ranks' errors, the root cause): its type and first line, and the file of out_dir its
+    traceback is appended to (on stderr where that cannot be written)."""
     try:
         yield
     except Exception as e:
-        rank = os.environ.get("RANK")
-        if rank is None or isinstance(e, UserError) or out_of_memory(e):
+        if isinstance(e, UserError) or out_of_memory(e):
             raise
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank else ""
         if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
-            print(f"error (rank {rank}): CUDA cannot start in a process forked from this notebook: train with "
-                  f"the notebook's torchrun cell (python -m torch.distributed.run ... train.py) instead of "
+            print(f"error{where}: CUDA cannot start in a process forked from this notebook: train with the "
+                  f"notebook's torchrun cell (python -m torch.distributed.run ... train.py) instead of "
                   f"notebook_main", file=sys.stderr)
             sys.exit(1)
-        traceback.print_exc()
-        print(f"error (rank {rank}): {type(e).__name__}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
+        log = os.path.join(out_dir, run_folder.ERROR_LOG)
+        try:
+            with open(log, "a") as f:  # one write: ranks append to one file
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{where}:\n{traceback.format_exc()}\n")
+            kept = f" (traceback in {log})"
+        except OSError:
+            traceback.print_exc()
+            kept = ""
+        # under torchrun on a line of its own, whatever another rank's progress bar left unended
+        print(f"{chr(10) * bool(rank)}error{where}: {type(e).__name__}: {str(e).strip().partition(chr(10))[0]}{kept}",
+              file=sys.stderr)
         sys.exit(1)
 
 
@@ -147,24 +159,25 @@ def full_disk_keeps_checkpoints(folder):
         raise DiskFull(f"{e}; {kept}") from None
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "[gloo]", "NCCL")
-
-
 @contextlib.contextmanager
-def lost_rank_keeps_checkpoints(folder, go_on):
-    """A collective that fails because another rank is gone (killed, crashed, out of memory) ends in one line: what
-    failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the command that continues it."""
+def lost_rank_keeps_checkpoints(folder, go_on, distributed):
+    """In a run of several processes, a collective that fails because another rank is gone (killed, crashed, out of
+    memory) ends in one line: what failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the
+    command that continues it from folder's ckpt.pt (where there is one)."""
     try:
         yield
     except Exception as e:
-        lost = isinstance(e, torch.distributed.DistError) or (
-            isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST))
-        if not lost or isinstance(e, UserError):
+        # torch.distributed's error types (NCCL's, the store's); gloo's errors are plain RuntimeErrors whose first
+        # line is the source location in its transport: "[.../gloo/transport/tcp/pair.cc:537] Read error ..."
+        if not distributed or not (isinstance(e, torch.distributed.DistError) or (
+                type(e) is RuntimeError and "/gloo/transport/" in str(e).partition("\n")[0])):
             raise
         intact = intact_in(folder)
-        kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
+        resumable = any(path.startswith(f"{os.path.join(folder, run_folder.CKPT)} (") for path in intact)
+        kept = (f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet") + (
+            f"; continue with: {go_on}" if resumable else ": start the run again")
         raise UserError(f"another rank of this run is gone ({type(e).__name__}: "
-                        f"{str(e).strip().partition(chr(10))[0]}); {kept}; continue with: {go_on}") from None
+                        f"{str(e).strip().partition(chr(10))[0]}); {kept}") from None
 
 
 def notebook_launch(main, argv, num_processes, port):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from config import Decoding, part
+from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
@@ -250,11 +250,10 @@ def choose_micro_batch(cfg, rt, model, train_set, val_set):
 
 
 def largest_micro_batch(run, budget, rates):
-    """(rows, its Plan): the largest micro-batch that divides a rank's rows per step (batch_size / world_size, so
-    accumulation keeps batch_size exact) and whose plan fits `budget` bytes; the smallest, 1, when none does."""
-    per_rank = run.cfg.batch_size // run.world_size
-    fitting = [rows for rows in range(1, per_rank + 1) if per_rank % rows == 0
-               and plan(run, rows, rates, budget).peak <= budget]
+    """(rows, its Plan): the largest micro-batch, up to a rank's rows per step, whose plan fits `budget` bytes; the
+    smallest, 1, when none does."""
+    fitting = [rows for rows in range(1, rows_per_rank(run.cfg.batch_size, run.world_size) + 1)
+               if plan(run, rows, rates, budget).peak <= budget]
     rows = fitting[-1] if fitting else 1
     return rows, plan(run, rows, rates, budget)
 

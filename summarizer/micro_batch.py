@@ -17,10 +17,10 @@ from summarizer.state import rng_state, set_rng_state
 
 
 def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
-    """(cfg with the largest micro-batch, from the plan's down, whose peak_step runs on every rank; the start line's
-    words). Every rank tells the others whether it ran, so all choose alike and none waits; a smaller one divides a
-    rank's rows per step, so batch_size stays exact."""
-    per_rank, tried, met = cfg.batch_size // rt.world_size, [], None
+    """(cfg with the largest micro-batch, from the plan's down, halved at each out-of-memory, whose peak_step runs on
+    every rank; the start line's words). Every rank tells the others whether it ran, so all choose alike and none
+    waits."""
+    tried, met = [], None
     while True:
         try:
             peak_step(cfg, rt, model, train_set)
@@ -33,11 +33,11 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
             return cfg, chosen + (f"; out of memory at {' and '.join(tried)} ({met}): lowered to "
                                   f"{cfg.micro_batch_size}" if tried else "")
         met = failed[0]
-        if not (smaller := [rows for rows in range(1, cfg.micro_batch_size) if per_rank % rows == 0]):
+        if cfg.micro_batch_size == 1:
             with training_memory_hint(cfg, rt):
                 raise torch.OutOfMemoryError(met)
         tried.append(str(cfg.micro_batch_size))
-        cfg = replace(cfg, micro_batch_size=smaller[-1])
+        cfg = replace(cfg, micro_batch_size=cfg.micro_batch_size // 2)
 
 
 def peak_step(cfg, rt, model, train_set):

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 import torch
 
 import data
-from config import Use, flags_given, grad_accum_steps, load_config, own_keys, resolve, settings_given
+from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.clock import RunClock
+from summarizer.clock import RunClock, used_up
 from summarizer.compiling import CompiledModule
 from summarizer.errors import UserError
 from summarizer.launch import training_memory_hint
@@ -60,12 +60,13 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     set aside and the run announced: `verdict_only` (bench/preflight.py's) stops before that, out_dir as it was."""
     started = time.monotonic() if started is None else started
     tracker, splits, after = check_before_model(cfg, rt)
-    say_start_up(rt, "building the model")
+    phase = StartUp(cfg.max_time, started, time.monotonic, rt)
+    phase("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
-    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model)
+    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model, phase)
     tracker.cfg = cfg  # the tracker logs the chosen settings
     state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
@@ -79,7 +80,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
                          validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
         timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after else [])
-        clock.prime(*time_step(cfg, rt, batches, state, module), time_decoding(cfg, rt, state, timed))
+        clock.prime(*time_step(cfg, rt, batches, state, module, phase), time_decoding(cfg, rt, state, timed, phase))
         rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
     run = Run(cfg, state, batches, module, compiled_module, val_set, prompts, tracker, clock,
@@ -93,19 +94,19 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     return run
 
 
-def auto_micro_batch(cfg, rt, model, splits, step):
+def auto_micro_batch(cfg, rt, model, splits, step, phase):
     """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak,
     run by `step`; the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
     if cfg.micro_batch_size != "auto":
         return cfg, None
-    say_start_up(rt, "planning memory for micro_batch_size=auto")
+    phase("planning memory for micro_batch_size=auto")
     rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
     cfg = replace(cfg, micro_batch_size=rows)
     # under FSDP the peak is a sharded model's, which runs only with the other ranks (a rank out of memory would
     # leave them waiting): the plan's choice stands
     if rt.backend == "fsdp":
         return cfg, chosen
-    say_start_up(rt, "running a step on the longest rows")
+    phase("running a step on the longest rows")
     return micro_batch_that_runs(cfg, rt, step.to(rt.device), splits.train, chosen)
 
 
@@ -135,11 +136,22 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
     save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
 
 
-def say_start_up(rt, what):
-    """Before step 1, which a big model reaches after minutes: rank 0 says what start-up does next (a budget that
-    start-up spends ends it where it is: train.py's start_up_deadline, with this line as what it was doing)."""
-    if rt.is_main:
-        print(f"start-up: {what} ...", flush=True)
+class StartUp:
+    """Start-up's phases before step 1, which a big model reaches after minutes: rank 0 says each as it begins, and a
+    max_time budget from `started` that the phases so far spent stops every rank there, with rank 0's line."""
+
+    def __init__(self, budget, started, now, rt):
+        self.budget, self.started, self.now, self.rt = budget, started, now, rt
+        self.doing = "the imports and reading the data"
+
+    def __call__(self, what):
+        took = self.now() - self.started
+        if self.budget is not None:
+            self.rt.stop_if(used_up(self.budget, took, f"so far (the last: {self.doing})") + ", or a smaller model "
+                            "or micro_batch_size" if took > self.budget and self.rt.is_main else None)
+        self.doing = what
+        if self.rt.is_main:
+            print(f"start-up: {what} ...", flush=True)
 
 
 def training_state(cfg, rt, model, resumed, splits, given):
@@ -171,14 +183,14 @@ def step_module(rt, state, compiled):
     return rt.parallel.wrap(compiled or state.model), words
 
 
-def time_step(cfg, rt, batches, state, module):
+def time_step(cfg, rt, batches, state, module, phase):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
     run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
     busy machine must not mislead). Leaves no gradients and draws no random numbers."""
     rng, runs, batch = rng_state(), [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
     x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
-    say_start_up(rt, "timing a training step (its first call pays the one-time costs)")
+    phase("timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, rt):
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
@@ -186,19 +198,19 @@ def time_step(cfg, rt, batches, state, module):
                 _, loss = module(x, found)
             loss.backward()
             runs.append(time.perf_counter() - start)
-        say_start_up(rt, "timing a training step (warm)")
+        phase("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
     set_rng_state(rng)
     return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
-def time_decoding(cfg, rt, state, prompts):
+def time_decoding(cfg, rt, state, prompts, phase):
     """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded 1 + WARM_RUNS times, the
     first paying the one-time costs (untrained weights run to max_new_tokens: an upper bound). No random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
-        say_start_up(rt, f"timing a batch of {len(prompts)} summaries")
+        phase(f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
@@ -252,8 +264,7 @@ def validation_problem(cfg, rows):
 def check_before_model(cfg, rt):
     """(the Tracker, the Splits, {after-run: the dialogues it summarizes}) once train.py's and bench/preflight.py's
     checks before the model pass: the batch's split, the loggers, init_from's weights, the inputs."""
-    if cfg.micro_batch_size != "auto":
-        grad_accum_steps(cfg, rt.world_size)
+    rows_per_rank(cfg.batch_size, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
         from_hub_cache(cfg.init_from)

@@ -23,12 +23,13 @@ CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metric
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
 SUBMISSION, SWEEP_CSV, SWEEP_MD = "submission.csv", "sweep.csv", "sweep.md"
 SUBMISSION_RECORD = "submission.json"  # what made submission.csv: weights, test_csv, decoding (Kaggle's has no room)
+ERROR_LOG = "error.log"  # the tracebacks of errors no handler names, each named by its one line
 LOCK = ".lock"  # flock'ed by the training run that writes into the folder; holds who that is
 EVAL_FILES = (EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT)
 PREFLIGHT = "preflight_report.json"  # bench/preflight.py's report, beside the run it checked (not one of its files)
 # What a training run (and evaluate.py/predict.py after it) writes; a fresh run moves an earlier run's aside.
 RUN_FILES = (CKPT, BEST, CONFIG, METRICS, PLOT, *EVAL_FILES, SUBMISSION, SUBMISSION_RECORD, SWEEP_CSV, SWEEP_MD,
-             "tensorboard", "wandb")
+             ERROR_LOG, "tensorboard", "wandb")
 EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files are moved into
 
 

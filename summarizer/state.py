@@ -49,21 +49,17 @@ class TrainingState:
                    torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
-        """Whether `metric` of an evaluation's stats beats the best so far, which it becomes: a higher ROUGE, or the
-        same (0 early in a run) with a lower val_loss; a lower val_loss; with best_metric=last, every save."""
+        """Whether `metric` of an evaluation's stats beats the best so far (the caller records it): a higher ROUGE, or
+        the same (0 early in a run) with a lower val_loss; a lower val_loss; with best_metric=last, every save."""
         if metric == "last":
             return True
-        score, best, val_loss = stats[metric], self.best_score, stats["val_loss"]
+        score, best = stats[metric], self.best_score
         if not math.isfinite(score):
             return False
         if best is None or metric == "val_loss":
-            better = best is None or score < best
-        else:
-            best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
-            better = score > best or (score == best and val_loss < best_val_loss)
-        if better:
-            self.best_score, self.best_val_loss = score, val_loss
-        return better
+            return best is None or score < best
+        best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
+        return score > best or (score == best and stats["val_loss"] < best_val_loss)
 
     def save(self, cfg, rt, metrics, best):
         """Rank 0 writes ckpt.pt, and with `best` best.pt (a LoRA run's: the merged weights); the others wait. A save

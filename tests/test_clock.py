@@ -5,7 +5,6 @@ a run over two sessions cools down in the second only; the estimates before step
 import math
 import re
 import signal
-import time
 
 import pandas as pd
 import pytest
@@ -402,21 +401,27 @@ def test_the_progress_bar_shows_the_budget_as_the_clock_re_measures_it(run, virt
     assert any(done + fit >= 0.9 * steps for done, fit in shown if done < steps / 2), shown
 
 
-def test_a_budget_that_start_up_spends_ends_the_run_there_in_one_line(run, monkeypatch, capsys, tmp_path):
-    """Building the model takes a minute (a big preset on a CPU): a 2 s budget ends the run inside it, not after, in
-    one line naming a budget ("so far": the deadline, not the check after the minute); nothing is left in out_dir."""
-    build = preparation.model_to_train
-    monkeypatch.setattr(preparation, "model_to_train", lambda *args: time.sleep(60) or build(*args))
+def test_a_budget_that_start_up_spends_ends_the_run_between_its_phases_in_one_line(run, virtual, monkeypatch, capsys,
+                                                                                      tmp_path):
+    """Building the model takes a minute (a big preset on a CPU): a 2 s budget ends the run as the next phase begins,
+    in one line naming what spent it and a budget; nothing is left in out_dir. No timer raises from a signal handler
+    at any bytecode (before: SIGALRM, around every phase, an earlier run's file moves included)."""
+    clock, build = virtual(), preparation.model_to_train
+
+    def a_minute(*args):
+        clock.now += 60
+        return build(*args)
+    monkeypatch.setattr(preparation, "model_to_train", a_minute)
+    monkeypatch.setattr(signal, "setitimer", lambda *args: pytest.fail("an interval timer was set"))
     capsys.readouterr()
     with pytest.raises(SystemExit):
         train.main([*run, "--max_time=2"])
     out, err = capsys.readouterr()
-    assert "start-up: building the model ..." in out  # what it was doing when the budget ran out
+    assert out.rstrip().endswith("start-up: building the model ...")  # no phase after it began
     lines = [line for line in err.split("\n")[:-1] if "\r" not in line]  # as one_error_line: one line, no traceback
     assert len(lines) == 1 and lines[0].startswith("error: "), err
-    err = lines[0]
-    assert re.search(r"max_time=2 is used up before the first step: start-up took \d+ s so far .* e\.g\. "
-                     r"--max_time=60", err), err
+    assert re.search(r"max_time=2 is used up before the first step: start-up took 60 s so far \(the last: building "
+                     r"the model\).* e\.g\. --max_time=600", lines[0]), lines[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

@@ -12,10 +12,10 @@ from config import (
     Config,
     Decoding,
     describe_duration,
-    grad_accum_steps,
     load_config,
     parse_duration,
     parse_sweep,
+    rows_per_rank,
     sweep_settings,
 )
 from conftest import changed_settings, config_error, one_error_line, tiny
@@ -83,7 +83,6 @@ def test_json_preset_and_save_config_round_trip(tmp_path):
     (["--backend=horovod"], "backend='horovod'"),
     (["--device=gpu"], "device='gpu'"),
     (["--block_size=100", "--init_from=scratch"], "multiple of 8"),
-    (["--batch_size=100"], "batch_size=100 is not a multiple of micro_batch_size=8"),
     (["--num_beams=4", "--temperature=0.7"], "temperature=0.0"),
     (["--num_beams=4", "--temperature=0.7", "--mbr_samples=8", "--mbr_include_beam=False"], "mbr_include_beam=True"),
     (["--mbr_samples=8"], "mbr_samples=8 samples its candidates: set temperature > 0"),
@@ -130,20 +129,20 @@ def test_sweep_is_every_combination_typed_by_field():
     assert load_config(["--sweep=num_beams=1,4"]).sweep == {"num_beams": (1, 4)}
 
 
-def test_grad_accum_steps():
-    cfg = Config(batch_size=256, micro_batch_size=8)
-    assert [grad_accum_steps(cfg, n) for n in (1, 2, 4)] == [32, 16, 8]
-    with pytest.raises(UserError, match=r"micro_batch_size \* world_size = 8 \* 3 = 24"):
-        grad_accum_steps(cfg, 3)
+def test_a_batch_splits_over_the_processes_whatever_the_micro_batch():
+    """batch_size's one rule: each process takes as many of a step's rows. micro_batch_size is a micro-batch's
+    memory, not a count that must divide the batch."""
+    assert [rows_per_rank(256, n) for n in (1, 2, 4)] == [256, 128, 64]
+    with pytest.raises(UserError, match=r"^batch_size=15 does not split over the 2 processes .* e.g. 16$"):
+        rows_per_rank(15, 2)
+    assert load_config(["--batch_size=100", "--micro_batch_size=8"]).batch_size == 100
 
 
 @pytest.mark.parametrize("preset", sorted(glob.glob("config/*.py")))
 def test_shipped_presets_load(preset):
     cfg = load_config([preset])
     if "t4x2" in preset:  # the GPU's memory plan chooses the micro-batch
-        assert cfg.micro_batch_size == "auto" and cfg.batch_size % 2 == 0
-    else:
-        grad_accum_steps(cfg, 1)
+        assert cfg.micro_batch_size == "auto" and rows_per_rank(cfg.batch_size, 2)
     if preset == "config/demo.py":
         assert (cfg.init_from, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.device) == \
             ("scratch", 2, 2, 64, 128, "cpu")
@@ -296,9 +295,9 @@ def test_every_problem_of_a_command_is_in_its_one_line():
     for problem in ("n_layer=0 must be > 0", "dtype='fp16' is not one of", "top_p=2.0 must be in (0, 1]",
                     "best_metric='rougeL' needs rouge_samples > 0"):
         assert problem in message
-    message = config_error(["--n_embd=100", "--n_head=12", "--block_size=100", "--rouge_samples=0", "--batch_size=7"])
+    message = config_error(["--n_embd=100", "--n_head=12", "--block_size=100", "--rouge_samples=0"])
     for problem in ("n_embd=100 is not a multiple of n_head=12", "block_size=100 must be a multiple of 8",
-                    "best_metric='rougeL' needs rouge_samples > 0", "batch_size=7 is not a multiple of"):
+                    "best_metric='rougeL' needs rouge_samples > 0"):
         assert problem in message
     # flags that cannot be read at all (unknown key, a word for a number, a yes/no that is neither): each named too
     message = config_error(["--max_iter=5", "--batch_size=abc", "--evaluate_after=maybe"])

@@ -1,5 +1,6 @@
 """Crashes: SIGKILL at random moments never leaves an unloadable checkpoint and resuming goes on from it; a full
-disk while saving keeps the previous checkpoint byte for byte; one rank of a torchrun job failing ends the job."""
+disk while saving keeps the previous checkpoint byte for byte; one rank of a torchrun job failing ends the job; an
+error of the run's own is its own line, its traceback in out_dir, never taken for a lost peer."""
 import errno
 import io
 import multiprocessing
@@ -13,9 +14,11 @@ import pytest
 import torch
 
 import train
-from conftest import HANG, REPO, TINY, torchrun
+from conftest import HANG, REPO, TINY, one_error_line, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint
+from summarizer.errors import UserError
+from summarizer.launch import lost_rank_keeps_checkpoints
 from summarizer.loading import model_from_checkpoint
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
@@ -136,8 +139,44 @@ def test_a_rank_failing_mid_step_ends_the_torchrun_job_naming_it(write_csv, tmp_
                  f"--out_dir={tmp_path / 'out'}", "--max_iters=10", "--eval_interval=100", "--dist_timeout=30"),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG)
     assert result.returncode != 0
-    assert re.search(r"^(\[rank1\]: )?error \(rank 1\): RuntimeError: injected fault in step 2$", result.stderr,
-                     re.MULTILINE), result.stderr[-3000:]
+    assert re.search(r"^(\[rank1\]: )?error \(rank 1\): RuntimeError: injected fault in step 2 \(traceback in "
+                     r"\S+error\.log\)$", result.stderr, re.MULTILINE), result.stderr[-3000:]
+    assert "in faulty_step" in (tmp_path / "out" / "error.log").read_text()
+
+
+def test_an_error_of_one_process_keeps_its_own_line_and_its_traceback(write_csv, tmp_path, monkeypatch, capsys):
+    """A single-process run whose own forward raised a CUDA error that names NCCL: its own first line, naming
+    out_dir/error.log, which holds its traceback (before: 'another rank of this run is gone (...); no checkpoint was
+    written yet; continue with: ... --init_from=resume', with no other rank, no traceback and nothing to resume)."""
+    def illegal_access(model, *args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with TORCH_USE_CUDA_DSA to "
+                           "enable device-side assertions.\nNCCL version 2.27.5")
+    monkeypatch.setattr(GPT, "forward", illegal_access)
+    out = tmp_path / "out"
+    line = one_error_line(capsys, train.main, [*RUN, f"--train_csv={write_csv('train.csv', 24)}", f"--out_dir={out}",
+                                               f"--data_cache_dir={tmp_path / 'cache'}", "--max_iters=2"], code=1)
+    assert line == (f"error: RuntimeError: CUDA error: an illegal memory access was encountered (traceback in "
+                    f"{out / 'error.log'})")
+    log = (out / "error.log").read_text()
+    assert "Traceback" in log and "in illegal_access" in log and "NCCL version 2.27.5" in log
+
+
+def test_a_lost_peer_is_a_collectives_error_in_a_run_of_several_processes(tmp_path):
+    """torch.distributed's error types (gloo's, untyped, by its transport's source location), and only where the run
+    has other ranks: "NCCL" or "Broken pipe" in a message decide nothing. Before any save the line names no
+    checkpoint to continue from."""
+    gone = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
+    with pytest.raises(UserError) as said, lost_rank_keeps_checkpoints(str(tmp_path), "torchrun ...", True):
+        raise gone
+    assert str(said.value) == (f"another rank of this run is gone (DistBackendError: {gone}); no checkpoint was "
+                               f"written yet: start the run again")
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(UserError, match="another rank"), lost_rank_keeps_checkpoints(str(tmp_path), "...", True):
+        raise gloo  # gloo's errors have no type of their own
+    for error, distributed in ((gone, False), (RuntimeError("NCCL version 2.27.5: Broken pipe [gloo]"), True)):
+        with pytest.raises(type(error)) as kept, lost_rank_keeps_checkpoints(str(tmp_path), "...", distributed):
+            raise error
+        assert kept.value is error
 
 
 def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_csv, tmp_path, monkeypatch, capsys):

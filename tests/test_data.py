@@ -246,6 +246,15 @@ def test_main_rank_builds_the_cache_while_the_others_wait(tmp_path, monkeypatch)
     assert worker.train.ids == data.load_splits(cfg).train.ids
 
 
+def test_a_rank_that_cannot_see_the_main_ranks_cache_stops_in_one_line(tmp_path):
+    """Several nodes and no shared disk: the cache rank 0 wrote is not on this node's (before: a bare StopIteration)."""
+    write_rows(tmp_path / "train.csv", 20)
+    cfg = make_cfg(tmp_path)
+    message = user_error(lambda: data.load_splits(cfg, is_main=False))
+    assert message.startswith(f"data_cache_dir {cfg.data_cache_dir} holds no tokens of {cfg.train_csv} ") and \
+        "--data_cache_dir=<a folder every node shares>" in message and "\n" not in message
+
+
 # ---- sampling and batches ---------------------------------------------------------------------------------
 
 def lognormal_lengths(n, seed=0):

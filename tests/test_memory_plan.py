@@ -1,20 +1,23 @@
-"""micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch that the run's memory plan
-fits on its GPU and that divides a rank's rows per step, so batch_size stays exact; the run then trains as the same
-explicit micro-batch would."""
+"""micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch, up to a rank's rows per
+step, that the run's memory plan fits on its GPU; the run then trains as the same explicit micro-batch would. A batch
+the processes cannot split stops the run before the model is built."""
 import glob
 import json
 import os
 import resource
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+import data
 import train
 from config import load_config
 from conftest import REPO, metrics, tiny, tiny_gpt
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora, memory
+from summarizer import lora, memory, preparation
+from summarizer.errors import UserError
 
 PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
 RANKS = 2  # Kaggle's two T4s
@@ -22,10 +25,10 @@ RANKS = 2  # Kaggle's two T4s
 
 @pytest.mark.parametrize("gib", [15, 80])
 @pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
-def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
+def test_the_choice_is_the_most_rows_that_fit_the_plan(preset, gib):
     """Each Kaggle preset on a T4's 15 GiB and on 80 GiB, with rows as long as block_size (the worst a micro-batch
-    can be) and summaries of max_new_tokens: the chosen rows fit, the next divisor does not, and rows x ranks x
-    accumulation steps is batch_size."""
+    can be) and summaries of max_new_tokens: the chosen rows fit, one more does not (or the chosen are a rank's
+    rows of a step)."""
     cfg = load_config([preset])
     assert cfg.micro_batch_size == "auto"  # the presets' default
     with torch.device("meta"):
@@ -38,11 +41,19 @@ def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
     rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
     budget = gib * 2**30 * memory.HEADROOM
     rows, chosen = memory.largest_micro_batch(run, budget, rates)
-    per_rank = cfg.batch_size // RANKS
     assert chosen == memory.plan(run, rows, rates, budget) and chosen.peak <= budget
-    assert per_rank % rows == 0 and rows * RANKS * (per_rank // rows) == cfg.batch_size == 256
-    bigger = [r for r in range(rows + 1, per_rank + 1) if per_rank % r == 0]
-    assert not bigger or memory.plan(run, bigger[0], rates, budget).peak > budget
+    assert rows == cfg.batch_size // RANKS or memory.plan(run, rows + 1, rates, budget).peak > budget
+
+
+def test_a_batch_the_processes_cannot_split_stops_before_the_model_is_built(write_csv, tmp_path, monkeypatch):
+    """Two processes, batch_size=15, micro_batch_size=auto: one line naming batch_size and the 2 processes, before
+    the model is built (before: the plan chose 7, and only then was batch_size=15 refused for it)."""
+    monkeypatch.setattr(preparation, "model_to_train", lambda *args: pytest.fail("the model was built"))
+    cfg = load_config([*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--batch_size=15",
+                       "--micro_batch_size=auto", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path}"])
+    two = types.SimpleNamespace(world_size=2, rank=0, is_main=True, barrier=data.no_op)
+    with pytest.raises(UserError, match=r"^batch_size=15 does not split over the 2 processes "):
+        preparation.prepare(cfg, two)
 
 
 def test_ddp_holds_one_copy_of_the_gradients_its_buckets():
@@ -64,12 +75,12 @@ def test_activations_grow_with_rows_and_checkpointing_keeps_less():
 
 
 def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monkeypatch, capsys):
-    """A device whose memory fits micro-batches of 2 rows and not 4 (batch 4): the run chooses 2, says so and
+    """A device whose memory fits micro-batches of 2 rows and not 3 (batch 4): the run chooses 2, says so and
     trains with the losses of --micro_batch_size=2."""
     chosen = memory.largest_micro_batch
 
     def two_fit(run, budget, rates):
-        between = (memory.plan(run, 2, rates, budget).peak + memory.plan(run, 4, rates, budget).peak) / 2
+        between = (memory.plan(run, 2, rates, budget).peak + memory.plan(run, 3, rates, budget).peak) / 2
         return chosen(run, between, rates)
     monkeypatch.setattr(memory, "largest_micro_batch", two_fit)
     args = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=4",

@@ -75,7 +75,7 @@ SITUATIONS = {  # the new user's table: each situation, as flags over a tiny run
     "out_dir under /proc": ["--out_dir=/proc/out"],
     "out_dir under a file, which cannot be made": ["--out_dir=a-file/out"],
     "out_dir with its output quota full": ["--output_quota_dir=.", "--output_quota_gb=0.0001"],
-    "a batch that micro-batches do not divide": ["--batch_size=30", "--micro_batch_size=8"],
+    "a batch micro_batch_size does not divide": ["--batch_size=6", "--micro_batch_size=4"],
     "a block_size of no multiple of 8": ["--block_size=500"],
     "a misspelled key": ["--max_itres=3"],
     "a misspelled CSV": ["--train_csv=trian.csv"],
@@ -107,7 +107,8 @@ def test_the_preflights_verdict_is_train_pys(tmp_path, monkeypatch, capsys, writ
     argv = [*base, *SITUATIONS[situation]]
     refused = train_verdict(capsys, argv)
     assert said(preflight_verdict(capsys, argv)) == said(refused)
-    assert (refused == "go") == (situation in ("a run that starts", "a budget with room for the run"))
+    assert (refused == "go") == (situation in ("a run that starts", "a batch micro_batch_size does not divide",
+                                               "a budget with room for the run"))
 
 
 @pytest.mark.slow
@@ -148,14 +149,14 @@ def test_help_shows_the_preset_and_the_settings(capsys):
 
 
 def test_the_batch_is_split_over_the_processes_the_run_is_launched_with(tmp_path):
-    """--nproc_per_node: the run's processes (here two where the demo's batch of 32 takes micro-batches of 32 on
-    one), checked as train.py checks them under torchrun."""
-    argv = ["config/demo.py", f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}"]
+    """--nproc_per_node: the run's processes (here two, which a batch of 15 does not split into equal shares, whatever
+    micro_batch_size), checked as train.py checks them under torchrun, before the model is built."""
+    argv = ["config/demo.py", f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}",
+            "--batch_size=15", "--micro_batch_size=auto"]
     assert preflight.main([*argv, "--nproc_per_node=2"]) == 1
     said = report(tmp_path / "out")
     assert said["processes"] == 2 and said["checks"]["collective"]["status"] == "not run"  # no start, no collective
-    assert said["verdict"].startswith("no-go: train.py: batch_size=32 is not a multiple of micro_batch_size * "
-                                      "world_size = 32 * 2 = 64")
+    assert said["verdict"].startswith("no-go: train.py: batch_size=15 does not split over the 2 processes ")
 
 
 @pytest.mark.slow

@@ -1,5 +1,4 @@
-"""Minimum Bayes risk (MBR) decoding's choice: among a dialogue's candidate summaries, the one that agrees most,
-by the competition's ROUGE, with the others. generate() draws the candidates and calls pick."""
+"""Minimum Bayes risk decoding's choice: the candidate summary that agrees most, by ROUGE, with the others."""
 from rapidfuzz import process
 from rapidfuzz.distance import LCSseq
 from rouge_score import rouge_scorer, scoring
@@ -9,13 +8,13 @@ from summarizer.metrics import StemCachedTokenizer
 
 
 def pick(candidates, metric="rougeL"):
-    """generate's mbr_pick: the index of the best of the candidate token lists (mbr_select on their text)."""
+    """generate's mbr_pick, on token lists."""
     return mbr_select([data.summary_text(tokens) for tokens in candidates], metric)
 
 
 def agreement(candidates, metric="rougeL"):
-    """The matrix of `metric` F1 (rouge-score's) of every candidate (row) against every other as reference (column).
-    rougeL's longest common subsequences come at once from rapidfuzz, in C++: rouge-score's were most of MBR's time."""
+    """`metric` F1 of every candidate (row) against every other (column). rougeL's LCS comes from rapidfuzz
+    (C++): rouge-score's was most of MBR's time."""
     tokenizer = StemCachedTokenizer()
     if metric == "rougeL":
         tokens = [tokenizer.tokenize(c) for c in candidates]
@@ -29,8 +28,7 @@ def agreement(candidates, metric="rougeL"):
 
 
 def mbr_select(candidates, metric="rougeL"):
-    """Index of the candidate with the highest mean `metric` F1 against the others (a copy of it among them scores
-    1.0 when not empty); ties go to the earlier."""
+    """Index of the highest mean F1 against the others; ties go to the earlier."""
     scores = agreement(candidates, metric)
     utility = [(sum(row) - row[i]) / max(1, len(candidates) - 1) for i, row in enumerate(scores)]
     return max(range(len(candidates)), key=lambda i: (utility[i], -i))

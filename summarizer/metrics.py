@@ -8,7 +8,7 @@ from config import ROUGE_TYPES
 
 
 def rouge_per_example(predictions, references):
-    """rouge-score F1 (Porter stemmer on) for each (prediction, reference) pair: {type: [f1, ...]}."""
+    """{type: [f1 of each (prediction, reference)]}."""
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=StemCachedTokenizer())
     results = [scorer.score(reference, prediction)
                for prediction, reference in zip(predictions, references, strict=True)]
@@ -16,13 +16,12 @@ def rouge_per_example(predictions, references):
 
 
 def rouge(predictions, references):
-    """Mean ROUGE F1 over the pairs: {type: mean}."""
     return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
 
 
 class StemCachedTokenizer(tokenizers.Tokenizer):
-    """rouge-score's own tokenizer and Porter stemmer (the same tokens), each distinct text tokenized and word stemmed
-    once: MBR scores every candidate against every other, and stemming is most of what tokenizing costs."""
+    """rouge-score's tokenizer and stemmer, each text and word done once: MBR scores every candidate
+    against every other, and stemming is most of what tokenizing costs."""
 
     def __init__(self):
         self.stem = functools.cache(porter.PorterStemmer().stem)

@@ -46,10 +46,10 @@ from summarizer.launch import (
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
-from summarizer.metrics import rouge
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
 from summarizer.schedule import advance, cut_short
+from summarizer.scoring import rouge
 from summarizer.settings_report import settings_report
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix

@@ -19,7 +19,7 @@ import model as model_module
 from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
 from config import Decoding, part
 from generate import READ_EVERY, LogitsProcessors, generate
-from summarizer import inference, mbr, memory
+from summarizer import inference, memory, scoring
 
 aten = torch.ops.aten
 
@@ -196,7 +196,7 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
         for batch in memory.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, room,
                                                weight.dtype):
             generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID, seed=cfg.seed,
-                     mbr_pick=mbr.pick, compact_below=compact_below)
+                     mbr_pick=scoring.mbr_pick, compact_below=compact_below)
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from config import ROUGE_TYPES
 from summarizer import tracking
 from summarizer.files import atomic_write
-from summarizer.metrics import StemCachedTokenizer
+from summarizer.scoring import StemCachedTokenizer
 
 WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare
 LENGTH_BUCKETS = 5  # dialogue-length buckets of (about) equal size in the ROUGE-L-by-length figure

@@ -15,9 +15,9 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
+from command_line import UserError
 from config import Config, Decoding, Use, flags_given, load_config, part
 from model import CONV1D_WEIGHTS, PRETRAINED
-from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
 

@@ -26,14 +26,14 @@ import torch
 from tqdm import tqdm
 
 import data
-from command_line import arguments
+from command_line import UserError, arguments
 from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
 from summarizer.clock import start_up_deadline
-from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
+from summarizer.files import DiskFull
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,

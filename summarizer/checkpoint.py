@@ -7,10 +7,10 @@ from typing import TypedDict
 
 import torch
 
+from command_line import UserError
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
-from summarizer.errors import DiskFull, UserError
-from summarizer.files import atomic_write
+from summarizer.files import DiskFull, atomic_write
 
 # ---- the record --------------------------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ import threading
 import time
 from collections import deque
 
+from command_line import UserError
 from config import describe_duration
-from summarizer.errors import UserError
 from summarizer.schedule import COOLDOWN
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never

@@ -1,12 +1,16 @@
 """The one way this project writes a file: a temp file beside it, fsync'd, renamed over it, so a crash or a full
-disk never leaves a half-written file under the real name; and a failed command's empty folders."""
+disk never leaves a half-written file under the real name; a full disk's one line; a failed command's empty folders."""
 import contextlib
 import errno
 import os
 import re
 import shutil
 
-from summarizer.errors import DiskFull
+from command_line import UserError
+
+
+class DiskFull(UserError):
+    """No space left (or the quota used up): the user's to fix; what was saved is intact."""
 
 
 def disk_full(path, error):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from summarizer.errors import UserError
+from command_line import UserError
 from summarizer.files import left_by_a_dead_process
 from summarizer.memory import nbytes
 

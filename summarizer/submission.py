@@ -5,8 +5,8 @@ import os
 import pandas as pd
 
 import data
+from command_line import UserError
 from summarizer import inference, run_folder
-from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
 

@@ -12,9 +12,9 @@ from rouge_score import rouge_scorer
 import evaluate
 import predict
 import train
+from command_line import UserError
 from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, torchrun
 from summarizer import evaluation, inference, submission
-from summarizer.errors import UserError
 
 # how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
 RUNTIME = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]

@@ -1,6 +1,5 @@
-"""A command line in words: which words are presets and which are --key=value flags, what a preset file says, what
-a flag's text is as a value, and the text --help prints about it. It knows no setting: config.py types and checks
-each value. UserError is defined here, the lowest module: a command line is the first thing a user gets wrong."""
+"""A command line in words: presets and --key=value flags, a preset file's lines, a flag's text as a value, and
+--help. config.py types and checks the values. UserError lives here: a command line is the first thing to get wrong."""
 import ast
 import difflib
 import json
@@ -35,12 +34,11 @@ def repository_copy_hint(path, use):
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a preset, a CSV); entry points print it as one `error: ...` line."""
+    """A mistake the user can fix; entry points print it as one `error: ...` line."""
 
 
 def arguments(argv):
-    """(the presets, the flags as '--key=value') of a command line, which may also give a flag as two words:
-    `--max_iters 5` is `--max_iters=5`, whatever the word after the key looks like (a preset's path too)."""
+    """(presets, flags as '--key=value'); `--max_iters 5` is `--max_iters=5`, whatever the next word looks like."""
     presets, flags, words, two_words = [], [], list(argv), None
     while words:
         word = words.pop(0)
@@ -60,7 +58,6 @@ def arguments(argv):
 
 
 def flag(arg):
-    """'--key=value' -> (key, the value's text)."""
     key, eq, text = arg[2:].partition("=")
     if not arg.startswith("--") or not eq:
         raise UserError(f"cannot read argument {arg!r}: use --key=value (or --key value), or a preset .py/.json file")
@@ -68,7 +65,6 @@ def flag(arg):
 
 
 def literal(text):
-    """A flag's text as the Python literal it writes, else as the text itself."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -76,7 +72,7 @@ def literal(text):
 
 
 def preset(path):
-    """[(key, value, where it is set)] of a preset: a .json object, or a .py file of `name = <literal>` lines."""
+    """[(key, value, where it is set)] of a .json object or a .py file of `name = <literal>` lines."""
     if not os.path.isfile(path):
         near = near_preset(path)
         hint = (f"did you mean {near}?" if near else f"to set a key, write --{path.lstrip('-')}" if "=" in path
@@ -115,8 +111,8 @@ def preset(path):
 
 
 def near_preset(path):
-    """The existing preset a missing path most likely means: the path with .py (or .json) added, else the closest
-    name among the .py/.json files of config/ and of the folder the path names; None when none is close."""
+    """The existing preset a missing path most likely means (with .py or .json added, else the closest name in
+    config/ and the path's folder), or None."""
     if found := next((path + ext for ext in (".py", ".json") if os.path.isfile(path + ext)), None):
         return found
     shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
@@ -132,8 +128,7 @@ def near_preset(path):
 
 
 def print_help(usage, settings):
-    """A command's usage, how a command line is read, and `settings` (the keys it reads); a reader that stops early
-    (`--help | head`) is not an error."""
+    """A reader that stops early (`--help | head`) is not an error."""
     try:
         print("\n\n".join(text.strip() for text in (usage, COMMAND_LINE, settings) if text), flush=True)
     except BrokenPipeError:

@@ -5,13 +5,9 @@
     python evaluate.py [preset] --compare=<another out_dir or its eval_predictions.csv>
     torchrun --nproc_per_node=2 evaluate.py [...]          the validation set is sharded; rank 0 writes
 
-Scores the checkpoint (--ckpt, default out_dir/best.pt) with its run's prompt template, validation split and
-decoding (an explicit --key=value changes decoding or data settings, never the template);
---baseline scores GPT-2 without fine-tuning or an untrained model (scratch, the preset's shape) with the
-command line's settings instead, into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json
-and eval_report.html (the page to read in a browser); --compare adds the paired ROUGE differences from
-another evaluation of the same dialogues, on stdout and in the report. Earlier files of other inputs move aside.
-"""
+The prompt template is the run's; an explicit --key=value changes decoding or data settings. --baseline scores
+GPT-2 or an untrained model into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json and
+eval_report.html (to read in a browser); --compare adds the paired ROUGE differences from another evaluation."""
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)

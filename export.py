@@ -1,13 +1,9 @@
-"""Export a checkpoint as a transformers GPT-2 folder (weights, config, tokenizer, decoding settings, model card)
-for from_pretrained, pipeline, the Hugging Face Hub or a Kaggle dataset.
+"""Export a checkpoint as a transformers GPT-2 folder (weights, config, tokenizer, decoding, model card).
 
     python export.py [preset] [--ckpt=path] --export_dir=DIR [--overwrite=True] [--num_beams=4 ...]
 
-The prompt template, the truncation rule and the decoding settings (generation_config.json) are the run's,
-read from the checkpoint: an explicit --key=value replaces a decoding setting, a preset does not; any other flag
-may only repeat the run's value, which the model card describes. `--init_from=DIR`
-fine-tunes the exported folder further.
-"""
+The prompt template and decoding settings are the run's: an explicit --key=value replaces a decoding setting, a
+preset does not. `--init_from=DIR` fine-tunes the exported folder further."""
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)
@@ -19,9 +15,9 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import data
+from command_line import UserError
 from config import Config, Decoding, Use, flags_given, load_config, part
 from model import CONV1D_WEIGHTS, PRETRAINED
-from summarizer.errors import UserError
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
 
@@ -29,8 +25,7 @@ quiet_start.imported(__name__)
 
 
 def to_transformers(model):
-    """A GPT2LMHeadModel that computes what our GPT computes: the same tensors with the Conv1D weights transposed
-    (the mirror of GPT.from_pretrained), and zero biases for a model trained with bias=False."""
+    """The same tensors, Conv1D weights transposed (GPT.from_pretrained's mirror), and zero biases for bias=False."""
     c = model.config
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
                                     n_layer=c.n_layer, n_head=c.n_head, resid_pdrop=c.dropout,
@@ -47,7 +42,6 @@ def to_transformers(model):
 
 
 def generation_config(d):
-    """transformers' GenerationConfig for the decoding that summarize() does with the run's Decoding `d`."""
     if d.mbr_samples > 0:
         raise UserError(f"mbr_samples={d.mbr_samples}: transformers' generate() has no MBR decoding to put in "
                         f"generation_config.json; export with --mbr_samples=0 and the greedy, beam or sampling "
@@ -67,8 +61,7 @@ def generation_config(d):
 
 
 def save_tokenizer(folder, block_size):
-    """GPT-2's vocab.json and merges.txt (the files our tokenizer is built from) plus the transformers tokenizer
-    files: <|endoftext|> is end, padding (on the left, for batched generation) and, written in a text, just text."""
+    """GPT-2's BPE files and the transformers tokenizer: <|endoftext|> is end and left padding, in a text just text."""
     encoder_json, vocab_bpe = data.bpe_files()
     shutil.copy(encoder_json, os.path.join(folder, "vocab.json"))
     shutil.copy(vocab_bpe, os.path.join(folder, "merges.txt"))
@@ -78,8 +71,6 @@ def save_tokenizer(folder, block_size):
 
 
 def model_card(ckpt, trained, cfg, fmt, name):
-    """README.md of the folder: what the model is, how it was trained (`trained`) and scored, and how to prompt and
-    decode it (`cfg`), with the code that builds a prompt as our PromptFormat `fmt` does."""
     metrics, rows = ckpt["metrics"], ckpt["train_rows"]
     training = (f"{os.path.basename(trained.train_csv)}: {len(rows['dialogues'])} training rows (CSV digest "
                 f"{rows['digest'][:16]})")
@@ -124,7 +115,6 @@ evaluation (a longer prompt would not fit: transformers raises an IndexError). T
 
 
 def usage(name, head, tail, max_dialogue):
-    """The card's "Use" section: transformers code that prompts the folder's model as training did."""
     return f"""## Use
 
 ```python
@@ -155,7 +145,7 @@ print(summarize("Amanda: I baked cookies. Do you want some?\\nJerry: Sure!\\nAma
 
 
 def check_target(path, overwrite):
-    """UserError unless `path` can take the export: absent, empty, or (with overwrite) an earlier export."""
+    """Absent, empty, or (with overwrite) an earlier export: overwrite never deletes another folder."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"export_dir {path} is a file: choose a folder with --export_dir=DIR")
     if not os.path.exists(path) or not os.listdir(path):
@@ -169,7 +159,7 @@ def check_target(path, overwrite):
 
 
 def readable_as_umask_says(folder):
-    """Give the folder's files the mode a new file gets (safetensors writes 0600: unreadable to the others)."""
+    """safetensors writes 0600, unreadable to the others: the files get a new file's mode."""
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(folder):
@@ -177,7 +167,7 @@ def readable_as_umask_says(folder):
 
 
 def replace_folder(tmp, target):
-    """Rename folder tmp to target. An earlier target is moved aside first, and deleted only once tmp is in place."""
+    """An earlier target is moved aside, and deleted only once tmp is in its place."""
     old = f"{target}.old{os.getpid()}"
     if os.path.exists(target):
         os.rename(target, old)
@@ -191,7 +181,6 @@ def replace_folder(tmp, target):
 
 
 def export(cfg, explicit=()):
-    """Write the folder next to export_dir under a temporary name, then rename it into place. Returns its path."""
     if not cfg.export_dir:
         raise UserError("pass --export_dir=DIR: the folder to write the transformers model to")
     if cfg.baseline:

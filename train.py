@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 import data
-from command_line import arguments
+from command_line import UserError, arguments
 from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.errors import DiskFull, UserError
 from summarizer.evaluation import evaluate, validation_loss
+from summarizer.files import DiskFull
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,
@@ -45,10 +45,10 @@ from summarizer.launch import (
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
-from summarizer.metrics import rouge
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
 from summarizer.schedule import advance, cut_short
+from summarizer.scoring import rouge
 from summarizer.settings_report import settings_report
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix

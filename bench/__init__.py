@@ -1,5 +1,4 @@
-"""Benchmarks (python -m bench), the hardware preflight (python -m bench.preflight) and the GPU check (bash
-bench/gpu_check.sh), and what they share."""
+"""What the benchmarks (python -m bench), the preflight and the GPU check share."""
 import contextlib
 import os
 import subprocess
@@ -23,15 +22,14 @@ MODELS = {"tiny": dict(n_layer=1, n_head=2, n_embd=32, block_size=128),
 
 
 def child_environ(environ=None, **extra):
-    """The environment of a child process that runs this repository's code: the caller's (os.environ), ROOT put
-    first on its PYTHONPATH, never replacing it (a package found through it must stay found), and `extra`."""
+    """os.environ (or `environ`) with ROOT first on PYTHONPATH, never replacing it (what it finds stays found)."""
     environ = dict(os.environ if environ is None else environ)
     path = environ.get("PYTHONPATH")
     return {**environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **extra}
 
 
 def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
-    """samsum_csv when it exists, else random chats with its shape (3-14 turns)."""
+    """samsum_csv when it exists, else random chats of its shape."""
     if os.path.exists(samsum_csv):
         return samsum_csv, "SAMSum validation"
     rng = np.random.default_rng(0)
@@ -45,7 +43,6 @@ def training_csv(folder, samsum_csv=SAMSUM_CSV, rows=400):
 
 
 def torchrun(args, nproc, env, timeout):
-    """(exit code or None if it ran past `timeout`, its output) of a command under torchrun."""
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
     try:
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -55,7 +52,6 @@ def torchrun(args, nproc, env, timeout):
 
 
 def demo_arguments(folder, device="cpu"):
-    """config/demo.py on its own CSVs, caching tokens in `folder`, nothing run after training."""
     argv = [os.path.join(ROOT, "config", "demo.py"), f"--data_cache_dir={folder}/cache", f"--device={device}",
             "--evaluate_after=False", "--predict_after=False", "--sample_submission_csv="]
     return argv + [f"--{split}_csv={os.path.join(ROOT, 'data', 'demo', split + '.csv')}"
@@ -63,7 +59,7 @@ def demo_arguments(folder, device="cpu"):
 
 
 def train_quietly(argv):
-    """Train as train.py would, its log on stderr so stdout stays the benchmark's; returns the config."""
+    """Train as train.py would, its log on stderr: stdout is the benchmark's."""
     import train
     from config import load_config
     from summarizer.preparation import prepare
@@ -75,7 +71,6 @@ def train_quietly(argv):
 
 
 def progress(what):
-    """One line on stderr as a stage of a benchmark starts (stdout is its figures')."""
     print(f"bench: {what}", file=sys.stderr, flush=True)
 
 
@@ -85,7 +80,7 @@ def synchronize(device):
 
 
 def timed(fn, device):
-    """(fn's output, the seconds it took, the device's queued work waited for before and after)."""
+    """(fn's output, its seconds, the device's queued work waited for before and after)."""
     synchronize(device)
     start = time.perf_counter()
     output = fn()

@@ -1,6 +1,5 @@
 """python -m bench --section=compile: what a GPU run would waste, counted on the CPU: graph breaks and compilations,
-the host's waits for the device, weight casts, KV-cache bytes copied against read. Under torchrun, train_counts'
-worker."""
+the host's waits for the device, weight casts, KV-cache bytes copied against read."""
 import collections
 import contextlib
 import dataclasses
@@ -8,10 +7,10 @@ import json
 import os
 import sys
 import tempfile
+import types
 from unittest import mock
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
@@ -19,24 +18,9 @@ import model as model_module
 from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
 from config import Decoding, part
 from generate import READ_EVERY, LogitsProcessors, generate
-from summarizer import inference, mbr, memory
+from summarizer import inference, memory, scoring
 
 aten = torch.ops.aten
-
-
-class CompileCounter:
-    """A torch.compile backend per compiled function that counts the graphs it is given (those with any
-    operation: dynamo may hand over an empty one) and runs them as they are."""
-
-    def __init__(self):
-        self.compilations = collections.Counter()
-
-    def backend(self, name):
-        def count(gm, example_inputs):
-            if any(node.op.startswith("call") for node in gm.graph.nodes):
-                self.compilations[name] += 1
-            return gm.forward
-        return count
 
 
 def fresh_compiles():  # what follows is counted from its first compilation
@@ -48,78 +32,66 @@ def graph_breaks():  # since fresh_compiles()
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def graphs_compiled():  # since fresh_compiles(), on the real backend
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 @contextlib.contextmanager
 def counted_compiles():
-    """torch.compile, while inside, compiles with a CompileCounter backend: training's model under 'train', the
-    decode step under 'decode'. Yields (counter, graph breaks so far: a function)."""
-    counter, real = CompileCounter(), torch.compile
+    """torch.compile counting the graphs with an operation: a model's under 'train', a function's under 'decode'."""
+    counter, real = types.SimpleNamespace(compilations=collections.Counter()), torch.compile
     fresh_compiles()
 
     def compile(fn, **options):
+        name = "train" if isinstance(fn, torch.nn.Module) else "decode"
+
+        def backend(gm, example_inputs):
+            if any(node.op.startswith("call") for node in gm.graph.nodes):
+                counter.compilations[name] += 1
+            return gm.forward
         options.pop("backend", None)
-        return real(fn, backend=counter.backend("train" if isinstance(fn, torch.nn.Module) else "decode"), **options)
+        return real(fn, backend=backend, **options)
     with mock.patch.object(torch, "compile", compile):
         yield counter, graph_breaks
 
 
-# ---- host syncs, weight casts, KV-cache bytes --------------------------------------------------------------------
-
-HOST_READS = {"tolist", "numpy"}  # read tensor values without dispatching an op
+HOST_READS = ("tolist", "numpy")  # read tensor values without dispatching an op
 VALUE_SHAPED = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten._unique2.default,
                 aten.unique_dim.default, aten.unique_consecutive.default, aten.masked_select.default,
                 aten.repeat_interleave.Tensor}
 
 
-class Waits(TorchFunctionMode):
-    """Counts the host's waits for the device: a read of tensor values (.tolist, .item, bool, int) or an op whose
-    output shape depends on them (nonzero, unique, boolean-mask indexing), each a device-to-host sync on a GPU;
-    and casts of `weights` (tensors whose storage is a parameter's) to another dtype."""
+class Waits(TorchDispatchMode):
+    """Counts the host's waits for the device (values read, or shaping an output) and casts of `weights`."""
 
     def __init__(self, weights=()):
         super().__init__()
         self.syncs = self.weight_casts = 0
-        self.dispatch = _WaitsDispatch(self, {w.untyped_storage().data_ptr() for w in weights})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
+        self.weight_ptrs, self.reads = {w.untyped_storage().data_ptr() for w in weights}, contextlib.ExitStack()
 
     def __enter__(self):
-        super().__enter__()
-        self.dispatch.__enter__()
-        return self
+        for name in HOST_READS:
+            self.reads.enter_context(counting(torch.Tensor, name, self.host_read))
+        return super().__enter__()
 
     def __exit__(self, *exc):
-        self.dispatch.__exit__(*exc)
+        self.reads.close()
         return super().__exit__(*exc)
 
-
-class _WaitsDispatch(TorchDispatchMode):
-    def __init__(self, waits, weight_ptrs):
-        super().__init__()
-        self.waits, self.weight_ptrs = waits, weight_ptrs
+    def host_read(self, *_):
+        self.syncs += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in VALUE_SHAPED and not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
-            self.waits.syncs += 1
+            self.syncs += 1
         elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            self.waits.syncs += 1
+            self.syncs += 1
         out = func(*args, **kwargs)
         if (func.overloadpacket in (aten.to, aten._to_copy) and out.dtype != args[0].dtype
                 and args[0].untyped_storage().data_ptr() in self.weight_ptrs):
-            self.waits.weight_casts += 1
+            self.weight_casts += 1
         return out
 
 
 class Launches(TorchDispatchMode):
-    """Counts, by operator, the ATen operators that launch work on a device: neither a view nor one that hands
-    back its input untouched (dropout in eval)."""
+    """Counts the ATen operators that launch work: neither a view nor one that hands back its input (eval dropout)."""
 
     def __init__(self):
         super().__init__()
@@ -134,8 +106,7 @@ class Launches(TorchDispatchMode):
 
 
 def launches_per_greedy_step(rows=8, prompt_len=32):
-    """{operator: launches a step} of greedy decoding at GPT-2-small's shape (random weights) on a CPU, over a
-    steady run: what generate() launches for READ_EVERY more steps (one host read among them), per step."""
+    """{operator: launches a step} of greedy at GPT-2-small's shape: READ_EVERY more steps' launches, per step."""
     torch.manual_seed(0)
     model = model_module.GPT(model_module.GPTConfig()).eval()
     prompts = torch.randint(0, model.config.vocab_size, (rows, prompt_len)).tolist()
@@ -147,63 +118,47 @@ def launches_per_greedy_step(rows=8, prompt_len=32):
     return {op: n / READ_EVERY for op, n in (counted[1] - counted[0]).most_common()}
 
 
+def counting(cls, name, count):
+    """cls.name patched to call count(self, its output) after each call."""
+    method = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        count(self, out)
+        return out
+    return mock.patch.object(cls, name, counted)
+
+
 @contextlib.contextmanager
 def kv_cache_traffic():
-    """Counts KV-cache bytes: read by attention (the slots each decode step attends to; a SharedPromptCache's
-    prompts once) and copied by row selection (rows dropped, reordered or repeated). Yields the running totals."""
-    traffic = {"read": 0, "copied": 0}
-    full, shared = model_module.KVCache, model_module.SharedPromptCache
-    originals = [(full, "update"), (full, "select_rows"), (shared, "attend")]
-    originals = [(cls, name, getattr(cls, name)) for cls, name in originals]
-
-    def counted(name, method):
-        def wrapper(self, *args):
-            out = method(self, *args)
-            if name == "update":
-                traffic["read"] += out[0].nbytes + out[1].nbytes
-            elif name == "attend":
-                traffic["read"] += self.prompt.kv.nbytes
-            else:
-                traffic["copied"] += out.kv.nbytes
-            return out
-        return wrapper
-    with contextlib.ExitStack() as patched:
-        for cls, name, method in originals:
-            patched.enter_context(mock.patch.object(cls, name, counted(name, method)))
+    """KV-cache bytes read by attention (a SharedPromptCache's prompts once) and copied by row selection."""
+    traffic, full, shared = collections.Counter(), model_module.KVCache, model_module.SharedPromptCache
+    with (counting(full, "update", lambda _, out: traffic.update(read=out[0].nbytes + out[1].nbytes)),
+          counting(full, "select_rows", lambda _, out: traffic.update(copied=out.kv.nbytes)),
+          counting(shared, "attend", lambda cache, _: traffic.update(read=cache.prompt.kv.nbytes))):
         yield traffic
 
 
 @contextlib.contextmanager
 def decoding_steps():
-    """Counts decoding steps as LogitsProcessors.no_early_eos calls (MBR's candidates share a prefill: forward
-    passes would undercount them). Yields a list whose length is the count."""
-    steps, no_early_eos = [], LogitsProcessors.no_early_eos
-
-    def counted(self, *args):
-        steps.append(1)
-        return no_early_eos(self, *args)
-    with mock.patch.object(LogitsProcessors, "no_early_eos", counted):
+    """Decoding steps as no_early_eos calls: MBR's candidates share a prefill, forward passes would undercount."""
+    steps = []
+    with counting(LogitsProcessors, "no_early_eos", lambda *_: steps.append(1)):
         yield steps
 
 
 def decode_counts(model, prompts, cfg, compact_below=0.5):
-    """(host syncs per decoding step, weight casts per decoding step, KV bytes copied / read) of summarizing
-    `prompts` in evaluate.py's batches, eagerly, with generate()'s GPU rule for dropping ended rows by default."""
-    weight = model.lm_head.weight
+    """(host syncs a step, weight casts a step, KV bytes copied / read) of `prompts` in evaluate.py's batches."""
+    weight, decoding = model.lm_head.weight, part(cfg, Decoding)
     room = memory.generation_memory(cfg, weight.device)
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
-        decoding = part(cfg, Decoding)
-        for batch in memory.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, room,
-                                               weight.dtype):
+        for batch in memory.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, room, weight.dtype):
             generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID, seed=cfg.seed,
-                     mbr_pick=mbr.pick, compact_below=compact_below)
+                     mbr_pick=scoring.mbr_pick, compact_below=compact_below)
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 
-# ---- the figures ------------------------------------------------------------------------------------------------
-
 def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
-    """{rank: counts} of train.py under torchrun on `nproc` gloo ranks, `steps` steps, compile=True counted."""
     csv, source = training_csv(folder, samsum_csv)
     out = os.path.join(folder, "train-counts.json")
     args = [f"--train_csv={csv}", "--validation_csv=", "--val_fraction=0.05", f"--out_dir={folder}/train",
@@ -220,13 +175,9 @@ def train_counts(folder, steps, samsum_csv=SAMSUM_CSV, nproc=2):
 
 
 def bench_compile(args, device):
-    rows = []
+    from bench import fsdp as bench_fsdp
     with tempfile.TemporaryDirectory() as folder:
         counts, source = train_counts(folder, args.compile_steps, args.samsum_csv)
-        rows += [dict(section="compile", figure="train:graph_breaks",
-                      value=max(c["graph_breaks"] for c in counts.values()), target="0"),
-                 dict(section="compile", figure="train:compilations",
-                      value=max(c["compilations"].get("train", 0) for c in counts.values()), target="<= 2")]
         # a demo model trained briefly: it ends its summaries with a real <|endoftext|>
         cfg = train_quietly([*demo_arguments(folder), f"--out_dir={folder}/demo", "--max_iters=60",
                              "--eval_interval=60", "--rouge_samples=0", "--best_metric=val_loss"])
@@ -234,19 +185,19 @@ def bench_compile(args, device):
         prompts, _ = summarizer.prompts(data.load_splits(summarizer.cfg).val.dialogues)
         syncs, casts, kv = decode_counts(summarizer.model.eval(), prompts,
                                          dataclasses.replace(summarizer.cfg, gen_batch_size=64))
-        rows += [dict(section="compile", figure="decode:host_syncs_per_step", value=syncs, target="<= 1/8"),
-                 dict(section="compile", figure="decode:weight_casts_per_step", value=casts, target="0"),
-                 dict(section="compile", figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25")]
-    from bench import fsdp as bench_fsdp
-    rows += bench_fsdp.bench_fsdp(args)
-    rows.append(dict(section="compile", figure="setup", value=f"train: {args.compile_steps} steps of {source} "
-                     f"batches on 2 gloo ranks (DDP, 2 layers x 32, 4 rows per micro-batch); decode: the demo model "
-                     f"({len(prompts)} validation dialogues, gen_batch_size 64, its own <|endoftext|>), greedy"))
-    return rows
+    compilations = max(c["compilations"].get("train", 0) for c in counts.values())
+    return [dict(figure="train:graph_breaks", value=max(c["graph_breaks"] for c in counts.values()), target="0"),
+            dict(figure="train:compilations", value=compilations, target="<= 2"),
+            dict(figure="decode:host_syncs_per_step", value=syncs, target="<= 1/8"),
+            dict(figure="decode:weight_casts_per_step", value=casts, target="0"),
+            dict(figure="decode:kv_bytes_copied_vs_read", value=kv, target="<= 0.25"),
+            *bench_fsdp.bench_fsdp(args),
+            dict(figure="setup", value=f"train: {args.compile_steps} steps of {source} batches on 2 gloo ranks (DDP, "
+                 f"2 layers x 32, 4 rows per micro-batch); decode: the demo model ({len(prompts)} validation "
+                 f"dialogues, gen_batch_size 64, its own <|endoftext|>), greedy")]
 
 
 def worker(out, argv):
-    """One torchrun rank: train.main(argv) with compilation counted, then its counts in out.<rank>."""
     import train
     with counted_compiles() as (counter, breaks):
         train.main(argv)
@@ -259,10 +210,7 @@ if __name__ == "__main__":
 
 
 def summary_end_token(model, prompts, max_new):
-    """The token this random-weight model emits most often after a few tokens: as EOS, rows end at varied lengths,
-    as a fine-tuned model's summaries do (a random one never says <|endoftext|>)."""
-    counts = {}
-    for row in generate(model, prompts[:16], Decoding(max_new_tokens=max_new), eos_token_id=-1):
-        for token in set(row[4:]):
-            counts[token] = counts.get(token, 0) + 1
+    """The token a random model emits most after a few: as EOS, rows end at varied lengths, as summaries do."""
+    rows = generate(model, prompts[:16], Decoding(max_new_tokens=max_new), eos_token_id=-1)
+    counts = collections.Counter(token for row in rows for token in set(row[4:]))
     return max(counts, key=counts.get)

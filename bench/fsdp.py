@@ -1,10 +1,5 @@
-"""python -m bench --section=compile: FSDP's communication per optimizer step for each Kaggle preset, counted.
-
-Two gloo ranks on the CPU run one train.Trainer.train_step of a tiny GPT (--backend=fsdp, the preset's dtype,
-checkpointing, LoRA and micro-steps) under CollectiveBytes. Each all-gather and reduce-scatter must carry one FSDP
-unit's padded parameters (the root or a block); the counts per unit then scale to the preset's model (meta device).
-Bytes are per rank as a ring moves them (RING). "before": fp32 all-gathers and a reduce-scatter per micro-step.
-"""
+"""python -m bench --section=compile: FSDP's bytes per rank per optimizer step of each Kaggle preset, counted on two
+gloo ranks with a tiny GPT of the preset's settings, scaled per FSDP unit to the preset's model."""
 import json
 import math
 import os
@@ -39,12 +34,10 @@ KINDS = {"all_gather": ("allgather", "all_gather"), "reduce_scatter": ("reduce_s
 RING = {"all_gather": (RANKS - 1) / RANKS, "reduce_scatter": (RANKS - 1) / RANKS,
         "all_reduce": 2 * (RANKS - 1) / RANKS}
 NOT_COMMUNICATION = ("wait_tensor", "_wrap_tensor_autograd")
-TIMEOUT = 100
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Records every collective dispatched while active as {kind, numel, itemsize} of the buffer it moves whole:
-    an all-gather's output, a reduce-scatter's input, an all-reduce's tensors."""
+    """Each collective as {kind, numel, itemsize} of the buffer it moves whole (an all-gather's output)."""
 
     def __init__(self):
         super().__init__()
@@ -66,9 +59,7 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def units(model, world_size=RANKS):
-    """{unit: {kind: numel}} of the FSDP units Runtime.shard makes, as their all-gathers and reduce-scatters carry
-    them: every parameter's dim 0 padded to a multiple of world_size, gradients of trainable parameters only; and
-    how many blocks. Works on the unsharded model and on the sharded one (a DTensor has the full shape)."""
+    """{unit: {kind: numel}} of Runtime.shard's FSDP units, dim 0 padded (a DTensor has the full shape); n_layer."""
     def padded(params):
         return sum(math.ceil(p.shape[0] / world_size) * world_size * (p.numel() // p.shape[0]) for p in params)
 
@@ -80,9 +71,8 @@ def units(model, world_size=RANKS):
             "block": unit(list(blocks[0].parameters())), "n_layer": len(blocks)}
 
 
-def count_step(args, before):
-    """One train.Trainer.train_step of a run with train.py arguments `args` on this rank, counted: its collectives
-    (CollectiveBytes.ops), the units() of its model, its loss, whether it reduced once and its micro-steps."""
+def count_step(args, before, port):
+    os.environ["MASTER_PORT"] = str(port)  # a fresh store: one re-created on the same port races
     shard = torch.distributed.fsdp.fully_shard
     # before: Runtime.shard as it was, fp32 all-gathers
     with mock.patch.object(torch.distributed.fsdp, "fully_shard", (lambda module, mp_policy=None: shard(module))
@@ -98,13 +88,9 @@ def count_step(args, before):
 
 
 def worker(spec_path, out_path):
-    """Under RANK/WORLD_SIZE/MASTER_ADDR: count each run of the spec on its port, rank 0 writes the results."""
     with open(spec_path) as f:
         spec = json.load(f)
-    results = []
-    for run in spec:
-        os.environ["MASTER_PORT"] = str(run["port"])  # a fresh store: one re-created on the same port races
-        results.append(count_step(run["args"], run["before"]))
+    results = [count_step(run["args"], run["before"], run["port"]) for run in spec]
     if os.environ["RANK"] == "0":
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -116,9 +102,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(runs, tmp, timeout=TIMEOUT):
-    """Counts of each of `runs` ({"args": train.py arguments, "before": bool}), from RANKS processes on 127.0.0.1
-    running them in turn (each run its own Runtime and Trainer). Raises with the ranks' output on failure."""
+def run_ranks(runs, tmp, timeout=100):
+    """count_step of each of `runs` ({"args": train.py arguments, "before": bool}) on RANKS processes, in turn."""
     spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "counted.json")
     with open(spec, "w") as f:
         json.dump([dict(run, port=free_port()) for run in runs], f)
@@ -147,8 +132,7 @@ def run_ranks(runs, tmp, timeout=TIMEOUT):
 
 
 def per_unit(counted):
-    """{(unit, kind): (operations per unit instance, itemsize)} of a counted run, and the all-reduced bytes.
-    Every all-gather and reduce-scatter must carry exactly one unit's numel."""
+    """{(unit, kind): (operations per unit instance, itemsize)}, each carrying one unit's numel; all-reduced bytes."""
     tiny = counted["units"]
     instances = {"root": 1, "block": tiny["n_layer"]}
     counts, scalars = {}, 0
@@ -168,7 +152,6 @@ def per_unit(counted):
 
 
 def scaled_bytes(counted, shape_units):
-    """{kind: bytes per rank per optimizer step} of a counted run scaled to a model with units `shape_units`."""
     counts, scalars = per_unit(counted)
     instances = {"root": 1, "block": shape_units["n_layer"]}
     result = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": scalars * RING["all_reduce"]}
@@ -178,12 +161,10 @@ def scaled_bytes(counted, shape_units):
 
 
 def t4_dtype(preset):
-    """The dtype the preset trains in on a T4 (compute capability 7.5): float16 unless it says otherwise."""
     return choose_precision(preset.get("dtype", "auto"), "cuda", (7, 5))[0]
 
 
 def tiny_args(name, preset, csv, folder):
-    """train.py arguments of the tiny run standing for `preset`: its dtype, checkpointing, LoRA and micro-steps."""
     cfg = Config(**{**preset, "micro_batch_size": t4_micro_batch(name, preset)})
     steps = -(-cfg.batch_size // RANKS // cfg.micro_batch_size)  # a rank's micro-steps, its rows block_size long
     return [*TINY, f"--batch_size={steps * RANKS}", f"--dtype={t4_dtype(preset)}",
@@ -192,26 +173,20 @@ def tiny_args(name, preset, csv, folder):
 
 
 def bench_fsdp(args=None):
-    """fsdp:<model>:comm_gib_per_step (now, _before, _vs_before) per Kaggle preset as if --backend=fsdp, GiB per
-    rank per optimizer step; and :reduce_once_gib_per_rank, what fsdp_reduce_once holds per GPU. About 30 s."""
+    """GiB per rank per optimizer step of each preset as if --backend=fsdp, and what fsdp_reduce_once holds."""
     presets = {name: read_preset(os.path.join(ROOT, path)) for name, path in PRESETS.items()}
     with tempfile.TemporaryDirectory() as tmp:
         csv, _ = training_csv(tmp, samsum_csv="", rows=48)  # random chats: what is counted does not depend on them
-        runs, index = [], {}
-        for name, preset in presets.items():
-            for before in (False, True):
-                run = {"args": tiny_args(name, preset, csv, tmp), "before": before}
-                if run not in runs:
-                    runs.append(run)
-                index[name, before] = runs.index(run)
-        for i, run in enumerate(runs):
-            run["args"].append(f"--out_dir={os.path.join(tmp, f'out{i}')}")
-        counted = run_ranks(runs, tmp)
+        index = {(name, before): (tuple(tiny_args(name, preset, csv, tmp)), before)
+                 for name, preset in presets.items() for before in (False, True)}
+        runs = list(dict.fromkeys(index.values()))  # presets alike run once
+        counted = dict(zip(runs, run_ranks([{"args": [*args, f"--out_dir={tmp}/out{i}"], "before": before}
+                                            for i, (args, before) in enumerate(runs)], tmp), strict=True))
     rows = []
     for name, preset in presets.items():
         model = build(PRETRAINED[name], "meta", Config(**preset))
         now, before = (scaled_bytes(counted[index[name, b]], units(model)) for b in (False, True))
-        common = dict(section="compile", preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
+        common = dict(preset=PRESETS[name], preset_backend=preset.get("backend", "ddp"),
                       dtype=t4_dtype(preset), lora_rank=preset.get("lora_rank", 0),
                       micro_steps=counted[index[name, False]]["micro_steps"])
         for when, sent in (("", now), ("_before", before)):

@@ -1,11 +1,7 @@
-"""The GPU check: sections, each a command with its own time limit; its JSON report (REPORT, or --report) is
-written after each section, so a section that fails or runs out of time keeps what the earlier ones found.
-
---quick, within 7 minutes (QUICK): greedy's CUDA graphs on this GPU (--part=graphs); the preflight; the README's path
-on SAMSum (train.py from scratch with max_time, evaluate.py, predict.py); bench's train and generate sections. The
-report's FIGURES are read from them. Without --quick: every bench section, the matrix (dtypes x compile at GPT-2
-shapes) and the presets' peak training memory. Needs only the project, its requirements and SAMSum's CSV
-(--samsum_csv). Exit status 1 if a section fails or a REQUIRED figure misses its target (decode steps not graphed).
+"""The GPU check: sections, each a command within its time, the JSON report written after each. --quick (7 minutes):
+greedy's CUDA graphs, the preflight, the README's path on SAMSum, bench's train and generate; without it also every
+bench section, the matrix (dtypes x compile) and the presets' peak memory. Exit status 1 if a section fails or a
+REQUIRED figure misses its target.
 
     bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]
     python -m bench.gpu_check --part=matrix --device=cpu --model=tiny --dtypes=float32 --iters=3      one part
@@ -35,22 +31,20 @@ from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchro
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
+from command_line import UserError
 from config import Decoding, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 
 PRESET = "config/kaggle_t4x2.py"
 REPORT = os.path.join(ROOT, "out-gpu-check", "gpu_check_report.json")  # git-ignored (out*/): never in the tree unasked
-# --quick's sections and their seconds: 360 in all, within 7 minutes with the start. train.py's max_time leaves its
-# section's start (imports, tokenizing) and its last save room.
+# --quick's sections and their seconds: 360, within 7 minutes with the start
 QUICK = {"graphs": 30, "preflight": 35, "train": 110, "evaluate": 35, "predict": 50, "bench train": 50,
          "bench generate": 50}
-QUICK_MAX_TIME = 70
-# The report's figures: (what, the section it is read from or None for any bench row, figure or key, target); the
-# targets are issue 66's on an H100/H200
+QUICK_MAX_TIME = 70  # train.py's: its section's start (imports, tokenizing) and last save fit the rest
+# (what, the section it is read from or None for any bench row, figure or key, target): issue 66's, H100/H200
 FIGURES = [("decode steps as CUDA graphs", None, "graphed", "==", True),
            ("why decode steps ran eagerly", None, "eager_why", None, None),
            ("decode ms a step", None, "decode_ms_per_step", "<=", 2),
@@ -64,17 +58,14 @@ FIGURES = [("decode steps as CUDA graphs", None, "graphed", "==", True),
            ("operators per greedy step (CPU)", None, "operators_per_greedy_step", "<=", 148)]
 REQUIRED = {"decode steps as CUDA graphs"}  # a figure that fails the check where it misses its target
 LIMITS = {"train_graph_breaks": 0, "train_compilations": 2}
-# bench_memory leaves out backward's transient buffers (a block's gradients in flight, the loss's) and the
-# allocator's rounding: a quarter more than predicted is still the prediction working, not a new memory cost.
-MEMORY_TOLERANCE = 1.25
+MEMORY_TOLERANCE = 1.25  # the plan leaves out backward's transient buffers and the allocator's rounding
 FP16_TOLERANCE = 0.02  # relative: 16-bit autocast's losses over the same steps against float32's
 
 
 # ---- the sections ------------------------------------------------------------------------------------------------
 
 def plan(args, folder):
-    """[(name, argv, seconds it may take or None, a JSON-lines file of its figures or None)]: the check's sections in
-    order, the run's files in `folder` (train.py's figures are its metrics.jsonl)."""
+    """[(name, argv, seconds it may take or None, a JSON-lines file of its figures or None)], in order."""
     py, csv = sys.executable, args.samsum_csv
     run = [f"--out_dir={folder}/run", f"--device={args.device}"]
     trains = [PRESET, "--init_from=scratch", f"--train_csv={csv}", f"--data_cache_dir={folder}/cache", *run]
@@ -99,8 +90,7 @@ def preflight_report(args):
 
 
 def run_section(argv, limit, jsonl=None):
-    """{status: ok, failed or timed out; seconds; rows: the JSON objects it printed, then `jsonl`'s; output: its last
-    lines}. A section out of time is ended with every process it started."""
+    """{status, seconds, command, rows: the JSON objects it printed, then `jsonl`'s, output: its last lines}."""
     start = time.monotonic()
     with subprocess.Popen(argv, cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True) as process:
@@ -125,8 +115,7 @@ def run_section(argv, limit, jsonl=None):
 
 
 def figures(sections):
-    """FIGURES' values as the sections found them (None where none did: a section's own only if it ran to its end)
-    and whether each meets its target."""
+    """FIGURES' values (a section's own only if it ran to its end) and whether each meets its target."""
     found, rows = [], [row for s in sections.values() for row in s.get("rows", [])]
     for what, section, key, op, target in FIGURES:
         if section:
@@ -141,8 +130,6 @@ def figures(sections):
 
 
 def run_check(sections, report_path, header):
-    """Runs the sections [(name, argv, limit, jsonl)] (plan's) in turn, the report (header, each section's result so
-    far, the figures) written after each; the report."""
     report = dict(header, sections={}, passed=True)
     for name, argv, limit, jsonl in sections:
         print(f"{name}: {' '.join(argv)}", flush=True)
@@ -159,8 +146,7 @@ def run_check(sections, report_path, header):
 # ---- the matrix: precision and compile ------------------------------------------------------------------------
 
 def train_case(args, dtype, compile, folder, csv):
-    """Median tokens/s, MFU, ms/iter and peak memory over args.iters Trainer steps, the first third not counted
-    (the allocator's warm-up); with compile, the graph breaks and graphs of the whole run."""
+    """Medians over args.iters Trainer steps but the first third (the allocator's warm-up); compile's counts."""
     argv = [f"--train_csv={csv}", f"--out_dir={folder}/{dtype}-{compile}", f"--data_cache_dir={folder}/cache",
             "--init_from=scratch", *(f"--{k}={v}" for k, v in MODELS[args.model].items()), f"--device={args.device}",
             f"--dtype={dtype}", f"--compile={compile}", f"--batch_size={args.micro_batch_size}",
@@ -175,7 +161,7 @@ def train_case(args, dtype, compile, folder, csv):
     with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         trainer = train.Trainer(prepare(cfg, rt), rt)
         trainer.fit()
-    breaks, graphs = bench_compile.graph_breaks(), bench_compile.graphs_compiled()
+    breaks, graphs = bench_compile.graph_breaks(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
     steps = logged[args.iters // 3:]
@@ -191,7 +177,6 @@ def failed(e):
 
 
 def case(args, dtype, compile, device, capability, folder, csv):
-    """One matrix row: the training figures of (dtype, compile), or why they could not be had."""
     row = dict(figure=f"{dtype} {'compiled' if compile else 'eager'}", dtype=dtype, compile=compile)
     try:
         _, use_scaler = choose_precision(dtype, device.type, capability)
@@ -208,8 +193,7 @@ def case(args, dtype, compile, device, capability, folder, csv):
 
 
 def precision(run_losses, reference_losses, dtype):
-    """The run's dtype against float32: a non-finite loss fails (an fp16 overflow); else each step's loss moved from
-    the first (random weights make every first loss ln(vocab)) against float32's move."""
+    """Each step's loss moved from the first (random weights make it ln(vocab)) against float32's move."""
     if not run_losses or not reference_losses:
         return check(NOT_RUN, "a training run failed")
     figures = dict(losses=run_losses, float32_losses=reference_losses)
@@ -232,7 +216,6 @@ def precision(run_losses, reference_losses, dtype):
 
 
 def matrix(args, device, capability, folder, csv):
-    """The matrix's rows, each 16-bit row's losses against float32's, and its checks."""
     rows = [case(args, dtype, compile == "True", device, capability, folder, csv)
             for dtype in args.dtypes.split(",") for compile in args.compile.split(",")]
     reference = next((row["losses"] for row in rows if row["dtype"] == "float32" and "losses" in row), [])
@@ -249,23 +232,8 @@ def matrix(args, device, capability, folder, csv):
 
 # ---- the presets' memory ----------------------------------------------------------------------------------------
 
-def predicted_gib(name, mode, x, y):
-    """python -m bench --section=memory's GiB per GPU of model `name` training in `mode`, for micro-batch (x, y)."""
-    preset = load_config([os.path.join(ROOT, PRESETS["gpt2"])])
-    plan, _ = bench_memory.mode_plan(name, mode, x, y, preset, preset.block_size - preset.max_new_tokens)
-    return plan.training / GIB
-
-
-def widest_step(batches, steps):
-    """(the step among `steps` whose global batch holds the micro-batch of the most positions, that one (x, y))."""
-    widest = {step: max(batches(step).micro_batches, key=lambda xy: xy[0].numel()) for step in range(steps)}
-    step = max(widest, key=lambda s: widest[s][0].numel())
-    return step, widest[step]
-
-
 def preset_row(name, device, total_gib, folder, csv):
-    """A preset's mode, predicted and measured peak GiB per GPU (or why not measured): two eager Trainer steps of
-    random weights over the epoch's widest micro-batch, counted from what was allocated before."""
+    """Peak GiB per GPU, planned (bench's memory section) and of two eager steps of the widest micro-batch."""
     path = os.path.join(ROOT, PRESETS[name])
     micro = bench_memory.t4_micro_batch(name, read_preset(path))
     cfg = load_config([path, "--init_from=scratch", *(f"--{k}={v}" for k, v in PRETRAINED[name].items()),
@@ -285,8 +253,12 @@ def preset_row(name, device, total_gib, folder, csv):
         with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             trainer = train.Trainer(prepare(cfg, rt), rt)
             batches = trainer.run.batches
-            step, (x, y) = widest_step(batches, len(batches.examples) // cfg.batch_size)
-            row.update(width=x.shape[1], predicted_gib=predicted_gib(name, mode, x, y))
+            widest = {step: max(batches(step).micro_batches, key=lambda xy: xy[0].numel())
+                      for step in range(len(batches.examples) // cfg.batch_size)}
+            step = max(widest, key=lambda s: widest[s][0].numel())
+            (x, y), gpt2 = widest[step], load_config([os.path.join(ROOT, PRESETS["gpt2"])])
+            plan, _ = bench_memory.mode_plan(name, mode, x, y, gpt2, gpt2.block_size - gpt2.max_new_tokens)
+            row.update(width=x.shape[1], predicted_gib=plan.training / GIB)
             if row["predicted_gib"] > total_gib:
                 return dict(row, note=f"predicted above this GPU's {total_gib:.1f} GiB: not run")
             for _ in range(2):  # the second with AdamW's moments
@@ -302,7 +274,6 @@ def preset_row(name, device, total_gib, folder, csv):
 
 
 def presets_memory(args, device, capability, folder, csv):
-    """The presets' rows (CUDA only) and their checks: each peak within MEMORY_TOLERANCE of the prediction."""
     if device.type != "cuda":
         return [], []
     total_gib = torch.cuda.get_device_properties(device).total_memory / GIB
@@ -331,13 +302,12 @@ def reading_host(step):
     return read
 
 
-def recording(captured, streams):
-    """generate.capture_graph keeping each (step, graph) in `captured`, and in `streams` whether the current stream
-    after a capture, failed or not, is the one before."""
+def recording(captured, streams, wrap=lambda step: step):
+    """capture_graph of wrap(step) keeping (step, graph) in `captured`, and in `streams` whether it kept the stream."""
     def capture(step, *args, **kwargs):
         before = torch.cuda.current_stream()
         try:
-            graph, output, expected = generate_module.capture_graph(step, *args, **kwargs)
+            graph, output, expected = generate_module.capture_graph(wrap(step), *args, **kwargs)
             captured.append((step, graph))
             return graph, output, expected
         finally:
@@ -346,9 +316,7 @@ def recording(captured, streams):
 
 
 def attention_kernels(fn, device):
-    """The attention kernels (on a CPU, operators) that fn() runs, by name."""
-    activities = [ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * (device.type == "cuda")]
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * (device.type == "cuda")]) as prof:
         fn()
         synchronize(device)
     kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
@@ -362,18 +330,13 @@ def per_step_ms(fn, device, steps=GRAPH_STEPS):
 
 @torch.inference_mode()  # the held buffers are inference tensors: an eager step outside it may not write them
 def graph_checks(model, batches, device):
-    """Greedy's steps as CUDA graphs on this GPU, against eager steps on the same batches: a capture that reads the
-    host falls back to eager steps, the same summaries, and leaves the stream as it was; then every bucket is
-    captured, the stream kept, the summaries the same. Per bucket: capture seconds, replay against eager ms a step
-    and the attention kernels each runs. (rows, checks)."""
+    """Greedy's CUDA graphs against eager steps: a capture that reads the host falls back, then all are captured."""
     def decode(graphs=None):
         return [generate_module.generate(model, prompts, Decoding(GRAPH_STEPS), eos_token_id=-1, graphs=graphs)
                 for prompts in batches]
     eager, before = decode(), torch.cuda.current_stream()
     fallback_kept, kept, captured = [], [], []
-    capture = recording([], fallback_kept)
-    failing = generate_module.StepGraphs(capture=lambda step, *args, **kwargs: capture(reading_host(step), *args,
-                                                                                        **kwargs))
+    failing = generate_module.StepGraphs(capture=recording([], fallback_kept, reading_host))
     fell_back = decode(failing)
     found = [dict(figure="graphs: a capture that reads the host falls back, the stream kept", value=failing.eager_why,
                   passed=failing.eager_why is not None and fell_back == eager and all(fallback_kept) and
@@ -393,22 +356,15 @@ def graph_checks(model, batches, device):
     return rows, found
 
 
-def graph_part(device, capability):
-    """graph_checks at GPT-2-small's shape (random weights) in the dtype evaluate.py decodes in on this GPU."""
-    torch.manual_seed(0)
-    half = torch.bfloat16 if capability >= (8, 0) else torch.float16
-    with device:
-        model = GPT(GPTConfig()).to(half).eval()
-    batches = [torch.randint(0, model.config.vocab_size, shape).tolist() for shape in GRAPH_BATCHES]
-    return graph_checks(model, batches, device)
-
-
 def part(args):
-    """--part=graphs, matrix or presets in this process: its rows and checks as JSON lines; 1 if a check fails."""
     device = torch.device(args.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if args.part == "graphs":
-        rows, found = graph_part(device, capability)
+    if args.part == "graphs":  # GPT-2-small's shape, random weights, in the dtype evaluate.py decodes in here
+        torch.manual_seed(0)
+        with device:
+            model = GPT(GPTConfig()).to(torch.bfloat16 if capability >= (8, 0) else torch.float16).eval()
+        batches = [torch.randint(0, model.config.vocab_size, shape).tolist() for shape in GRAPH_BATCHES]
+        rows, found = graph_checks(model, batches, device)
     else:
         with tempfile.TemporaryDirectory() as folder:
             csv, _ = training_csv(folder, args.samsum_csv)  # SAMSum validation, or random chats of its shape
@@ -430,9 +386,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=30, help="training steps per matrix case")
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--presets", default=",".join(PRESETS),
-                        help="the models whose Kaggle preset's peak training memory is measured, on CUDA only ('' "
-                        "for none)")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="presets whose peak memory is measured (CUDA)")
     parser.add_argument("--report", default=REPORT, help="where the JSON report is written (the preflight's beside it)")
     args = parser.parse_args(argv)
     if args.part:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from summarizer.errors import UserError
+from command_line import UserError
 from summarizer.memory import reduce_once_bytes
 
 

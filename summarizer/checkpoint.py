@@ -1,7 +1,5 @@
-"""A checkpoint: its record (what best.pt and ckpt.pt hold, a typed dict with a format version: written by
-TrainingState.save, read by load_checkpoint, which upgrades formats 3 and 4 step by step and names the retired 1
-and 2 in one line), its file format (torch.save written atomically, read back with weights_only so a file cannot
-run code, a damaged file named with the intact ones beside it) and the training state a resumed run restores."""
+"""A checkpoint: its record (a typed dict with a format version; older formats are upgraded as they load), its
+file (torch.save written atomically, read with weights_only so a file cannot run code) and a damaged file's line."""
 import glob
 import os
 import zipfile
@@ -9,10 +7,10 @@ from typing import TypedDict
 
 import torch
 
+from command_line import UserError
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
-from summarizer.errors import DiskFull, UserError
-from summarizer.files import atomic_write
+from summarizer.files import DiskFull, atomic_write
 
 # ---- the record --------------------------------------------------------------------------------------------
 
@@ -27,7 +25,6 @@ RETIRED_FORMATS = {1: "2026-11-23", 2: "2026-11-24"}
 
 
 class Record(TypedDict):
-    """What every checkpoint says of its run, and its weights (best.pt holds no more)."""
     format: int
     model_args: dict  # the model's GPTConfig
     config: dict  # the run's settings, config.Config's types (the shape keys: the model's); a command's own may lack
@@ -43,8 +40,8 @@ class Record(TypedDict):
 
 
 class Checkpoint(Record, total=False):
-    """ckpt.pt: the record and what a resume needs. A calibration run's also holds `candidates` (the key of its
-    candidate summaries): the stage was retired after 605acfc, and such a file is refused a resume."""
+    """ckpt.pt: the Record (all best.pt holds) and what a resume needs; a retired calibration run's `candidates`
+    key refuses a resume."""
     lora_base: dict | None  # a LoRA run: where its frozen base comes from and its hash, instead of its weights
     optimizer: dict
     scaler: dict  # {} without fp16
@@ -54,27 +51,25 @@ class Checkpoint(Record, total=False):
 
 
 def shape_settings(model_args):
-    """The settings a model's GPTConfig (model_args) fixes: ModelShape's keys and block_size."""
     return {key: model_args[key] for key in (*keys(ModelShape), "block_size")}
 
 
 def format_of(ckpt):
-    """The format of a checkpoint dict: its `format`, else told by the keys each version added."""
+    """A file's `format`, else told by the keys each version added."""
     if "format" in ckpt:
         return ckpt["format"]
     return 3 if "best_val_loss" in ckpt else 2 if "tokenizer" in ckpt else 1
 
 
 def upgrade_3(ckpt):
-    """Format 3 (2026-11-25) -> 4: settings kept as text are typed (max_time in seconds, lora_targets a tuple, sweep a
-    mapping), and the config's shape keys are the model's (a pretrained model's kept init_from=scratch's defaults)."""
+    """Settings kept as text are typed, and the config's shape keys are the model's."""
     config = {**ckpt["config"], **shape_settings(ckpt["model_args"])}
     return {**ckpt, "format": 4, "config": {key: typed(key, value, "the checkpoint's config")
                                              for key, value in config.items() if key in FIELDS}}
 
 
 def upgrade_4(ckpt):
-    """Format 4 (2026-11-26, up to f63e9be) -> 5: the same contents; 5 marked a command setting a run's file lacks."""
+    """The same contents; 5 marked a command setting a run's file lacks."""
     return {**ckpt, "format": 5}
 
 
@@ -90,7 +85,6 @@ RETIRED = ("rank_weight", "rank_margin", "rank_length_exponent", "rank_candidate
 
 
 def upgraded(ckpt, path):
-    """A checkpoint dict of any format, as format FORMAT; one line for a file this code cannot read."""
     version = format_of(ckpt)
     if version in RETIRED_FORMATS:
         raise UserError(f"{path} is a checkpoint of format {version}, written on {RETIRED_FORMATS[version]} before "
@@ -116,7 +110,6 @@ def upgraded(ckpt, path):
 # ---- the file ------------------------------------------------------------------------------------------------
 
 def save_checkpoint(state, path):
-    """torch.save(state) atomically, so a crash or a full disk leaves the previous checkpoint intact."""
     try:
         with atomic_write(path, "wb") as f:
             torch.save(state, f)
@@ -130,15 +123,13 @@ def save_checkpoint(state, path):
 
 
 def not_an_archive(path):
-    """Whether the file at `path` has content and is no torch.save archive (a zip file, which begins so): another
-    file given where a checkpoint was meant. An empty file is a truncated archive."""
+    """Content that is no zip (torch.save) archive: another file given for a checkpoint. Empty is truncated."""
     with open(path, "rb") as f:
         return os.path.getsize(path) > 0 and f.read(4) != b"PK\x03\x04"
 
 
 def load_checkpoint(path, key="ckpt"):
-    """The Checkpoint in the file at `path`, upgraded to format FORMAT (plain tensors and containers only); a file
-    missing, no checkpoint or damaged is one line naming the flag `key` and which checkpoints beside it are intact."""
+    """A missing, foreign or damaged file is one line naming the flag `key` and the intact checkpoints beside it."""
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         if training := (None if os.path.isdir(path) else run_folder.training_in(os.path.dirname(path) or ".")):
@@ -166,7 +157,7 @@ def load_checkpoint(path, key="ckpt"):
 
 
 def complete_archive(path):
-    """Whether `path` is a whole zip archive (torch.save's): a truncated one lacks the directory at its end."""
+    """A truncated zip lacks the directory at its end."""
     try:
         with zipfile.ZipFile(path):
             return True
@@ -175,7 +166,6 @@ def complete_archive(path):
 
 
 def intact_neighbours(path):
-    """Which of the other checkpoints in `path`'s folder load, as the clause that ends a corrupted-file error."""
     folder = os.path.dirname(os.path.abspath(path))
     if not (intact := intact_in(folder, besides=path)):
         return f"no other checkpoint in {folder} is intact"
@@ -185,7 +175,6 @@ def intact_neighbours(path):
 
 
 def intact_in(folder, besides=None):
-    """['folder/ckpt.pt (iter 5)', ...]: the checkpoints in `folder` (but `besides`) that load."""
     intact = []
     for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.pt"))):
         if besides and os.path.samefile(path, besides):

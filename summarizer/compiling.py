@@ -7,7 +7,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from summarizer.errors import UserError
+from command_line import UserError
 from summarizer.launch import out_of_memory
 
 

@@ -12,13 +12,13 @@ import torch
 from rouge_score import tokenize
 
 import data
+from command_line import UserError
 from config import ROUGE_TYPES, sweep_settings
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.errors import UserError
 from summarizer.files import atomic_write
-from summarizer.metrics import rouge_per_example
 from summarizer.report import interval_text, write_report
+from summarizer.scoring import rouge_per_example
 
 COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
 REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing

@@ -1,18 +1,20 @@
-"""The one way this project writes a file: into a temp file next to it, fsync'd, then renamed over it, so a crash
-or a full disk never leaves a half-written file under the real name (and a temp file a killed process left is told
-by its name); and a failed command's empty folders."""
+"""The one way this project writes a file: a temp file beside it, fsync'd, renamed over it, so a crash or a full
+disk never leaves a half-written file under the real name; a full disk's one line; a failed command's empty folders."""
 import contextlib
 import errno
 import os
 import re
 import shutil
 
-from summarizer.errors import DiskFull
+from command_line import UserError
+
+
+class DiskFull(UserError):
+    """No space left (or the quota used up): the user's to fix; what was saved is intact."""
 
 
 def disk_full(path, error):
-    """The DiskFull that an OSError from writing `path` is when the disk is full (a quota, a file size limit): one
-    line that names the file and the space left, instead of a traceback; None for another error."""
+    """The one-line DiskFull an OSError from writing `path` is when the disk or quota is full, else None."""
     if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return None
     folder = os.path.dirname(os.path.abspath(path))
@@ -22,8 +24,7 @@ def disk_full(path, error):
 
 @contextlib.contextmanager
 def atomic_write(path, mode="w"):
-    """`with atomic_write(path) as f:` writes f to `path` atomically; on any error the temp file is removed and
-    `path` keeps what it held. Text mode is UTF-8 with newlines written as given (CSV writers pick their own)."""
+    """On any error the temp file goes and `path` keeps what it held. Text is UTF-8, newlines as written."""
     tmp = f"{path}.tmp{os.getpid()}"  # the writer's pid: see left_by_a_dead_process
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
@@ -41,8 +42,8 @@ def atomic_write(path, mode="w"):
 
 
 def left_by_a_dead_process(name):
-    """The file an atomic_write temp file named `name` was to become, when the process that wrote it is gone (killed
-    while saving: nothing will rename or remove it); None for any other name, or a live process's temp file."""
+    """The file an atomic_write temp `name` was to become, when its writer is gone (killed while saving);
+    else None."""
     if not (match := re.fullmatch(r"(.+)\.tmp(\d+)", name)):
         return None
     try:
@@ -56,8 +57,7 @@ def left_by_a_dead_process(name):
 
 @contextlib.contextmanager
 def no_empty_folder_left(*paths):
-    """Run the body; if it fails, remove those of `paths` (deepest first) that did not exist before and are empty
-    now, so a failed command leaves no empty out_dir behind. A folder with anything in it is never removed."""
+    """If the body fails, remove those of `paths` it created that are still empty: no empty out_dir is left."""
     new = [path for path in paths if path and not os.path.exists(path)]
     try:
         yield

@@ -14,12 +14,12 @@ import torch
 from tqdm import tqdm
 
 import data
+from command_line import UserError
 from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
 from generate import generate, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import lora, mbr, run_folder
+from summarizer import lora, run_folder, scoring
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 from summarizer.files import no_empty_folder_left
 from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
@@ -274,7 +274,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                          seed=cfg.seed, mbr_pick=mbr.pick, graphs=graphs)
+                                          seed=cfg.seed, mbr_pick=scoring.mbr_pick, graphs=graphs)
             except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
                 if out_of_memory(e):
                     e.summaries, e.batch = summaries, len(batch)

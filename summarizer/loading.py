@@ -14,12 +14,12 @@ import urllib.parse
 
 import torch
 
+from command_line import UserError
 from config import ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, run_folder
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 
 GPT2_POSITIONS = 1024
 

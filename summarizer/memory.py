@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from command_line import UserError
 from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
-from summarizer.errors import UserError
 
 PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation

@@ -10,12 +10,12 @@ from dataclasses import dataclass, replace
 import torch
 
 import data
+from command_line import UserError
 from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import RunClock, used_up
 from summarizer.compiling import CompiledModule
-from summarizer.errors import UserError
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     check_shape,

@@ -1,7 +1,5 @@
-"""eval_report.html: an evaluation as one self-contained page to read in a browser, offline (Kaggle) and without
-JavaScript: what was scored, ROUGE with its intervals and the length diagnostics, figures (inline images), the
-sweep's table or the comparison with another evaluation when there is one, and the worst and best summaries with
-the words they share with their reference marked."""
+"""eval_report.html: an evaluation as one self-contained page that a browser reads offline (Kaggle) and
+without JavaScript."""
 import base64
 import html
 import io
@@ -17,7 +15,7 @@ from matplotlib.figure import Figure
 from config import ROUGE_TYPES
 from summarizer import tracking
 from summarizer.files import atomic_write
-from summarizer.metrics import StemCachedTokenizer
+from summarizer.scoring import StemCachedTokenizer
 
 WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare
 LENGTH_BUCKETS = 5  # dialogue-length buckets of (about) equal size in the ROUGE-L-by-length figure
@@ -48,8 +46,7 @@ tr.picked td { background: #eef6ff; } .better { color: #1a7f37; } .worse { color
 
 
 def write_report(path, frame, report, curve="", comparison=None, sweep_rows=None):
-    """eval_report.html at `path` for the rows of an evaluation (evaluation.scored_frame), its eval_metrics.json
-    `report`, the run's metrics.jsonl `curve` ('' = none), an evaluation.Comparison and a sweep's rows."""
+    """`frame`: evaluation.scored_frame's rows; `report`: eval_metrics.json's; `curve`: metrics.jsonl or ''."""
     words = StemCachedTokenizer()
     sections = [scored_section(report), scores_section(report), figures_section(frame, report, curve),
                 sweep_section(sweep_rows, report) if sweep_rows else "",
@@ -71,8 +68,7 @@ def esc(value):
 
 
 def table(head, rows, classes=None, attrs=""):
-    """An HTML table of cells that hold HTML already, under a header row unless head is None; classes: {column:
-    class}. A row given as a string is a whole <tr> already."""
+    """Cells hold HTML already; head None: no header row; a row given as a string is a whole <tr>."""
     classes = classes or {}
 
     def cells(tag, values):
@@ -118,7 +114,6 @@ def scores_section(report):
 
 
 def interval_text(ci95, signed=False):
-    """'[0.4012, 0.4388]' (signed: '[-0.0100, +0.0230]'), or a note where fewer than two dialogues give none."""
     if ci95 is None or ci95[0] is None:
         return "(no interval: fewer than 2 dialogues)"
     return f"[{ci95[0]:{'+' if signed else ''}.4f}, {ci95[1]:{'+' if signed else ''}.4f}]"
@@ -145,7 +140,6 @@ def sweep_section(rows, report):
 
 
 def comparison_section(frame, comparison, words):
-    """The paired differences per ROUGE, then the dialogues whose ROUGE-L changed most, summaries side by side."""
     label, other = esc(comparison.label), comparison.other
     summary = [[t, f"{s['mean_diff']:+.4f}", interval_text(s["ci95"], signed=True), s["better"], s["worse"],
                 s["same"]] for t, s in comparison.stats.items()]
@@ -175,7 +169,6 @@ def comparison_section(frame, comparison, words):
 
 
 def examples_section(frame, words):
-    """The WORST and BEST summaries by ROUGE-L (ties in the evaluation's order)."""
     scores = frame["rougeL"].to_numpy()
     worst, best = np.argsort(scores, kind="stable")[:WORST], np.argsort(-scores, kind="stable")[:BEST]
     return (section("worst", f"The {len(worst)} worst summaries (lowest ROUGE-L)", example_table(frame, worst, words))
@@ -199,18 +192,15 @@ def id_cell(value):
 
 
 def dialogue_row(dialogue, columns):
-    """A whole-width table row holding the dialogue, collapsed until clicked."""
     return (f'<tr class="dialogue"><td colspan="{columns}"><details><summary>dialogue ({len(dialogue.split())} '
             f"words)</summary><pre>{esc(dialogue)}</pre></details></td></tr>")
 
 
 def words_of(text, words):
-    """The set of ROUGE tokens (lowercased, stemmed) of text."""
     return set(words.tokenize(text))
 
 
 def marked(text, shared, words):
-    """text as HTML, its words whose ROUGE token is in `shared` inside <mark>."""
     parts, end = [], 0
     for match in WORD.finditer(text):
         word = match.group()
@@ -235,7 +225,7 @@ def figures_section(frame, report, curve):
 
 
 def figure(image, caption, kind=""):
-    """A <figure> of an image given as (MIME type, bytes), inline as a data: URI."""
+    """`image`: (MIME type, bytes), inlined as a data: URI."""
     mime, data = image
     uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     attrs = f' class="{kind}"' if kind else ""
@@ -259,7 +249,6 @@ def rouge_histogram(frame):
 
 
 def rouge_by_length(frame):
-    """Mean ROUGE-L of LENGTH_BUCKETS buckets of dialogues of about equal size, by length in tokens."""
     lengths = frame["dialogue_tokens"]
     buckets = pd.qcut(lengths.rank(method="first"), min(LENGTH_BUCKETS, len(frame)), labels=False)
     groups = frame.groupby(buckets).agg(low=("dialogue_tokens", "min"), high=("dialogue_tokens", "max"),
@@ -287,7 +276,6 @@ def lengths_scatter(frame, max_new_tokens):
 
 
 def training_curve(jsonl_path):
-    """metrics.png as train.py draws it (tracking.plot_metrics), from the run's metrics.jsonl."""
     with tempfile.TemporaryDirectory() as folder:
         png = os.path.join(folder, "metrics.png")
         tracking.plot_metrics(jsonl_path, png, title=os.path.dirname(jsonl_path) or ".")

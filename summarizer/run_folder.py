@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from command_line import repository_copy_hint
-from summarizer.errors import UserError
+from command_line import UserError, repository_copy_hint
 from summarizer.files import left_by_a_dead_process
 from summarizer.memory import nbytes
 

@@ -1,8 +1,6 @@
-"""The learning-rate rule, all of it: linear warmup, cosine decay to min_lr, max_time's cooldown to min_lr at the
-last step the budget leaves (the steps left come from summarizer/clock.py), which once started never goes back (a
-faster pace lengthens it, it does not undo it) and keeps its shape through a pace slow for a moment, and the floor:
-min_lr once a run's last session ended at its budget. Saved in ckpt.pt with the cooldown's progress and the sessions
-the run has ended, and continued (or reshaped by a changed config or a peak given again) when a run resumes."""
+"""The learning-rate rule: linear warmup, cosine decay to min_lr, max_time's cooldown to min_lr at the last
+step the budget leaves (which never goes back and keeps its shape through a pace slow for a moment), and the
+floor: min_lr once the run's last session ended at its budget. Saved in ckpt.pt and continued on resume."""
 import math
 
 COOLDOWN = 0.2  # the last share of a budget-bound run's steps that decays to min_lr (Hägele et al. 2024)
@@ -10,16 +8,14 @@ STEEPEST = 2  # how many of the cooldown shape's steps one step may go at most, 
 
 
 def lr_schedule(run_config):
-    """The LR schedule a run starts with (a dict, saved in ckpt.pt): linear warmup to learning_rate over
-    warmup_iters, cosine decay to min_lr at lr_decay_iters (0 = max_iters), then min_lr."""
+    """The schedule a run starts with (a dict, saved in ckpt.pt); lr_decay_iters=0 means max_iters."""
     c = run_config
     return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
             "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
 
 
 def learning_rate(it, schedule):
-    """The LR of step `it` (0-based) by `schedule`: the warmup and cosine's, never above the floor, cooled down by
-    1-sqrt (Hägele et al. 2024) as far as the schedule's cooldown has come (advance moves it)."""
+    """The LR of step `it` (0-based), cooled down by 1-sqrt (Hägele et al. 2024) as far as the cooldown came."""
     lr = min(stepped_rate(it, schedule), schedule.get("floor", math.inf))
     if lr <= schedule["min_lr"]:
         return lr
@@ -27,10 +23,8 @@ def learning_rate(it, schedule):
 
 
 def advance(schedule, it, steps_left=None, settled=True, ended=False, last_session=True):
-    """(the LR of step `it`, the schedule after it), the one call of a training step. Under max_time in the last
-    session (`steps_left`: what the budget leaves after this step, else None) the cooldown starts on a `settled`
-    estimate, then follows the steps left to min_lr at the last step. A session ended at its budget (`ended`) is
-    counted, the run's last leaving the floor at min_lr."""
+    """(the LR of step `it`, the schedule after it). `steps_left`: what max_time leaves after this step in the
+    last session, else None; the cooldown starts on a `settled` estimate. A session `ended` at its budget is counted."""
     cooling = steps_left is not None and last_session and (settled or "cooldown" in schedule)
     if cooling and not decayed(it, schedule):  # at min_lr, nothing cools down
         progress, done = cooldown_progress(it, schedule, steps_left), schedule.get("cooldown", 0.0)
@@ -46,20 +40,17 @@ def advance(schedule, it, steps_left=None, settled=True, ended=False, last_sessi
 
 
 def decayed(it, schedule):
-    """Whether the LR has ended its decay at step `it`: min_lr from there on."""
     return it >= schedule["warmup_iters"] and learning_rate(it, schedule) <= schedule["min_lr"]
 
 
 def cooldown_length(it, schedule, steps_left):
-    """The cooldown's steps by its shape: the last COOLDOWN of the decay's steps (from its start: a resumed run's
-    new peak decays over its own steps, not the whole run's), `it` and `steps_left` after it the last."""
+    """The last COOLDOWN of the decay's steps, counted from its start (a resumed run's new peak's own)."""
     return COOLDOWN * (it + 1 - schedule["start"] + steps_left)
 
 
 def cooldown_progress(it, schedule, steps_left):
-    """How far the cooldown is at step `it`, from 0 to 1 (min_lr, at the last step): what is left of it spread evenly
-    over the steps left, never going back, a step at most STEEPEST times the shape's step: a pace slow for a moment
-    shortens it without a cliff; one slow to the end cuts it short (cut_short says so)."""
+    """0 to 1 (min_lr at the last step), never going back, a step at most STEEPEST times the shape's: a pace
+    slow for a moment shortens it without a cliff; one slow to the end cuts it short (cut_short says so)."""
     if steps_left == 0:
         return 1.0
     done, length = schedule.get("cooldown", 0.0), cooldown_length(it, schedule, steps_left)
@@ -68,8 +59,6 @@ def cooldown_progress(it, schedule, steps_left):
 
 
 def cut_short(schedule, steps):
-    """The line of a session ended after `steps` steps whose last step had to drop the LR further than STEEPEST of
-    the cooldown shape's steps, else None."""
     it, lr = schedule.get("cut_short", (None, None))
     if it != steps - 1:
         return None
@@ -91,16 +80,13 @@ def stepped_rate(it, schedule):
 
 
 def sessions_done(schedule):
-    """How many max_time sessions of the run ended at their budget."""
     return schedule.get("sessions_done", 0)
 
 
 def resumed_schedule(schedule, saved, cfg, it, given=()):
-    """The schedule a run resumed at step `it` follows. Unchanged settings continue the saved schedule (a larger
-    max_iters does not stretch its decay), but a warmup that outlasted its decay finishes and decays to the new
-    horizon. A changed lr_decay_iters or min_lr decays from the current LR to min_lr at the new horizon, a changed
-    learning_rate from that peak; so does one the command line gave (`given`) once the decay has ended, even the
-    saved one: a peak asked for is the peak the run trains at."""
+    """Unchanged settings continue the saved schedule (a larger max_iters does not stretch it); a warmup that
+    outlasted its decay finishes. A changed lr_decay_iters or min_lr decays from the current LR, a changed (or
+    given, once the decay ended) learning_rate from that peak: a peak asked for is the peak the run trains at."""
     changed = {k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]}
     if "learning_rate" in given and decayed(it, schedule):
         changed.add("learning_rate")
@@ -118,9 +104,7 @@ def resumed_schedule(schedule, saved, cfg, it, given=()):
 
 
 def describe_schedule(schedule, it, max_iters, learning_rate_setting, by_clock=False):
-    """One line: the LR of step `it` (0-based, so logged as iter it + 1, as metrics.jsonl counts) and what the LR
-    does from there to the last step (logged as iter max_iters). `learning_rate_setting`: the run's learning_rate;
-    `by_clock`: max_time may end the run's last session first, at min_lr (its line says at which iter)."""
+    """`it` is 0-based, logged as iter it + 1; `by_clock`: max_time may end the last session first, at min_lr."""
     s, lr, last = schedule, learning_rate(it, schedule), learning_rate(max_iters - 1, schedule)
     decay_end = s["decay_iters"] + 1  # the first logged iter at min_lr
     if max_iters <= s["warmup_iters"]:

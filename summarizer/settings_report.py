@@ -1,6 +1,5 @@
-"""What a command says of its settings: the block train.py prints at start-up (the keys changed from the defaults,
-and where each value came from), config.json, and the Markdown reference of every key (`python -m
-summarizer.settings_report` prints docs/config.md's table). Reading a command line into settings is config.py's."""
+"""What a command says of its settings: the start-up block (keys changed from the defaults, and by which source),
+config.json, and docs/config.md's table (`python -m summarizer.settings_report`)."""
 import dataclasses
 import json
 import os
@@ -11,12 +10,10 @@ from summarizer.files import atomic_write
 
 
 def as_json(cfg):
-    """The settings as config.json holds them (tuples as lists): a JSON preset that gives the same Config."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def save_config(cfg, path):
-    """Write the resolved config as a JSON preset, atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with atomic_write(path) as f:
         json.dump(as_json(cfg), f, indent=2)
@@ -24,8 +21,8 @@ def save_config(cfg, path):
 
 
 def changed_values(given):
-    """[(key, value, source)] for the keys whose value differs from the default or from what a preset gave, in
-    config.py's order, with the preset or the command line whose value holds; `given`: settings_given(argv)."""
+    """[(key, value, source)] of the keys a preset or the command line changed (a preset's value a flag
+    overrode too), in config.py's order; `given`: settings_given(argv)."""
     defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
     source = {key: where for key, _, where in given}
     moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode
@@ -37,22 +34,15 @@ SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too l
 
 
 class FromRun(NamedTuple):
-    """What the settings block says of the checkpoint a command takes its run's settings from (config.resolve)."""
+    """The checkpoint a command takes its run's settings from (config.resolve), as the settings block names it."""
     path: str
     own: set  # the keys the command decides itself
     changed: list  # [(key, the run's value, this command's)] that the command gave
 
 
 def settings_report(argv, config_json, from_run=None):
-    """What start-up prints of the settings: a line naming config_json (every key, written before step 1: a run that
-    stops earlier writes none), then for each source whose values hold (the presets, then the command line) the
-    keys it changed from the defaults, by group of config.py, in lines of at most SETTINGS_WIDTH characters:
-        settings (changed from the defaults; every key in /kaggle/working/out/config.json before step 1):
-          config/kaggle_t4x2.py: System: device='cuda' nccl_p2p_disable=True | Summarizing: gen_batch_size=64
-          command line: Paths: out_dir='/kaggle/working/out'
-            Training: max_iters=600 max_time=41400.0 [11h 30m = 41400 s] | Evaluation: log_to='tensorboard'
-    `from_run`: for a command that takes the others from a run's checkpoint, what it changed of the run's settings,
-    then the command's own keys."""
+    """The settings block: a line naming config_json, then per source (presets, then the command line) the keys
+    it changed, by group, in lines of at most SETTINGS_WIDTH; `from_run`: what the command changed of the run's."""
     given = settings_given(argv)
     changed = changed_values(given)
     if from_run:
@@ -79,8 +69,8 @@ def settings_report(argv, config_json, from_run=None):
 
 
 def pack(segments, first, indent, width=SETTINGS_WIDTH):
-    """Segments (lists of words) in lines of at most `width` characters (the first starts with `first`, the others
-    `indent`), apart by ' | ': one that does not fit the line's rest starts the next, unbroken where it fits one."""
+    """Segments (lists of words) joined by ' | ' in lines of at most `width`: a segment that does not fit the line's
+    rest starts the next, unbroken where it fits one."""
     lines, line = [], first
     for segment in segments:
         whole = " ".join(segment)
@@ -97,7 +87,6 @@ def pack(segments, first, indent, width=SETTINGS_WIDTH):
 
 
 def setting_text(key, value):
-    """'key=value' as a preset or flag would give it; max_time with its budget: max_time=5400.0 [1h 30m = 5400 s]."""
     text = f"{key}={value!r}"
     if key == "max_time" and value:
         text += f" [{describe_duration(value)} = {round(value, 3):.10g} s]"
@@ -108,7 +97,6 @@ def setting_text(key, value):
 
 
 def scope_table():
-    """config.TAKES as a Markdown table: what each command takes from a run's checkpoint, by scope."""
     rows = ["| scope | what | " + " | ".join(use.meaning for use in Use) + " |", "| --- " * (len(Use) + 2) + "|"]
     rows += [f"| `{scope.value}` | {scope.meaning} | " + " | ".join(uses[use].value for use in Use) + " |"
              for scope, uses in TAKES.items()]
@@ -116,7 +104,6 @@ def scope_table():
 
 
 def markdown_reference():
-    """docs/config.md's reference: what a command takes from a run by each scope, then the keys of each group."""
     defaults = Config()
     sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
                 "and for a new run from the weights a preset too):\n\n"

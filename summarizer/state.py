@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 import data
+from command_line import UserError
 from config import AdamW, keys
 from summarizer import lora, run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
-from summarizer.errors import UserError
 from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule, sessions_done
 
 

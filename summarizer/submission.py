@@ -1,26 +1,25 @@
-"""submission.csv (id,summary) for test_csv, written by a run's model with the run's prompt and decoding.
-predict.py is its command line; train.py runs predict after training on request."""
+"""submission.csv (id,summary) for test_csv, by a run's model with its prompt and decoding."""
 import json
 import os
 
 import pandas as pd
 
 import data
+from command_line import UserError
 from summarizer import inference, run_folder
-from summarizer.errors import UserError
 from summarizer.files import atomic_write
 
 
 def write_submission(ids, summaries, path):
-    """One row per id, in order; summaries folded to one line. Written to a temp file, then renamed."""
+    """Summaries folded to one line each."""
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
     with atomic_write(path) as f:
         frame.to_csv(f, index=False)
 
 
 def check_against_sample(ids, path):
-    """UserError unless the sample submission has the columns id,summary and exactly the test ids; the note line
-    that says submission.csv follows test_csv's order where the sample's differs, else ''."""
+    """UserError unless the sample has the columns id,summary and exactly the test ids; returns a note when
+    its order differs, else ''."""
     _, sample = data.read_frame(path, "sample_submission_csv",
                                 "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
     skip = "--sample_submission_csv='' skips the check"
@@ -40,7 +39,7 @@ def check_against_sample(ids, path):
 
 
 def predict(cfg, explicit, rt):
-    """Summarize every test dialogue (sharded across ranks); rank 0 writes submission.csv and returns its path."""
+    """Rank 0 writes submission.csv and returns its path; the others return None."""
     out = inference.output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(summarizer.cfg)

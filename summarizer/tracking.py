@@ -1,14 +1,13 @@
-"""Training metrics: metrics.jsonl (its rows after a resumed checkpoint dropped) and its plot, and TensorBoard
-and/or Weights & Biases as `log_to` asks: every row train.py writes to metrics.jsonl goes there too (rank 0 only),
-and the run's config goes along as its hyperparameters."""
+"""Training metrics: metrics.jsonl, its plot, and the `log_to` destinations (TensorBoard, W&B), which get
+every row too (rank 0 only), with the run's config as hyperparameters."""
 import importlib
 import json
 import os
 import re
 from dataclasses import asdict
 
+from command_line import UserError
 from config import describe_duration
-from summarizer.errors import UserError
 from summarizer.files import atomic_write, disk_full
 from summarizer.run_folder import METRICS
 from summarizer.settings_report import as_json
@@ -17,7 +16,6 @@ HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns Tenso
 
 
 def require(module, purpose):
-    """Import `module`, or UserError saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -27,8 +25,7 @@ def require(module, purpose):
 
 
 class Tracker:
-    """Writers for the run's `log_to` destinations; does nothing on ranks other than 0 or with log_to=''.
-    Created before training starts, so that a missing package or wandb login stops the run before any work."""
+    """Made before training starts, so that a missing package or wandb login stops the run before any work."""
 
     def __init__(self, cfg, is_main):
         self.cfg = cfg
@@ -44,7 +41,6 @@ class Tracker:
                                 "(on Kaggle from a secret), or set WANDB_MODE=offline to log locally")
 
     def log(self, row):
-        """One metrics.jsonl row ({"iter": step, name: number, ...}) as scalars at step row["iter"]."""
         if not self.destinations:
             return
         step = row["iter"]
@@ -62,8 +58,8 @@ class Tracker:
             self.wandb.log(scalars, step=step)
 
     def open_tensorboard(self, first_step):
-        """A writer into out_dir/tensorboard whose first step hides (purges) whatever an earlier run logged from
-        that step on, so a resumed run's curves do not double back."""
+        """purge_step hides what an earlier run logged from `first_step` on: a resumed run's curves do not
+        double back."""
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.summary_writer(os.path.join(self.cfg.out_dir, "tensorboard"), purge_step=first_step)
@@ -87,8 +83,8 @@ class Tracker:
 
 
 def drop_rows_after(jsonl_path, iter_num):
-    """Remove the rows of a metrics.jsonl past `iter_num` (steps after the checkpoint a resumed run starts from),
-    and a last row cut short by a kill, so each step is logged once. Returns how many were removed."""
+    """Drop the rows past `iter_num` (a resumed run logs those steps again) and a last row a kill cut short;
+    returns how many."""
     if not os.path.isfile(jsonl_path):
         return 0
     with open(jsonl_path, encoding="utf-8") as f:
@@ -107,8 +103,8 @@ def drop_rows_after(jsonl_path, iter_num):
 
 
 def resumed_history(ckpt_path, out_dir, step):
-    """metrics.jsonl of a run resumed at `step` from `ckpt_path`: its rows to that step (the later steps run again);
-    a run continued into another folder first brings the earlier sessions' rows. The note saying so, or None."""
+    """A resumed run's metrics.jsonl, to `step`; a run continued into another folder first copies the earlier
+    sessions' rows. Returns the note saying so, or None."""
     path, earlier = os.path.join(out_dir, METRICS), os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), METRICS)
     if not os.path.isfile(path) and os.path.abspath(path) != earlier:
         if not os.path.isfile(earlier):
@@ -126,7 +122,6 @@ def resumed_history(ckpt_path, out_dir, step):
 
 
 def log_row(out_dir, row, tracker):
-    """Append one row to out_dir/metrics.jsonl and send it to the tracker's destinations."""
     path = os.path.join(out_dir, METRICS)
     try:
         with open(path, "a") as f:
@@ -139,8 +134,7 @@ def log_row(out_dir, row, tracker):
 
 
 def progress_postfix(stats, skipped=None, left=None):
-    """The progress bar's figures of a step, and under max_time what the budget leaves as its clock re-measures it
-    (`left`: seconds, steps that fit): the start line's estimate is never the only one."""
+    """`left`: (seconds, steps) as the clock re-measures them: the start line's estimate is not the only one."""
     postfix = {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}", "tok/s": f"{stats['tokens_per_s']:.0f}",
                "ms/it": f"{stats['ms_per_iter']:.0f}"}
     if "mfu" in stats:
@@ -156,7 +150,6 @@ def progress_postfix(stats, skipped=None, left=None):
 
 
 def plot_metrics(jsonl_path, png_path, title=""):
-    """metrics.png: training and validation loss and ROUGE by step, from metrics.jsonl, titled with the out_dir."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, no figure to close
 
     with open(jsonl_path) as f:
@@ -194,7 +187,6 @@ PEAK_TFLOPS = {
 
 
 def peak_flops(device_name, dtype):
-    """Peak FLOP/s of a GPU named like torch.cuda.get_device_name() ("Tesla T4", "NVIDIA A100-SXM4-80GB") for a
-    dtype name, or None when unknown. Whole words only: an L40S is not an L4, nor an A10G an A10."""
+    """FLOP/s of a torch.cuda.get_device_name() for a dtype name, or None. Whole words: an L40S is not an L4."""
     peaks = next((peaks for key, peaks in PEAK_TFLOPS.items() if re.search(rf"\b{key}\b", device_name.upper())), {})
     return peaks[dtype] * 1e12 if dtype in peaks else None

@@ -22,9 +22,9 @@ import data
 import evaluate
 import predict
 import train
+from command_line import UserError
 from conftest import HANG, ONE_STEP, REPO, TINY, free_port, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 
 
 def csv_bytes(rows, sep=",", newline="\n", encoding="utf-8"):

@@ -15,11 +15,11 @@ import data
 import evaluate
 import predict
 import train
+from command_line import UserError
 from config import FIELDS, LORA_TARGETS, Config, Scope
 from conftest import REPO, assert_export_matches, one_error_line
 from summarizer import checkpoint
 from summarizer.checkpoint import FORMAT, format_of, load_checkpoint, save_checkpoint
-from summarizer.errors import UserError
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 FORMATS = {"2026-11-25": 3, "2026-11-26": 4}  # the format each day's files have

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import config
+from command_line import UserError
 from config import (
     Config,
     Decoding,
@@ -19,7 +20,6 @@ from config import (
     sweep_settings,
 )
 from conftest import changed_settings, config_error, one_error_line, tiny
-from summarizer.errors import UserError
 from summarizer.settings_report import (
     SETTINGS_WIDTH,
     markdown_reference,

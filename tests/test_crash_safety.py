@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import train
+from command_line import UserError
 from conftest import HANG, REPO, TINY, one_error_line, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 from summarizer.launch import lost_rank_keeps_checkpoints
 from summarizer.loading import model_from_checkpoint
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import data
+from command_line import UserError
 from config import PROMPT_TEMPLATE, Config
 from conftest import HANG, REPO, save_csv
 from data import EOT_ID, LengthGroupedSampler, TrainBatches, get_tokenizer
-from summarizer.errors import UserError
 
 enc = get_tokenizer()
 

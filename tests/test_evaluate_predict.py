@@ -12,10 +12,10 @@ from rouge_score import rouge_scorer
 import evaluate
 import predict
 import train
+from command_line import UserError
 from config import load_config
 from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, tiny_gpt, torchrun
 from summarizer import evaluation, inference, submission
-from summarizer.errors import UserError
 
 # how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
 RUNTIME = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]

@@ -13,8 +13,7 @@ from config import Decoding
 from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
-from summarizer import mbr
-from summarizer.mbr import agreement, mbr_select
+from summarizer.scoring import agreement, mbr_pick, mbr_select
 
 MAX_NEW = 24
 
@@ -240,7 +239,7 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
     hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
     try:
         generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, mbr_include_beam=False, **settings), eos_token_id=eos,
-                 seed=0, mbr_pick=mbr.pick)
+                 seed=0, mbr_pick=mbr_pick)
     finally:
         for hook in hooks:
             hook.remove()
@@ -257,7 +256,7 @@ def test_samples_that_agree_so_far_go_through_lm_head_once(ours, prompts, eos):
         rows = []
         hook = ours.transformer.ln_f.register_forward_hook(lambda module, args, out: rows.append(out.size(0)))
         try:
-            generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr.pick)
+            generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr_pick)
         finally:
             hook.remove()
         return rows
@@ -270,7 +269,7 @@ def test_mbr_of_identical_candidates_is_that_candidate(ours, prompts, eos):
     for include_beam in (False, True):  # top_k=1 samples are all the greedy summary
         decoding = Decoding(max_new_tokens=MAX_NEW, temperature=1.0, top_k=1, mbr_samples=6,
                             mbr_include_beam=include_beam)
-        assert generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr.pick) == greedy
+        assert generate(ours, prompts, decoding, eos_token_id=eos, seed=0, mbr_pick=mbr_pick) == greedy
 
 
 def test_mbr_select_picks_the_consensus():
@@ -300,7 +299,7 @@ def test_batched_mbr_equals_an_unbatched_reference(ours, prompts, eos):
     n, few = 8, prompts[:8]
     sampling = Decoding(max_new_tokens=12, temperature=1.0, top_k=3)
     picked = generate(ours, few, replace(sampling, mbr_samples=n, mbr_include_beam=True), eos_token_id=eos, seed=11,
-                      mbr_pick=mbr.pick)
+                      mbr_pick=mbr_pick)
     samples = generate(ours, few, sampling, eos_token_id=eos, seed=11, num_return_sequences=n)  # the same draws
     greedy = generate(ours, few, Decoding(max_new_tokens=12), eos_token_id=eos)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)

@@ -19,13 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
+from command_line import UserError
 from config import load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from generate import generate
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.compiling import use_compile
-from summarizer.errors import UserError
 from summarizer.loading import build_model
 from summarizer.runtime import Runtime, choose_precision
 from summarizer.tracking import peak_flops

@@ -13,11 +13,11 @@ import torch
 
 import data
 import train
+from command_line import UserError
 from config import load_config
 from conftest import REPO, metrics, tiny, tiny_gpt
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import lora, memory, preparation
-from summarizer.errors import UserError
 
 PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
 RANKS = 2  # Kaggle's two T4s

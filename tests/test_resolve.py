@@ -11,10 +11,10 @@ import torch
 
 import export
 import train
+from command_line import UserError
 from config import FIELDS, TAKES, Scope, Take, Use, flags_given, load_config, resolve
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
-from summarizer.errors import UserError
 from summarizer.inference import open_summarizer
 
 TEMPLATE = "Chat:\n{dialogue}\nSummary:"

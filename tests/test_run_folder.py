@@ -15,6 +15,7 @@ import data
 import predict
 import train
 from bench import preflight
+from command_line import UserError
 from conftest import (
     HANG,
     REPO,
@@ -28,7 +29,6 @@ from conftest import (
 )
 from summarizer import run_folder
 from summarizer.clock import RunClock
-from summarizer.errors import UserError
 
 
 @pytest.fixture(scope="module")

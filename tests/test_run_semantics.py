@@ -14,13 +14,13 @@ import data
 import evaluate
 import predict
 import train
+from command_line import UserError
 from config import load_config
 from conftest import metrics, one_error_line, run, tiny
 from model import GPT
 from summarizer import backends
 from summarizer.checkpoint import load_checkpoint
 from summarizer.compiling import use_compile
-from summarizer.errors import UserError
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 from summarizer.schedule import describe_schedule, learning_rate, lr_schedule

@@ -9,9 +9,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import train
+from command_line import UserError
 from config import load_config
 from conftest import metrics, one_error_line, save_csv, synthetic_rows, tiny
-from summarizer.errors import UserError
 from summarizer.tracking import Tracker
 
 MODEL = [*tiny(n_embd=64), "--batch_size=16", "--micro_batch_size=16", "--warmup_iters=5", "--learning_rate=1e-2",

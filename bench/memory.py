@@ -48,6 +48,8 @@ def build(shape, device, cfg=None):
 def planned_run(name, cfg, backend, world_size, longest_row, most_targets, longest_prompt):
     """(memory.Workload, its ActivationRates) of gpt2 model `name` (meta tensors) trained under `cfg` in fp16."""
     model = build(PRETRAINED[name], "meta", cfg)
+    if backend != "fsdp":  # as train.py's prepare: a LoRA run's frozen base in the compute dtype
+        lora.cast_base(model, torch.float16)
     run = memory.Workload(model, cfg, backend, world_size, torch.float16, longest_row, most_targets, longest_prompt)
     return run, memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
 

@@ -340,9 +340,9 @@ def rouge_model(model, cfg, rt):
     if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model
     weights = rt.parallel.full_weights(model)
-    if cfg.lora_rank:
-        weights = lora.merged_state_dict(weights, **lora.settings(cfg))
-    with torch.device("meta"):
-        copy = GPT(GPTConfig(**asdict(model.config))).to(dtype)
-    copy.to_empty(device=rt.device).load_state_dict(weights)  # cast as it copies: no float32 copy first
+    copy = GPT.on_meta(GPTConfig(**asdict(model.config))).to(dtype)
+    copy.lm_head.weight = copy.transformer.to_empty(device=rt.device).wte.weight  # one tensor, as in the model
+    held = copy.state_dict()
+    for key, value in lora.merged_weights(weights, **lora.settings(cfg)) if cfg.lora_rank else weights.items():
+        held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()

@@ -199,7 +199,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     if lora.has_adapters(state) and keep_adapters:
         lora.add_adapters(model, **lora.settings(ckpt["config"]))
     elif lora.has_adapters(state):
-        state = lora.merged_state_dict(state, **lora.settings(ckpt["config"]))
+        state = dict(lora.merged_weights(state, **lora.settings(ckpt["config"])))
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:

@@ -1,5 +1,7 @@
 """LoRA fine-tuning with peft: adapters on the blocks' Linear layers, base weights frozen; and the merged weights,
 a plain GPT state dict (same keys as a full fine-tune), that evaluate.py and predict.py load with no base model."""
+import torch
+
 from config import Lora, keys
 
 ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
@@ -25,22 +27,29 @@ def has_adapters(state_dict):
     return any(f".lora_A.{ADAPTER}." in key for key in state_dict)
 
 
-def merged_state_dict(state_dict, lora_rank, lora_alpha, **_):
-    """A full state dict of a model with adapters (e.g. gathered from FSDP shards) -> the plain GPT state dict
-    whose adapted weights are W + B @ A * lora_alpha / lora_rank (peft's merge for nn.Linear), the rest as is."""
+def merged_weights(state_dict, lora_rank, lora_alpha, **_):
+    """(key, float32 tensor) of the plain GPT state dict of a state dict with adapters (e.g. gathered from FSDP
+    shards), one weight at a time: an adapted weight is W + B @ A * lora_alpha / lora_rank (peft's merge for
+    nn.Linear), made as it is asked for; the rest as they are."""
     scaling = lora_alpha / lora_rank
-    merged = {}
     for key, value in state_dict.items():
         if ".lora_" in key:
             continue
-        if ".base_layer." in key:
-            layer, _, kind = key.partition(".base_layer.")
-            if kind == "weight":
-                a, b = state_dict[f"{layer}.lora_A.{ADAPTER}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
-                value = value + b @ a * scaling
-            key = f"{layer}.{kind}"
-        merged[key] = value
-    return merged
+        layer, _, kind = key.partition(".base_layer.")
+        if kind == "weight":
+            a, b = state_dict[f"{layer}.lora_A.{ADAPTER}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
+            value = value + b @ a * scaling
+        yield (f"{layer}.{kind}" if kind else key), value.float()
+
+
+def cast_base(model, dtype):
+    """The blocks' frozen Linear layers (a LoRA run's base) in `dtype`, the run's compute dtype: a 16-bit run holds
+    half their bytes and autocast uses them as they are, not casting them again at every forward and recompute. The
+    adapters, embeddings and LayerNorms stay float32. Returns the model."""
+    for module in model.transformer.h.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            module.to(dtype)
+    return model
 
 
 def base_state_dict(state_dict):

@@ -7,8 +7,9 @@ lowers it only on an out-of-memory error) and what bench --section=memory report
   probe under the run's autocast: per token, and per target (only targets go through lm_head). Attention keeps O(T)
   state, so a micro-batch's bytes are these rates times its rows, length and targets.
 - The evaluation holds the weights and AdamW's state (gradients freed), the copy ROUGE decodes with (train.
-  rouge_model: in the run's dtype, gathered under FSDP) and one generation batch's KV cache and logits.
-- A LoRA run's save builds, on rank 0, the merged float32 copy of every adapted weight.
+  rouge_model: in the run's dtype, tied, gathered under FSDP) and one generation batch's KV cache and logits.
+- A LoRA run merges one adapted weight at a time, in float32, for that copy and for its save (which moves each to
+  the host).
 Not counted: backward's transient buffers and the CUDA context, which HEADROOM leaves room for."""
 import bisect
 import contextlib
@@ -130,7 +131,7 @@ class ActivationRates:
         torch.manual_seed(0)
         one = GPT(GPTConfig(**{**asdict(config), "n_layer": 1, "block_size": PROBE_TOKENS}))
         if lora_settings["lora_rank"]:
-            lora.add_adapters(one, **lora_settings)
+            lora.cast_base(lora.add_adapters(one, **lora_settings), dtype)
         one.train()
         autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
@@ -194,14 +195,17 @@ def plan(run, rows, rates, budget):
                               cfg.gradient_checkpointing)
     full = nbytes(model.parameters())
     plain = run.backend != "fsdp" and not cfg.lora_rank and run.dtype == torch.float32
-    copy = 0 if plain else full // 4 * run.dtype.itemsize + (full if run.backend == "fsdp" else 0)
+    named = dict(model.named_parameters())  # tied weights once
+    copy = 0 if plain else (sum(p.numel() for n, p in named.items() if ".lora_" not in n) * run.dtype.itemsize
+                            + (full if run.backend == "fsdp" else 0))
     held = weights + optimizer + copy
     room = cfg.gen_memory_gb * 2**30 or max(budget - held, 0) / 2
     batch, kv, logits = decoding_bytes(cfg, model.config, run.dtype, min(cfg.rouge_samples, cfg.gen_batch_size),
                                        run.longest_prompt, room)
     evaluation = held + kv + logits if batch else weights + optimizer
-    merged = nbytes(p for n, p in model.named_parameters() if ".base_layer." in n and n.endswith("weight"))
-    return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merged)
+    # a LoRA save's merge at its peak: the weight merged last, B @ A and its scaled copy (or the merged weight), float32
+    merging = 3 * 4 * max((p.numel() for n, p in named.items() if ".base_layer." in n), default=0)
+    return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merging)
 
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):

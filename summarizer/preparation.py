@@ -13,7 +13,7 @@ import data
 from command_line import UserError
 from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
-from summarizer import inference, run_folder
+from summarizer import inference, lora, run_folder
 from summarizer.clock import RunClock, used_up
 from summarizer.compiling import CompiledModule
 from summarizer.launch import training_memory_hint
@@ -65,10 +65,13 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    lora_base = kept_lora_base(cfg, model, resumed) if rt.is_main else None  # its hash: of the base as loaded
+    if rt.backend != "fsdp":  # FSDP gathers its units in 16 bits anyway (and torch < 2.8 wants one dtype a unit)
+        lora.cast_base(model, getattr(torch, rt.dtype))
     compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
     cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model, phase)
     tracker.cfg = cfg  # the tracker logs the chosen settings
-    state, disk, notes = training_state(cfg, rt, model, resumed, splits, given)
+    state, disk, notes = training_state(cfg, rt, model, resumed, splits, given, lora_base)
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
@@ -154,10 +157,9 @@ class StartUp:
             print(f"start-up: {what} ...", flush=True)
 
 
-def training_state(cfg, rt, model, resumed, splits, given):
-    """(the TrainingState of `model`, continuing `resumed` if given; the disk plan, checked before any work; the
-    notes of start-up)."""
-    base = kept_lora_base(cfg, model, resumed) if rt.is_main else None
+def training_state(cfg, rt, model, resumed, splits, given, base):
+    """(the TrainingState of `model`, continuing `resumed` if given, with `base`, what ckpt.pt keeps of a LoRA
+    run's base; the disk plan, checked before any work; the notes of start-up)."""
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
     path = resume_path(cfg) if resumed else None

@@ -293,10 +293,11 @@ class DiskPlan:
         trained = [p for p in params.values() if p.requires_grad]
         base = [p for name, p in params.items() if ".lora_" not in name]
         fixed = ZIP_BYTES_FIXED + ROW_BYTES * train_rows
-        self.best = nbytes(base, ZIP_BYTES_PER_TENSOR) + fixed
+        weights = sum(4 * p.numel() + ZIP_BYTES_PER_TENSOR for p in base)  # float32, as best.pt keeps a LoRA base
+        self.best = weights + fixed
         kept = trained if small_lora else list(params.values())
         self.ckpt = nbytes(kept, ZIP_BYTES_PER_TENSOR) + 2 * nbytes(trained, ZIP_BYTES_PER_TENSOR) + fixed
-        self.export = nbytes(base, ZIP_BYTES_PER_TENSOR) if cfg.export_dir else 0
+        self.export = weights if cfg.export_dir else 0
         self.cfg = cfg
         self.space = room(cfg.out_dir, Quota.of(cfg))  # (bytes, what limits them): the quota's folder walked once
 

@@ -82,7 +82,9 @@ class TrainingState:
                             "scaler": self.scaler.state_dict(), "rng": rng, "schedule": self.schedule,
                             "skipped_steps": self.skipped_steps}))
             if best:
-                merged = lora.merged_state_dict(model_state, **lora.settings(cfg)) if cfg.lora_rank else model_state
+                merged = model_state if not cfg.lora_rank else {  # what the merge makes goes to the host at once
+                    key: value if value is model_state.get(key) else value.cpu()
+                    for key, value in lora.merged_weights(model_state, **lora.settings(cfg))}
                 writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
         rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
         for path, state in writes:

@@ -1,14 +1,18 @@
 """LoRA adapters: only they train, merging gives base + low-rank update with unchanged logits, and train.py /
 evaluate.py / predict.py run LoRA from out_dir alone, refusing a resume without its base; LoRA on an untrained model
-warns."""
+warns. A 16-bit run holds its frozen base in 16 bits, and builds the ROUGE copy one merged weight at a time, tied."""
 import copy
 import os
 import re
 import shutil
+import types
+import weakref
 
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import GPT2LMHeadModel
 
 import evaluate
@@ -16,10 +20,12 @@ import predict
 import train
 from config import load_config
 from conftest import assert_export_matches, metrics, tiny, tiny_gpt
-from model import GPT
-from summarizer import lora
+from model import GPT, PRETRAINED, GPTConfig, Targets
+from summarizer import inference, lora, memory
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import model_from_checkpoint
+from summarizer.preparation import prepare
+from summarizer.runtime import Runtime
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -49,7 +55,7 @@ def test_only_adapters_train_and_the_base_is_untouched(trained_adapter_model):
 
 def test_merged_weights_are_base_plus_low_rank_update(trained_adapter_model):
     model, base, cfg = trained_adapter_model
-    merged = lora.merged_state_dict(model.state_dict(), **lora.settings(cfg))
+    merged = dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg)))
     assert list(merged) == list(base)  # the keys (and order) of a plain GPT: loadable with no adapters
     peft_merged = copy.deepcopy(model)  # the reference: peft's own in-place merge
     for module in peft_merged.modules():
@@ -68,7 +74,7 @@ def test_merged_weights_are_base_plus_low_rank_update(trained_adapter_model):
 def test_merged_model_logits_equal_the_adapter_model(trained_adapter_model):
     model, _, cfg = trained_adapter_model
     plain = GPT(model.config)
-    plain.load_state_dict(lora.merged_state_dict(model.state_dict(), **lora.settings(cfg)))
+    plain.load_state_dict(dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg))))
     x = torch.randint(0, 96, (3, 32))
     with torch.no_grad():
         expected, _ = model(x)
@@ -84,6 +90,95 @@ def test_lora_targets_choose_the_layers():
     lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=4", "--lora_targets=attn.c_proj,mlp.c_fc"])))
     adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
     assert adapted == [f"transformer.h.{i}.{t}" for i in range(2) for t in ("attn.c_proj", "mlp.c_fc")]
+
+
+
+# ---- the frozen base in the compute dtype, and the ROUGE copy ------------------------------------------------
+
+def test_the_frozen_base_in_16_bits_gives_the_same_loss_and_adapter_gradients(trained_adapter_model):
+    """cast_base puts the blocks' frozen Linear layers in the compute dtype, adapters, embeddings and LayerNorms
+    stay float32; under autocast the loss and the adapters' gradients are those of the float32 base."""
+    model, _, _ = trained_adapter_model
+    held = lora.cast_base(copy.deepcopy(model).train(), torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in held.named_parameters()}
+    assert all(dtype == (torch.bfloat16 if ".base_layer." in name else torch.float32) for name, dtype in dtypes.items())
+    x = torch.randint(0, 96, (4, 32))
+    y = Targets.of(torch.roll(x, -1, 1))
+    losses, grads = [], []
+    for m in (model.train(), held):
+        torch.manual_seed(0)  # the same lora_dropout masks
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = m(x, y)
+        loss.backward()
+        losses.append(loss.float())
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0)
+    assert all(grads[1][n].dtype == torch.float32 for n in grads[1])
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-4)
+
+
+def test_gpt2_xl_with_lora_plans_its_weights_in_16_bits():
+    """What micro_batch_size=auto and bench --section=memory count of gpt2-xl's LoRA run in fp16 (5.84 GiB with a
+    float32 base)."""
+    settings = lora.settings(load_config(["--lora_rank=8"]))
+    model = lora.add_adapters(GPT.on_meta(GPTConfig(**PRETRAINED["gpt2-xl"])), **settings)
+    weights, _, _ = memory.parameter_bytes(lora.cast_base(model, torch.float16), "ddp", 2)
+    assert weights <= 3.5 * 2**30
+
+
+class NewBytes(TorchDispatchMode):
+    """The peak of the bytes held by storages that operators make while it is on (views and in-place results of
+    tensors made before do not count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = self.peak = 0
+        self.live = set()
+
+    def freed(self, key, size):
+        self.live.discard(key)
+        self.held -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live and key not in inputs:
+                    self.live.add(key)
+                    self.held += storage.nbytes()
+                    weakref.finalize(storage, self.freed, key, storage.nbytes())
+        self.peak = max(self.peak, self.held)
+        return out
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_the_rouge_copy_is_filled_one_merged_weight_at_a_time_and_tied(base_dtype):
+    """The ROUGE copy of a bf16 LoRA run holds the merged weights in bf16 with wte and lm_head one tensor (half the
+    float32 base's bytes), and building it holds little more than the copy: no whole merged state dict."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64, vocab_size=50257))
+    base = memory.nbytes(model.parameters())
+    cfg = load_config(["--lora_rank=8"])
+    lora.add_adapters(model, **lora.settings(cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    lora.cast_base(model, base_dtype)
+    rt = types.SimpleNamespace(dtype="bfloat16", backend="none", device=torch.device("cpu"),
+                               parallel=types.SimpleNamespace(full_weights=lambda m: m.state_dict()))
+    with NewBytes() as built:
+        rouge = inference.rouge_model(model, cfg, rt)
+    held = memory.nbytes(rouge.state_dict().values())
+    assert rouge.lm_head.weight is rouge.transformer.wte.weight
+    assert held == 2 * sum(p.numel() for p in rouge.parameters()) and held <= 0.52 * base
+    assert built.peak <= 0.65 * base
+    merged = dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg)))
+    assert all(torch.equal(tensor, merged[name].bfloat16()) for name, tensor in rouge.state_dict().items())
 
 
 # ---- training with LoRA: train.py, then evaluate.py/predict.py from out_dir alone --------------------------
@@ -154,6 +249,32 @@ def test_lora_ckpt_keeps_the_adapters_and_a_reference_to_its_base(lora_args, bas
         got, expected = load_checkpoint(str(split / name))["model"], load_checkpoint(str(whole / name))["model"]
         assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got), name
 
+
+@pytest.mark.slow
+def test_a_16_bit_lora_run_holds_its_base_in_16_bits_and_resumes(lora_args, tmp_path):
+    """fp16 with a GradScaler (a T4's precision): the model a run trains holds its frozen base in fp16, the adapters
+    and AdamW's state in float32; ckpt.pt keeps the hash of the base as loaded (float32), so a float32 run's ckpt.pt
+    resumes in fp16 and an fp16 run's in float32; best.pt's merged weights are float32."""
+    args = [*lora_args, "--eval_interval=2", "--rouge_samples=1", "--dropout=0.0", "--lora_dropout=0.0"]
+    train.main([*args, "--max_iters=2", f"--out_dir={tmp_path / 'fp32'}"])
+    train.main([*args, "--dtype=float16", "--max_iters=2", f"--out_dir={tmp_path / 'fp16'}"])
+    sha = {run: load_checkpoint(str(tmp_path / run / "ckpt.pt"))["lora_base"]["sha256"] for run in ("fp32", "fp16")}
+    assert sha["fp16"] == sha["fp32"]
+    cfg = load_config([*args, "--dtype=float16", "--max_iters=4", f"--out_dir={tmp_path / 'fp32'}",
+                       "--init_from=resume"])
+    rt = Runtime(cfg)
+    trainer = train.Trainer(prepare(cfg, rt), rt)
+    state = trainer.run.state
+    dtypes = {name: p.dtype for name, p in state.model.named_parameters()}
+    assert {dtypes[n] for n in dtypes if ".base_layer." in n} == {torch.float16}
+    assert {dtypes[n] for n in dtypes if ".base_layer." not in n} == {torch.float32}
+    trainer.fit()
+    assert {t.dtype for s in state.optimizer.state.values() for t in s.values() if t.dim()} == {torch.float32}
+    ckpt = load_checkpoint(str(tmp_path / "fp32" / "ckpt.pt"))
+    assert ckpt["iter_num"] == 4 and ckpt["lora_base"]["sha256"] == sha["fp32"] and ckpt["scaler"]
+    assert {t.dtype for t in load_checkpoint(str(tmp_path / "fp32" / "best.pt"))["model"].values()} == {torch.float32}
+    train.main([*args, "--max_iters=4", f"--out_dir={tmp_path / 'fp16'}", "--init_from=resume"])
+    assert load_checkpoint(str(tmp_path / "fp16" / "ckpt.pt"))["iter_num"] == 4
 
 def error_lines(capsys):
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "warning"))]

@@ -37,6 +37,7 @@ from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
 from config import Decoding, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig
+from summarizer import memory
 from summarizer.errors import UserError
 from summarizer.files import atomic_write
 from summarizer.preparation import prepare
@@ -64,8 +65,8 @@ FIGURES = [("decode steps as CUDA graphs", None, "graphed", "==", True),
            ("operators per greedy step (CPU)", None, "operators_per_greedy_step", "<=", 148)]
 REQUIRED = {"decode steps as CUDA graphs"}  # a figure that fails the check where it misses its target
 LIMITS = {"train_graph_breaks": 0, "train_compilations": 2}
-# bench_memory leaves out backward's transient buffers (a block's gradients in flight, the loss's) and the
-# allocator's rounding: a quarter more than predicted is still the prediction working, not a new memory cost.
+# the ledger leaves out the allocator's rounding and fragmentation: a quarter more than predicted is still the
+# prediction working, not a new memory cost.
 MEMORY_TOLERANCE = 1.25
 FP16_TOLERANCE = 0.02  # relative: 16-bit autocast's losses over the same steps against float32's
 
@@ -249,11 +250,12 @@ def matrix(args, device, capability, folder, csv):
 
 # ---- the presets' memory ----------------------------------------------------------------------------------------
 
-def predicted_gib(name, mode, x, y):
-    """python -m bench --section=memory's GiB per GPU of model `name` training in `mode`, for micro-batch (x, y)."""
-    preset = load_config([os.path.join(ROOT, PRESETS["gpt2"])])
-    plan, _ = bench_memory.mode_plan(name, mode, x, y, preset, preset.block_size - preset.max_new_tokens)
-    return plan.training / GIB
+def predicted_gib(name, cfg, x, y):
+    """The ledger's (python -m bench --section=memory's) training GiB of model `name` under `cfg` on one GPU, for
+    micro-batch (x, y)."""
+    run = memory.Workload(bench_memory.build(PRETRAINED[name], "meta", cfg), cfg, "none", 1, torch.float16,
+                          x.shape[1], int((y >= 0).sum(1).max()), 0)
+    return memory.ledger(run, x.shape[0], 0).phases["train"] / GIB
 
 
 def widest_step(batches, steps):
@@ -286,7 +288,7 @@ def preset_row(name, device, total_gib, folder, csv):
             trainer = train.Trainer(prepare(cfg, rt), rt)
             batches = trainer.run.batches
             step, (x, y) = widest_step(batches, len(batches.examples) // cfg.batch_size)
-            row.update(width=x.shape[1], predicted_gib=predicted_gib(name, mode, x, y))
+            row.update(width=x.shape[1], predicted_gib=predicted_gib(name, cfg, x, y))
             if row["predicted_gib"] > total_gib:
                 return dict(row, note=f"predicted above this GPU's {total_gib:.1f} GiB: not run")
             for _ in range(2):  # the second with AdamW's moments

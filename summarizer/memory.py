@@ -188,7 +188,8 @@ def ledger(run, rows, budget):
     merged = counted(lambda: lora.merged_state_dict(meta.state_dict(), **lora.settings(cfg)))[1] if cfg.lora_rank else 0
     prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
     phases = dict(train=train,
-                  validation=held + pass_peak(faked, fake, rows, run.longest_row, rows, run.dtype, False),
+                  validation=held + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype,
+                                              False),
                   rouge_build=held + (full if fsdp else 0) + merged + copied,  # FSDP: every rank's gathered weights
                   rouge_decode=held + copied + batch_bytes(run, prompts, budget - held - copied),
                   save=held + (merged if not fsdp else 0))

@@ -1,59 +1,117 @@
-"""micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch that the run's memory plan
-fits on its GPU and that divides a rank's rows per step, so batch_size stays exact; the run then trains as the same
-explicit micro-batch would."""
+"""The T4 ledger and micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch whose
+ledger (every phase of the run, counted on fake tensors) fits its GPU and that divides a rank's rows per step, so
+batch_size stays exact; the run then trains as the same explicit micro-batch would."""
 import glob
 import json
 import os
 import resource
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import train
 from config import load_config
 from conftest import REPO, metrics, tiny
-from model import GPT, PRETRAINED, GPTConfig
+from model import GPT, GPTConfig, Targets
 from summarizer import lora, memory
 
 PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
 RANKS = 2  # Kaggle's two T4s
 
 
-@pytest.mark.parametrize("gib", [15, 80])
-@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
-def test_the_choice_fits_the_plan_and_keeps_the_batch_exact(preset, gib):
-    """Each Kaggle preset on a T4's 15 GiB and on 80 GiB, with rows as long as block_size (the worst a micro-batch
-    can be) and summaries of max_new_tokens: the chosen rows fit, the next divisor does not, and rows x ranks x
-    accumulation steps is batch_size."""
-    cfg = load_config([preset])
-    assert cfg.micro_batch_size == "auto"  # the presets' default
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**PRETRAINED[cfg.init_from]))
+SMALL = dict(n_layer=2, n_head=4, n_embd=128, block_size=256)  # GPT-2's structure and vocabulary, small
+
+
+def small_run(preset, **changes):
+    """(the Workload of Kaggle preset `preset`'s settings on RANKS ranks in fp16 at the SMALL shape, its config)."""
+    cfg = load_config([preset, *(f"--{k}={v}" for k, v in changes.items())])
+    model = GPT(GPTConfig(**SMALL))
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     if cfg.lora_rank:
         lora.add_adapters(model, **lora.settings(cfg))
-    run = memory.Workload(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", RANKS, torch.float16,
-                     longest_row=cfg.block_size, most_targets=cfg.max_new_tokens,
-                     longest_prompt=cfg.block_size - cfg.max_new_tokens)
-    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
-    budget = gib * 2**30 * memory.HEADROOM
-    rows, chosen = memory.largest_micro_batch(run, budget, rates)
-    per_rank = cfg.batch_size // RANKS
-    assert chosen == memory.plan(run, rows, rates, budget) and chosen.peak <= budget
-    assert per_rank % rows == 0 and rows * RANKS * (per_rank // rows) == cfg.batch_size == 256
-    bigger = [r for r in range(rows + 1, per_rank + 1) if per_rank % r == 0]
-    assert not bigger or memory.plan(run, bigger[0], rates, budget).peak > budget
+    fsdp = cfg.backend == "fsdp"
+    return memory.Workload(model, cfg, "fsdp" if fsdp else "ddp", RANKS, torch.float16, longest_row=256,
+                           most_targets=60, longest_prompt=190, reduce_once=fsdp), cfg
 
 
-def test_activations_grow_with_rows_and_checkpointing_keeps_less():
-    """gpt2 under fp16 autocast: each row adds the same bytes (scaled_dot_product_attention keeps O(T) state), the
-    16-bit weight copies autocast keeps do not grow with rows, and a checkpointed model keeps far less."""
-    config = GPTConfig(**PRETRAINED["gpt2"])
-    rates = memory.ActivationRates.measure(config, lora.settings(load_config([])), torch.float16)
-    full = [rates.bytes(rows, 512, rows * 60, config.n_layer, checkpointing=False) for rows in (1, 2, 4)]
-    assert full[0] < full[1] < full[2] and full[2] - full[1] == pytest.approx(2 * (full[1] - full[0]))
-    assert rates.rest_fixed == pytest.approx(config.vocab_size * config.n_embd * 2, rel=0.05)  # wte's fp16 copy
-    assert rates.bytes(4, 512, 240, config.n_layer, checkpointing=True) < full[2] / 3
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_the_choice_fits_the_ledger_and_keeps_the_batch_exact(preset):
+    """Each Kaggle preset's settings on a budget that fits 4 rows and not 8: the chosen rows fit every phase, the
+    next divisor does not, and rows x ranks x accumulation steps is batch_size."""
+    run, cfg = small_run(preset, batch_size=32)
+    budget = (memory.ledger(run, 4, 2**40).peak + memory.ledger(run, 8, 2**40).peak) / 2
+    rows, chosen = memory.largest_micro_batch(run, budget)
+    assert rows == 4 and chosen.peak <= budget < memory.ledger(run, 8, budget).peak
+    assert set(chosen.phases) == {"train", "validation", "rouge_build", "rouge_decode", "save", "after"}
+    assert rows * RANKS * (cfg.batch_size // RANKS // rows) == cfg.batch_size
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_ledger_agrees_with_torchs_memory_tracker_on_real_tensors(lora_rank):
+    """The ledger counts fake tensors; torch's MemTracker counts a real step of the same model on the CPU (its
+    weights, AdamW's moments, and a bf16-autocast forward and backward, flash attention's O(T) state): within 10%,
+    as validation's forward and a LoRA run's merged weights for best.pt (the save)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    torch.manual_seed(0)
+    run, cfg = small_run(PRESETS[0], lora_rank=lora_rank, gradient_checkpointing=lora_rank > 0, micro_batch_size=4,
+                         batch_size=8)
+    run = replace(run, backend="none", world_size=1, dtype=torch.bfloat16)
+    model = run.model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    x = torch.randint(0, 50000, (4, 256))
+    y = x.clone()
+    y[:, :-60] = -1
+
+    def peak(fn):
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            fn()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x, Targets.of(y))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if lora_rank:  # MemTracker's module hooks cannot take frozen weights: the merge for best.pt, no module run
+        measured = {"save": peak(lambda: lora.merged_state_dict(model.state_dict(), **lora.settings(cfg)))}
+    else:
+        step()  # AdamW's moments exist from the first step on
+        measured = {"train": peak(step)}
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            measured["validation"] = peak(lambda: model(x, Targets.of(y)))
+    counted = memory.ledger(run, 4, 2**40).phases
+    for phase, size in measured.items():
+        assert counted[phase] == pytest.approx(size, rel=0.1), (phase, counted[phase] / 2**20, size / 2**20)
+
+
+class OneRow(SimpleNamespace):
+    def __len__(self):
+        return 1
+
+
+def test_reduce_once_is_decided_before_the_micro_batch_and_counted_in_it(monkeypatch, capsys):
+    """fsdp_reduce_once=auto: on where the ledger of one row with it (every weight gathered, the fp32 gradients
+    unsharded) fits, off where it does not (one line says so), decided before the micro-batch plan, which counts
+    what it holds."""
+    run, cfg = small_run(PRESETS[0], backend="fsdp", batch_size=32)
+    off, on = (memory.ledger(replace(run, reduce_once=once), 1, 2**40) for once in (False, True))
+    assert on.phases["train"] != off.phases["train"] and on.peak == on.phases["train"]
+    train_set = SimpleNamespace(lengths=np.array([256]), target_counts=lambda _: np.array([60]))
+    for budget, decided in ((on.peak + 2**20, True), (on.peak - 2**20, False)):
+        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cpu"),
+                             is_main=True, all_gather_objects=lambda mine: [mine] * RANKS,
+                             parallel=SimpleNamespace(reduce_once="auto"))
+        monkeypatch.setattr(memory, "device_memory", lambda device, budget=budget: int(budget))
+        planned, _ = memory.workload(cfg, rt, run.model, train_set, OneRow(prompt_lens=np.array([190])))
+        assert planned.reduce_once is decided and rt.parallel.reduce_once is decided
+        assert ("reducing once per optimizer step would need" in capsys.readouterr().out) is not decided
 
 
 def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monkeypatch, capsys):
@@ -61,9 +119,9 @@ def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monke
     trains with the losses of --micro_batch_size=2."""
     chosen = memory.largest_micro_batch
 
-    def two_fit(run, budget, rates):
-        between = (memory.plan(run, 2, rates, budget).peak + memory.plan(run, 4, rates, budget).peak) / 2
-        return chosen(run, between, rates)
+    def two_fit(run, budget):
+        between = (memory.ledger(run, 2, budget).peak + memory.ledger(run, 4, budget).peak) / 2
+        return chosen(run, between)
     monkeypatch.setattr(memory, "largest_micro_batch", two_fit)
     args = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=4",
             "--max_iters=3", "--eval_interval=3", "--rouge_samples=0", "--best_metric=val_loss", "--log_interval=1",

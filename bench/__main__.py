@@ -500,7 +500,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     return rows
 
 
-EXTRA = ("_gib", "fits_t4", "micro_batch_size", "uncut", "micro_batches", "by_operator")  # a row's keys the table shows beside its value
+# a row's keys the table shows beside its value
+EXTRA = ("_gib", "fits_t4", "micro_batch_size", "uncut", "micro_batches", "by_operator")
 SECTIONS = {"train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
             "compile": bench_compile.bench_compile}

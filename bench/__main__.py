@@ -500,7 +500,8 @@ def compare_decodings(name, cfg, ckpt, device, repeats):
     return rows
 
 
-EXTRA = ("_gib", "fits_t4", "uncut", "micro_batches", "by_operator")  # a row's keys the table shows beside its value
+# a row's keys the table shows beside its value
+EXTRA = ("_gib", "fits_t4", "micro_batch_size", "uncut", "micro_batches", "by_operator")
 SECTIONS = {"train": bench_train, "generate": bench_generate, "decode": bench_decode,
             "memory": lambda args, device: bench_memory.bench_memory(args, args.samsum_csv),
             "compile": bench_compile.bench_compile}
@@ -519,10 +520,6 @@ def main():
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--cut_rows", type=int, help="rows of the global batches timed cut and "
                         "uncut (256 on a GPU of 60 GiB or more, 32 on a smaller one, 8 on a CPU)")
-    parser.add_argument("--memory_models", default="gpt2,gpt2-medium,gpt2-large,gpt2-xl")
-    parser.add_argument("--memory_micro_batch", type=int, default=bench_memory.MICRO_BATCH)
-    parser.add_argument("--memory_measured", default="gpt2", help="models whose whole-depth activations are also "
-                        "measured (CPU time and memory grow with the model)")
     args = parser.parse_args()
     device = torch.device(args.device)
     sections = SECTIONS if args.section == "all" else {args.section: SECTIONS[args.section]}

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from command_line import UserError
-from summarizer.memory import reduce_once_bytes
 
 
 def resolve_backend(requested, environ):
@@ -279,10 +278,9 @@ class FSDP(DDP):
 
     def shard(self, model):
         """Shard the model in place with fully_shard, one unit per block, then the root; its parameters become fp32
-        DTensors (build the optimizer after this), gathered in a 16-bit dtype. Decides fsdp_reduce_once='auto'."""
+        DTensors (build the optimizer after this), gathered in a 16-bit dtype. (memory.workload decides
+        fsdp_reduce_once='auto' before.)"""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        if self.reduce_once == "auto":
-            self.reduce_once = self.reduce_once_fits(model)
         policy = MixedPrecisionPolicy()
         if self.dtype != "float32":
             policy = MixedPrecisionPolicy(param_dtype=getattr(torch, self.dtype), reduce_dtype=torch.float32)
@@ -291,22 +289,6 @@ class FSDP(DDP):
         fully_shard(model, mp_policy=policy)
         self.model = model
         return model
-
-    def reduce_once_fits(self, model):
-        """Whether every GPU has room for FSDP's shards, AdamW's state and what reducing gradients once per step
-        holds (activations not counted); rank 0 says why not."""
-        if self.device.type != "cuda":
-            return True
-        held, kept = reduce_once_bytes(model, self.world_size, getattr(torch, self.dtype))
-        total = torch.tensor(torch.cuda.mem_get_info(self.device)[1], device=self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.MIN)  # all ranks decide alike
-        fits = held + kept <= total.item()
-        if not fits and self.is_main:
-            print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
-                  f"hold {held / 2**30:.1f} GiB of gathered {self.dtype} weights and fp32 gradients beside "
-                  f"{kept / 2**30:.1f} GiB of shards and AdamW state, more than the GPU's "
-                  f"{total.item() / 2**30:.1f} GiB (--fsdp_reduce_once=True tries anyway)")
-        return fits
 
     keeps_gradients = False
 

@@ -1,25 +1,33 @@
-"""The memory one GPU of a training run needs at its peaks, planned before step 1 from the sizes of real tensors:
-what micro_batch_size=auto chooses by (no probing: summarizer/micro_batch.py runs the choice's peak once, and
-lowers it only on an out-of-memory error) and what bench --section=memory reports.
-- Weights, gradients and AdamW's state are the model's own tensors: under FSDP one rank's shards plus the units it
-  gathers while computing; under DDP the gradients are its buckets (gradient_as_bucket_view).
-- Activations are what autograd keeps for backward, measured on a one-block model of the run's width over a short
-  probe under the run's autocast: per token, and per target (only targets go through lm_head). Attention keeps O(T)
-  state, so a micro-batch's bytes are these rates times its rows, length and targets.
-- The evaluation holds the weights and AdamW's state (gradients freed), the copy ROUGE decodes with (train.
-  rouge_model: in the run's dtype, tied, gathered under FSDP) and one generation batch's KV cache and logits.
-- A LoRA run merges one adapted weight at a time, in float32, for that copy and for its save (which moves each to
-  the host).
-Not counted: backward's transient buffers and the CUDA context, which HEADROOM leaves room for."""
+"""The T4 ledger: the bytes one GPU of a training run holds at the peak of each phase it goes through, counted
+before step 1 by running the project's own code on fake tensors (FakeTensorMode: the real shapes, no memory) and
+adding up the storages alive after every operator (LiveBytes). micro_batch_size=auto, fsdp_reduce_once=auto and
+bench --section=memory read it; generation batches are formed by its rule (generation_batches).
+- train: weights, AdamW's moments and DDP's buckets held, and the peak of a micro-batch's forward and backward in
+  the run's autocast (activations, gradients, backward's transient buffers, checkpointing's recompute; attention as
+  the fused kernels hold it, O(T) state). FSDP: a rank's shards and the units it gathers, or with reduce-once every
+  weight gathered and the fp32 gradients unsharded (reduce_once_bytes).
+- validation: what is held (gradients freed) and a forward without autograd.
+- rouge_build, rouge_decode: train.rouge_model's copy built beside what is held (FSDP: beside the gathered fp32
+  weights), then a generation batch's KV cache and logits beside the copy.
+- save: a LoRA run's merged weights for best.pt, on rank 0.
+- after: evaluate_after and predict_after: best.pt's weights in the run's dtype and a generation batch.
+- host: the ranks' fp32 weights while loading, or FSDP's gathered state on rank 0's CPU at a save.
+Not counted: the CUDA context (a plan's budget is the memory the GPU has free) and fragmentation (HEADROOM)."""
 import bisect
 import contextlib
+import copy
 import math
 import os
 import resource
+import weakref
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from command_line import UserError
 from config import Decoding, part, rows_per_rank
@@ -27,8 +35,7 @@ from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
 
-PROBE_TOKENS = 64  # the probe's sequence: long enough that per-token rates are exact, short enough to be instant
-HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: the CUDA context, allocator fragmentation
+HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
 CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may fill
 # a container's memory limit and what its processes use: cgroup v2's, then v1's
@@ -56,126 +63,85 @@ def shard_bytes(tensors, world_size):
 
 def parameter_bytes(model, backend, world_size):
     """(weights, gradients, AdamW's state) bytes on one GPU, from the model's tensors (meta ones will do): the
-    tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter."""
+    tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter (DDP's buckets are
+    the gradients: gradient_as_bucket_view). FSDP: a rank's shards, and the units it gathers (the root, two blocks)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     moments = 2 * sum(p.numel() for p in trainable) * 4
     if backend != "fsdp":
-        return nbytes(params), nbytes(trainable), moments  # DDP's buckets are the gradients
+        return nbytes(params), nbytes(trainable), moments
     gathered = (nbytes(p for n, p in model.named_parameters() if ".h." not in n)
                 + 2 * nbytes(model.transformer.h[0].parameters()))
     return (shard_bytes(params, world_size) + gathered, shard_bytes(trainable, world_size) + gathered,
             math.ceil(moments / world_size))
 
 
-def saved_bytes(model, x, targets, autocast):
-    """{"block", "rest", "input"}: bytes of the storages autograd keeps in one forward of (x, targets), by whether
-    the first block or the rest saved them first, and the first block's input (what a checkpointed block keeps)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept, owner, where, inputs = {}, {}, ["rest"], []
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that the operators run inside it made and that are still alive, and their peak:
+    what the caching allocator would hold for them (fake tensors hold nothing themselves)."""
 
-    def pack(tensor):  # held in `kept`, so no storage is freed and its address reused while counting
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in kept:
-            kept[ptr], owner[ptr] = tensor, where[0]
-        return ptr
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = set(), 0, 0
 
-    def unpack(ptr):
-        raise RuntimeError("saved_bytes counts a forward pass; it cannot run backward")
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):  # a view of a tensor made before (a weight's transpose) is no new storage
+            key = isinstance(t, torch.Tensor) and (storage := t.untyped_storage())._cdata
+            if key and key not in self.live and key not in inputs:
+                self.live.add(key)
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self.free, key, storage.nbytes())
+        return out
 
-    def enter(_, args):
-        where[0] = "block"
-        inputs.append(args[0].nbytes)
-
-    block = model.transformer.h[0]
-    hooks = [block.register_forward_pre_hook(enter),
-             block.register_forward_hook(lambda *_: where.__setitem__(0, "rest"))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
-            model(x, targets)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    totals = {"block": 0, "rest": 0, "input": inputs[0]}
-    for ptr, tensor in kept.items():
-        if ptr not in params:
-            totals[owner[ptr]] += tensor.untyped_storage().nbytes()
-    kept.clear()  # the graph holds `pack`, which holds `kept`: a cycle through C++ that gc cannot free
-    return totals
+    def free(self, key, size):
+        self.live.discard(key)
+        self.now -= size
 
 
-@dataclass(frozen=True)
-class ActivationRates:
-    """What autograd keeps for backward: a block's bytes whatever the tokens (autocast's 16-bit copies of its
-    weights) and per token, the rest's (embeddings, ln_f, lm_head: the copy of the tied wte) whatever the tokens,
-    per token and per target, and a block's input per token (what a checkpointed block keeps)."""
-    block_fixed: float
-    block: float
-    rest_fixed: float
-    rest: float
-    target: float
-    block_input: float
-
-    def bytes(self, rows, length, targets, n_layer, checkpointing):
-        tokens = rows * length
-        rest = self.rest_fixed + tokens * self.rest + targets * self.target
-        one_block = self.block_fixed + tokens * self.block
-        if checkpointing:  # each block keeps its input; backward recomputes one block at a time
-            return rest + tokens * n_layer * self.block_input + one_block
-        return rest + n_layer * one_block
-
-    @classmethod
-    def measure(cls, config, lora_settings, dtype):
-        """The rates of a model like `config` (with lora_settings' adapters) trained in `dtype`, from three probes
-        on the CPU: two lengths with one target, and every position a target."""
-        torch.manual_seed(0)
-        one = GPT(GPTConfig(**{**asdict(config), "n_layer": 1, "block_size": PROBE_TOKENS}))
-        if lora_settings["lora_rank"]:
-            lora.cast_base(lora.add_adapters(one, **lora_settings), dtype)
-        one.train()
-        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-
-        def probe(length, every):
-            x = torch.randint(0, config.vocab_size, (1, length))
-            y = x.clone() if every else torch.full_like(x, -1)
-            y[0, -1] = x[0, -1]
-            return saved_bytes(one, x, Targets.of(y), autocast)
-        half = PROBE_TOKENS // 2
-        short, long, targets = probe(half, False), probe(PROBE_TOKENS, False), probe(PROBE_TOKENS, True)
-        block, rest = (long["block"] - short["block"]) / half, (long["rest"] - short["rest"]) / half
-        return cls(block_fixed=long["block"] - PROBE_TOKENS * block, block=block,
-                   rest_fixed=long["rest"] - PROBE_TOKENS * rest, rest=rest,
-                   target=(targets["rest"] - long["rest"]) / (PROBE_TOKENS - 1),
-                   block_input=long["input"] / PROBE_TOKENS)
+def twin(model, fake=None):
+    """`model`'s modules (adapters, checkpointing and all) on tensors that hold no memory, of its dtypes and tying,
+    requires_grad kept: fake CPU ones (`fake`: its FakeTensorMode), whose autocast and kernels are a GPU's, else meta
+    ones, on which code that builds modules on the meta device runs too."""
+    with fake or contextlib.nullcontext():
+        memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
+                                          t.requires_grad) if isinstance(t, torch.nn.Parameter) else
+                torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta")
+                for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Bytes on one GPU: the training step's parts, the evaluation's peak and the save's."""
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
-    evaluation: int
-    save: int
+def counted(fn, fake=None):
+    """(fn's result, the peak of the bytes it made alive, what of them is alive after)."""
+    with fake or contextlib.nullcontext(), LiveBytes() as live:
+        out = fn()
+    return out, live.peak, live.now
 
-    @property
-    def training(self):
-        return self.weights + self.grads + self.optimizer + self.activations
 
-    @property
-    def peak(self):
-        return max(self.training, self.evaluation, self.save)
+def pass_peak(model, fake, rows, length, targets, dtype, train):
+    """The peak of one micro-batch's forward (and backward, with `train`, gradients included) in `dtype`'s CPU
+    autocast, whose casts and fused attention (O(T) state: flash on a CPU, memory-efficient on a T4) are a GPU's."""
+    with fake:
+        x = torch.zeros(rows, length, dtype=torch.long)
+        found = Targets(x, torch.zeros(targets, dtype=torch.long))
 
-    def describe(self):
-        return (f"training {self.training / 2**30:.1f} GiB, evaluation {self.evaluation / 2**30:.1f}, save "
-                f"{self.save / 2**30:.1f}")
+    def run():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), torch.set_grad_enabled(train):
+            loss = model.train(train)(x, found)[1]
+            if train:
+                loss.backward()
+    peak = counted(run, fake)[1]
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What a plan needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
-    decodes in, and its longest training row, the most targets a row has, and its longest prompt (tokens)."""
+    """What a ledger needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
+    decodes in, its longest training row, the most targets a row has, its longest prompt (tokens), and whether FSDP
+    reduces gradients once per optimizer step."""
     model: torch.nn.Module
     cfg: object
     backend: str
@@ -184,28 +150,63 @@ class Workload:
     longest_row: int
     most_targets: int
     longest_prompt: int
+    reduce_once: bool = False
 
 
-def plan(run, rows, rates, budget):
-    """The Plan of `run` at micro-batches of `rows` (each as long as its longest row), on a GPU whose plan may fill
-    `budget` bytes (generation takes half of what the rest leaves, as generation_memory sizes it)."""
-    cfg, model = run.cfg, run.model
-    weights, grads, optimizer = parameter_bytes(model, run.backend, run.world_size)
-    activations = rates.bytes(rows, run.longest_row, rows * run.most_targets, model.config.n_layer,
-                              cfg.gradient_checkpointing)
-    full = nbytes(model.parameters())
-    plain = run.backend != "fsdp" and not cfg.lora_rank and run.dtype == torch.float32
-    named = dict(model.named_parameters())  # tied weights once
-    copy = 0 if plain else (sum(p.numel() for n, p in named.items() if ".lora_" not in n) * run.dtype.itemsize
-                            + (full if run.backend == "fsdp" else 0))
-    held = weights + optimizer + copy
-    room = cfg.gen_memory_gb * 2**30 or max(budget - held, 0) / 2
-    batch, kv, logits = decoding_bytes(cfg, model.config, run.dtype, min(cfg.rouge_samples, cfg.gen_batch_size),
-                                       run.longest_prompt, room)
-    evaluation = held + kv + logits if batch else weights + optimizer
-    # a LoRA save's merge at its peak: the weight merged last, B @ A and its scaled copy (or the merged weight), float32
-    merging = 3 * 4 * max((p.numel() for n, p in named.items() if ".base_layer." in n), default=0)
-    return Plan(weights, grads, optimizer, activations, evaluation, weights + optimizer + merging)
+@dataclass(frozen=True)
+class Ledger:
+    """Bytes on one GPU at the peak of each phase (train, validation, rouge_build, rouge_decode, save, after), and
+    on the host (host)."""
+    phases: dict
+    host: int
+
+    @property
+    def peak(self):
+        return max(self.phases.values())
+
+    def describe(self):
+        return ", ".join(f"{phase} {size / 2**30:.1f}" for phase, size in self.phases.items()) + " GiB"
+
+
+def ledger(run, rows, budget):
+    """The Ledger of `run` at micro-batches of `rows` (each as long as its longest row), on a GPU whose plan may
+    fill `budget` bytes (generation takes half of what the rest leaves, as generation_memory sizes it)."""
+    cfg, model, fsdp = run.cfg, run.model, run.backend == "fsdp"
+    fake = FakeTensorMode()
+    faked, meta = twin(model, fake), twin(model)
+    full, grads = nbytes(model.parameters()), nbytes(p for p in model.parameters() if p.requires_grad)
+    weights, grad_held, moments = parameter_bytes(model, run.backend, run.world_size)
+    # DDP's gradients are its buckets, kept between steps (backends.DDP.keeps_gradients); the pass counts them once
+    held = weights + moments + (grads if run.backend in ("ddp", "accelerate") and run.world_size > 1 else 0)
+    train = weights + moments + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype, True)
+    if fsdp:  # the pass's gradients are a rank's shards once each unit's backward ends; reduce-once keeps them whole
+        train += grad_held - grads + (reduce_once_bytes(model, run.world_size, run.dtype)[0] - 2 * (
+            weights - shard_bytes(model.parameters(), run.world_size)) if run.reduce_once else 0)
+    with torch.device("meta"):  # rouge_model's copy and best.pt's weights as evaluate_after loads them
+        copied = nbytes(GPT(GPTConfig(**asdict(model.config))).to(run.dtype).parameters())
+    if not fsdp and not cfg.lora_rank and run.dtype == torch.float32:
+        copied = 0  # rouge_model decodes with the trained model itself
+    # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
+    merged = counted(lambda: deque(lora.merged_weights(meta.state_dict(), **lora.settings(cfg)), maxlen=0))[1] \
+        if cfg.lora_rank else 0
+    prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
+    phases = dict(train=train,
+                  validation=held + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype,
+                                              False),
+                  rouge_build=held + (full if fsdp else 0) + merged + copied,  # FSDP: every rank's gathered weights
+                  rouge_decode=held + copied + batch_bytes(run, prompts, budget - held - copied),
+                  save=held + (merged if not fsdp else 0))
+    after = full // 4 * run.dtype.itemsize
+    phases["after"] = after + batch_bytes(run, cfg.gen_batch_size, budget - after)
+    host = max(run.world_size * full, full + 2 * full if fsdp else 0)  # loading; FSDP's save on rank 0's CPU
+    return Ledger(phases, host)
+
+
+def batch_bytes(run, prompts, left):
+    """The KV cache and logits bytes of the first generation batch of `prompts` of the run's longest prompt, in
+    gen_memory_gb, else half of the `left` bytes (generation_memory's rule)."""
+    room = run.cfg.gen_memory_gb * 2**30 or max(left, 0) / 2
+    return sum(decoding_bytes(run.cfg, run.model.config, run.dtype, prompts, run.longest_prompt, room)[1:])
 
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
@@ -236,30 +237,45 @@ def host_memory():
     return max(min(left), 0)
 
 
-def choose_micro_batch(cfg, rt, model, train_set, val_set):
-    """micro_batch_size=auto: (the rows every rank's micro-batches take, the words for the start line), from the
-    plan of this run on the smallest budget of its ranks (device_memory)."""
+def workload(cfg, rt, model, train_set, val_set):
+    """(the Workload of this run, the smallest budget of its ranks: device_memory), with fsdp_reduce_once=auto
+    decided: on where the ledger of one row with it fits (rank 0 says why not)."""
     budget = min(rt.all_gather_objects(device_memory(rt.device)))
-    dtype = getattr(torch, rt.dtype)
-    run = Workload(model, cfg, rt.backend, rt.world_size, dtype, longest_row=int(train_set.lengths.max()),
-              most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
-              longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0)
-    rows, chosen = largest_micro_batch(run, budget, ActivationRates.measure(model.config, lora.settings(cfg), dtype))
+    run = Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
+                   longest_row=int(train_set.lengths.max()),
+                   most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
+                   longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0,
+                   reduce_once=rt.backend == "fsdp" and cfg.fsdp_reduce_once is not False)
+    if rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto":
+        run = replace(run, reduce_once=(one := ledger(run, 1, budget)).peak <= budget)
+        rt.parallel.reduce_once = run.reduce_once
+        if not run.reduce_once and rt.is_main:
+            print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
+                  f"need {one.peak / 2**30:.1f} GiB ({one.describe()}), more than the {budget / 2**30:.1f} GiB "
+                  f"usable (--fsdp_reduce_once=True tries anyway)")
+    return run, budget
+
+
+def choose_micro_batch(run, budget):
+    """micro_batch_size=auto: (the rows every rank's micro-batches take, the words for the start line)."""
+    rows, chosen = largest_micro_batch(run, budget)
     words = (f"micro_batch_size=auto: {rows} (the plan's peak {chosen.peak / 2**30:.1f} of {budget / 2**30:.1f} GiB "
              f"usable: {chosen.describe()})")
     if chosen.peak > budget:
-        words += ("; warning: even one row does not fit the plan: lower block_size, or set --gradient_checkpointing="
-                  "True, --lora_rank=8 or --backend=fsdp")
+        cfg = run.cfg  # the advice names only what is off
+        off = [flag for flag, on in (("--gradient_checkpointing=True", cfg.gradient_checkpointing),
+                                     ("--lora_rank=8", cfg.lora_rank), ("--backend=fsdp", run.backend == "fsdp"))
+               if not on]
+        words += "; warning: even one row does not fit the plan: lower block_size" + "".join(f", or {f}" for f in off)
     return rows, words
 
 
-def largest_micro_batch(run, budget, rates):
-    """(rows, its Plan): the largest micro-batch, up to a rank's rows per step, whose plan fits `budget` bytes; the
-    smallest, 1, when none does."""
-    fitting = [rows for rows in range(1, rows_per_rank(run.cfg.batch_size, run.world_size) + 1)
-               if plan(run, rows, rates, budget).peak <= budget]
-    rows = fitting[-1] if fitting else 1
-    return rows, plan(run, rows, rates, budget)
+def largest_micro_batch(run, budget):
+    """(rows, its Ledger): the largest micro-batch, up to a rank's rows per step, whose ledger fits `budget` bytes;
+    the smallest, 1, when none does. A ledger grows with its rows: a bisection."""
+    counts = range(1, rows_per_rank(run.cfg.batch_size, run.world_size) + 1)
+    rows = counts[max(bisect.bisect_right(counts, False, key=lambda n: ledger(run, n, budget).peak > budget) - 1, 0)]
+    return rows, ledger(run, rows, budget)
 
 
 def reduce_once_bytes(model, world_size, dtype):

@@ -26,7 +26,7 @@ from summarizer.loading import (
     resuming,
     start_checkpoint,
 )
-from summarizer.memory import choose_micro_batch
+from summarizer.memory import choose_micro_batch, workload
 from summarizer.micro_batch import micro_batch_that_runs
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, save_config
@@ -99,11 +99,16 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
 
 def auto_micro_batch(cfg, rt, model, splits, step, phase):
     """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak,
-    run by `step`; the choice, in words), or (cfg, None) for a micro_batch_size the user fixed."""
-    if cfg.micro_batch_size != "auto":
+    run by `step`; the choice, in words), or (cfg, None) for a micro_batch_size the user fixed.
+    fsdp_reduce_once=auto is decided first, as the plan counts what it holds."""
+    auto = cfg.micro_batch_size == "auto"
+    if not auto and not (rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto"):
         return cfg, None
-    phase("planning memory for micro_batch_size=auto")
-    rows, chosen = choose_micro_batch(cfg, rt, model, splits.train, splits.val)
+    phase("planning memory" + " for micro_batch_size=auto" * auto)
+    run, budget = workload(cfg, rt, model, splits.train, splits.val)
+    if not auto:
+        return cfg, None
+    rows, chosen = choose_micro_batch(run, budget)
     cfg = replace(cfg, micro_batch_size=rows)
     # under FSDP the peak is a sharded model's, which runs only with the other ranks (a rank out of memory would
     # leave them waiting): the plan's choice stands

@@ -286,7 +286,8 @@ def tensors_in(obj):
 
 class DiskPlan:
     """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
-    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it."""
+    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it (on
+    the disk's free space: an output quota counts what the folder keeps, and an atomic save keeps one copy)."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once
@@ -302,8 +303,13 @@ class DiskPlan:
         self.space = room(cfg.out_dir, Quota.of(cfg))  # (bytes, what limits them): the quota's folder walked once
 
     @property
+    def kept(self):
+        """What out_dir holds between saves, all an output quota keeps: a save's second copy goes as it ends."""
+        return self.ckpt + self.best + self.export
+
+    @property
     def peak(self):
-        return self.ckpt + self.best + max(self.ckpt, self.best) + self.export
+        return self.kept + max(self.ckpt, self.best)
 
     def describe(self):
         parts = [f"ckpt.pt {gb(self.ckpt)}", f"best.pt {gb(self.best)}",
@@ -322,9 +328,10 @@ class DiskPlan:
         to change. A resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
-        (free, limit), need = self.space, self.peak - here
-        if need <= free:
+        (free, limit), disk = self.space, free_bytes(out_dir)
+        if self.peak - here <= disk and self.kept - here <= free:
             return None
+        over_quota = self.kept - here > free
         name = os.path.basename(os.path.abspath(out_dir))
         fixes = [f"train into a larger folder (e.g. --out_dir=/kaggle/temp/{name}, not kept after the session)"]
         earlier = [f"{p} ({gb(file_bytes(p))})"
@@ -335,8 +342,9 @@ class DiskPlan:
             fixes.append("delete earlier runs kept there: " + ", ".join(earlier))
         if not self.cfg.lora_rank:
             fixes.append("fine-tune LoRA adapters (--lora_rank=8: ckpt.pt holds only the adapters)")
-        return (f"out_dir {out_dir} needs {gb(need - free)} more than the {gb(free)} {limit}: its peak is "
-                f"{self.describe()}: " + "; or ".join(fixes))
+        short, room = ((self.kept - here - free, f"{gb(free)} {limit}: it keeps {gb(self.kept)}") if over_quota else
+                       (self.peak - here - disk, f"{gb(disk)} free on its filesystem: its peak is {self.describe()}"))
+        return f"out_dir {out_dir} needs {gb(short)} more than the {room}: " + "; or ".join(fixes)
 
 
 GO_ON = ("free some space and continue (--init_from=resume), or continue in a larger folder (--resume_from=<the "
@@ -345,14 +353,16 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 def save_problem(writes, iter_num, quota):
     """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces,
-    within the free space and the output `quota`; else the line that says which cannot and what is kept."""
-    free, limit = room(writes[0][0], quota)
+    within the free space, and what the folder keeps then within the output `quota`; else the line that says which
+    cannot and what is kept."""
+    (free, limit), disk = room(writes[0][0], quota), free_bytes(writes[0][0])
     for path, state in writes:
         need = checkpoint_bytes(state)
-        if need > free:
+        if need > disk or need - file_bytes(path) > free:
+            free, limit = (disk, "free on its filesystem") if need > disk else (free, limit)
             folder = os.path.dirname(os.path.abspath(path))
             kept = [name for name in (CKPT, BEST) if os.path.exists(os.path.join(folder, name))]
             return (f"cannot save {path} at iter {iter_num}: it needs {gb(need)} and {gb(free)} is {limit}; "
                     f"{' and '.join(kept) + ' kept as they were' if kept else 'nothing was written'}: {GO_ON}")
-        free -= need - file_bytes(path)  # the old file goes when the new one replaces it
+        disk, free = disk - need + file_bytes(path), free - need + file_bytes(path)  # the old file goes
     return None

@@ -297,11 +297,11 @@ def test_an_output_quota_not_the_free_space_stops_a_run_that_would_not_fit(args,
     working.mkdir()
     (working / "earlier.bin").write_bytes(b"\0" * 10_000_000)  # an earlier run's files count against the quota
     err = one_error_line(capsys, train.main, [*args, f"--out_dir={working / 'out'}", "--max_iters=2",
-                                              f"--output_quota_dir={working}", "--output_quota_gb=0.05"])
-    short, left, peak = map(int, re.match(
-        rf"error: out_dir {re.escape(str(working / 'out'))} needs (\d+) MB more than the (\d+) MB left of the 0.05 GB "
-        rf"output quota of {re.escape(str(working))} \(10 MB held there\): its peak is (\d+) MB", err).groups())
-    assert left == 40 and abs(short - (peak - left)) <= 1, err  # the shortfall, not the peak
+                                              f"--output_quota_dir={working}", "--output_quota_gb=0.02"])
+    short, left, kept = map(int, re.match(
+        rf"error: out_dir {re.escape(str(working / 'out'))} needs (\d+) MB more than the (\d+) MB left of the 0.02 GB "
+        rf"output quota of {re.escape(str(working))} \(10 MB held there\): it keeps (\d+) MB", err).groups())
+    assert left == 10 and abs(short - (kept - left)) <= 1, err  # the shortfall of what it keeps, not the peak
     assert not (working / "out" / "ckpt.pt").exists()
     train.main([*args, f"--out_dir={working / 'out'}", "--max_iters=2", f"--output_quota_dir={working}",
                 "--output_quota_gb=1"])  # a quota that leaves room: trains, and the start line says what is left

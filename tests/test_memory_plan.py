@@ -1,13 +1,16 @@
-"""micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch, up to a rank's rows per
-step, that the run's memory plan fits on its GPU; the run then trains as the same explicit micro-batch would. A batch
-the processes cannot split stops the run before the model is built."""
+"""The T4 ledger and micro_batch_size=auto (summarizer/memory.py): before step 1, the largest micro-batch, up to a
+rank's rows per step, whose ledger (every phase of the run, counted on fake tensors) fits its GPU; the run then trains
+as the same explicit micro-batch would. A batch the processes cannot split stops the run before the model is built."""
 import glob
 import json
 import os
 import resource
-import types
+from collections import deque
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,33 +19,37 @@ import train
 from command_line import UserError
 from config import load_config
 from conftest import REPO, metrics, tiny, tiny_gpt
-from model import GPT, PRETRAINED, GPTConfig
+from model import GPT, GPTConfig, Targets
 from summarizer import lora, memory, preparation
 
 PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
 RANKS = 2  # Kaggle's two T4s
 
 
-@pytest.mark.parametrize("gib", [15, 80])
-@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
-def test_the_choice_is_the_most_rows_that_fit_the_plan(preset, gib):
-    """Each Kaggle preset on a T4's 15 GiB and on 80 GiB, with rows as long as block_size (the worst a micro-batch
-    can be) and summaries of max_new_tokens: the chosen rows fit, one more does not (or the chosen are a rank's
-    rows of a step)."""
-    cfg = load_config([preset])
-    assert cfg.micro_batch_size == "auto"  # the presets' default
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**PRETRAINED[cfg.init_from]))
+SMALL = dict(n_layer=2, n_head=4, n_embd=128, block_size=256)  # GPT-2's structure and vocabulary, small
+
+
+def small_run(preset, **changes):
+    """(the Workload of Kaggle preset `preset`'s settings on RANKS ranks in fp16 at the SMALL shape, its config)."""
+    cfg = load_config([preset, *(f"--{k}={v}" for k, v in changes.items())])
+    model = GPT(GPTConfig(**SMALL))
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     if cfg.lora_rank:
         lora.add_adapters(model, **lora.settings(cfg))
-    run = memory.Workload(model, cfg, "fsdp" if cfg.backend == "fsdp" else "ddp", RANKS, torch.float16,
-                     longest_row=cfg.block_size, most_targets=cfg.max_new_tokens,
-                     longest_prompt=cfg.block_size - cfg.max_new_tokens)
-    rates = memory.ActivationRates.measure(model.config, lora.settings(cfg), torch.float16)
-    budget = gib * 2**30 * memory.HEADROOM
-    rows, chosen = memory.largest_micro_batch(run, budget, rates)
-    assert chosen == memory.plan(run, rows, rates, budget) and chosen.peak <= budget
-    assert rows == cfg.batch_size // RANKS or memory.plan(run, rows + 1, rates, budget).peak > budget
+    fsdp = cfg.backend == "fsdp"
+    return memory.Workload(model, cfg, "fsdp" if fsdp else "ddp", RANKS, torch.float16, longest_row=256,
+                           most_targets=60, longest_prompt=190, reduce_once=fsdp), cfg
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_the_choice_is_the_most_rows_that_fit_the_ledger(preset):
+    """Each Kaggle preset's settings on a budget that fits 4 rows and not 5: the chosen rows fit every phase, one
+    more does not."""
+    run, cfg = small_run(preset, batch_size=32)
+    budget = (memory.ledger(run, 4, 2**40).peak + memory.ledger(run, 5, 2**40).peak) / 2
+    rows, chosen = memory.largest_micro_batch(run, budget)
+    assert rows == 4 and chosen.peak <= budget < memory.ledger(run, 5, budget).peak
+    assert set(chosen.phases) == {"train", "validation", "rouge_build", "rouge_decode", "save", "after"}
 
 
 def test_a_batch_the_processes_cannot_split_stops_before_the_model_is_built(write_csv, tmp_path, monkeypatch):
@@ -51,7 +58,7 @@ def test_a_batch_the_processes_cannot_split_stops_before_the_model_is_built(writ
     monkeypatch.setattr(preparation, "model_to_train", lambda *args: pytest.fail("the model was built"))
     cfg = load_config([*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--batch_size=15",
                        "--micro_batch_size=auto", f"--data_cache_dir={tmp_path / 'cache'}", f"--out_dir={tmp_path}"])
-    two = types.SimpleNamespace(world_size=2, rank=0, is_main=True, barrier=data.no_op)
+    two = SimpleNamespace(world_size=2, rank=0, is_main=True, barrier=data.no_op)
     with pytest.raises(UserError, match=r"^batch_size=15 does not split over the 2 processes "):
         preparation.prepare(cfg, two)
 
@@ -63,15 +70,68 @@ def test_ddp_holds_one_copy_of_the_gradients_its_buckets():
     assert memory.parameter_bytes(model, "accelerate", RANKS)[1] == memory.nbytes(model.parameters())
 
 
-def test_activations_grow_with_rows_and_checkpointing_keeps_less():
-    """gpt2 under fp16 autocast: each row adds the same bytes (scaled_dot_product_attention keeps O(T) state), the
-    16-bit weight copies autocast keeps do not grow with rows, and a checkpointed model keeps far less."""
-    config = GPTConfig(**PRETRAINED["gpt2"])
-    rates = memory.ActivationRates.measure(config, lora.settings(load_config([])), torch.float16)
-    full = [rates.bytes(rows, 512, rows * 60, config.n_layer, checkpointing=False) for rows in (1, 2, 4)]
-    assert full[0] < full[1] < full[2] and full[2] - full[1] == pytest.approx(2 * (full[1] - full[0]))
-    assert rates.rest_fixed == pytest.approx(config.vocab_size * config.n_embd * 2, rel=0.05)  # wte's fp16 copy
-    assert rates.bytes(4, 512, 240, config.n_layer, checkpointing=True) < full[2] / 3
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_ledger_agrees_with_torchs_memory_tracker_on_real_tensors(lora_rank):
+    """The ledger counts fake tensors; torch's MemTracker counts a real step of the same model on the CPU (its
+    weights, AdamW's moments, and a bf16-autocast forward and backward, flash attention's O(T) state): within 10%,
+    as validation's forward and a LoRA run's merged weights for best.pt (the save)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    torch.manual_seed(0)
+    run, cfg = small_run(PRESETS[0], lora_rank=lora_rank, gradient_checkpointing=lora_rank > 0, micro_batch_size=4,
+                         batch_size=8)
+    run = replace(run, backend="none", world_size=1, dtype=torch.bfloat16)
+    model = run.model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    x = torch.randint(0, 50000, (4, 256))
+    y = x.clone()
+    y[:, :-60] = -1
+
+    def peak(fn):
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            fn()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x, Targets.of(y))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if lora_rank:  # MemTracker's module hooks cannot take frozen weights: the merge for best.pt, no module run
+        measured = {"save": peak(lambda: deque(lora.merged_weights(model.state_dict(), **lora.settings(cfg)), 0))}
+    else:
+        step()  # AdamW's moments exist from the first step on
+        measured = {"train": peak(step)}
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            measured["validation"] = peak(lambda: model(x, Targets.of(y)))
+    counted = memory.ledger(run, 4, 2**40).phases
+    for phase, size in measured.items():
+        assert counted[phase] == pytest.approx(size, rel=0.1), (phase, counted[phase] / 2**20, size / 2**20)
+
+
+class OneRow(SimpleNamespace):
+    def __len__(self):
+        return 1
+
+
+def test_reduce_once_is_decided_before_the_micro_batch_and_counted_in_it(monkeypatch, capsys):
+    """fsdp_reduce_once=auto: on where the ledger of one row with it (every weight gathered, the fp32 gradients
+    unsharded) fits, off where it does not (one line says so), decided before the micro-batch plan, which counts
+    what it holds."""
+    run, cfg = small_run(PRESETS[0], backend="fsdp", batch_size=32)
+    off, on = (memory.ledger(replace(run, reduce_once=once), 1, 2**40) for once in (False, True))
+    assert on.phases["train"] != off.phases["train"] and on.peak == on.phases["train"]
+    train_set = SimpleNamespace(lengths=np.array([256]), target_counts=lambda _: np.array([60]))
+    for budget, decided in ((on.peak + 2**20, True), (on.peak - 2**20, False)):
+        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cpu"),
+                             is_main=True, all_gather_objects=lambda mine: [mine] * RANKS,
+                             parallel=SimpleNamespace(reduce_once="auto"))
+        monkeypatch.setattr(memory, "device_memory", lambda device, budget=budget: int(budget))
+        planned, _ = memory.workload(cfg, rt, run.model, train_set, OneRow(prompt_lens=np.array([190])))
+        assert planned.reduce_once is decided and rt.parallel.reduce_once is decided
+        assert ("reducing once per optimizer step would need" in capsys.readouterr().out) is not decided
 
 
 def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monkeypatch, capsys):
@@ -79,9 +139,9 @@ def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monke
     trains with the losses of --micro_batch_size=2."""
     chosen = memory.largest_micro_batch
 
-    def two_fit(run, budget, rates):
-        between = (memory.plan(run, 2, rates, budget).peak + memory.plan(run, 3, rates, budget).peak) / 2
-        return chosen(run, between, rates)
+    def two_fit(run, budget):
+        between = (memory.ledger(run, 2, budget).peak + memory.ledger(run, 3, budget).peak) / 2
+        return chosen(run, between)
     monkeypatch.setattr(memory, "largest_micro_batch", two_fit)
     args = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=4",
             "--max_iters=3", "--eval_interval=3", "--rouge_samples=0", "--best_metric=val_loss", "--log_interval=1",

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import evaluate
 import generate
@@ -100,8 +101,8 @@ def out_of_memory_above(monkeypatch, method, rows, limit, kind):
     """GPT.<method> runs out of memory on `kind` when rows(its arguments) is above `limit`."""
     original = getattr(GPT, method)
 
-    def limited(model, *args, **kwargs):
-        if rows(*args) > limit:
+    def limited(model, *args, **kwargs):  # the memory ledger's fake tensors hold no memory to run out of
+        if rows(*args) > limit and not any(isinstance(a, FakeTensor) for a in args):
             run_out_of_memory(kind)
         return original(model, *args, **kwargs)
     monkeypatch.setattr(GPT, method, limited)

@@ -1,6 +1,7 @@
 """The run folder (summarizer/run_folder.py): one training run at a time holds out_dir; a fresh run moves an earlier
 run aside only once its inputs are checked; commands that miss a file name the earlier run's copy; evaluate.py on
 a folder a training run holds says so; what a process killed while saving left goes at the next command."""
+import dataclasses
 import json
 import os
 import signal
@@ -9,13 +10,16 @@ import sys
 import time
 
 import pytest
+import torch
 
 import command_line
 import data
 import predict
 import train
+from bench import memory as bench_memory
 from bench import preflight
 from command_line import UserError
+from config import load_config
 from conftest import (
     HANG,
     REPO,
@@ -27,6 +31,7 @@ from conftest import (
     tiny,
     torchrun,
 )
+from model import PRETRAINED
 from summarizer import run_folder
 from summarizer.clock import RunClock
 
@@ -215,3 +220,27 @@ def test_a_checkpoint_missing_in_out_dir_names_the_newest_that_a_fresh_run_moved
     os.utime(tmp_path / "previous-run-20260101-000000" / "best.pt", (0, 0))
     assert run_folder.missing_file_hint(str(tmp_path / "best.pt"), "--ckpt") == (
         f"; an earlier run's is {newest} (a fresh run moved it there): use it with --ckpt={newest}")
+
+
+def test_gpt2_large_two_sessions_fit_kaggles_20_gb_output_quota(tmp_path, monkeypatch):
+    """gpt2-large's preset at its real shape (meta tensors): its ckpt.pt (9.3 GB) and best.pt (3.1 GB) fit the 20 GB
+    that /kaggle/working keeps, so session 1 keeps there what session 2 resumes from; the second copy while a save
+    replaces ckpt.pt (21.7 GB at the peak) is on the disk's free space, and goes as the save ends. Each of session
+    1's saves fits as well, and a quota under what the folder keeps is still refused."""
+    monkeypatch.setattr(run_folder, "free_bytes", lambda path: 60 * run_folder.GB)  # a Kaggle disk's free space
+    working = tmp_path / "working"
+    cfg = load_config([os.path.join(REPO, "config", "kaggle_t4x2_gpt2-large.py"), f"--out_dir={working / 'out'}",
+                       f"--output_quota_dir={working}", "--output_quota_gb=20"])
+    model = bench_memory.build(PRETRAINED["gpt2-large"], "meta", cfg)
+    plan = run_folder.DiskPlan(model, cfg, train_rows=14_732)
+    assert plan.peak > 20 * run_folder.GB > plan.kept and plan.problem(resuming=False) is None
+    (working / "out").mkdir(parents=True)
+    for name, size in ((run_folder.CKPT, plan.ckpt), (run_folder.BEST, plan.best)):  # session 1's last save
+        with open(working / "out" / name, "wb") as f:
+            f.truncate(size)
+    state = {"model": {n: torch.empty(p.shape, device="meta") for n, p in model.named_parameters()},
+             "optimizer": [torch.empty(2 * p.numel(), device="meta") for p in model.parameters()]}
+    assert run_folder.save_problem([(str(working / "out" / run_folder.CKPT), state)], 100,
+                                   run_folder.Quota.of(cfg)) is None
+    problem = run_folder.DiskPlan(model, dataclasses.replace(cfg, output_quota_gb=12)).problem(resuming=False)
+    assert "left of the 12 GB output quota" in problem and "it keeps 12.4 GB" in problem

@@ -412,8 +412,9 @@ class System:
     fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
                                           "once per optimizer step, the weights gathered and fp32 gradients "
                                           "unsharded through its micro-steps (far less traffic, more memory); auto "
-                                          "= when these, the shards and AdamW state fit the GPU (activations not "
-                                          "counted), False = after every micro-step",
+                                          "= where the memory ledger of one row with it fits the GPU (decided "
+                                          "before micro_batch_size=auto, which counts it), False = after every "
+                                          "micro-step",
                                           Scope.COMMAND, ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_CUMEM_HOST_ENABLE=0: GPUs talk through "
                                            "host memory's /dev/shm files (hosts without peer access, e.g. Kaggle's "

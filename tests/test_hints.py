@@ -180,10 +180,11 @@ def test_a_sample_submission_unlike_test_csv_names_the_way_to_skip_its_check(sam
     assert len(pd.read_csv(tmp_path / "out" / "submission.csv")) == 3
 
 
-def test_a_json_train_csv_beside_a_csv_converts_to_a_free_name_and_trains(trained, tmp_path, capsys):
-    """The conversion hint, run as it is written, writes a CSV no file had (train.csv beside it is kept) and the
-    flag it names trains."""
+def test_a_json_train_csv_beside_a_csv_converts_to_a_free_name_and_trains(trained, tmp_path, capsys, monkeypatch):
+    """The conversion hint, run as it is written from the working folder, writes a CSV no file had there (train.csv
+    is kept) and the flag it names trains."""
     folder, args = trained
+    monkeypatch.chdir(tmp_path)
     rows = synthetic_rows(24, seed=3)
     pd.DataFrame(rows).to_json(tmp_path / "train.json", orient="records")
     save_csv(tmp_path / "train.csv", synthetic_rows(24, seed=4))

@@ -75,7 +75,8 @@ NOT_CSVS = [
 
 
 @pytest.mark.parametrize("name, content, pattern", NOT_CSVS, ids=[f"{name}: {p[3:20]}" for name, _, p in NOT_CSVS])
-def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, pattern, tmp_path):
+def test_a_file_that_is_not_a_csv_is_one_line_saying_what_it_is(name, content, pattern, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a conversion hint's CSV goes
     path = write(tmp_path, name, content)
     with pytest.raises(data.UserError) as info:
         data.read_table(path, "train_csv", load_config([f"--train_csv={path}"]))

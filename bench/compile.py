@@ -149,8 +149,9 @@ def launches_per_greedy_step(rows=8, prompt_len=32):
 
 @contextlib.contextmanager
 def kv_cache_traffic():
-    """Counts KV-cache bytes: read by attention (the slots each decode step attends to; a SharedPromptCache's
-    prompts once) and copied by row selection (rows dropped, reordered or repeated). Yields the running totals."""
+    """Counts KV-cache bytes: read by attention (the slots each decode step attends to; a SharedPromptCache's row
+    once for its prompt's rows) and copied by row selection (rows dropped, reordered or repeated). Yields the
+    running totals."""
     traffic = {"read": 0, "copied": 0}
     full, shared = model_module.KVCache, model_module.SharedPromptCache
     originals = [(full, "update"), (full, "select_rows"), (shared, "attend")]
@@ -162,7 +163,7 @@ def kv_cache_traffic():
             if name == "update":
                 traffic["read"] += out[0].nbytes + out[1].nbytes
             elif name == "attend":
-                traffic["read"] += self.prompt.kv.nbytes
+                traffic["read"] += self.kv[:, :, :, :args[3].size(-1)].nbytes  # the slots its mask covers
             else:
                 traffic["copied"] += out.kv.nbytes
             return out

@@ -447,23 +447,27 @@ def ended_rows(tokens, owners, results, eos, last=False):
 
 def capture_graph(step, stream=None):
     """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly), warmed up (lazy
-    initialization stays out of the graph) and captured on one side stream: cuBLAS keeps a workspace per stream.
-    A capture that raises restores the stream (torch.cuda.graph ends the capture first), frees what it allocated
-    and raises the step's own error, not capture_end's "previous error during capture"."""
-    current, stream = torch.cuda.current_stream(), stream or torch.cuda.Stream()
+    initialization stays out of the graph) and captured on one side stream, torch.cuda.graph's (one a process: cuBLAS
+    keeps a workspace per stream), but not by torch.cuda.graph, which empties the allocator's cache (a training
+    run's) at every capture. A capture that raises restores the stream, frees what it allocated and raises the
+    step's own error, not capture_end's "previous error during capture"."""
+    graph, error = torch.cuda.CUDAGraph(), None
+    current, stream = torch.cuda.current_stream(), stream or torch.cuda.graph(graph).capture_stream
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for _ in range(3):
             expected = step()
-    graph, error = torch.cuda.CUDAGraph(), None
+    torch.cuda.synchronize()  # `expected` is ready after it
     try:
-        # synchronizes first (`expected` is ready after it); thread_local: another thread's CUDA calls (the NCCL
-        # watchdog's event queries under torchrun, which torch before 2.8 makes in the global mode) cannot end it
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.stream(stream):
+            # thread_local: another thread's CUDA calls (the NCCL watchdog's event queries under torchrun, which
+            # torch before 2.8 makes in the global mode) cannot end it
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 output = step()
-            except Exception as e:  # raised once the stream is restored
+            except Exception as e:  # raised once the capture has ended
                 error = e
+            graph.capture_end()
     except Exception as e:
         error = error or e
     finally:

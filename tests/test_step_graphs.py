@@ -1,9 +1,10 @@
 """Greedy's steps as CUDA graphs (generate.StepGraphs, generate.capture_graph), on the CPU with CUDA faked where a GPU
 would fail: a graph records the step's ATen operators once, at its capture, and a replay runs the recording again
 on the buffers it was captured on, so a step that reads the host fails its capture as on a GPU. Replayed steps
-decode as eager generate, through row buckets, EOS and compaction, one graph per (model, rows, slots); a capture
-that fails, or a first replay beyond the dtype's tolerance, decodes eagerly from then on, with one line, the stream
-and the memory as they were; summarizing says after the fact which way the steps ran."""
+decode as eager generate, through row buckets, EOS and compaction, one graph per (model, rows, slots), captured once
+a summarizing call on one side stream, the allocator's cache kept; a capture that fails, or a first replay beyond the
+dtype's tolerance, decodes eagerly from then on, with one line, the stream and the memory as they were; summarizing
+says after the fact which way the steps ran."""
 import contextlib
 import copy
 import re

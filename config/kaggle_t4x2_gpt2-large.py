@@ -1,7 +1,7 @@
 """GPT-2 large (774M) on Kaggle's 2x T4, full fine-tuning with FSDP (weights, gradients and AdamW state split
 across the two GPUs) and gradient checkpointing:
     torchrun --standalone --nproc_per_node=2 train.py config/kaggle_t4x2_gpt2-large.py
-python -m bench --section=memory (the T4 ledger): at most 12.2 GiB per GPU (training, with reduce-once, 16 rows);
+python -m bench --section=memory (the T4 ledger): at most 12.9 GiB per GPU (training, with reduce-once, 22 rows);
 ckpt.pt and best.pt keep 12.4 GB of Kaggle's 20 GB output quota.
 dtype and compile are auto: float16 with a GradScaler and torch.compile on a T4, bfloat16 from Ampere on."""
 init_from = "gpt2-large"

@@ -2,7 +2,8 @@
 gradient checkpointing; best.pt holds the merged weights, so evaluate.py/predict.py need no base model:
     torchrun --standalone --nproc_per_node=2 train.py config/kaggle_t4x2_gpt2-xl.py
 python -m bench --section=memory (the T4 ledger): at most 12.6 GiB per GPU (training, 26 rows; the frozen base in
-fp16, the ROUGE copy 6.2). Full fine-tuning fits only sharded, at micro-batch 4 (14.0 GiB by the plan before the ledger):
+fp16, the ROUGE copy 6.2). Full fine-tuning fits only sharded, at micro-batch 4 (14.0 GiB by the plan before the
+ledger):
     ... --lora_rank=0 --learning_rate=2e-4 --min_lr=2e-5 --backend=fsdp --micro_batch_size=4 \
         --rouge_samples=0 --best_metric=val_loss
 (ROUGE during training needs a gathered copy of the weights that does not fit next to the shards; score

@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import train
 from model import GPT
@@ -17,8 +18,8 @@ LIMIT = 2
 
 def limited(original, rows):
     """`original`, out of memory when rows(its arguments) is above LIMIT."""
-    def method(model, *args, **kwargs):
-        if rows(*args) > LIMIT:
+    def method(model, *args, **kwargs):  # the memory ledger's fake tensors hold no memory to run out of
+        if rows(*args) > LIMIT and not any(isinstance(a, FakeTensor) for a in args):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         return original(model, *args, **kwargs)
     return method

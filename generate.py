@@ -45,8 +45,9 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         graphed = graphs is not None and not torch.is_autocast_enabled(device.type)
         return greedy(model, prompts, d.max_new_tokens, processors, graphs if graphed else None, compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
-    # the prompts' slots alone: each row's new tokens go into its own slots (share_prompts)
-    kv_caches = [KVCache(state.prompt_len) for _ in model.transformer.h]
+    # the prompts' slots, then max_new own slots for each of a prompt's rows
+    slots = state.prompt_len + max(d.num_beams, d.mbr_samples, num_return_sequences) * d.max_new_tokens
+    kv_caches = [SharedPromptCache(slots) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
     run = Decoder(model, processors, eos_token_id, compact_below)
 
@@ -62,7 +63,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         # whichever batch it is decoded in (a memory budget may split batches) and however rows end
         entropy = np.random.SeedSequence().entropy if seed is None else seed
         streams = [np.random.default_rng([entropy, *prompt]) for prompt in prompts]
-        if d.mbr_samples:  # beam_search and decode_rows change neither the state nor the caches they are given
+        if d.mbr_samples:  # beam_search and decode_rows change neither the state nor the prompts' slots
             best = deterministic(state, kv_caches) if d.mbr_include_beam else [[] for _ in prompts]
             samples = run.decode_rows(logits, state, kv_caches, streams, d.mbr_samples)
             results = [[mbr_choice(b[:1], s, mbr_pick, d.mbr_metric)] for b, s in zip(best, samples, strict=True)]
@@ -104,8 +105,8 @@ def mbr_choice(best, samples, mbr_pick, metric):
 
 
 class DecodeState:
-    """The left-padded rows being decoded over SharedPromptCaches: token history, each row's padding and position,
-    and the own slot (0: the first new token's) that the next token goes into, with the mask of those written."""
+    """The left-padded rows being decoded, n a prompt (share), over SharedPromptCaches: token history, each row's
+    padding and position; each step, the (prompt, slot) its token goes into and the mask of the slots it attends."""
 
     def __init__(self, prompts, max_new_tokens, device):
         P = max(len(p) for p in prompts)
@@ -116,17 +117,29 @@ class DecodeState:
         self.history = torch.tensor(history, dtype=torch.long, device=device)
         self.pad = torch.tensor([P - len(p) for p in prompts], device=device)
         self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)  # append() moves them on
-        self.input_pos = torch.tensor([-1], device=device)
-        # every row's alike: none of its own slots written yet
-        self.own_mask = attention_mask(torch.zeros(1, max_new_tokens, dtype=torch.bool, device=device), torch.float32)
+        # of each token generated, which of its prompt's rows holds it (a beam's earlier tokens: its ancestors')
+        self.owner = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=device)
         self.generated = 0  # tokens generated so far
 
+    def share(self, n, dtype):
+        """The prompts continued by n rows each (row j of a prompt writes its tokens from slot P + j * max_new on),
+        masks in `dtype` (the caches')."""
+        shared = self.select_rows(torch.arange(len(self.pad), device=self.pad.device).repeat_interleave(n))
+        shared.n, shared.dtype = n, dtype
+        return shared
+
     def append(self, next_tokens):
-        """Record each row's next token and point the state at the own slot it goes into."""
-        self.history[:, self.prompt_len + self.generated] = next_tokens
+        """Record each row's next token, its (prompt, slot) and the mask of what it attends: its prompt's real
+        slots and the slots that hold its tokens."""
+        P, M, t, device = self.prompt_len, self.max_new, self.generated, self.pad.device
+        row = torch.arange(len(self.pad), device=device)
+        self.history[:, P + t] = next_tokens
         self.positions = self.positions + 1
-        self.input_pos = self.input_pos + 1
-        self.own_mask = self.own_mask.index_fill(3, self.input_pos, 0)  # a new one: copies share the old
+        self.owner[:, t] = row % self.n
+        self.input_pos = (row // self.n, P + M * (row % self.n) + t)
+        own = (self.owner[:, None] == row[:self.n, None]) & (torch.arange(M, device=device) <= t)  # (rows, n, M)
+        allowed = torch.cat((torch.arange(P, device=device) >= self.pad[:, None], own.flatten(1)), dim=1)
+        self.mask = attention_mask(allowed, self.dtype).view(-1, 1, self.n, allowed.size(1))
         self.generated += 1
 
     def seen_tokens(self):
@@ -135,7 +148,8 @@ class DecodeState:
     def select_rows(self, rows):
         """A copy of the rows `rows` (index tensor: kept, reordered or repeated)."""
         selected = copy.copy(self)
-        selected.history, selected.pad, selected.positions = self.history[rows], self.pad[rows], self.positions[rows]
+        selected.history, selected.pad, selected.positions, selected.owner = (
+            self.history[rows], self.pad[rows], self.positions[rows], self.owner[rows])
         return selected
 
 
@@ -209,8 +223,7 @@ class Decoder:
         at its prompt's stream's next uniform number, in row order: a prompt's draws depend on its stream and itself
         alone. Ended rows stay until compaction (compact_below)."""
         n, max_new, device = per_prompt, state.max_new, logits.device
-        kv_caches = share_prompts(kv_caches, state, n)
-        state = state.select_rows(torch.arange(logits.size(0), device=device).repeat_interleave(n))
+        state = state.share(n, kv_caches[0].kv.dtype)
         results = [[] for _ in range(logits.size(0))]
         rows = [(r, []) for r in range(len(results)) for _ in range(n)]  # (prompt, new tokens), None once ended
         # Running rows of one prompt with the same tokens so far share a distribution (class): lm_head and the
@@ -246,14 +259,14 @@ class Decoder:
                 prompts = torch.tensor(running, device=device)
                 kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
                 state, every = state.select_rows(kept), every[kept]
-                kv_caches = [cache.select_rows(kept, prompts) for cache in kv_caches]
+                kv_caches = [cache.select_rows(prompts) for cache in kv_caches]
                 rows, alike = ([x[p * n + j] for p in running for j in range(n)] for x in (rows, alike))
             heads = [0] * len(classes)
             for i in reversed(range(len(rows))):
                 if rows[i] is not None:
                     heads[alike[i]] = i
             state.append(every)
-            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.own_mask,
+            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.mask,
                                             torch.tensor(heads, device=device))
         return results
 
@@ -264,8 +277,7 @@ class Decoder:
         finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
         B, V, K, max_new = logits.size(0), logits.size(-1), num_beams, state.max_new
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
-        kv_caches = share_prompts(kv_caches, state, K)
-        state = state.select_rows(expand)
+        state = state.share(K, kv_caches[0].kv.dtype)
         logits = logits[expand]
         running_scores, running_seqs, finished_scores, finished_seqs, finished_lengths, is_finished, improvable = \
             beam_tensors(B, K, max_new, self.eos, logits.device)
@@ -301,12 +313,10 @@ class Decoder:
             improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
             if not (improvable.any() & ~hits_stop.all()).item():  # the step's one wait for the device
                 break
-            reorder = (batch_offset + parent).view(-1)
-            kv_caches = [cache.select_rows(reorder) for cache in kv_caches]
-            state = state.select_rows(reorder)
+            state = state.select_rows((batch_offset + parent).view(-1))  # the caches stay: `owner` follows the beams
             tokens = running_seqs[:, :, step].reshape(-1, 1)
             state.append(tokens[:, 0])
-            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.own_mask)
+            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.mask)
         n = num_return_sequences
         return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]
@@ -321,16 +331,6 @@ def beam_tensors(B, K, max_new, eos, device):
     return (running_scores, running_seqs, torch.full((B, K), -1e9, device=device), running_seqs.clone(),
             torch.zeros(B, K, dtype=torch.long, device=device), torch.zeros(B, K, dtype=torch.bool, device=device),
             torch.ones(B, 1, dtype=torch.bool, device=device))
-
-
-def share_prompts(kv_caches, state, per_prompt):
-    """Each layer's prefilled cache (the prompts' slots, not copied) shared by per_prompt rows a prompt, beside each
-    row's own max_new slots (zeros)."""
-    real = torch.arange(state.prompt_len, device=state.pad.device) >= state.pad[:, None]
-    pad_mask = attention_mask(real, torch.float32)
-    return [SharedPromptCache(c, KVCache(state.max_new, c.kv.new_zeros(len(c.kv) * per_prompt, *c.kv.shape[1:3],
-                                                                       state.max_new, c.kv.size(4))), pad_mask)
-            for c in kv_caches]
 
 
 def inverse_cdf(probs, u):
@@ -447,23 +447,27 @@ def ended_rows(tokens, owners, results, eos, last=False):
 
 def capture_graph(step, stream=None):
     """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly), warmed up (lazy
-    initialization stays out of the graph) and captured on one side stream: cuBLAS keeps a workspace per stream.
-    A capture that raises restores the stream (torch.cuda.graph ends the capture first), frees what it allocated
-    and raises the step's own error, not capture_end's "previous error during capture"."""
-    current, stream = torch.cuda.current_stream(), stream or torch.cuda.Stream()
+    initialization stays out of the graph) and captured on one side stream, torch.cuda.graph's (one a process: cuBLAS
+    keeps a workspace per stream), but not by torch.cuda.graph, which empties the allocator's cache (a training
+    run's) at every capture. A capture that raises restores the stream, frees what it allocated and raises the
+    step's own error, not capture_end's "previous error during capture"."""
+    graph, error = torch.cuda.CUDAGraph(), None
+    current, stream = torch.cuda.current_stream(), stream or torch.cuda.graph(graph).capture_stream
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for _ in range(3):
             expected = step()
-    graph, error = torch.cuda.CUDAGraph(), None
+    torch.cuda.synchronize()  # `expected` is ready after it
     try:
-        # synchronizes first (`expected` is ready after it); thread_local: another thread's CUDA calls (the NCCL
-        # watchdog's event queries under torchrun, which torch before 2.8 makes in the global mode) cannot end it
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.stream(stream):
+            # thread_local: another thread's CUDA calls (the NCCL watchdog's event queries under torchrun, which
+            # torch before 2.8 makes in the global mode) cannot end it
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 output = step()
-            except Exception as e:  # raised once the stream is restored
+            except Exception as e:  # raised once the capture has ended
                 error = e
+            graph.capture_end()
     except Exception as e:
         error = error or e
     finally:

@@ -71,48 +71,29 @@ class KVCache:
 
     def select_rows(self, rows):
         """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
-        return KVCache(self.slots, self.kv[rows])
+        return type(self)(self.slots, self.kv[rows])
 
 
-class SharedPromptCache(NamedTuple):
-    """One layer's keys and values while several rows (samples, beams) continue each prompt: the prompts' slots (a
-    KVCache of one row a prompt, read once a step for all of its rows) and each row's own generated slots (a KVCache,
-    a prompt's rows one after another, slot 0 its first new token); `pad_mask` (prompts, 1, 1, P), additive, hides
-    the prompts' padding."""
-    prompt: KVCache
-    own: KVCache
-    pad_mask: torch.Tensor
+class SharedPromptCache(KVCache):
+    """One layer's keys and values while several rows (samples, beams) continue each prompt: a row a prompt, its
+    prompt's slots (write_prompts), then its rows' generated slots. A decode step reads each prompt's row once, in
+    its own dtype, for all of its rows: one SDPA call (which sums in float32), the rows its queries, the mask
+    keeping each row to its prompt and its own tokens."""
 
     def attend(self, q, input_pos, kv, mask):
-        """A decode step's attention: kv written at own slots input_pos, q over its prompt and its own slots."""
-        self.own.update(input_pos, kv)
-        return shared_prompt_attention(q, self, mask)
-
-    def select_rows(self, rows, prompts=None):
-        """A copy of the rows `rows` (index tensor) and, where given, of the prompts `prompts` they continue."""
-        if prompts is None:
-            return self._replace(own=self.own.select_rows(rows))
-        return SharedPromptCache(self.prompt.select_rows(prompts), self.own.select_rows(rows), self.pad_mask[prompts])
+        """kv (rows, 2, heads, 1, head_dim) written at each row's (prompt, slot) in input_pos; q over its prompt's
+        first mask.size(-1) slots as the additive mask (prompts, 1, rows a prompt, slots) allows."""
+        self.kv[input_pos[0], :, :, input_pos[1]] = kv[:, :, :, 0]
+        B, _, H, _, D = self.kv.shape
+        k, v = self.kv[:, :, :, :mask.size(-1)].unbind(1)
+        y = F.scaled_dot_product_attention(q.reshape(B, -1, H, D).transpose(1, 2), k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(q.shape)
 
 
 def attention_mask(allowed, dtype):
     """The additive mask (rows, 1, 1, slots) of a boolean (rows, slots): 0 where allowed, -inf elsewhere."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, -math.inf)[:, None, None]
-
-
-def shared_prompt_attention(q, cache, mask):
-    """A decode step's attention of q (rows, heads, 1, head_dim) over each row's prompt in `cache`, read once for its
-    rows, and over the row's own slots as the additive mask allows. Scores, softmax and sums in float32 (one cast of
-    each cache): as precise as full-cache SDPA, where half-precision scores would round before the softmax."""
-    B, _, H, P, D = cache.prompt.kv.shape
-    (prompt_k, prompt_v), (k, v) = cache.prompt.kv.float().unbind(1), cache.own.kv.float().unbind(1)
-    q = q.float() * D ** -0.5
-    prompt = q.view(B, -1, H, D).transpose(1, 2) @ prompt_k.transpose(2, 3)  # (prompts, H, per_prompt, P)
-    prompt = (prompt + cache.pad_mask).transpose(1, 2).reshape(-1, H, 1, P)
-    probs = torch.cat((prompt, q @ k.transpose(2, 3) + mask), dim=-1).softmax(dim=-1)
-    from_prompt = probs[..., :P].reshape(B, -1, H, P).transpose(1, 2) @ prompt_v
-    return (from_prompt.transpose(1, 2).reshape(-1, H, 1, D) + probs[..., P:] @ v).to(cache.own.kv.dtype)
 
 
 class CausalSelfAttention(nn.Module):

@@ -277,19 +277,17 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
 def kv_bytes_per_step(model, prompts, decoding):
     """(prompt slots', all slots') KV-cache bytes the attention reads per decode step and prompt in one generate()
     of `prompts` (no EOS): a shared prompt's (SharedPromptCache) once for all of its rows, else once per row."""
-    read, calls = [0, 0], [0]
+    read, calls, P = [0, 0], [0], max(map(len, prompts))
 
     def count(module, args):
         x, cache, mask, lengths = args[0], args[1], args[3], args[4]
         if lengths is None:
             calls[0] += module is model.transformer.h[0].attn
-            shared = isinstance(cache, SharedPromptCache)
-            kv = cache.prompt.kv if shared else cache.kv  # (rows or prompts, 2, heads, slots, head_dim)
-            P = kv.size(3) if shared else mask.size(-1) - calls[0]  # greedy's: the padded prompt's, then one a token
-            prompt_slots = kv.size(0) * P
-            slot = kv[0, :, :, 0].numel() * kv.element_size()
+            shared = isinstance(cache, SharedPromptCache)  # a row a prompt: P slots, then its rows' own
+            prompt_slots = cache.kv.size(0) * (P if shared else mask.size(-1) - calls[0])  # greedy: one a token
+            slot = cache.kv[0, :, :, 0].numel() * cache.kv.element_size()
             read[0] += prompt_slots * slot
-            read[1] += (prompt_slots + x.size(0) * (cache.own.kv.size(3) if shared else calls[0])) * slot
+            read[1] += (cache.kv.size(0) * mask.size(-1) if shared else prompt_slots + x.size(0) * calls[0]) * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
     generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=scoring.mbr_pick)

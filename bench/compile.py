@@ -119,23 +119,25 @@ def launches_per_greedy_step(rows=8, prompt_len=32):
 
 
 def counting(cls, name, count):
-    """cls.name patched to call count(self, its output) after each call."""
+    """cls.name patched to call count(self, its output, its arguments) after each call."""
     method = getattr(cls, name)
 
     def counted(self, *args, **kwargs):
         out = method(self, *args, **kwargs)
-        count(self, out)
+        count(self, out, *args)
         return out
     return mock.patch.object(cls, name, counted)
 
 
 @contextlib.contextmanager
 def kv_cache_traffic():
-    """KV-cache bytes read by attention (a SharedPromptCache's prompts once) and copied by row selection."""
+    """KV-cache bytes read by attention (a SharedPromptCache's row once for its prompt's rows: the slots its mask
+    covers) and copied by row selection."""
     traffic, full, shared = collections.Counter(), model_module.KVCache, model_module.SharedPromptCache
-    with (counting(full, "update", lambda _, out: traffic.update(read=out[0].nbytes + out[1].nbytes)),
-          counting(full, "select_rows", lambda _, out: traffic.update(copied=out.kv.nbytes)),
-          counting(shared, "attend", lambda cache, _: traffic.update(read=cache.prompt.kv.nbytes))):
+    with (counting(full, "update", lambda _, out, *args: traffic.update(read=out[0].nbytes + out[1].nbytes)),
+          counting(full, "select_rows", lambda _, out, *args: traffic.update(copied=out.kv.nbytes)),
+          counting(shared, "attend", lambda cache, _, q, slots, kv, mask: traffic.update(
+              read=cache.kv[:, :, :, :mask.size(-1)].nbytes))):
         yield traffic
 
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 import data
 from command_line import UserError
 from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
-from generate import generate, plain_greedy
+from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder, scoring
 from summarizer.checkpoint import load_checkpoint
@@ -263,6 +263,9 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
     decoding = part(cfg, Decoding)
     batches = generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, memory, dtype, rank, world_size)
+    # the largest greedy cache first: the storage of the graphs (StepGraphs.hold), sized by it, serves every batch
+    batches.sort(key=lambda batch: -len(batch) * greedy_slots(max(len(prompts[i]) for i in batch),
+                                                              decoding.max_new_tokens, model.config.block_size))
     summaries = [None] * len(prompts)
     was_training = model.training
     model.eval()

@@ -1,4 +1,5 @@
 import collections
+import copy
 import random
 from dataclasses import replace
 from unittest import mock
@@ -13,6 +14,7 @@ from config import Decoding
 from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
+from model import GPT, KVCache
 from summarizer.scoring import agreement, mbr_pick, mbr_select
 
 MAX_NEW = 24
@@ -227,26 +229,61 @@ def test_samples_follow_the_model_distribution(ours):
 
 @pytest.mark.parametrize("settings", [dict(num_beams=4), dict(temperature=1.0, top_k=3, mbr_samples=6)])
 def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts, eos, settings):
-    # every decode step attends each prompt's keys and values once for all of its rows, and each row keeps its
-    # generated slots only (beam search reorders those alone); the prefill's cache holds the prompt's slots alone
+    # every decode step attends each prompt's cache row once for all of its rows (the prompt's slots, then each
+    # row's generated ones); beam search reorders its beams without copying a cache
     steps = []
 
     def record(module, args):
-        x, cache, lengths = args[0], args[1], args[4]
+        x, cache, mask, lengths = args[0], args[1], args[3], args[4]
         if lengths is None:
-            steps.append((x.size(0), cache.prompt.kv.size(0), cache.own.slots, cache.prompt.kv.size(3)))
+            steps.append((x.size(0), cache.kv.size(0), mask.size(-1), cache.kv.size(3)))
 
     hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
     try:
-        generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, mbr_include_beam=False, **settings), eos_token_id=eos,
-                 seed=0, mbr_pick=mbr_pick)
+        with mock.patch.object(KVCache, "select_rows", side_effect=AssertionError("a cache copied")):
+            generate(ours, prompts, Decoding(max_new_tokens=MAX_NEW, mbr_include_beam=False, **settings),
+                     eos_token_id=eos, seed=0, mbr_pick=mbr_pick, compact_below=0.0)
     finally:
         for hook in hooks:
             hook.remove()
-    per_prompt = settings.get("num_beams", settings.get("mbr_samples"))
-    P = max(map(len, prompts))
-    assert steps[0] == (len(prompts) * per_prompt, len(prompts), MAX_NEW, P) and len(steps) > len(ours.transformer.h)
-    assert all(rows == cached * per_prompt and (slots, prompt) == (MAX_NEW, P) for rows, cached, slots, prompt in steps)
+    n = settings.get("num_beams", settings.get("mbr_samples"))
+    slots = max(map(len, prompts)) + n * MAX_NEW
+    assert steps[0] == (len(prompts) * n, len(prompts), slots, slots) and len(steps) > len(ours.transformer.h)
+    assert all(rows == cached * n and attended == slots for rows, cached, attended, _ in steps)
+
+
+class CastBytes(TorchDispatchMode):
+    """The bytes that operators write converting tensors to another dtype (under inference_mode .to() reaches
+    dispatch as aten.to, else as aten._to_copy)."""
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+        if func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy, torch.ops.aten.copy_) and (
+                source.dtype != out.dtype):
+            self.bytes += out.nbytes
+        return out
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=4),
+                                      dict(temperature=1.0, top_k=3, mbr_samples=8, mbr_include_beam=False)])
+def test_beams_and_samples_read_their_caches_in_bfloat16_casting_none(ours, prompts, eos, settings):
+    # a T4 decodes at its memory's bandwidth: a decode step in bfloat16 reads the caches in their own dtype, casting
+    # at most a quarter of the prompts' caches' bytes (a float32 copy of every cache: 2.9x with 4 beams, 6x with 8)
+    model, casts = copy.deepcopy(ours).to(torch.bfloat16), []
+
+    def counted(*args, **kwargs):
+        with CastBytes() as cast:
+            logits = GPT.next_logits(model, *args, **kwargs)
+        casts.append(cast.bytes)
+        return logits
+    model.next_logits = counted
+    generate(model, prompts, Decoding(max_new_tokens=MAX_NEW, **settings), eos_token_id=eos, seed=0, mbr_pick=mbr_pick)
+    prompt_caches = model.config.n_layer * len(prompts) * max(map(len, prompts)) * 2 * model.config.n_embd * 2
+    assert len(casts) > 1 and max(casts) <= 0.25 * prompt_caches, max(casts) / prompt_caches
 
 
 def test_samples_that_agree_so_far_go_through_lm_head_once(ours, prompts, eos):

@@ -123,27 +123,31 @@ def test_gradient_checkpointing_same_losses_and_gradients(dropout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_shared_prompt_attention_is_full_cache_attention_as_precise_as_sdpa(dtype):
-    # MBR's samples and beam search's beams read their prompt's keys and values once (SharedPromptCache): the same
-    # attention as each row holding a copy of its prompt's slots, pad slots masked, then its own slots; against a
-    # float64 reference, as precise as SDPA over that full cache in the same dtype (within 3x), float32 within 1e-5
-    from model import KVCache, SharedPromptCache, attention_mask
+    # MBR's samples and beam search's beams read their prompt's cache row once (SharedPromptCache), in its dtype: the
+    # same attention as each row holding a copy of that row, its prompt's real slots and its own tokens' (a beam's
+    # earlier ones in other rows' slots) unmasked; against a float64 reference, as precise as SDPA over that full
+    # cache in the same dtype (within 3x), float32 within 1e-5
+    from model import SharedPromptCache, attention_mask
     g = torch.Generator().manual_seed(0)
     worst = {"ours": 0.0, "sdpa": 0.0}
     for _ in range(60):
-        prompts, per_prompt, H, P, D, own = (int(torch.randint(1, n, (1,), generator=g)) for n in (4, 9, 5, 65, 65, 17))
-        # the inputs rounded to dtype, so what differs is the computation alone
-        kv, own_kv = (torch.randn(n, 2, H, slots, D, generator=g).mul(3).to(dtype).float()
-                      for n, slots in ((prompts, P), (prompts * per_prompt, own)))
-        q = torch.randn(prompts * per_prompt, H, 1, D, generator=g).mul(3).to(dtype).float()
-        real = torch.arange(P)[None, :] >= torch.randint(0, P, (prompts, 1), generator=g)  # left padding
-        cache = SharedPromptCache(KVCache(P, kv.to(dtype)), KVCache(own, own_kv.to(dtype)),
-                                  attention_mask(real, torch.float32))
-        every_own = attention_mask(torch.ones(1, own, dtype=torch.bool), torch.float32)
-        got = cache.attend(q.to(dtype), torch.tensor([own - 1]), own_kv[:, :, :, -1:].to(dtype).clone(), every_own)
+        prompts, n, H, P, D, M, more = (int(torch.randint(1, k, (1,), generator=g)) for k in (4, 9, 5, 65, 65, 17, 3))
+        S, row, t = P + n * M, torch.arange(prompts * n), int(torch.randint(0, M, (1,), generator=g))
+        # the inputs rounded to dtype, so what differs is the computation alone; slots past S the mask leaves out
+        kv = torch.randn(prompts, 2, H, S + more * M, D, generator=g).mul(3).to(dtype).float()
+        q = torch.randn(len(row), H, 1, D, generator=g).mul(3).to(dtype).float()
+        prompt, slot = row // n, P + M * (row % n) + t
+        real = torch.arange(P) >= torch.randint(0, P, (prompts, 1), generator=g)[prompt]  # left padding
+        owner = torch.randint(0, n, (len(row), M), generator=g)  # which row holds each of a row's tokens
+        owner[:, t] = row % n
+        own = (owner[:, None] == torch.arange(n)[:, None]) & (torch.arange(M) <= t)
+        allowed = torch.cat((real, own.flatten(1)), dim=1)
+        cache = SharedPromptCache(kv.size(3), kv.to(dtype))
+        got = cache.attend(q.to(dtype), (prompt, slot), kv[prompt, :, :, slot].unsqueeze(3).to(dtype),
+                           attention_mask(allowed, dtype).view(prompts, 1, n, S))
 
-        rows = torch.arange(prompts).repeat_interleave(per_prompt)
-        mask = torch.cat((real[rows], torch.ones(len(rows), own, dtype=torch.bool)), dim=1)[:, None, None]
-        full_k, full_v = torch.cat((kv[rows], own_kv), 3).unbind(1)
+        full_k, full_v = kv[prompt, :, :, :S].unbind(1)
+        mask = allowed[:, None, None]
         expected = F.scaled_dot_product_attention(q.double(), full_k.double(), full_v.double(), attn_mask=mask)
         sdpa = F.scaled_dot_product_attention(q.to(dtype), full_k.to(dtype), full_v.to(dtype), attn_mask=mask)
         assert got.dtype == dtype and got.shape == expected.shape

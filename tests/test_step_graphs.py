@@ -1,9 +1,10 @@
 """Greedy's steps as CUDA graphs (generate.StepGraphs, generate.capture_graph), on the CPU with CUDA faked where a GPU
 would fail: a graph records the step's ATen operators once, at its capture, and a replay runs the recording again
 on the buffers it was captured on, so a step that reads the host fails its capture as on a GPU. Replayed steps
-decode as eager generate, through row buckets, EOS and compaction, one graph per (model, rows, slots); a capture
-that fails, or a first replay beyond the dtype's tolerance, decodes eagerly from then on, with one line, the stream
-and the memory as they were; summarizing says after the fact which way the steps ran."""
+decode as eager generate, through row buckets, EOS and compaction, one graph per (model, rows, slots), captured once
+a summarizing call on one side stream, the allocator's cache kept; a capture that fails, or a first replay beyond the
+dtype's tolerance, decodes eagerly from then on, with one line, the stream and the memory as they were; summarizing
+says after the fact which way the steps ran."""
 import contextlib
 import copy
 import re
@@ -18,10 +19,11 @@ from torch.utils._pytree import tree_leaves
 
 import generate as generate_module
 from config import Decoding, load_config
-from conftest import mid_way_eos
+from conftest import mid_way_eos, tiny_gpt
 from generate import GreedyBatch, StepGraphs, capture_graph, generate, static_step
 from model import KVCache, attention_mask
-from summarizer.inference import Summarizer
+from summarizer import inference
+from summarizer.inference import Summarizer, summarize_batches
 from summarizer.runtime import Runtime
 
 MAX_NEW = 24
@@ -58,7 +60,10 @@ class RecordedGraph:
         RecordedGraph.made.append(self)
 
     def capture_begin(self, *pool, capture_error_mode="global", **options):
+        if torch.cuda.current_stream() is torch.cuda.default_stream():
+            raise RuntimeError("CUDA error: operation not permitted on the legacy stream")  # CUDA captures on no other
         self.recording, self.mode, self.capturing = Recording(self), capture_error_mode, True
+        self.stream = torch.cuda.current_stream()
         self.recording.__enter__()
 
     def capture_end(self):
@@ -88,11 +93,14 @@ def watchdog_query():
 @pytest.fixture
 def cuda(monkeypatch):
     """torch.cuda's streams and graphs faked (torch.cuda.graph itself is torch's): `cuda.current` is the current
-    stream, `cuda.default` the one the process starts on."""
+    stream, `cuda.default` the one the process starts on, `cuda.streams` those made since, `cuda.emptied` the calls
+    that empty the allocators' caches."""
     def new_stream():
-        return types.SimpleNamespace(wait_stream=lambda other: None)
-    fake = types.SimpleNamespace(default=new_stream())
-    fake.current = fake.default
+        fake.streams.append(types.SimpleNamespace(wait_stream=lambda other: None))
+        return fake.streams[-1]
+    fake = types.SimpleNamespace(streams=[], emptied=[])
+    fake.default = fake.current = new_stream()
+    fake.streams.clear()
 
     @contextlib.contextmanager
     def stream(to):
@@ -104,9 +112,11 @@ def cuda(monkeypatch):
     for name, value in dict(Stream=new_stream, stream=stream,
                             current_stream=lambda device=None: fake.current, CUDAGraph=RecordedGraph,
                             set_stream=lambda to: setattr(fake, "current", to), synchronize=lambda device=None: None,
-                            empty_cache=lambda: None).items():
+                            default_stream=lambda device=None: fake.default,
+                            empty_cache=lambda: fake.emptied.append("empty_cache")).items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: fake.emptied.append("host"), raising=False)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)  # torch's side stream: made afresh
     return fake
 
 
@@ -143,6 +153,33 @@ def test_replayed_steps_decode_as_eager_through_buckets_eos_and_compaction(model
     assert len(RecordedGraph.made) == len(graphs.graphs) == len(graphs.capture_seconds)  # each at its first use
     assert cuda.current is cuda.default
     assert re.fullmatch(r"greedy steps replayed as CUDA graphs \(buckets (\d+x\d+(, )?)+\)", graphs.describe())
+
+
+def test_a_summarizing_call_captures_each_bucket_once_on_one_stream_keeping_the_allocators_cache(cuda, monkeypatch):
+    """Length-sorted batches (gen_batch_size 4; prompts of 1 to 280 tokens: 64 to 320 slots; EOS mid-way: rows
+    dropped into smaller buckets): the eager summaries; each (rows, slots) bucket captured once, the graphs' storage
+    sized for the call's largest batch first; one capture stream; nothing empties the allocator's cache (a training
+    run's)."""
+    torch.manual_seed(0)
+    model = tiny_gpt(block_size=320).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)  # sharper, so one token ends most rows at different steps
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (int(n),), generator=g).tolist() for n in torch.randint(1, 280, (40,), generator=g)]
+    eos = mid_way_eos(model, prompts, MAX_NEW, 4)
+    monkeypatch.setattr(inference, "generate", lambda *args, **kw: generate(*args, **dict(kw, eos_token_id=eos)))
+    cfg = load_config(["--device=cpu", "--dtype=float32", f"--max_new_tokens={MAX_NEW}", "--gen_batch_size=16"])
+    eager = summarize_batches(model, prompts, cfg, contextlib.nullcontext())
+    graphs, storages, hold = StepGraphs(), [], StepGraphs.hold
+    monkeypatch.setattr(StepGraphs, "hold", lambda self, *args: (hold(self, *args), storages.append(self.storage))[0])
+    assert summarize_batches(model, prompts, cfg, contextlib.nullcontext(), graphs=graphs) == eager
+    assert all(storage is storages[0] for storage in storages)  # never released, so no graph is captured again
+    buckets = set(graphs.capture_seconds)
+    assert len({slots for _, slots in buckets}) >= 3 and len({rows for rows, _ in buckets}) >= 2, buckets
+    assert len(RecordedGraph.made) == len(buckets) and graphs.eager_why is None
+    assert len(cuda.streams) == 1 and all(graph.stream is cuda.streams[0] for graph in RecordedGraph.made)
+    assert not cuda.emptied and cuda.current is cuda.default
 
 
 def test_each_model_replays_its_own_graph(model, prompts, eos, cuda):

@@ -3,6 +3,7 @@ logits processors, greedy and sampled decoding, beam search with n-best lists, t
 risk (MBR) decoding, and greedy decoding on static shapes, its steps replayed as CUDA graphs where the caller
 asks (StepGraphs). Token ids in, token ids out."""
 import copy
+import itertools
 import sys
 import time
 import traceback
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from model import KVCache, SharedPromptCache, attention_mask
+from model import KVCache, SharedPromptCache, attention_mask, prompt_slots
 
 
 class Sequence(NamedTuple):
@@ -45,8 +46,8 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         graphed = graphs is not None and not torch.is_autocast_enabled(device.type)
         return greedy(model, prompts, d.max_new_tokens, processors, graphs if graphed else None, compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
-    # the prompts' slots, then max_new own slots for each of a prompt's rows
-    slots = state.prompt_len + max(d.num_beams, d.mbr_samples, num_return_sequences) * d.max_new_tokens
+    # each prompt's slots, then max_new own slots for each of its rows
+    slots = max(map(prompt_slots, state.lengths)) + max(d.num_beams, d.mbr_samples, num_return_sequences) * d.max_new_tokens
     kv_caches = [SharedPromptCache(slots) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
     run = Decoder(model, processors, eos_token_id, compact_below)
@@ -110,7 +111,7 @@ class DecodeState:
 
     def __init__(self, prompts, max_new_tokens, device):
         P = max(len(p) for p in prompts)
-        self.prompt_len, self.max_new = P, max_new_tokens
+        self.prompt_len, self.max_new, self.lengths = P, max_new_tokens, [len(p) for p in prompts]
         # Left padding repeats each row's first token, so padding never adds a token the row does not have
         # (repetition penalty scatters over the history); pad slots are masked out of attention.
         history = [[p[0]] * (P - len(p)) + p + [0] * max_new_tokens for p in prompts]
@@ -129,25 +130,30 @@ class DecodeState:
         return shared
 
     def append(self, next_tokens):
-        """Record each row's next token, its (prompt, slot) and the mask of what it attends: its prompt's real
-        slots and the slots that hold its tokens."""
-        P, M, t, device = self.prompt_len, self.max_new, self.generated, self.pad.device
+        """Record each row's next token, its (prompt, slot), and a mask a run of prompts alike of what each row
+        attends: its prompt's real slots and those that hold its tokens (SharedPromptCache's layout)."""
+        P, n, t, device = self.prompt_len, self.n, self.generated, self.pad.device
         row = torch.arange(len(self.pad), device=device)
         self.history[:, P + t] = next_tokens
         self.positions = self.positions + 1
-        self.owner[:, t] = row % self.n
-        self.input_pos = (row // self.n, P + M * (row % self.n) + t)
-        own = (self.owner[:, None] == row[:self.n, None]) & (torch.arange(M, device=device) <= t)  # (rows, n, M)
-        allowed = torch.cat((torch.arange(P, device=device) >= self.pad[:, None], own.flatten(1)), dim=1)
-        self.mask = attention_mask(allowed, self.dtype).view(-1, 1, self.n, allowed.size(1))
+        self.owner[:, t] = row % n
+        self.input_pos = (row // n, prompt_slots(P - self.pad) + t * n + row % n)
+        own = (self.owner[:, :t + 1, None] == row[:n]).flatten(1)  # (rows, (t + 1) * n), as the slots run
+        self.masks, first = [], 0
+        for slots, run in itertools.groupby(map(prompt_slots, self.lengths)):
+            rows = slice(first * n, (first := first + len(list(run))) * n)
+            real = torch.arange(slots, device=device) >= slots - (P - self.pad[rows, None])
+            allowed = torch.cat((real, own[rows]), dim=1)
+            self.masks.append(attention_mask(allowed, self.dtype).view(-1, 1, n, allowed.size(1)))
         self.generated += 1
 
     def seen_tokens(self):
         return self.history[:, :self.prompt_len + self.generated]
 
-    def select_rows(self, rows):
-        """A copy of the rows `rows` (index tensor: kept, reordered or repeated)."""
+    def select_rows(self, rows, prompts=None):
+        """A copy of the rows `rows` (index tensor: kept, reordered or repeated); prompts: those kept (a list)."""
         selected = copy.copy(self)
+        selected.lengths = self.lengths if prompts is None else [self.lengths[p] for p in prompts]
         selected.history, selected.pad, selected.positions, selected.owner = (
             self.history[rows], self.pad[rows], self.positions[rows], self.owner[rows])
         return selected
@@ -258,7 +264,7 @@ class Decoder:
             if len(running) * n < len(rows) and len(running) * n <= self.compact_below * len(rows):
                 prompts = torch.tensor(running, device=device)
                 kept = (prompts[:, None] * n + torch.arange(n, device=device)).view(-1)
-                state, every = state.select_rows(kept), every[kept]
+                state, every = state.select_rows(kept, running), every[kept]
                 kv_caches = [cache.select_rows(prompts) for cache in kv_caches]
                 rows, alike = ([x[p * n + j] for p in running for j in range(n)] for x in (rows, alike))
             heads = [0] * len(classes)
@@ -266,7 +272,7 @@ class Decoder:
                 if rows[i] is not None:
                     heads[alike[i]] = i
             state.append(every)
-            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.mask,
+            logits = self.model.next_logits(every[:, None], state.positions, state.input_pos, kv_caches, state.masks,
                                             torch.tensor(heads, device=device))
         return results
 
@@ -316,7 +322,7 @@ class Decoder:
             state = state.select_rows((batch_offset + parent).view(-1))  # the caches stay: `owner` follows the beams
             tokens = running_seqs[:, :, step].reshape(-1, 1)
             state.append(tokens[:, 0])
-            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.mask)
+            logits = self.model.next_logits(tokens, state.positions, state.input_pos, kv_caches, state.masks)
         n = num_return_sequences
         return [[Sequence(cut_at_eos(seq, self.eos), length) for seq, length in zip(*row, strict=True)]
                 for row in zip(finished_seqs[:, :n].tolist(), finished_lengths[:, :n].tolist(), strict=True)]

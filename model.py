@@ -46,48 +46,57 @@ class Targets(NamedTuple):
 
 
 class KVCache:
-    """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): keys at [:, 0], values at [:, 1], so that a
-    step writes both with one copy. Allocated by the prefill (write_prompts, in the layer's compute dtype)."""
+    """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): a step writes keys and values in one copy."""
 
     def __init__(self, slots, kv=None):
         self.slots, self.kv = slots, kv
 
     def update(self, input_pos, kv):
-        """Write kv (rows, 2, heads, T, head_dim) at slots input_pos (T,); return the keys and values of every slot."""
         self.kv.index_copy_(3, input_pos, kv)
         return self.kv.unbind(1)
 
     def attend(self, q, input_pos, kv, mask):
-        """A decode step's attention: kv written at slots input_pos, q over every slot as the additive mask allows."""
         return F.scaled_dot_product_attention(q, *self.update(input_pos, kv), attn_mask=mask)
 
     def write_prompts(self, kv, lengths):
-        """Write prompts packed along kv (1, 2, H, sum(lengths), D) into one row each, right-aligned at slot
-        max(lengths) - 1: the left-padded layout that decoding continues. Starts the cache afresh."""
+        """Prompts packed along kv (1, 2, H, sum(lengths), D), a row each, each ending at its prompt_ends slot."""
         self.kv = kv.new_zeros(len(lengths), *kv.shape[1:3], self.slots, kv.size(4))
-        end = max(lengths)
-        for row, prompt in enumerate(kv.split(lengths, 3)):
+        for row, (prompt, end) in enumerate(zip(kv.split(lengths, 3), self.prompt_ends(lengths), strict=True)):
             self.kv[row, :, :, end - prompt.size(3):end] = prompt[0]
 
+    def prompt_ends(self, lengths):
+        return [max(lengths)] * len(lengths)
+
     def select_rows(self, rows):
-        """A new cache of the rows given by index tensor `rows` (kept, reordered or repeated), copied."""
         return type(self)(self.slots, self.kv[rows])
 
 
-class SharedPromptCache(KVCache):
-    """One layer's keys and values while several rows (samples, beams) continue each prompt: a row a prompt, its
-    prompt's slots (write_prompts), then its rows' generated slots. A decode step reads each prompt's row once, in
-    its own dtype, for all of its rows: one SDPA call (which sums in float32), the rows its queries, the mask
-    keeping each row to its prompt and its own tokens."""
+def prompt_slots(length):
+    """A shared prompt's slots (an int or a tensor of lengths): its length up to a multiple of 16."""
+    return -(-length // 16) * 16
 
-    def attend(self, q, input_pos, kv, mask):
-        """kv (rows, 2, heads, 1, head_dim) written at each row's (prompt, slot) in input_pos; q over its prompt's
-        first mask.size(-1) slots as the additive mask (prompts, 1, rows a prompt, slots) allows."""
+
+class SharedPromptCache(KVCache):
+    """A layer's cache while n rows (beams, samples) continue each prompt: a row a prompt, its prompt_slots, then
+    step t's token of its row j at slot prompt_slots + t * n + j. A step reads each prompt once for its rows, in its
+    own dtype, and what a prompt's SDPA call sees depends on that prompt alone, not on the batch."""
+
+    def prompt_ends(self, lengths):
+        return [prompt_slots(n) for n in lengths]
+
+    def attend(self, q, input_pos, kv, masks):
+        """kv written at each row's (prompt, slot); one SDPA call a run of prompts alike, its additive mask (prompts,
+        1, rows a prompt, slots) in `masks`."""
         self.kv[input_pos[0], :, :, input_pos[1]] = kv[:, :, :, 0]
-        B, _, H, _, D = self.kv.shape
-        k, v = self.kv[:, :, :, :mask.size(-1)].unbind(1)
-        y = F.scaled_dot_product_attention(q.reshape(B, -1, H, D).transpose(1, 2), k, v, attn_mask=mask)
-        return y.transpose(1, 2).reshape(q.shape)
+        (_, H, _, D), ys, first = q.shape, [], 0
+        for mask in masks:
+            prompts, _, n, slots = mask.shape
+            k, v = self.kv[first:first + prompts, :, :, :slots].unbind(1)
+            q_run = q[first * n:(first + prompts) * n].reshape(prompts, n, H, D).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q_run, k, v, attn_mask=mask)
+            ys.append(y.transpose(1, 2).reshape(-1, H, 1, D))
+            first += prompts
+        return torch.cat(ys)
 
 
 def attention_mask(allowed, dtype):

@@ -277,17 +277,21 @@ def compare_generate(hf, ours, batches, max_new, eos, args, device, with_naive):
 def kv_bytes_per_step(model, prompts, decoding):
     """(prompt slots', all slots') KV-cache bytes the attention reads per decode step and prompt in one generate()
     of `prompts` (no EOS): a shared prompt's (SharedPromptCache) once for all of its rows, else once per row."""
-    read, calls, P = [0, 0], [0], max(map(len, prompts))
+    read, calls = [0, 0], [0]
 
     def count(module, args):
         x, cache, mask, lengths = args[0], args[1], args[3], args[4]
         if lengths is None:
             calls[0] += module is model.transformer.h[0].attn
-            shared = isinstance(cache, SharedPromptCache)  # a row a prompt: P slots, then its rows' own
-            prompt_slots = cache.kv.size(0) * (P if shared else mask.size(-1) - calls[0])  # greedy: one a token
             slot = cache.kv[0, :, :, 0].numel() * cache.kv.element_size()
-            read[0] += prompt_slots * slot
-            read[1] += (cache.kv.size(0) * mask.size(-1) if shared else prompt_slots + x.size(0) * calls[0]) * slot
+            if isinstance(cache, SharedPromptCache):  # a mask a run of prompts: their slots, then t + 1 a row
+                every = sum(m.size(0) * m.size(-1) for m in mask)
+                prompt = every - x.size(0) * calls[0]
+            else:  # greedy: the padded prompt, then one a token
+                prompt = cache.kv.size(0) * (mask.size(-1) - calls[0])
+                every = prompt + x.size(0) * calls[0]
+            read[0] += prompt * slot
+            read[1] += every * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
     generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=scoring.mbr_pick)

@@ -131,13 +131,13 @@ def counting(cls, name, count):
 
 @contextlib.contextmanager
 def kv_cache_traffic():
-    """KV-cache bytes read by attention (a SharedPromptCache's row once for its prompt's rows: the slots its mask
-    covers) and copied by row selection."""
+    """KV-cache bytes read by attention (a SharedPromptCache's row once for its prompt's rows: the slots its masks
+    cover) and copied by row selection."""
     traffic, full, shared = collections.Counter(), model_module.KVCache, model_module.SharedPromptCache
     with (counting(full, "update", lambda _, out, *args: traffic.update(read=out[0].nbytes + out[1].nbytes)),
           counting(full, "select_rows", lambda _, out, *args: traffic.update(copied=out.kv.nbytes)),
-          counting(shared, "attend", lambda cache, _, q, slots, kv, mask: traffic.update(
-              read=cache.kv[:, :, :, :mask.size(-1)].nbytes))):
+          counting(shared, "attend", lambda cache, _, q, slots, kv, masks: traffic.update(
+              read=sum(cache.kv[:m.size(0), :, :, :m.size(-1)].nbytes for m in masks)))):
         yield traffic
 
 

@@ -1,5 +1,6 @@
 import collections
 import copy
+import itertools
 import random
 from dataclasses import replace
 from unittest import mock
@@ -14,7 +15,7 @@ from config import Decoding
 from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
-from model import GPT, KVCache
+from model import GPT, KVCache, prompt_slots
 from summarizer.scoring import agreement, mbr_pick, mbr_select
 
 MAX_NEW = 24
@@ -234,9 +235,9 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
     steps = []
 
     def record(module, args):
-        x, cache, mask, lengths = args[0], args[1], args[3], args[4]
+        x, cache, masks, lengths = args[0], args[1], args[3], args[4]
         if lengths is None:
-            steps.append((x.size(0), cache.kv.size(0), mask.size(-1), cache.kv.size(3)))
+            steps.append((x.size(0), cache.kv.size(0), [tuple(mask.shape) for mask in masks]))
 
     hooks = [block.attn.register_forward_pre_hook(record) for block in ours.transformer.h]
     try:
@@ -246,10 +247,13 @@ def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts
     finally:
         for hook in hooks:
             hook.remove()
-    n = settings.get("num_beams", settings.get("mbr_samples"))
-    slots = max(map(len, prompts)) + n * MAX_NEW
-    assert steps[0] == (len(prompts) * n, len(prompts), slots, slots) and len(steps) > len(ours.transformer.h)
-    assert all(rows == cached * n and attended == slots for rows, cached, attended, _ in steps)
+    # one SDPA call a run of prompts of the same prompt_slots: its rows over those slots and the t + 1 tokens of each
+    n, layers = settings.get("num_beams", settings.get("mbr_samples")), len(ours.transformer.h)
+    runs = [(slots, len(list(run))) for slots, run in itertools.groupby(prompt_slots(len(p)) for p in prompts)]
+    assert len(steps) > layers and len(runs) > 1
+    for i, (rows, cached, masks) in enumerate(steps):
+        assert rows == cached * n == len(prompts) * n
+        assert masks == [(count, 1, n, slots + (i // layers + 1) * n) for slots, count in runs]
 
 
 class CastBytes(TorchDispatchMode):

@@ -3,9 +3,11 @@ weights, and gradient checkpointing with the same losses and gradients."""
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 
 from conftest import tiny_gpt
-from model import GPT
+from generate import DecodeState
+from model import GPT, SharedPromptCache, prompt_slots
 
 
 def test_logits_match_transformers_with_padding(ours, tiny_hf):
@@ -121,37 +123,68 @@ def test_gradient_checkpointing_same_losses_and_gradients(dropout):
             assert model.eval()(x, y)[1].item() != pytest.approx(loss, abs=1e-3)
 
 
+def beams_over_shared_prompts(lengths, n, steps, H, D, g):
+    """Keys and values (2, H, L, D) of prompts of `lengths` and `steps` decode steps of n rows a prompt: each step
+    the rows' parents (beams reordered within their prompt), queries (rows, H, 1, D) and new keys and values (rows,
+    2, H, 1, D), a list a prompt."""
+    prompts = [torch.randn(2, H, length, D, generator=g).mul(3) for length in lengths]
+    return prompts, [([torch.randint(0, n, (n,), generator=g) for _ in lengths],
+                      [torch.randn(n, H, 1, D, generator=g).mul(3) for _ in lengths],
+                      [torch.randn(n, 2, H, 1, D, generator=g).mul(3) for _ in lengths]) for _ in range(steps)]
+
+
+def shared_prompt_attention(prompts, steps, n, dtype):
+    """Each step's attention of the rows over a SharedPromptCache of `prompts`, as generate lays it out (DecodeState)."""
+    state = DecodeState([[0] * p.size(2) for p in prompts], len(steps), "cpu").share(n, dtype)
+    cache = SharedPromptCache(max(prompt_slots(p.size(2)) for p in prompts) + n * len(steps))
+    cache.write_prompts(torch.cat(prompts, 2)[None].to(dtype), [p.size(2) for p in prompts])
+    outputs = []
+    for parents, q, kv in steps:
+        state = state.select_rows(torch.cat([i * n + rows for i, rows in enumerate(parents)]))
+        state.append(torch.zeros(len(prompts) * n, dtype=torch.long))
+        outputs.append(cache.attend(torch.cat(q).to(dtype), state.input_pos, torch.cat(kv).to(dtype), state.masks))
+    return outputs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_shared_prompt_attention_is_full_cache_attention_as_precise_as_sdpa(dtype):
-    # MBR's samples and beam search's beams read their prompt's cache row once (SharedPromptCache), in its dtype: the
-    # same attention as each row holding a copy of that row, its prompt's real slots and its own tokens' (a beam's
-    # earlier ones in other rows' slots) unmasked; against a float64 reference, as precise as SDPA over that full
-    # cache in the same dtype (within 3x), float32 within 1e-5
-    from model import SharedPromptCache, attention_mask
+    # MBR's samples and beam search's beams read their prompt's slots once (SharedPromptCache), in its dtype: the
+    # same attention as each row holding a copy of its prompt and of its own tokens (a beam's: its ancestors'); against
+    # a float64 reference, as precise as SDPA over that full cache in the same dtype (within 3x), float32 within 1e-5
     g = torch.Generator().manual_seed(0)
     worst = {"ours": 0.0, "sdpa": 0.0}
-    for _ in range(60):
-        prompts, n, H, P, D, M, more = (int(torch.randint(1, k, (1,), generator=g)) for k in (4, 9, 5, 65, 65, 17, 3))
-        S, row, t = P + n * M, torch.arange(prompts * n), int(torch.randint(0, M, (1,), generator=g))
-        # the inputs rounded to dtype, so what differs is the computation alone; slots past S the mask leaves out
-        kv = torch.randn(prompts, 2, H, S + more * M, D, generator=g).mul(3).to(dtype).float()
-        q = torch.randn(len(row), H, 1, D, generator=g).mul(3).to(dtype).float()
-        prompt, slot = row // n, P + M * (row % n) + t
-        real = torch.arange(P) >= torch.randint(0, P, (prompts, 1), generator=g)[prompt]  # left padding
-        owner = torch.randint(0, n, (len(row), M), generator=g)  # which row holds each of a row's tokens
-        owner[:, t] = row % n
-        own = (owner[:, None] == torch.arange(n)[:, None]) & (torch.arange(M) <= t)
-        allowed = torch.cat((real, own.flatten(1)), dim=1)
-        cache = SharedPromptCache(kv.size(3), kv.to(dtype))
-        got = cache.attend(q.to(dtype), (prompt, slot), kv[prompt, :, :, slot].unsqueeze(3).to(dtype),
-                           attention_mask(allowed, dtype).view(prompts, 1, n, S))
-
-        full_k, full_v = kv[prompt, :, :, :S].unbind(1)
-        mask = allowed[:, None, None]
-        expected = F.scaled_dot_product_attention(q.double(), full_k.double(), full_v.double(), attn_mask=mask)
-        sdpa = F.scaled_dot_product_attention(q.to(dtype), full_k.to(dtype), full_v.to(dtype), attn_mask=mask)
-        assert got.dtype == dtype and got.shape == expected.shape
-        scale = expected.abs().max().item()
-        worst["ours"] = max(worst["ours"], (got.double() - expected).abs().max().item() / scale)
-        worst["sdpa"] = max(worst["sdpa"], (sdpa.double() - expected).abs().max().item() / scale)
+    for _ in range(40):
+        prompts, n, H, D, steps = (int(torch.randint(1, k, (1,), generator=g)) for k in (5, 9, 5, 65, 17))
+        lengths = torch.randint(1, 70, (prompts,), generator=g).tolist()
+        # the inputs rounded to dtype, so what differs is the computation alone
+        prompts, steps = tree_map(lambda t: t.to(dtype).float() if t.is_floating_point() else t,
+                                  beams_over_shared_prompts(lengths, n, steps, H, D, g))
+        got = shared_prompt_attention(prompts, steps, n, dtype)[-1]
+        own = [[] for _ in range(len(prompts) * n)]  # each row's keys and values so far
+        for parents, _, kv in steps:
+            own = [own[i * n + int(parent)] + [new] for i, rows in enumerate(parents)
+                   for parent, new in zip(rows, kv[i], strict=True)]
+        q = torch.cat(steps[-1][1])
+        for row, (mine, q_row) in enumerate(zip(own, q, strict=True)):
+            full_k, full_v = torch.cat((prompts[row // n], *mine), dim=2).unbind(0)
+            expected = F.scaled_dot_product_attention(q_row.double(), full_k.double(), full_v.double())
+            sdpa = F.scaled_dot_product_attention(q_row.to(dtype), full_k.to(dtype), full_v.to(dtype))
+            assert got.dtype == dtype and got[row].shape == expected.shape
+            scale = expected.abs().max().item()
+            worst["ours"] = max(worst["ours"], (got[row].double() - expected).abs().max().item() / scale)
+            worst["sdpa"] = max(worst["sdpa"], (sdpa.double() - expected).abs().max().item() / scale)
     assert worst["ours"] <= (1e-5 if dtype is torch.float32 else 3 * worst["sdpa"]), worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompt_attention_of_a_prompt_is_the_same_whatever_its_batch(dtype):
+    # a memory budget splits generate's batches: each prompt's attention, to the bit, as in one batch with the others
+    # (prompts of 3 to 61 tokens: several runs of prompt slots, and a batch's longest prompt that changes)
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 17, 30, 31, 33, 48, 61]
+    prompts, steps = beams_over_shared_prompts(lengths, 4, 10, 3, 16, g)
+    whole = shared_prompt_attention(prompts, steps, 4, dtype)
+    for first, last in ((0, 1), (1, 4), (4, 5), (5, 8), (3, 6)):
+        part = [tuple(x[first:last] for x in step) for step in steps]
+        split = shared_prompt_attention(prompts[first:last], part, 4, dtype)
+        assert all(torch.equal(a, b[first * 4:last * 4]) for a, b in zip(split, whole, strict=True)), (first, last)

@@ -1,7 +1,5 @@
-"""Decoding, in the spirit of gpt-fast's generate.py: the decode state over the model's KV caches, transformers'
-logits processors, greedy and sampled decoding, beam search with n-best lists, the candidates of minimum Bayes
-risk (MBR) decoding, and greedy decoding on static shapes, its steps replayed as CUDA graphs where the caller
-asks (StepGraphs). Token ids in, token ids out."""
+"""Decoding in the spirit of gpt-fast's generate.py, token ids in and out: greedy (on static shapes, its steps
+replayable as CUDA graphs), sampling, transformers' beam search and logits processors, MBR's candidates."""
 import copy
 import itertools
 import sys
@@ -25,15 +23,11 @@ class Sequence(NamedTuple):
 @torch.inference_mode()
 def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return_sequences=1, mbr_pick=None,
              graphs=None, compact_below=0.5):
-    """Continue each prompt (token-id lists, any lengths) as `decoding` (a config.Decoding) says. Returns, prompt
-    by prompt, num_return_sequences new-token lists cut before EOS.
-    - temperature=0: greedy (on static shapes: greedy()); num_beams>1: transformers' beam search
-      (early_stopping=False), whose n-best are the best finished hypotheses, best first.
-    - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; a prompt's samples in the order they end.
-    - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
-      mbr_pick(token lists, metric) -> index chooses (summarizer.scoring.mbr_pick).
-    graphs: a StepGraphs that replays greedy's static-shape steps as CUDA graphs (None: eagerly). compact_below:
-    running rows at most this fraction of the batch are copied into a smaller one."""
+    """num_return_sequences continuations of each prompt as `decoding` says, cut before EOS: greedy, beam search
+    (transformers', early_stopping=False; n-best best first), seeded samples (in the order they end), or one of N
+    samples (and the greedy/beam result with mbr_include_beam) that mbr_pick(token lists, metric) -> index picks.
+    graphs: a StepGraphs replaying greedy's steps; compact_below: running rows at most this fraction of the batch
+    are copied into a smaller one."""
     d = decoding
     check_arguments(model, prompts, d, num_return_sequences, mbr_pick)
     if not prompts:
@@ -46,8 +40,8 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
         graphed = graphs is not None and not torch.is_autocast_enabled(device.type)
         return greedy(model, prompts, d.max_new_tokens, processors, graphs if graphed else None, compact_below)
     state = DecodeState(prompts, d.max_new_tokens, device)
-    # each prompt's slots, then max_new own slots for each of its rows
-    slots = max(map(prompt_slots, state.lengths)) + max(d.num_beams, d.mbr_samples, num_return_sequences) * d.max_new_tokens
+    per_prompt = max(d.num_beams, d.mbr_samples, num_return_sequences)  # rows: max_new slots each after the prompt
+    slots = max(map(prompt_slots, state.lengths)) + per_prompt * d.max_new_tokens
     kv_caches = [SharedPromptCache(slots) for _ in model.transformer.h]
     logits = model.prefill(prompts, kv_caches)
     run = Decoder(model, processors, eos_token_id, compact_below)
@@ -79,8 +73,7 @@ def plain_greedy(d):
 
 
 def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
-    """ValueError for settings generate cannot follow (those that contradict each other: Decoding.contradiction),
-    and for prompts that leave no room for max_new_tokens."""
+    """ValueError for settings generate cannot follow, and for prompts that leave no room for max_new_tokens."""
     block_size = model.config.block_size
     if not 0 < d.max_new_tokens < block_size:
         raise ValueError(f"max_new_tokens must be in [1, block_size={block_size}), got {d.max_new_tokens}")
@@ -99,15 +92,14 @@ def check_arguments(model, prompts, d, num_return_sequences, mbr_pick):
 
 
 def mbr_choice(best, samples, mbr_pick, metric):
-    """The MBR choice among `best` (the greedy/beam result, or nothing) and the `samples` (Sequences, identical ones
-    each a candidate: they agree with each other); ties go to the greedy/beam result, then to the earlier sample."""
+    """Identical samples each a candidate (they agree); ties go to `best` (greedy/beam), then to earlier samples."""
     candidates = best + samples
     return candidates[mbr_pick([s.tokens for s in candidates], metric)]
 
 
 class DecodeState:
-    """The left-padded rows being decoded, n a prompt (share), over SharedPromptCaches: token history, each row's
-    padding and position; each step, the (prompt, slot) its token goes into and the mask of the slots it attends."""
+    """The rows decoded over SharedPromptCaches, n a prompt (share): left-padded token history, positions, which of
+    its prompt's rows holds each token (owner); each step, the (prompt, slot) a token goes into and the masks."""
 
     def __init__(self, prompts, max_new_tokens, device):
         P = max(len(p) for p in prompts)
@@ -123,15 +115,13 @@ class DecodeState:
         self.generated = 0  # tokens generated so far
 
     def share(self, n, dtype):
-        """The prompts continued by n rows each (row j of a prompt writes its tokens from slot P + j * max_new on),
-        masks in `dtype` (the caches')."""
+        """The prompts continued by n rows each, masks in `dtype` (the caches')."""
         shared = self.select_rows(torch.arange(len(self.pad), device=self.pad.device).repeat_interleave(n))
         shared.n, shared.dtype = n, dtype
         return shared
 
     def append(self, next_tokens):
-        """Record each row's next token, its (prompt, slot), and a mask a run of prompts alike of what each row
-        attends: its prompt's real slots and those that hold its tokens (SharedPromptCache's layout)."""
+        """Record the next tokens; a mask a run of prompts alike: each row's prompt and the slots of its tokens."""
         P, n, t, device = self.prompt_len, self.n, self.generated, self.pad.device
         row = torch.arange(len(self.pad), device=device)
         self.history[:, P + t] = next_tokens
@@ -151,7 +141,7 @@ class DecodeState:
         return self.history[:, :self.prompt_len + self.generated]
 
     def select_rows(self, rows, prompts=None):
-        """A copy of the rows `rows` (index tensor: kept, reordered or repeated); prompts: those kept (a list)."""
+        """A copy of the rows `rows` (index tensor: kept, reordered or repeated); `prompts`: those kept."""
         selected = copy.copy(self)
         selected.lengths = self.lengths if prompts is None else [self.lengths[p] for p in prompts]
         selected.history, selected.pad, selected.positions, selected.owner = (
@@ -160,9 +150,7 @@ class DecodeState:
 
 
 class LogitsProcessors:
-    """transformers' logits processors and warpers, in its order: repetition penalty, no-repeat n-grams, EOS
-    masked before min_new_tokens (MinNewTokensLengthLogitsProcessor), then (sampling only) temperature, top-k,
-    top-p and epsilon."""
+    """transformers' logits processors, then (sampling) its warpers, in its order."""
 
     def __init__(self, decoding, eos_token_id):
         d = decoding
@@ -171,8 +159,7 @@ class LogitsProcessors:
         self.temperature, self.top_k, self.top_p, self.epsilon = d.temperature, d.top_k, d.top_p, d.epsilon
 
     def penalize(self, scores, state, rows=slice(None)):
-        """The processed scores of `state`'s `rows` (index tensor, else all), a new tensor where a processor
-        applies (`scores` itself is never changed)."""
+        """The processed scores of `state`'s `rows` (else all): `scores` itself is never changed."""
         if self.repetition_penalty != 1.0:
             seen = state.seen_tokens()[rows]
             s = scores.gather(1, seen)
@@ -191,16 +178,14 @@ class LogitsProcessors:
         return self.no_early_eos(scores, state.generated)
 
     def no_early_eos(self, scores, generated):
-        """EOS masked while fewer than min_new_tokens are generated (a new tensor then)."""
         if generated < self.min_new_tokens and 0 <= self.eos_token_id < scores.size(-1):
             scores = scores.clone()
             scores[:, self.eos_token_id] = -float("inf")
         return scores
 
     def warp(self, scores):
-        """(logits, token ids) of what a row samples among, warped. With top_k that is a (rows, k) slice, so the
-        rest of the vocabulary costs one topk pass instead of several full-width passes; else the whole
-        vocabulary (token ids None)."""
+        """(warped logits, their token ids): with top_k a (rows, k) slice, one topk pass instead of several over the
+        vocabulary; else the whole vocabulary (ids None)."""
         ids = None
         if self.top_k:
             scores, ids = torch.topk(scores, min(self.top_k, scores.size(-1)))  # sorted, best first
@@ -218,16 +203,13 @@ class LogitsProcessors:
 
 
 class Decoder:
-    """The decoding loops over a prefilled batch, with logits processors and EOS id."""
 
     def __init__(self, model, processors, eos_token_id, compact_below):
         self.model, self.processors, self.eos, self.compact_below = model, processors, eos_token_id, compact_below
 
     def decode_rows(self, logits, state, kv_caches, streams, per_prompt):
-        """per_prompt rows of each prompt decoded over the shared prompt caches, greedily (streams None: MBR's
-        candidate, or with processors) or sampled; returns each prompt's Sequences. A sampled row draws by inverse CDF
-        at its prompt's stream's next uniform number, in row order: a prompt's draws depend on its stream and itself
-        alone. Ended rows stay until compaction (compact_below)."""
+        """Each prompt's Sequences of per_prompt rows, greedy (streams None) or sampled by inverse CDF at its own
+        stream's next numbers, in row order: a prompt's draws depend on its stream and itself alone."""
         n, max_new, device = per_prompt, state.max_new, logits.device
         state = state.share(n, kv_caches[0].kv.dtype)
         results = [[] for _ in range(logits.size(0))]
@@ -277,10 +259,8 @@ class Decoder:
         return results
 
     def beam_search(self, logits, state, kv_caches, num_beams, length_penalty, num_return_sequences):
-        """transformers' beam search (early_stopping=False): each step keeps the 2*num_beams best continuations;
-        those ending in EOS (or at the length limit) among the top num_beams become finished hypotheses scored
-        sum_logprob / new_len**length_penalty; a batch item stops once no running beam can beat its worst
-        finished one. Returns, per prompt, its num_return_sequences best hypotheses, best first."""
+        """transformers' beam search (early_stopping=False; finished hypotheses scored sum_logprob /
+        new_len**length_penalty): each prompt's num_return_sequences best, best first."""
         B, V, K, max_new = logits.size(0), logits.size(-1), num_beams, state.max_new
         expand = torch.arange(B, device=logits.device).repeat_interleave(K)
         state = state.share(K, kv_caches[0].kv.dtype)
@@ -329,8 +309,6 @@ class Decoder:
 
 
 def beam_tensors(B, K, max_new, eos, device):
-    """The start of beam search for B prompts of K beams: running scores (only the first beam live) and
-    sequences, finished scores, sequences, lengths and flags, and whether each prompt can still improve."""
     running_scores = torch.full((B, K), -1e9, device=device)
     running_scores[:, 0] = 0.0
     running_seqs = torch.full((B, K, max_new), eos, dtype=torch.long, device=device)
@@ -340,9 +318,8 @@ def beam_tensors(B, K, max_new, eos, device):
 
 
 def inverse_cdf(probs, u):
-    """Token indices drawn from each row of probs (rows, V) at the uniform numbers u (rows, n): the first index
-    whose cumulative probability exceeds u times the row's total (kept below the total, which float rounding
-    could reach), so a token of probability 0 is never drawn."""
+    """Token indices drawn from probs (rows, V) at uniform u (rows, n), u * total kept below the total (which
+    rounding could reach), so a token of probability 0 is never drawn."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     at = torch.minimum(u.to(cdf.device, cdf.dtype) * total, total.nextafter(torch.zeros_like(total)))
@@ -360,10 +337,7 @@ READ_EVERY = 8  # greedy steps between the host's reads of the tokens (which row
 
 
 class GreedyBatch(NamedTuple):
-    """What greedy's static-shape step reads and writes, fixed in shape: the last tokens (rows, 1), their
-    positions (rows, 1), the cache slot they go into (1,), the additive mask of the slots each row attends (rows, 1,
-    1, slots) and the KV caches (rows, 2, heads, slots, head_dim). The step updates them in place, so a CUDA graph
-    of it can be replayed."""
+    """What greedy's static-shape step reads and updates in place, so that a CUDA graph of it can be replayed."""
     tokens: torch.Tensor
     positions: torch.Tensor
     slot: torch.Tensor
@@ -374,29 +348,24 @@ class GreedyBatch(NamedTuple):
         return [self.tokens, self.positions, self.slot, self.mask, *(c.kv for c in self.caches)]
 
     def select_rows(self, rows):
-        """A copy of the rows `rows` (index tensor), at the same slot."""
         return GreedyBatch(self.tokens[rows], self.positions[rows], self.slot.clone(), self.mask[rows],
                            [cache.select_rows(rows) for cache in self.caches])
 
 
 def greedy_slots(prompt_len, max_new, block_size):
-    """The slots of greedy's static cache: the prompt and max_new up to a multiple of SLOTS_BUCKET (block_size at
-    most)."""
+    """Greedy's static cache slots: the prompt and max_new up to a multiple of SLOTS_BUCKET, block_size at most."""
     return min(-(-(prompt_len + max_new) // SLOTS_BUCKET) * SLOTS_BUCKET, block_size)
 
 
 def static_step(model, batch):
-    """Next-token logits of one greedy step: the batch's tokens written at its cache slot, which the mask opens (its
-    one write a step), each row attending from its padding to that slot. Every shape is the batch's."""
+    """A greedy step's logits; its one write is the mask opening the step's slot."""
     batch.mask.index_fill_(3, batch.slot, 0)
     return model.next_logits(batch.tokens, batch.positions, batch.slot, batch.caches, batch.mask)
 
 
 def greedy(model, prompts, max_new, processors, graphs, compact_below):
-    """Greedy decoding on static shapes (greedy_slots), EOS tracked on the device; every READ_EVERY steps the host
-    reads the tokens and ends the batch or copies its running rows into a smaller one (padding rows copy a running
-    row). `graphs` (StepGraphs, or None: eagerly) holds the batch and runs the step. Returns, per prompt, its new
-    tokens cut before EOS."""
+    """Greedy decoding on static shapes, EOS tracked on the device; every READ_EVERY steps the host reads the tokens
+    and ends the batch or copies its running rows into a smaller one (padding rows copy a running row)."""
     device, eos = model.lm_head.weight.device, processors.eos_token_id
     P = max(len(p) for p in prompts)
     slots = greedy_slots(P, max_new, model.config.block_size)
@@ -438,8 +407,7 @@ def greedy(model, prompts, max_new, processors, graphs, compact_below):
 
 
 def ended_rows(tokens, owners, results, eos, last=False):
-    """Record in results[prompt] the tokens of each batch row that ended in EOS (every row at the `last` step);
-    returns the indices of the rows still running."""
+    """Record in results the rows that ended (all at the `last` step); return the indices of those running."""
     running = []
     for i, (row, owner) in enumerate(zip(tokens, owners, strict=True)):
         if owner is None or results[owner] is not None:
@@ -452,11 +420,9 @@ def ended_rows(tokens, owners, results, eos, last=False):
 
 
 def capture_graph(step, stream=None):
-    """(a CUDA graph of step(), the output its replays write, step()'s output run eagerly), warmed up (lazy
-    initialization stays out of the graph) and captured on one side stream, torch.cuda.graph's (one a process: cuBLAS
-    keeps a workspace per stream), but not by torch.cuda.graph, which empties the allocator's cache (a training
-    run's) at every capture. A capture that raises restores the stream, frees what it allocated and raises the
-    step's own error, not capture_end's "previous error during capture"."""
+    """(graph, its output, step()'s eager output), captured on torch.cuda.graph's one side stream (cuBLAS keeps a
+    workspace a stream) but not by torch.cuda.graph, which empties the allocator's cache (a training run's). A failed
+    capture restores the stream, frees its memory and raises the step's own error."""
     graph, error = torch.cuda.CUDAGraph(), None
     current, stream = torch.cuda.current_stream(), stream or torch.cuda.graph(graph).capture_stream
     stream.wait_stream(current)
@@ -486,8 +452,7 @@ def capture_graph(step, stream=None):
 
 
 def replay_disagrees(replayed, eager):
-    """How far a first replay's logits are from the eager step's, in words, where beyond their dtype's tolerance
-    (torch.testing's: in bf16 a near-tie may flip an argmax); else None."""
+    """In words, how far a first replay is from the eager step, where beyond the dtype's tolerance; else None."""
     try:
         torch.testing.assert_close(replayed, eager, equal_nan=True)
     except AssertionError:
@@ -495,10 +460,8 @@ def replay_disagrees(replayed, eager):
 
 
 class StepGraphs:
-    """Greedy's static-shape step as a CUDA graph per (model, rows, slots) bucket, captured at its first use by
-    `capture` and replayed on the batch held in fixed buffers (hold): one KV storage per layer, sized for the largest
-    bucket, whose front each bucket's caches view. A capture error or a first replay that disagrees turns graphs off
-    for this object's life (the Runtime's: the process's, as both would recur), with one line (`warn`)."""
+    """A CUDA graph of greedy's step per (model, rows, slots), captured at first use, replayed over fixed buffers (one
+    KV storage a layer). A failed capture or replay turns graphs off for good (both would recur), with one line."""
 
     def __init__(self, capture=capture_graph, warn=None):
         self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))
@@ -509,7 +472,6 @@ class StepGraphs:
         self.graphs, self.inputs, self.storage = {}, {}, []
 
     def describe(self):
-        """How greedy's steps ran, in one line."""
         if self.eager_why:
             return f"greedy steps eager: {self.eager_why}"
         buckets = ", ".join(f"{rows}x{slots}" for rows, slots in self.capture_seconds) or "captured at first use"
@@ -533,8 +495,7 @@ class StepGraphs:
         return held
 
     def __call__(self, model, batch):
-        """The step's logits: the bucket's graph replayed; at its first use captured and checked, and where the
-        capture fails or the first replay disagrees, the eager step's, graphs off."""
+        """The step's logits: the bucket's graph replayed, captured and checked at its first use."""
         key, step = (model, len(batch.tokens), batch.caches[0].slots), lambda: static_step(model, batch)
         if self.eager_why:
             return step()

@@ -1,5 +1,4 @@
-"""GPT-2 in the shape of nanoGPT, loadable from transformers, with the KV cache its attention writes during decoding
-(generate.py drives the cached forward passes). Imports torch only."""
+"""GPT-2 in nanoGPT's shape, loadable from transformers, with the KV caches that decoding (generate.py) writes."""
 import math
 import os
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ class Targets(NamedTuple):
 
 
 class KVCache:
-    """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): a step writes keys and values in one copy."""
+    """One layer's keys and values, kv (rows, 2, heads, slots, head_dim): a step writes both in one copy."""
 
     def __init__(self, slots, kv=None):
         self.slots, self.kv = slots, kv
@@ -59,7 +58,7 @@ class KVCache:
         return F.scaled_dot_product_attention(q, *self.update(input_pos, kv), attn_mask=mask)
 
     def write_prompts(self, kv, lengths):
-        """Prompts packed along kv (1, 2, H, sum(lengths), D), a row each, each ending at its prompt_ends slot."""
+        """Prompts packed along kv (1, 2, H, sum(lengths), D), a row each, right-aligned at their prompt_ends."""
         self.kv = kv.new_zeros(len(lengths), *kv.shape[1:3], self.slots, kv.size(4))
         for row, (prompt, end) in enumerate(zip(kv.split(lengths, 3), self.prompt_ends(lengths), strict=True)):
             self.kv[row, :, :, end - prompt.size(3):end] = prompt[0]
@@ -72,21 +71,19 @@ class KVCache:
 
 
 def prompt_slots(length):
-    """A shared prompt's slots (an int or a tensor of lengths): its length up to a multiple of 16."""
+    """A shared prompt's slots: its length (int or tensor) up to a multiple of 16, so near lengths share a call."""
     return -(-length // 16) * 16
 
 
 class SharedPromptCache(KVCache):
-    """A layer's cache while n rows (beams, samples) continue each prompt: a row a prompt, its prompt_slots, then
-    step t's token of its row j at slot prompt_slots + t * n + j. A step reads each prompt once for its rows, in its
-    own dtype, and what a prompt's SDPA call sees depends on that prompt alone, not on the batch."""
+    """n rows (beams, samples) a prompt: its row holds the prompt in prompt_slots, then row j's token t at slot
+    prompt_slots + t * n + j. A step reads a prompt once, in its dtype, its keys independent of the batch."""
 
     def prompt_ends(self, lengths):
         return [prompt_slots(n) for n in lengths]
 
     def attend(self, q, input_pos, kv, masks):
-        """kv written at each row's (prompt, slot); one SDPA call a run of prompts alike, its additive mask (prompts,
-        1, rows a prompt, slots) in `masks`."""
+        """One SDPA call a run of prompts alike, as its mask (prompts, 1, rows a prompt, slots) in `masks` allows."""
         self.kv[input_pos[0], :, :, input_pos[1]] = kv[:, :, :, 0]
         (_, H, _, D), ys, first = q.shape, [], 0
         for mask in masks:
@@ -117,9 +114,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x, kv_cache=None, input_pos=None, mask=None, lengths=None):
-        """Causal attention over x. With `lengths`, x (1, T, C) is prompts packed back to back: each attends causally
-        within itself and its keys/values go into its own row of kv_cache (KVCache.write_prompts). Else with
-        kv_cache (a decode step), the cache's attention (KVCache.attend, SharedPromptCache.attend)."""
+        """Causal attention; with `lengths`, x (1, T, C) holds prompts packed back to back, each to its cache row."""
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
         q, kv = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1:].permute(0, 2, 3, 1, 4)  # kv (B, 2, heads, T, head_dim)
@@ -195,17 +190,15 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()  # nanoGPT's count
 
     def training_flops(self, tokens, targets, attended):
-        """Model FLOPs of a training step (forward + backward = 3x forward, 2 per multiply-add) over `tokens`
-        tokens of which `targets` are supervised: the blocks at every token, lm_head at the targets only (all
-        that forward computes), and attention, with `attended` = the sum of squared sequence lengths."""
+        """A training step's model FLOPs: lm_head at the `targets` only (as forward computes), attention over
+        `attended` = the sum of squared sequence lengths."""
         head = self.lm_head.weight.numel()
         return (6 * (self.num_params() - head) * tokens + 6 * head * targets
                 + 12 * self.config.n_layer * self.config.n_embd * attended)
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> (logits, loss). Without targets: logits for every position (B, T, vocab), loss None.
-        With targets (B, T; -1 = ignore), or Targets.of(them): the mean cross-entropy over the targets, and logits
-        None, because only the supervised positions go through lm_head (a summary is ~15% of a training row)."""
+        """(logits of every position, None), or with targets (-1 = ignore, or Targets): (None, mean loss), only the
+        supervised positions through lm_head (a summary is ~15% of a training row)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
@@ -226,21 +219,17 @@ class GPT(nn.Module):
         return None, loss / max(index.numel(), 1)
 
     def next_logits(self, idx, positions, input_pos, kv_caches, mask, rows=None):
-        """A decode step's logits (of its `rows` only, an index tensor, if given): idx (B, 1) at positions (B, 1),
-        its keys/values written at cache slots input_pos (1,), each cache's attention as the additive mask allows.
-        Below 64 rows a CPU's BLAS runs lm_head, most of a decode step, as W @ x^T 1.3-1.7x faster than x @ W^T
-        (50257 x 64..768 weights, 8-48 rows; the argmax after it included)."""
+        """A decode step's logits (of `rows` only, if given): idx (B, 1) written to the caches at input_pos."""
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for block, cache in zip(self.transformer.h, kv_caches, strict=True):
             x = block(x, cache, input_pos, mask)
         x = self.transformer.ln_f(x[:, -1] if rows is None else x[rows, -1])
-        if x.device.type == "cpu" and x.size(0) < 64:
+        if x.device.type == "cpu" and x.size(0) < 64:  # a CPU's BLAS: 1.3-1.7x faster below 64 rows
             return (self.lm_head.weight @ x.t()).t()
         return self.lm_head(x)
 
     def prefill(self, prompts, kv_caches):
-        """Run the prompts packed back to back in one sequence, so no compute goes to padding, filling each
-        prompt's cache row (left-padded layout). Returns the logits of each prompt's last position (B, vocab)."""
+        """Each prompt's last logits, the prompts packed in one sequence (no compute on padding), caches filled."""
         device = self.lm_head.weight.device
         lengths = [len(p) for p in prompts]
         idx = torch.tensor([[t for p in prompts for t in p]], device=device)
@@ -259,15 +248,14 @@ class GPT(nn.Module):
             block.attn.resid_dropout.p = block.mlp.dropout.p = block.attn.dropout = p
 
     def crop_block_size(self, block_size):
-        """Shrink the context window (e.g. 1024 -> 512 to save memory); keeps the first position embeddings."""
+        """Shrink the context window, keeping the first position embeddings."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
     @classmethod
     def from_pretrained(cls, name_or_path, dropout=0.0, local_files_only=False):
-        """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a local save_pretrained directory;
-        local_files_only: a hub name from the local cache, without asking the hub."""
+        """GPT-2 weights from transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained directory."""
         import transformers
         from transformers import GPT2LMHeadModel
 
@@ -301,11 +289,9 @@ class GPT(nn.Module):
 
     @classmethod
     def on_meta(cls, config):
-        """The model's structure without memory for its weights (all on the meta device)."""
         with torch.device("meta"):
             return cls(config)
 
     def tie_weights(self):
-        """wte and lm_head share one weight, as in GPT-2 (again after load_state_dict(assign=True), which
-        assigns the two names separately)."""
+        """wte and lm_head share one weight (again after load_state_dict(assign=True), which assigns each name)."""
         self.transformer.wte.weight = self.lm_head.weight

@@ -134,7 +134,7 @@ def beams_over_shared_prompts(lengths, n, steps, H, D, g):
 
 
 def shared_prompt_attention(prompts, steps, n, dtype):
-    """Each step's attention of the rows over a SharedPromptCache of `prompts`, as generate lays it out (DecodeState)."""
+    """Each step's attention of the rows over a SharedPromptCache of `prompts`, laid out as DecodeState says."""
     state = DecodeState([[0] * p.size(2) for p in prompts], len(steps), "cpu").share(n, dtype)
     cache = SharedPromptCache(max(prompt_slots(p.size(2)) for p in prompts) + n * len(steps))
     cache.write_prompts(torch.cat(prompts, 2)[None].to(dtype), [p.size(2) for p in prompts])

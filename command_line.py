@@ -37,6 +37,11 @@ class UserError(Exception):
     """A mistake the user can fix; entry points print it as one `error: ...` line."""
 
 
+def first_line(error):
+    """What a one-line message keeps of an exception: its text's first line ('' where it has none)."""
+    return str(error).strip().partition("\n")[0]
+
+
 def arguments(argv):
     """(presets, flags as '--key=value'); `--max_iters 5` is `--max_iters=5`, whatever the next word looks like."""
     presets, flags, words, two_words = [], [], list(argv), None

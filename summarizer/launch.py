@@ -1,5 +1,4 @@
-"""Launching: the one-line ending of a command (user errors, out of memory, a crash of one rank of a distributed
-job), training from a notebook cell in one process per GPU, and the process's age (max_time counts from it)."""
+"""How a command ends: its one error ladder, the stop signals of a run, and training from a notebook cell."""
 import contextlib
 import logging
 import os
@@ -11,7 +10,7 @@ import traceback
 
 import torch
 
-from command_line import UserError
+from command_line import UserError, first_line
 from config import load_config
 from summarizer import run_folder
 from summarizer.checkpoint import intact_in
@@ -22,15 +21,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 
 
 class StopSignals:
-    """While inside (`with`, in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C, a notebook's
-    stop button) and SIGTERM (a session or job ending) stop the run: in start-up at once (one `interrupted` line);
-    in training(next_step) after step `stop_after` = next_step() (the loop's count), which notice(step) announces
-    (None: rank > 0), and alone a second Ctrl-C ends it at once whatever it does, saying at_once() (what is saved);
-    after training quietly, under torchrun until the process ends when an error leaves (the launcher's SIGTERM must
-    not end it before its line)."""
+    """While inside (in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C) and SIGTERM (a session
+    ending) stop the run: in start-up at once (KeyboardInterrupt); in training() after the step in progress, which
+    rank 0 announces (`out_dir`: what it saves); a second Ctrl-C at once. Under torchrun an error leaves them caught
+    until the process ends: the launcher's SIGTERM must not end it before its line."""
 
-    def __init__(self, notice, at_once, distributed):
-        self.notice, self.at_once, self.distributed = notice, at_once, distributed
+    def __init__(self, out_dir=None, is_main=False, distributed=False):
+        self.out_dir, self.is_main, self.distributed = out_dir, is_main, distributed
         self.received, self.previous, self.phase, self.wakeup = None, {}, "start-up", None
         self.next_step, self.stop_after = None, None  # next_step(): where a signal now stops; the received one's
 
@@ -65,8 +62,9 @@ class StopSignals:
             raise KeyboardInterrupt
         if self.received is None:
             self.received, self.stop_after = signum, self.next_step() if self.phase == "training" else None
-            if line := self.notice and self.phase == "training" and self.notice(self.stop_after):
-                print(f"\n{signal.Signals(signum).name}: {line}", file=sys.stderr, flush=True)
+            if self.phase == "training" and self.is_main and self.out_dir:
+                print(f"\n{signal.Signals(signum).name}: stopping after iter {self.stop_after}, then saving "
+                      f"{os.path.join(self.out_dir, run_folder.CKPT)}", file=sys.stderr, flush=True)
 
     def second_ctrl_c(self, fd):
         """The wakeup fd hears each signal, here: handle() runs between the main thread's bytecodes only, which a C
@@ -76,60 +74,85 @@ class StopSignals:
             while byte := heard.read(1):
                 count += byte[0] in STOP_SIGNALS
                 if count > 1 and byte[0] == signal.SIGINT:
-                    print(f"\nsecond Ctrl-C: stopping at once; {self.at_once()}", file=sys.stderr, flush=True)
+                    print(f"\nsecond Ctrl-C: stopping at once; {saved_so_far(self.out_dir)}", file=sys.stderr,
+                          flush=True)
                     os._exit(128 + signal.SIGINT)
 
 
+def saved_so_far(out_dir):
+    """What a run stopped now leaves: its checkpoints that load, or that none was saved yet."""
+    intact = intact_in(out_dir) if out_dir else []
+    return f"intact: {', '.join(intact)}" if intact else f"nothing is saved in {out_dir} yet"
+
+
 @contextlib.contextmanager
-def one_line_errors():
-    """For entry points: a UserError is one `error: ...` line (exit 2), an out-of-memory one line too (exit 1),
-    Ctrl-C one `interrupted` line (exit 130); under torchrun the line names the rank."""
+def run_ending(out_dir, go_on, rt):
+    """train.py's ending in one line: its error ladder (one_line_errors, naming what out_dir keeps and `go_on`, the
+    command that continues the run) around the StopSignals it yields."""
+    with one_line_errors(out_dir, go_on, rt.distributed), StopSignals(out_dir, rt.is_main, rt.distributed) as signals:
+        yield signals
+
+
+@contextlib.contextmanager
+def one_line_errors(out_dir=None, go_on=None, distributed=False):
+    """An entry point's one error ladder: each error ends in one line (naming the rank under torchrun), Ctrl-C in
+    `interrupted` (exit 130). Without a run's `out_dir`, an error expected_error does not name keeps its traceback;
+    with it, the line names its type and first line, the traceback goes to out_dir's error.log (exit 1)."""
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank else ""
     try:
         yield
-    except UserError as e:
-        print(f"error{where}: {e}", file=sys.stderr)
-        sys.exit(2)
     except KeyboardInterrupt:
         print(f"interrupted{where}", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except Exception as e:
-        if not out_of_memory(e):
+        said = expected_error(e, out_dir, go_on, distributed)
+        if said is None and out_dir is None:
             raise
-        print(f"error{where}: {str(e).strip().partition(chr(10))[0]}", file=sys.stderr)
-        sys.exit(1)
+        line, status = said or (f"{type(e).__name__}: {first_line(e)}{traceback_kept(out_dir, where)}", 1)
+        # the unexpected under torchrun on a line of its own, whatever another rank's progress bar left unended
+        print(f"{chr(10) * bool(where and not said)}error{where}: {line}", file=sys.stderr)
+        sys.exit(status)
 
 
-@contextlib.contextmanager
-def error_lines(out_dir):
-    """An error that no other handler names ends in one line, naming the rank under torchrun (among the launcher's
-    report and the other ranks' errors, the root cause): its type and first line, and the file of out_dir its
-    traceback is appended to (on stderr where that cannot be written)."""
+def expected_error(e, out_dir, go_on, distributed):
+    """(the line, the exit status) of an error the user can act on, else None: a UserError (2), with the checkpoints
+    in out_dir that a full disk or a lost peer left and how to go on; an out-of-memory error (1)."""
+    intact = intact_in(out_dir) if out_dir else []
+    kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
+    if isinstance(e, DiskFull) and out_dir:
+        return f"{e}; {kept}" + (f": {run_folder.GO_ON}" if intact else ""), 2
+    if isinstance(e, UserError):
+        return str(e), 2
+    if out_of_memory(e):
+        return first_line(e), 1
+    if distributed and lost_peer(e):  # this rank cannot save: its collectives have no peer
+        resumable = any(path.startswith(f"{os.path.join(out_dir, run_folder.CKPT)} (") for path in intact)
+        return (f"another rank of this run is gone ({type(e).__name__}: {first_line(e)}); {kept}"
+                + (f"; continue with: {go_on}" if resumable else ": start the run again")), 2
+    if out_dir and FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
+        return ("CUDA cannot start in a process forked from this notebook: train with the notebook's torchrun cell "
+                "(python -m torch.distributed.run ... train.py) instead of notebook_main"), 1
+    return None
+
+
+def lost_peer(e):
+    """Whether a collective failed because another rank is gone (killed, crashed, out of memory): torch.distributed's
+    error types; gloo's are plain RuntimeErrors whose first line is its transport's source location."""
+    return isinstance(e, torch.distributed.DistError) or (
+        type(e) is RuntimeError and "/gloo/transport/" in first_line(e))
+
+
+def traceback_kept(out_dir, where):
+    """' (traceback in out_dir's error.log)', or '' where that cannot be written (the traceback on stderr)."""
+    log = os.path.join(out_dir, run_folder.ERROR_LOG)
     try:
-        yield
-    except Exception as e:
-        if isinstance(e, UserError) or out_of_memory(e):
-            raise
-        rank = os.environ.get("RANK")
-        where = f" (rank {rank})" if rank else ""
-        if FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
-            print(f"error{where}: CUDA cannot start in a process forked from this notebook: train with the "
-                  f"notebook's torchrun cell (python -m torch.distributed.run ... train.py) instead of "
-                  f"notebook_main", file=sys.stderr)
-            sys.exit(1)
-        log = os.path.join(out_dir, run_folder.ERROR_LOG)
-        try:
-            with open(log, "a") as f:  # one write: ranks append to one file
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{where}:\n{traceback.format_exc()}\n")
-            kept = f" (traceback in {log})"
-        except OSError:
-            traceback.print_exc()
-            kept = ""
-        # under torchrun on a line of its own, whatever another rank's progress bar left unended
-        print(f"{chr(10) * bool(rank)}error{where}: {type(e).__name__}: {str(e).strip().partition(chr(10))[0]}{kept}",
-              file=sys.stderr)
-        sys.exit(1)
+        with open(log, "a") as f:  # one write: ranks append to one file
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{where}:\n{traceback.format_exc()}\n")
+        return f" (traceback in {log})"
+    except OSError:
+        traceback.print_exc()
+        return ""
 
 
 @contextlib.contextmanager
@@ -146,39 +169,6 @@ def quiet_launcher_logs():
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def full_disk_keeps_checkpoints(folder):
-    """A DiskFull in the body ends in its line plus the checkpoints of the run's `folder` that are intact and how
-    to go on from them."""
-    try:
-        yield
-    except DiskFull as e:
-        intact = intact_in(folder)
-        kept = f"intact: {', '.join(intact)}: {run_folder.GO_ON}" if intact else "no checkpoint was written yet"
-        raise DiskFull(f"{e}; {kept}") from None
-
-
-@contextlib.contextmanager
-def lost_rank_keeps_checkpoints(folder, go_on, distributed):
-    """In a run of several processes, a collective that fails because another rank is gone (killed, crashed, out of
-    memory) ends in one line: what failed, the checkpoints of the run's `folder` that are intact, and `go_on`, the
-    command that continues it from folder's ckpt.pt (where there is one)."""
-    try:
-        yield
-    except Exception as e:
-        # torch.distributed's error types (NCCL's, the store's); gloo's errors are plain RuntimeErrors whose first
-        # line is the source location in its transport: "[.../gloo/transport/tcp/pair.cc:537] Read error ..."
-        if not distributed or not (isinstance(e, torch.distributed.DistError) or (
-                type(e) is RuntimeError and "/gloo/transport/" in str(e).partition("\n")[0])):
-            raise
-        intact = intact_in(folder)
-        resumable = any(path.startswith(f"{os.path.join(folder, run_folder.CKPT)} (") for path in intact)
-        kept = (f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet") + (
-            f"; continue with: {go_on}" if resumable else ": start the run again")
-        raise UserError(f"another rank of this run is gone ({type(e).__name__}: "
-                        f"{str(e).strip().partition(chr(10))[0]}); {kept}") from None
 
 
 def notebook_launch(main, argv, num_processes, port):
@@ -215,7 +205,7 @@ def launch_workers(main, argv, num_processes, port):
     except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
         if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
             raise
-        raise UserError(f"{str(e).splitlines()[0]} (restart the kernel and call notebook_main first)") from None
+        raise UserError(f"{first_line(e)} (restart the kernel and call notebook_main first)") from None
 
 
 def process_age():
@@ -246,7 +236,7 @@ def out_of_memory_hint(doing, settings):
     except Exception as e:
         if not out_of_memory(e) or str(e).startswith("out of memory while"):  # already said by an inner hint
             raise
-        detail = str(e).strip().partition("\n")[0]
+        detail = first_line(e)
         raise torch.OutOfMemoryError(f"out of memory while {doing}: lower {settings}"
                                      + (f" ({detail})" if detail else "")) from None
 

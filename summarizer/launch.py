@@ -67,8 +67,7 @@ class StopSignals:
                       f"{os.path.join(self.out_dir, run_folder.CKPT)}", file=sys.stderr, flush=True)
 
     def second_ctrl_c(self, fd):
-        """The wakeup fd hears each signal, here: handle() runs between the main thread's bytecodes only, which a C
-        call (a backward, a save) holds off for seconds, and there two signals count once."""
+        # the wakeup fd hears each signal: handle() runs between bytecodes, which a C call holds off for seconds
         with os.fdopen(fd, "rb", buffering=0) as heard:
             count = 0
             while byte := heard.read(1):
@@ -80,15 +79,13 @@ class StopSignals:
 
 
 def saved_so_far(out_dir):
-    """What a run stopped now leaves: its checkpoints that load, or that none was saved yet."""
     intact = intact_in(out_dir) if out_dir else []
     return f"intact: {', '.join(intact)}" if intact else f"nothing is saved in {out_dir} yet"
 
 
 @contextlib.contextmanager
 def run_ending(out_dir, go_on, rt):
-    """train.py's ending in one line: its error ladder (one_line_errors, naming what out_dir keeps and `go_on`, the
-    command that continues the run) around the StopSignals it yields."""
+    """train.py's ending in one line, by an error or a stop signal; `go_on`: the command that continues the run."""
     with one_line_errors(out_dir, go_on, rt.distributed), StopSignals(out_dir, rt.is_main, rt.distributed) as signals:
         yield signals
 
@@ -137,14 +134,12 @@ def expected_error(e, out_dir, go_on, distributed):
 
 
 def lost_peer(e):
-    """Whether a collective failed because another rank is gone (killed, crashed, out of memory): torch.distributed's
-    error types; gloo's are plain RuntimeErrors whose first line is its transport's source location."""
+    """Whether another rank is gone: torch.distributed's error types; gloo's are RuntimeErrors from its transport."""
     return isinstance(e, torch.distributed.DistError) or (
         type(e) is RuntimeError and "/gloo/transport/" in first_line(e))
 
 
 def traceback_kept(out_dir, where):
-    """' (traceback in out_dir's error.log)', or '' where that cannot be written (the traceback on stderr)."""
     log = os.path.join(out_dir, run_folder.ERROR_LOG)
     try:
         with open(log, "a") as f:  # one write: ranks append to one file
@@ -157,8 +152,7 @@ def traceback_kept(out_dir, where):
 
 @contextlib.contextmanager
 def quiet_launcher_logs():
-    """Silence torch.distributed.elastic's loggers: when a worker fails they log the launcher's own traceback,
-    while the worker has already printed the error that matters."""
+    """A failed worker has printed its line: the launcher's loggers would add the launcher's own traceback."""
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if name.startswith("torch.distributed.elastic")]
     levels = [logger.level for logger in loggers]
@@ -172,44 +166,36 @@ def quiet_launcher_logs():
 
 
 def notebook_launch(main, argv, num_processes, port):
-    """Run main(argv + --backend=accelerate) in `num_processes` processes forked by Accelerate's notebook_launcher,
-    one per GPU (nothing in the notebook may have used CUDA before). Errors end in one line (exit 2)."""
-    try:
+    """main(argv) in processes forked by Accelerate's notebook_launcher, where no cell may have used CUDA."""
+    from accelerate import notebook_launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    with one_line_errors():
         load_config(argv)  # a mistake in the arguments ends here, before any process starts
         if torch.cuda.is_initialized():
             raise UserError("CUDA was already initialised in this notebook (a cell used the GPU), and processes "
                             "forked from it cannot use CUDA: restart the kernel and call notebook_main first")
-        launch_workers(main, argv, num_processes, port)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def launch_workers(main, argv, num_processes, port):
-    from accelerate import notebook_launcher
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    try:
-        with quiet_launcher_logs():
-            notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
-                              use_port=str(port))
-    except torch.distributed.DistNetworkError as e:
-        if "EADDRINUSE" not in str(e):
-            raise
-        raise UserError(f"port {port} is in use, probably by the processes of an earlier launch that are "
-                        f"still running: restart the kernel, or pass port=<another port>") from None
-    except ChildFailedError as e:  # each worker printed its own one-line error above
-        if all(failure.exitcode == 2 for failure in e.failures.values()):
-            sys.exit(2)  # a user error: nothing to add to the workers' lines
-        failed = ", ".join(str(rank) for rank in sorted(e.failures))
-        raise UserError(f"training failed in rank(s) {failed}: see the error line(s) above") from None
-    except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
-        if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
-            raise
-        raise UserError(f"{first_line(e)} (restart the kernel and call notebook_main first)") from None
+        try:
+            with quiet_launcher_logs():
+                notebook_launcher(main, ([*argv, "--backend=accelerate"],), num_processes=num_processes,
+                                  use_port=str(port))
+        except torch.distributed.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise UserError(f"port {port} is in use, probably by the processes of an earlier launch that are "
+                            f"still running: restart the kernel, or pass port=<another port>") from None
+        except ChildFailedError as e:  # each worker printed its own one-line error above
+            if all(failure.exitcode == 2 for failure in e.failures.values()):
+                sys.exit(2)  # a user error: nothing to add to the workers' lines
+            failed = ", ".join(str(rank) for rank in sorted(e.failures))
+            raise UserError(f"training failed in rank(s) {failed}: see the error line(s) above") from None
+        except (ValueError, RuntimeError) as e:  # Accelerate's own checks of the notebook's state
+            if not any(s in str(e) for s in ("should only be initialized inside", "has been initialized before")):
+                raise
+            raise UserError(f"{first_line(e)} (restart the kernel and call notebook_main first)") from None
 
 
 def process_age():
-    """Seconds since this process started (Linux's /proc), or 0 where that cannot be read."""
+    """Seconds since this process started (Linux's /proc), else 0."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22: start, in clock ticks after boot
@@ -221,16 +207,14 @@ def process_age():
 
 
 def out_of_memory(error):
-    """Whether `error` is an allocation failure, a GPU's or the host's (a CPU's or host RAM's, e.g. under `ulimit -v`:
-    torch's CPU allocator raises a plain RuntimeError): the one rule of every place that handles one."""
+    """An allocation failure, a GPU's or the host's (under `ulimit -v` torch's CPU allocator raises a RuntimeError)."""
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(error, RuntimeError) and "DefaultCPUAllocator: " in str(error))
 
 
 @contextlib.contextmanager
 def out_of_memory_hint(doing, settings):
-    """Re-raise an out-of-memory error inside as a torch.OutOfMemoryError whose message is one line: what ran out of
-    memory and the settings to lower (entry points print it as `error: ...`)."""
+    """An out-of-memory error inside says, in one line, what ran out of memory and the settings to lower."""
     try:
         yield
     except Exception as e:
@@ -242,7 +226,6 @@ def out_of_memory_hint(doing, settings):
 
 
 def training_memory_hint(cfg, rt):
-    """What an out-of-memory while training says to lower (one generating summaries names gen_batch_size)."""
     n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
     model = "--n_layer, --n_embd" if cfg.init_from == "scratch" else f"--init_from, now {cfg.init_from}"
     lower = (f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)" if n > 1 else

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import train
-from command_line import UserError
 from conftest import HANG, REPO, TINY, one_error_line, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint

@@ -1,12 +1,9 @@
-"""Fine-tune GPT-2 to summarize dialogues.
+"""Fine-tune GPT-2 to summarize dialogues; out_dir gets the checkpoints (ckpt.pt to resume, best.pt to use).
 
     python train.py [preset.py|preset.json] [--key=value ...]                  one process (CPU or one GPU)
     torchrun --nproc_per_node=N --standalone train.py [...]                     DDP, N processes
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
-
-Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
-time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
 # Reads top to bottom: main, then the Trainer's loop (fit, train_step). What a run is built from is
 # summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's TrainingState.
@@ -102,8 +99,7 @@ def say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, go_on):
 
 
 def after_runs(cfg, rt, argv, clock):
-    """predict_after (the submission first), then evaluate_after: what cannot end within the budget is not started
-    (rank 0's clock decides for every rank)."""
+    """The submission first; what cannot end within the budget is not started (rank 0's clock decides)."""
     took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)
     for key, after in (("predict_after", predict), ("evaluate_after", evaluate)):
         later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
@@ -120,8 +116,7 @@ def after_runs(cfg, rt, argv, clock):
 # ---- the loop ------------------------------------------------------------------------------------------------
 
 class StepDone(NamedTuple):
-    """An optimizer step. loss: per target token over all ranks; grad_norm: before clipping; skipped: an fp16
-    overflow or a non-finite loss; steps_left: after it by rank 0's clock (-1: no budget)."""
+    """An optimizer step; loss: per target token over all ranks; steps_left: by rank 0's clock (-1: no budget)."""
     loss: float
     grad_norm: float
     skipped: bool
@@ -140,8 +135,7 @@ class Trainer:
         self.skips, self.warned_at = collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
 
     def fit(self):
-        """Train to max_iters (returns None), or until a stop signal or the clock stops the run after a step (returns
-        the signal or OUT_OF_TIME)."""
+        """Train to max_iters (None), or until a stop signal or the clock stops it (the signal, or OUT_OF_TIME)."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
         bad_steps = 0
         self.first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
@@ -180,7 +174,6 @@ class Trainer:
         return None
 
     def stats(self, done, seconds):
-        """The step's row of metrics.jsonl, before its evaluation's."""
         run, state, batch = self.run, self.run.state, done.batch
         stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                  "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds,
@@ -213,7 +206,6 @@ class Trainer:
                       f"use --dtype=bfloat16 (Ampere or newer) or --dtype=float32", file=sys.stderr)
 
     def train_step(self, step):
-        """One optimizer step over global batch `step` (0-based)."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
         upcoming, self.upcoming = self.upcoming, None
         batch, micro_batches = upcoming[1] if upcoming and upcoming[0] == step else self.on_host(step)
@@ -271,7 +263,6 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self):
-        """Validation loss and ROUGE, the same numbers on every rank."""
         run, rt = self.run, self.rt
         if not len(run.val_set):  # best_metric=last without validation rows: nothing to measure
             return {}
@@ -327,7 +318,7 @@ class Trainer:
 # ---- the command line ----------------------------------------------------------------------------------------
 
 def notebook_main(argv=(), num_processes=2, port=29500):
-    """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4)."""
+    """Train from a notebook cell in one process per GPU (Kaggle's 2x T4)."""
     notebook_launch(main, list(argv), num_processes, port)
 
 

@@ -21,10 +21,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the 
 
 
 class StopSignals:
-    """While inside (in the main thread: elsewhere a signal cannot be caught), SIGINT (Ctrl-C) and SIGTERM (a session
-    ending) stop the run: in start-up at once (KeyboardInterrupt); in training() after the step in progress, which
-    rank 0 announces (`out_dir`: what it saves); a second Ctrl-C at once. Under torchrun an error leaves them caught
-    until the process ends: the launcher's SIGTERM must not end it before its line."""
+    """SIGINT and SIGTERM stop the run: in start-up at once, in training() after the step in progress, a second Ctrl-C
+    at once. Under torchrun an error leaves them caught: the launcher's SIGTERM must not end a rank before its line."""
 
     def __init__(self, out_dir=None, is_main=False, distributed=False):
         self.out_dir, self.is_main, self.distributed = out_dir, is_main, distributed
@@ -92,9 +90,8 @@ def run_ending(out_dir, go_on, rt):
 
 @contextlib.contextmanager
 def one_line_errors(out_dir=None, go_on=None, distributed=False):
-    """An entry point's one error ladder: each error ends in one line (naming the rank under torchrun), Ctrl-C in
-    `interrupted` (exit 130). Without a run's `out_dir`, an error expected_error does not name keeps its traceback;
-    with it, the line names its type and first line, the traceback goes to out_dir's error.log (exit 1)."""
+    """An entry point's one error ladder: each error ends in one line, naming the rank under torchrun. An unexpected
+    one keeps its traceback: in a run's `out_dir` (error.log, named in the line), else on stderr."""
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank else ""
     try:
@@ -113,8 +110,7 @@ def one_line_errors(out_dir=None, go_on=None, distributed=False):
 
 
 def expected_error(e, out_dir, go_on, distributed):
-    """(the line, the exit status) of an error the user can act on, else None: a UserError (2), with the checkpoints
-    in out_dir that a full disk or a lost peer left and how to go on; an out-of-memory error (1)."""
+    """(the line, the exit status) of an error the user can act on, with what out_dir keeps, else None."""
     intact = intact_in(out_dir) if out_dir else []
     kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
     if isinstance(e, DiskFull) and out_dir:

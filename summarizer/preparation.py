@@ -93,8 +93,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
 
 
 def auto_micro_batch(cfg, rt, model, splits, step, phase):
-    """(cfg with micro_batch_size=auto's choice, the choice in words), else (cfg, None); fsdp_reduce_once=auto is
-    decided first, as the plan counts what it holds."""
+    """(cfg with auto's choice, the choice in words); fsdp_reduce_once=auto first: the plan counts what it holds."""
     auto = cfg.micro_batch_size == "auto"
     if not auto and not (rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto"):
         return cfg, None
@@ -113,7 +112,6 @@ def auto_micro_batch(cfg, rt, model, splits, step, phase):
 
 
 def announce(run, rt, notes, train_rows, runs, chosen, disk):
-    """Rank 0, before step 1: the notes and start lines, and config.json."""
     if not rt.is_main:
         return
     cfg, state, clock = run.cfg, run.state, run.clock
@@ -155,7 +153,6 @@ class StartUp:
 
 
 def training_state(cfg, rt, model, resumed, splits, given, base):
-    """(the TrainingState, the disk plan, checked before any work, the notes of start-up)."""
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
     path = resume_path(cfg) if resumed else None
@@ -172,7 +169,6 @@ def training_state(cfg, rt, model, resumed, splits, given, base):
 
 
 def step_module(rt, state, compiled):
-    """(what a step calls, wrapped by the backend; what runs, in words)."""
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
     words = ("torch.compile (compiled at its first call)" if compiled else
              f"eager training ({rt.backend})" if rt.compile else "eager")
@@ -180,8 +176,7 @@ def step_module(rt, state, compiled):
 
 
 def time_step(cfg, rt, batches, state, module, phase):
-    """(the seconds of a warm step, its tokens): the slowest warm run counts, as a quiet moment of a busy machine
-    must not mislead."""
+    """(a warm step's seconds, its tokens): the slowest warm run, as a busy machine's quiet moment must not mislead."""
     rng, runs, batch = rng_state(), [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
     x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)

@@ -1,5 +1,4 @@
-"""Training metrics: metrics.jsonl, its plot, and the `log_to` destinations (TensorBoard, W&B), which get
-every row too (rank 0 only), with the run's config as hyperparameters."""
+"""Training metrics: metrics.jsonl, its plot, and the `log_to` destinations (TensorBoard, W&B), rank 0's."""
 import importlib
 import json
 import os
@@ -58,8 +57,7 @@ class Tracker:
             self.wandb.log(scalars, step=step)
 
     def open_tensorboard(self, first_step):
-        """purge_step hides what an earlier run logged from `first_step` on: a resumed run's curves do not
-        double back."""
+        """purge_step hides what an earlier run logged from `first_step` on: a resumed curve does not double back."""
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.summary_writer(os.path.join(self.cfg.out_dir, "tensorboard"), purge_step=first_step)
@@ -82,9 +80,8 @@ class Tracker:
             self.wandb.finish(exit_code=0 if exc[0] is None else 1)
 
 
-def drop_rows_after(jsonl_path, iter_num):
-    """Drop the rows past `iter_num` (a resumed run logs those steps again) and a last row a kill cut short;
-    returns how many."""
+def drop_rows_after(jsonl_path, step):
+    """A resumed run logs the steps past `step` again: drops those rows and one a kill cut short; returns how many."""
     if not os.path.isfile(jsonl_path):
         return 0
     with open(jsonl_path, encoding="utf-8") as f:
@@ -92,7 +89,7 @@ def drop_rows_after(jsonl_path, iter_num):
 
     def logged_by_then(line):
         try:
-            return json.loads(line)["iter"] <= iter_num
+            return json.loads(line)["iter"] <= step
         except (ValueError, KeyError, TypeError):
             return False
     kept = [line if line.endswith("\n") else line + "\n" for line in lines if logged_by_then(line)]
@@ -103,8 +100,7 @@ def drop_rows_after(jsonl_path, iter_num):
 
 
 def resumed_history(ckpt_path, out_dir, step):
-    """A resumed run's metrics.jsonl, to `step`; a run continued into another folder first copies the earlier
-    sessions' rows. Returns the note saying so, or None."""
+    """metrics.jsonl to `step`, in another folder first copied from ckpt_path's; the note saying so, or None."""
     path, earlier = os.path.join(out_dir, METRICS), os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), METRICS)
     if not os.path.isfile(path) and os.path.abspath(path) != earlier:
         if not os.path.isfile(earlier):

@@ -52,6 +52,7 @@ quiet_start.imported(__name__)
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
+OTHER_DTYPE = "use --dtype=bfloat16 (Ampere or newer) or --dtype=float32"  # where fp16's range is the trouble
 OUT_OF_TIME = "max_time"  # fit()'s reason to stop when the run's clock leaves no room for another step
 
 
@@ -192,9 +193,9 @@ class Trainer:
 
     def diverged(self, loss, bad_steps):
         cfg, step = self.run.cfg, self.run.state.step
-        other_dtype = ", or use --dtype=bfloat16 (Ampere or newer) or --dtype=float32" * (self.rt.dtype == "float16")
         return (f"loss is {loss} for {bad_steps} iterations in a row (iter {step}); stopped: "
-                f"{saved_so_far(cfg.out_dir)}; lower learning_rate (now {cfg.learning_rate:g}){other_dtype}")
+                f"{saved_so_far(cfg.out_dir)}; lower learning_rate (now {cfg.learning_rate:g})"
+                + f", or {OTHER_DTYPE}" * (self.rt.dtype == "float16"))
 
     def warn_of_skips(self, skipped, bar):
         self.skips.append(skipped)
@@ -203,7 +204,7 @@ class Trainer:
             self.warned_at = state.step
             bar.write(f"warning: the fp16 GradScaler skipped {sum(self.skips)} of the last {SKIP_WINDOW} steps (loss "
                       f"scale now {state.scaler.get_scale():g}): gradients keep overflowing; lower learning_rate, or "
-                      f"use --dtype=bfloat16 (Ampere or newer) or --dtype=float32", file=sys.stderr)
+                      f"{OTHER_DTYPE}", file=sys.stderr)
 
     def train_step(self, step):
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock

@@ -70,7 +70,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module, compiled = step_module(rt, state, compiled_module)
+    module = rt.parallel.wrap(compiled_module or state.model)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
@@ -88,7 +88,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
         return run
     if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
-    announce(run, rt, notes, len(splits.train), rt.describe(compiled), chosen, disk)
+    announce(run, rt, notes, len(splits.train), chosen, disk)
     return run
 
 
@@ -111,10 +111,13 @@ def auto_micro_batch(cfg, rt, model, splits, step, phase):
     return micro_batch_that_runs(cfg, rt, step.to(rt.device), splits.train, chosen)
 
 
-def announce(run, rt, notes, train_rows, runs, chosen, disk):
+def announce(run, rt, notes, train_rows, chosen, disk):
     if not rt.is_main:
         return
     cfg, state, clock = run.cfg, run.state, run.clock
+    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
+    runs = rt.describe("torch.compile (compiled at its first call)" if run.compiled_module else
+                       f"eager training ({rt.backend})" if rt.compile else "eager")
     trained = ""
     if cfg.lora_rank:
         count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
@@ -166,13 +169,6 @@ def training_state(cfg, rt, model, resumed, splits, given, base):
         if rt.is_main:
             notes += filter(None, [resumed_history(path, cfg.out_dir, state.step)])
     return state, disk, notes
-
-
-def step_module(rt, state, compiled):
-    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
-    words = ("torch.compile (compiled at its first call)" if compiled else
-             f"eager training ({rt.backend})" if rt.compile else "eager")
-    return rt.parallel.wrap(compiled or state.model), words
 
 
 def time_step(cfg, rt, batches, state, module, phase):

@@ -82,8 +82,7 @@ class Tracker:
 
 
 def rows_by(jsonl_path, step):
-    """(the rows logged by `step`, how many there were): a resumed run logs the later steps again, and a kill may have
-    cut the last row short."""
+    """(the rows logged by `step`, how many there were): a resumed run logs the later steps again."""
     with open(jsonl_path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     return [line.rstrip("\n") + "\n" for line in lines if step_of(line) <= step], len(lines)

@@ -1,5 +1,5 @@
-"""A command line in words: presets and --key=value flags, a preset file's lines, a flag's text as a value, and
---help. config.py types and checks the values. UserError lives here: a command line is the first thing to get wrong."""
+"""A command line in words (presets, --key=value flags, --help), which config.py types and checks; UserError lives
+here: a command line is the first thing to get wrong."""
 import ast
 import difflib
 import json
@@ -25,8 +25,7 @@ REPO = os.path.dirname(os.path.abspath(__file__))  # the commands' folder, where
 
 
 def repository_copy_hint(path, use):
-    """The clause for a relative path missing from the working folder that the repository holds: a command run from
-    another folder misses the repository's file. '' where it does not."""
+    """The clause for a relative path missing from the working folder that the repository holds, else ''."""
     if os.path.isabs(path) or not os.path.exists(there := os.path.join(REPO, path)):
         return ""
     return (f"; relative paths resolve against the working folder ({os.getcwd()}), and {there} exists: use it with "
@@ -35,6 +34,11 @@ def repository_copy_hint(path, use):
 
 class UserError(Exception):
     """A mistake the user can fix; entry points print it as one `error: ...` line."""
+
+
+def first_line(error):
+    """What a one-line message keeps of an exception: its text's first line ('' where it has none)."""
+    return str(error).strip().partition("\n")[0]
 
 
 def arguments(argv):
@@ -111,8 +115,7 @@ def preset(path):
 
 
 def near_preset(path):
-    """The existing preset a missing path most likely means (with .py or .json added, else the closest name in
-    config/ and the path's folder), or None."""
+    """The existing preset a missing path most likely means, or None."""
     if found := next((path + ext for ext in (".py", ".json") if os.path.isfile(path + ext)), None):
         return found
     shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))

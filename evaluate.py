@@ -5,9 +5,8 @@
     python evaluate.py [preset] --compare=<another out_dir or its eval_predictions.csv>
     torchrun --nproc_per_node=2 evaluate.py [...]          the validation set is sharded; rank 0 writes
 
-The prompt template is the run's; an explicit --key=value changes decoding or data settings. --baseline scores
-GPT-2 or an untrained model into out_dir/baseline-<name>/. Writes eval_predictions.csv, eval_metrics.json and
-eval_report.html (to read in a browser); --compare adds the paired ROUGE differences from another evaluation."""
+Writes eval_predictions.csv, eval_metrics.json and eval_report.html into out_dir (a --baseline's into
+out_dir/baseline-<name>/); --compare adds the paired ROUGE differences from another evaluation."""
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)

@@ -2,8 +2,8 @@
 
     python export.py [preset] [--ckpt=path] --export_dir=DIR [--overwrite=True] [--num_beams=4 ...]
 
-The prompt template and decoding settings are the run's: an explicit --key=value replaces a decoding setting, a
-preset does not. `--init_from=DIR` fine-tunes the exported folder further."""
+An explicit --key=value replaces a decoding setting of the run's, a preset does not. `--init_from=DIR` fine-tunes
+the exported folder further."""
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)

@@ -3,8 +3,7 @@
     python predict.py [preset] [--ckpt=path | --baseline=...] [--key=value ...]
     torchrun --nproc_per_node=2 predict.py [...]          the test set is sharded; rank 0 writes the file
 
-An explicit --key=value changes a decoding setting (e.g. --num_beams=4), a preset does not. An earlier
-submission.csv of other weights or decoding is moved aside."""
+An explicit --key=value changes a decoding setting (e.g. --num_beams=4), a preset does not."""
 from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
 
 quiet_start.until_imported(__name__)

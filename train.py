@@ -1,12 +1,9 @@
-"""Fine-tune GPT-2 to summarize dialogues.
+"""Fine-tune GPT-2 to summarize dialogues; out_dir gets the checkpoints (ckpt.pt to resume, best.pt to use).
 
     python train.py [preset.py|preset.json] [--key=value ...]                  one process (CPU or one GPU)
     torchrun --nproc_per_node=N --standalone train.py [...]                     DDP, N processes
     accelerate launch --multi_gpu --num_processes N train.py --backend=accelerate
     train.notebook_main(["config/kaggle_t4x2.py", ...], num_processes=2)              from a notebook cell
-
-Writes its checkpoints (ckpt.pt to resume, best.pt to use), config.json, metrics and logs into out_dir; with a
-time budget (--max_time) it stops in time to save and to run evaluate_after/predict_after.
 """
 # Reads top to bottom: main, then the Trainer's loop (fit, train_step). What a run is built from is
 # summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's TrainingState.
@@ -30,18 +27,16 @@ from command_line import UserError, arguments
 from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.checkpoint import intact_in
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.files import DiskFull
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,
-    error_lines,
-    full_disk_keeps_checkpoints,
-    lost_rank_keeps_checkpoints,
     notebook_launch,
     one_line_errors,
     process_age,
+    run_ending,
+    saved_so_far,
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
@@ -57,12 +52,12 @@ quiet_start.imported(__name__)
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)
+OTHER_DTYPE = "use --dtype=bfloat16 (Ampere or newer) or --dtype=float32"  # where fp16's range is the trouble
 OUT_OF_TIME = "max_time"  # fit()'s reason to stop when the run's clock leaves no room for another step
 
 
 def main(argv=None):
-    """Entry point for the command line and for the notebook launcher; errors end in one line. From the command
-    line, max_time counts from the process's start (imports and set-up included)."""
+    """From the command line, max_time counts from the process's start (imports and set-up included)."""
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
@@ -71,58 +66,58 @@ def main(argv=None):
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
         # (SIGTERM) moments after another one failed
-        with Runtime(cfg) as rt, one_line_errors(), error_lines(cfg.out_dir), \
+        with Runtime(cfg) as rt, run_ending(cfg.out_dir, continue_command(argv, rt.world_size), rt) as signals, \
                 run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
             if rt.is_main:
                 print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG), from_run))
-            go_on = continue_command(argv, rt.world_size)
-            ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
-            signals = StopSignals(lambda step: f"stopping after iter {step}, then saving {ckpt}" if rt.is_main
-                                  else None, lambda: saved_so_far(cfg.out_dir), rt.distributed)
-            with signals, full_disk_keeps_checkpoints(cfg.out_dir), \
-                    lost_rank_keeps_checkpoints(cfg.out_dir, go_on, rt.distributed):
-                trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
-                cfg = trainer.run.cfg  # micro_batch_size=auto chosen
-                del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
-                try:
-                    stopped_by = trainer.fit()
-                    step, clock, schedule = trainer.run.state.step, trainer.run.clock, trainer.run.state.schedule
-                finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
-                    trainer = None
-            if stopped_by in STOP_SIGNALS:
-                if rt.is_main:
-                    print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: "
-                          f"{ckpt} holds it; continue with:\n  {go_on}")
-                # under torchrun a non-zero status would add the launcher's failure report to a clean stop
-                sys.exit(0 if rt.distributed else 128 + stopped_by)
-            if stopped_by == OUT_OF_TIME and rt.is_main:
-                if short := cut_short(schedule, step):
-                    print(short)
-                print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} "
-                      f"{clock.ending()}; {ckpt} holds it; continue with:\n  {go_on}\n"
-                      f"or in a new session, with this output attached as input, add "
-                      f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
-            # this run's config is the contract: every key counts as given
-            took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)  # took: for max_time's last word
-            for key, after in (("predict_after", predict), ("evaluate_after", evaluate)):  # the submission first
-                # what cannot end within the budget is not started (rank 0's clock decides for every rank)
-                later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
-                skip = getattr(cfg, key) and clock and rt.is_main and clock.after_run_problem(key, later)
-                if getattr(cfg, key) and not rt.all_gather_objects(skip)[0]:
-                    began = time.monotonic()
-                    after(cfg, set(FIELDS), rt)
-                    took[key] = time.monotonic() - began
-                elif skip:
-                    print(skip)
-            if clock and took and clock.left() < 0 and rt.is_main:
-                print(clock.after_run_ending(took))
+            trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
+            del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
+            try:
+                stopped_by, run = trainer.fit(), trainer.run
+                cfg, step, clock = run.cfg, run.state.step, run.clock
+                short = cut_short(run.state.schedule, step)
+            finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
+                trainer = run = None
+            say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, continue_command(argv, rt.world_size))
+            after_runs(cfg, rt, argv, clock)
+
+
+def say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, go_on):
+    """Rank 0's lines for a run stopped before max_iters: by a signal (the process ends) or by max_time."""
+    ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
+    if stopped_by in STOP_SIGNALS:
+        if rt.is_main:
+            print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: {ckpt} holds it; continue with:"
+                  f"\n  {go_on}")
+        # under torchrun a non-zero status would add the launcher's failure report to a clean stop
+        sys.exit(0 if rt.distributed else 128 + stopped_by)
+    if stopped_by == OUT_OF_TIME and rt.is_main:
+        if short:
+            print(short)
+        print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} {clock.ending()}; {ckpt} "
+              f"holds it; continue with:\n  {go_on}\nor in a new session, with this output attached as input, add "
+              f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
+
+
+def after_runs(cfg, rt, argv, clock):
+    """The submission first; what cannot end within the budget is not started (rank 0's clock decides)."""
+    took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)
+    for key, after in (("predict_after", predict), ("evaluate_after", evaluate)):
+        later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
+        skip = getattr(cfg, key) and clock and rt.is_main and clock.after_run_problem(key, later)
+        if getattr(cfg, key) and not rt.all_gather_objects(skip)[0]:
+            began = time.monotonic()
+            after(cfg, set(FIELDS), rt)  # this run's config is the contract: every key counts as given
+            took[key] = time.monotonic() - began
+        elif skip:
+            print(skip)
+    if clock and took and clock.left() < 0 and rt.is_main:
+        print(clock.after_run_ending(took))  # max_time's last word
 
 # ---- the loop ------------------------------------------------------------------------------------------------
 
 class StepDone(NamedTuple):
-    """An optimizer step: the mean loss per target token over all ranks, the gradient norm before clipping,
-    skipped (an fp16 overflow or a non-finite loss), the stop signal some rank received (or None), the steps
-    max_time leaves after it by rank 0's clock (-1: no budget), the GlobalBatch it trained on, its learning rate."""
+    """An optimizer step; loss: per target token over all ranks; steps_left: by rank 0's clock (-1: no budget)."""
     loss: float
     grad_norm: float
     skipped: bool
@@ -133,19 +128,18 @@ class StepDone(NamedTuple):
 
 
 class Trainer:
-    """The loop of a prepared Run (summarizer/preparation.py's prepare, the one way in): fit() trains it. `signals`:
-    the StopSignals that ask the run to stop after a step (else none)."""
+    """The loop of a prepared Run (preparation.py's prepare); `signals`: the StopSignals that stop it after a step."""
 
     def __init__(self, run, rt, signals=None):
-        self.run, self.rt, self.signals = run, rt, signals or StopSignals(None, lambda: "", rt.distributed)
+        self.run, self.rt, self.signals = run, rt, signals or StopSignals(distributed=rt.distributed)
         self.upcoming = None  # (step, on_host(step)): the next step's micro-batches, built while a step computes
+        self.skips, self.warned_at = collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
 
     def fit(self):
-        """Train to max_iters, or until a stop signal or the run's clock stops it after a step (which it returns:
-        a signal number or OUT_OF_TIME; None at max_iters)."""
+        """Train to max_iters (None), or until a stop signal or the clock stops it (the signal, or OUT_OF_TIME)."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
-        bad_steps, skips, warned_at = 0, collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
-        first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
+        bad_steps = 0
+        self.first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
         bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
@@ -160,26 +154,9 @@ class Trainer:
                 state.skipped_steps += done.skipped
                 bad_steps = 0 if math.isfinite(done.loss) else bad_steps + 1
                 if bad_steps >= NAN_PATIENCE:
-                    fix = (f"lower learning_rate (now {cfg.learning_rate:g})" + (
-                        ", or use --dtype=bfloat16 (Ampere or newer) or --dtype=float32" if rt.dtype == "float16"
-                        else ""))
-                    raise UserError(f"loss is {done.loss} for {bad_steps} iterations in a row (iter {state.step}); "
-                                    f"stopped: {saved_so_far(cfg.out_dir)}; {fix}")
+                    raise UserError(self.diverged(done.loss, bad_steps))
                 out_of_time = done.steps_left == 0  # this session ended at its budget
-                stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
-                         "tokens_per_s": done.batch.tokens / seconds, "ms_per_iter": 1000 * seconds,
-                         "padded_fraction": 1 - done.batch.tokens / done.batch.positions,
-                         "micro_batches": len(done.batch.micro_batches)}
-                if self.run.compiled_module:  # what compiling cost, and whether the steps still run compiled
-                    if state.step == first_step:
-                        stats["compile_s"] = seconds  # the first step's: its compile, unless start-up's checks ran it
-                    if self.run.compiled_module.why:
-                        stats["compile_fallback"] = self.run.compiled_module.why
-                if state.scaler.is_enabled():
-                    stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
-                if self.run.peak_flops:
-                    flops = self.model.training_flops(done.batch.tokens, done.batch.targets, done.batch.attended)
-                    stats["mfu"] = flops / seconds / rt.world_size / self.run.peak_flops
+                stats = self.stats(done, seconds)
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
                     start = time.perf_counter()
                     stats.update(self.validate())
@@ -190,21 +167,46 @@ class Trainer:
                     state.save(cfg, rt, stats, best=False)
                 if rt.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
                     stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-                skips.append(done.skipped)
                 if rt.is_main:
                     self.log(stats, bar, done.steps_left)
-                    if sum(skips) > SKIP_WARN and state.step - warned_at >= SKIP_WINDOW:
-                        warned_at = state.step
-                        bar.write(f"warning: the fp16 GradScaler skipped {sum(skips)} of the last {SKIP_WINDOW} "
-                                  f"steps (loss scale now {state.scaler.get_scale():g}): gradients keep "
-                                  f"overflowing; lower learning_rate, or use --dtype=bfloat16 (Ampere or newer) "
-                                  f"or --dtype=float32", file=sys.stderr)
+                    self.warn_of_skips(done.skipped, bar)
                 if done.stop_signal or out_of_time:
                     return done.stop_signal or OUT_OF_TIME
         return None
 
+    def stats(self, done, seconds):
+        run, state, batch = self.run, self.run.state, done.batch
+        stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
+                 "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds,
+                 "padded_fraction": 1 - batch.tokens / batch.positions, "micro_batches": len(batch.micro_batches)}
+        if run.compiled_module:  # what compiling cost, and whether the steps still run compiled
+            if state.step == self.first_step:
+                stats["compile_s"] = seconds  # the first step's: its compile, unless start-up's checks ran it
+            if run.compiled_module.why:
+                stats["compile_fallback"] = run.compiled_module.why
+        if state.scaler.is_enabled():
+            stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
+        if run.peak_flops:
+            flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
+            stats["mfu"] = flops / seconds / self.rt.world_size / run.peak_flops
+        return stats
+
+    def diverged(self, loss, bad_steps):
+        cfg, step = self.run.cfg, self.run.state.step
+        return (f"loss is {loss} for {bad_steps} iterations in a row (iter {step}); stopped: "
+                f"{saved_so_far(cfg.out_dir)}; lower learning_rate (now {cfg.learning_rate:g})"
+                + f", or {OTHER_DTYPE}" * (self.rt.dtype == "float16"))
+
+    def warn_of_skips(self, skipped, bar):
+        self.skips.append(skipped)
+        state = self.run.state
+        if sum(self.skips) > SKIP_WARN and state.step - self.warned_at >= SKIP_WINDOW:
+            self.warned_at = state.step
+            bar.write(f"warning: the fp16 GradScaler skipped {sum(self.skips)} of the last {SKIP_WINDOW} steps (loss "
+                      f"scale now {state.scaler.get_scale():g}): gradients keep overflowing; lower learning_rate, or "
+                      f"{OTHER_DTYPE}", file=sys.stderr)
+
     def train_step(self, step):
-        """One optimizer step over global batch `step` (0-based); see StepDone."""
         cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
         upcoming, self.upcoming = self.upcoming, None
         batch, micro_batches = upcoming[1] if upcoming and upcoming[0] == step else self.on_host(step)
@@ -255,16 +257,13 @@ class Trainer:
         return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
 
     def on_host(self, step):
-        """(global batch `step`, its micro-batches as (x, Targets)), pinned on CUDA: their copies to the device
-        then wait for nothing the device does."""
+        """(global batch `step`, its micro-batches), pinned on CUDA: their copies wait for nothing the device does."""
         batch = self.run.batches(step)
         kept = (lambda t: t.pin_memory()) if self.rt.device.type == "cuda" else (lambda t: t)
         return batch, [(kept(x), Targets(*map(kept, Targets.of(y)))) for x, y in batch.micro_batches]
 
     @torch.no_grad()
     def validate(self):
-        """Validation loss and ROUGE on a fixed validation subset, summarized in the same batches as one process
-        would; every rank returns the same numbers."""
         run, rt = self.run, self.rt
         if not len(run.val_set):  # best_metric=last without validation rows: nothing to measure
             return {}
@@ -281,8 +280,7 @@ class Trainer:
         return metrics
 
     def save(self, stats):
-        """After an evaluation: ckpt.pt, and best.pt when the configured metric improved; diverged weights are not
-        worth resuming from, so a non-finite val_loss keeps the previous checkpoints."""
+        """Diverged weights are not worth resuming from: a non-finite val_loss keeps the previous checkpoints."""
         cfg, state = self.run.cfg, self.run.state
         if not math.isfinite(stats.get("val_loss", 0.0)):
             if self.rt.is_main:
@@ -295,8 +293,7 @@ class Trainer:
         state.save(cfg, self.rt, stats, best=best)
 
     def log(self, stats, bar, steps_left):
-        """Rank 0: metrics.jsonl and log_to every log_interval steps and at evaluations, the progress bar (with the
-        `steps_left` that max_time leaves), and the plot after an evaluation."""
+        """Rank 0: metrics.jsonl and log_to, the progress bar, and after an evaluation its line and the plot."""
         cfg, state = self.run.cfg, self.run.state
         if state.step % cfg.log_interval == 0 or "val_loss" in stats:
             log_row(cfg.out_dir, stats, self.run.tracker)
@@ -321,20 +318,13 @@ class Trainer:
 
 # ---- the command line ----------------------------------------------------------------------------------------
 
-def saved_so_far(out_dir):
-    """What a run stopped now leaves: its checkpoints that load, or that none was saved yet."""
-    intact = intact_in(out_dir)
-    return f"intact: {', '.join(intact)}" if intact else f"nothing is saved in {out_dir} yet"
-
-
 def notebook_main(argv=(), num_processes=2, port=29500):
-    """Train from a notebook cell in `num_processes` processes, one per GPU (Kaggle's 2x T4)."""
+    """Train from a notebook cell in one process per GPU (Kaggle's 2x T4)."""
     notebook_launch(main, list(argv), num_processes, port)
 
 
 def continue_command(argv, world_size, script="train.py", last="--init_from=resume"):
-    """The command line that resumes this run from out_dir/ckpt.pt: its arguments with --init_from=resume (or runs
-    `script` with `last`: an after-run done later), under torchrun when the run had several processes."""
+    """The command line that resumes this run (or runs `script` with `last`), under torchrun for several processes."""
     presets, flags = arguments(argv)
     # a learning_rate given to a resume restarts a decay that has ended: continuing leaves it out (ckpt.pt has it)
     kept = (f for f in flags if not f.startswith(("--init_from=", "--resume_from=", "--learning_rate=", "--ckpt=")))

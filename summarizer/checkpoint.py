@@ -7,7 +7,7 @@ from typing import TypedDict
 
 import torch
 
-from command_line import UserError
+from command_line import UserError, first_line
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
 from summarizer.files import DiskFull, atomic_write
@@ -149,8 +149,8 @@ def load_checkpoint(path, key="ckpt"):
         # mmap: ranks loading the same file share its pages, and tensors are read when used
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} safely (weights_only): {first_line}") from None
+        why = first_line(e) or type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} safely (weights_only): {why}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint written by train.py")
     return upgraded(ckpt, path)

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from command_line import UserError
+from command_line import UserError, first_line
 from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
@@ -313,7 +313,7 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
         except Exception as e:  # told to every rank below: none waits for this one's shard
             if not out_of_memory(e):
                 raise
-            mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}")
+            mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {first_line(e)}")
         shards = rt.all_gather_objects((mine, failed))
         for i, column in zip(todo, zip(*(shard for shard, _ in shards), strict=True), strict=True):
             summaries[i] = next((summary for summary in column if summary is not None), None)

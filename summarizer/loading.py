@@ -14,7 +14,7 @@ import urllib.parse
 
 import torch
 
-from command_line import UserError
+from command_line import UserError, first_line
 from config import ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
@@ -203,7 +203,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
-        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{path} does not fit model {ckpt['model_args']}: {first_line(e)}") from None
     model.tie_weights()
     return model
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import data
+from command_line import first_line
 from model import Targets
 from summarizer.backends import zero_gradients
 from summarizer.launch import out_of_memory, training_memory_hint
@@ -28,7 +29,7 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
         except Exception as e:  # left here, the error frees what the step held
             if not out_of_memory(e):
                 raise
-            mine = f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}"
+            mine = f"rank {rt.rank}: {first_line(e)}"
         if not (failed := [m for m in rt.all_gather_objects(mine) if m]):
             return cfg, chosen + (f"; out of memory at {' and '.join(tried)} ({met}): lowered to "
                                   f"{cfg.micro_batch_size}" if tried else "")

@@ -1,7 +1,4 @@
-"""Preparing a training run, the one way into the Trainer (train.py): from the command line's settings (run_settings:
-resolved against the checkpoint a run continues or starts from, checked before any work) to what the loop needs
-(prepare: data, the model and its state, the disk plan, an earlier run set aside, the compiled step, the clock primed
-for the budget), which rank 0 then announces (announce: the notes, the start lines and config.json)."""
+"""The one way into train.py's Trainer: run_settings (checked before any work), then prepare (what the loop needs)."""
 import os
 import sys
 import time
@@ -39,8 +36,7 @@ WARM_RUNS = 2  # before step 1, a step and a batch of summaries are timed this m
 
 @dataclass
 class Run:
-    """What the loop needs of a prepared run (cfg with micro_batch_size chosen; module: compiled and wrapped; clock:
-    max_time's, or None; last_session: of those the run is planned over; peak_flops: for mfu, None on a CPU)."""
+    """What the loop needs (last_session: of those the run is planned over, where max_time's cooldown comes)."""
     cfg: object
     state: TrainingState
     batches: data.TrainBatches
@@ -55,9 +51,8 @@ class Run:
 
 
 def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False):
-    """The Run of run_settings' `cfg` and `start_ckpt` in `rt`; `started`: what max_time counts from (else now);
-    `given`: the keys the command line gave (resumed_schedule). Only once every check has passed is an earlier run
-    set aside and the run announced: `verdict_only` (bench/preflight.py's) stops before that, out_dir as it was."""
+    """The Run; only once every check has passed is an earlier run set aside and the run announced: `verdict_only`
+    (bench/preflight.py's) stops before, leaving out_dir as it was."""
     started = time.monotonic() if started is None else started
     tracker, splits, after = check_before_model(cfg, rt)
     phase = StartUp(cfg.max_time, started, time.monotonic, rt)
@@ -75,7 +70,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
     summarizer = inference.Summarizer(state.model, cfg)
     prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module, compiled = step_module(rt, state, compiled_module)
+    module = rt.parallel.wrap(compiled_module or state.model)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
         clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
@@ -93,14 +88,12 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
         return run
     if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
-    announce(run, rt, notes, len(splits.train), rt.describe(compiled), chosen, disk)
+    announce(run, rt, notes, len(splits.train), chosen, disk)
     return run
 
 
 def auto_micro_batch(cfg, rt, model, splits, step, phase):
-    """(cfg with micro_batch_size=auto's choice: the memory plan's, lowered by an out-of-memory error in its peak,
-    run by `step`; the choice, in words), or (cfg, None) for a micro_batch_size the user fixed.
-    fsdp_reduce_once=auto is decided first, as the plan counts what it holds."""
+    """(cfg with auto's choice, the choice in words); fsdp_reduce_once=auto first: the plan counts what it holds."""
     auto = cfg.micro_batch_size == "auto"
     if not auto and not (rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto"):
         return cfg, None
@@ -118,12 +111,13 @@ def auto_micro_batch(cfg, rt, model, splits, step, phase):
     return micro_batch_that_runs(cfg, rt, step.to(rt.device), splits.train, chosen)
 
 
-def announce(run, rt, notes, train_rows, runs, chosen, disk):
-    """Rank 0, before step 1: the notes of start-up, the rows, the batch, the model, what runs (`runs`), auto's
-    micro-batch (`chosen`, or None), the disk plan and what max_time buys; config.json."""
+def announce(run, rt, notes, train_rows, chosen, disk):
     if not rt.is_main:
         return
     cfg, state, clock = run.cfg, run.state, run.clock
+    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
+    runs = rt.describe("torch.compile (compiled at its first call)" if run.compiled_module else
+                       f"eager training ({rt.backend})" if rt.compile else "eager")
     trained = ""
     if cfg.lora_rank:
         count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
@@ -145,8 +139,7 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
 
 
 class StartUp:
-    """Start-up's phases before step 1, which a big model reaches after minutes: rank 0 says each as it begins, and a
-    max_time budget from `started` that the phases so far spent stops every rank there, with rank 0's line."""
+    """Start-up's phases, which a big model takes minutes over: rank 0 names each; a spent max_time stops there."""
 
     def __init__(self, budget, started, now, rt):
         self.budget, self.started, self.now, self.rt = budget, started, now, rt
@@ -163,8 +156,6 @@ class StartUp:
 
 
 def training_state(cfg, rt, model, resumed, splits, given, base):
-    """(the TrainingState of `model`, continuing `resumed` if given, with `base`, what ckpt.pt keeps of a LoRA
-    run's base; the disk plan, checked before any work; the notes of start-up)."""
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
     rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
     path = resume_path(cfg) if resumed else None
@@ -180,20 +171,8 @@ def training_state(cfg, rt, model, resumed, splits, given, base):
     return state, disk, notes
 
 
-def step_module(rt, state, compiled):
-    """(what a step calls: the model, or its CompiledModule `compiled` (compiled at its first call, eager after a
-    compiler failure) where the runtime compiles training, wrapped by the backend; what runs, in words, for the
-    start line)."""
-    # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
-    words = ("torch.compile (compiled at its first call)" if compiled else
-             f"eager training ({rt.backend})" if rt.compile else "eager")
-    return rt.parallel.wrap(compiled or state.model), words
-
-
 def time_step(cfg, rt, batches, state, module, phase):
-    """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
-    run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
-    busy machine must not mislead). Leaves no gradients and draws no random numbers."""
+    """(a warm step's seconds, its tokens): the slowest warm run, as a busy machine's quiet moment must not mislead."""
     rng, runs, batch = rng_state(), [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
     x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
@@ -212,8 +191,7 @@ def time_step(cfg, rt, batches, state, module, phase):
 
 
 def time_decoding(cfg, rt, state, prompts, phase):
-    """Before step 1 under max_time: [(seconds, summaries)] of a batch of `prompts` decoded 1 + WARM_RUNS times, the
-    first paying the one-time costs (untrained weights run to max_new_tokens: an upper bound). No random numbers."""
+    """[(seconds, summaries)]: untrained weights run to max_new_tokens, an upper bound."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
         rng = rng_state()
@@ -228,16 +206,14 @@ def time_decoding(cfg, rt, state, prompts, phase):
 
 
 def validation_tokens(cfg, val_set):
-    """The tokens an evaluation's validation loss reads (eval_val_batches micro-batches, or the whole split)."""
     rows = len(val_set)
     read = min(1, (cfg.eval_val_batches * cfg.micro_batch_size or rows) / max(1, rows))
     return float((val_set.lengths - 1).sum()) * read
 
 
 def run_settings(argv, usage=None):
-    """(the run's Config, the checkpoint it continues or starts from or None, the settings block's FromRun) from the
-    command line, checked before any work. A resume continues the run: only a flag changes it; a new run from the
-    weights is a new run of the run's recipe: a preset changes it too."""
+    """(Config, the checkpoint it starts from or None, FromRun). A resume continues the run: only a flag changes it;
+    a new run from its weights repeats its recipe: a preset changes it too."""
     cfg, flags = load_config(argv, usage), flags_given(argv)
     path, start_ckpt = start_checkpoint(cfg)
     from_run = None
@@ -254,7 +230,6 @@ def run_settings(argv, usage=None):
 
 
 def validation_problem(cfg, rows):
-    """Why a run with `rows` validation rows cannot work (best_metric or evaluate_after needs some), else None."""
     if rows:
         return None
     source = (f"validation_csv={cfg.validation_csv} leaves no validation rows" if cfg.validation_csv else
@@ -269,8 +244,7 @@ def validation_problem(cfg, rows):
 
 
 def check_before_model(cfg, rt):
-    """(the Tracker, the Splits, {after-run: the dialogues it summarizes}) once train.py's and bench/preflight.py's
-    checks before the model pass: the batch's split, the loggers, init_from's weights, the inputs."""
+    """(Tracker, Splits, {after-run: its dialogues}): train.py's and bench/preflight.py's checks before the model."""
     rows_per_rank(cfg.batch_size, rt.world_size)
     tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
@@ -280,8 +254,7 @@ def check_before_model(cfg, rt):
 
 
 def read_inputs(cfg, rt):
-    """(the train/validation Splits, {each after-run on: the dialogues it summarizes}); the files predict reads
-    after hours of training are checked now."""
+    """The files predict reads after hours of training are checked now."""
     splits = data.load_splits(cfg, is_main=rt.is_main, barrier=rt.barrier)
     if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)

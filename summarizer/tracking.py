@@ -1,7 +1,7 @@
-"""Training metrics: metrics.jsonl, its plot, and the `log_to` destinations (TensorBoard, W&B), which get
-every row too (rank 0 only), with the run's config as hyperparameters."""
+"""Training metrics: metrics.jsonl, its plot, and the `log_to` destinations (TensorBoard, W&B), rank 0's."""
 import importlib
 import json
+import math
 import os
 import re
 from dataclasses import asdict
@@ -58,8 +58,7 @@ class Tracker:
             self.wandb.log(scalars, step=step)
 
     def open_tensorboard(self, first_step):
-        """purge_step hides what an earlier run logged from `first_step` on: a resumed run's curves do not
-        double back."""
+        """purge_step hides what an earlier run logged from `first_step` on: a resumed curve does not double back."""
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.summary_writer(os.path.join(self.cfg.out_dir, "tensorboard"), purge_step=first_step)
@@ -82,43 +81,36 @@ class Tracker:
             self.wandb.finish(exit_code=0 if exc[0] is None else 1)
 
 
-def drop_rows_after(jsonl_path, iter_num):
-    """Drop the rows past `iter_num` (a resumed run logs those steps again) and a last row a kill cut short;
-    returns how many."""
-    if not os.path.isfile(jsonl_path):
-        return 0
+def rows_by(jsonl_path, step):
+    """(the rows logged by `step`, how many there were): a resumed run logs the later steps again."""
     with open(jsonl_path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
+    return [line.rstrip("\n") + "\n" for line in lines if step_of(line) <= step], len(lines)
 
-    def logged_by_then(line):
-        try:
-            return json.loads(line)["iter"] <= iter_num
-        except (ValueError, KeyError, TypeError):
-            return False
-    kept = [line if line.endswith("\n") else line + "\n" for line in lines if logged_by_then(line)]
-    if len(kept) < len(lines):
-        with atomic_write(jsonl_path) as f:
-            f.writelines(kept)
-    return len(lines) - len(kept)
+
+def step_of(row):
+    try:
+        return json.loads(row)["iter"]
+    except (ValueError, KeyError, TypeError):  # a row a kill cut short
+        return math.inf
 
 
 def resumed_history(ckpt_path, out_dir, step):
-    """A resumed run's metrics.jsonl, to `step`; a run continued into another folder first copies the earlier
-    sessions' rows. Returns the note saying so, or None."""
+    """metrics.jsonl to `step`, in another folder first copied from ckpt_path's; the note saying so, or None."""
     path, earlier = os.path.join(out_dir, METRICS), os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), METRICS)
-    if not os.path.isfile(path) and os.path.abspath(path) != earlier:
-        if not os.path.isfile(earlier):
-            return (f"note: no {METRICS} beside {ckpt_path}: this folder's {METRICS}, metrics.png and report start "
-                    f"at iter {step + 1}; the history of the steps before is where those sessions wrote it")
-        with open(earlier, encoding="utf-8") as f, atomic_write(path) as copy:
-            copy.write(f.read())
-        drop_rows_after(path, step)
-        with open(path, encoding="utf-8") as f:
-            rows = sum(1 for line in f if line.strip())
-        return f"{METRICS}: the earlier sessions' {rows} row(s), to iter {step}, carried over from {earlier}"
-    dropped = drop_rows_after(path, step)
-    return (f"{METRICS}: {dropped} row(s) logged after iter {step} were dropped; those steps run and are logged "
-            f"again") if dropped else None
+    source = path if os.path.isfile(path) or os.path.abspath(path) == earlier else earlier
+    if not os.path.isfile(source):
+        return None if source == path else (
+            f"note: no {METRICS} beside {ckpt_path}: this folder's {METRICS}, metrics.png and report start at iter "
+            f"{step + 1}; the history of the steps before is where those sessions wrote it")
+    rows, total = rows_by(source, step)
+    if source != path or len(rows) < total:
+        with atomic_write(path) as f:
+            f.writelines(rows)
+    if source != path:
+        return f"{METRICS}: the earlier sessions' {len(rows)} row(s), to iter {step}, carried over from {earlier}"
+    return (f"{METRICS}: {total - len(rows)} row(s) logged after iter {step} were dropped; those steps run and are "
+            f"logged again") if len(rows) < total else None
 
 
 def log_row(out_dir, row, tracker):

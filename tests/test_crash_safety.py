@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import train
-from command_line import UserError
 from conftest import HANG, REPO, TINY, one_error_line, torchrun
 from model import GPT
 from summarizer.checkpoint import load_checkpoint
-from summarizer.launch import lost_rank_keeps_checkpoints
+from summarizer.launch import one_line_errors
 from summarizer.loading import model_from_checkpoint
 
 RUN = [*TINY, "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0", "--best_metric=val_loss",
@@ -161,22 +160,22 @@ def test_an_error_of_one_process_keeps_its_own_line_and_its_traceback(write_csv,
     assert "Traceback" in log and "in illegal_access" in log and "NCCL version 2.27.5" in log
 
 
-def test_a_lost_peer_is_a_collectives_error_in_a_run_of_several_processes(tmp_path):
+def test_a_lost_peer_is_a_collectives_error_in_a_run_of_several_processes(tmp_path, capsys):
     """torch.distributed's error types (gloo's, untyped, by its transport's source location), and only where the run
     has other ranks: "NCCL" or "Broken pipe" in a message decide nothing. Before any save the line names no
     checkpoint to continue from."""
-    gone = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
-    with pytest.raises(UserError) as said, lost_rank_keeps_checkpoints(str(tmp_path), "torchrun ...", True):
-        raise gone
-    assert str(said.value) == (f"another rank of this run is gone (DistBackendError: {gone}); no checkpoint was "
-                               f"written yet: start the run again")
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
-    with pytest.raises(UserError, match="another rank"), lost_rank_keeps_checkpoints(str(tmp_path), "...", True):
-        raise gloo  # gloo's errors have no type of their own
-    for error, distributed in ((gone, False), (RuntimeError("NCCL version 2.27.5: Broken pipe [gloo]"), True)):
-        with pytest.raises(type(error)) as kept, lost_rank_keeps_checkpoints(str(tmp_path), "...", distributed):
+    def ending(error, distributed=True):
+        with pytest.raises(SystemExit) as exit, one_line_errors(str(tmp_path), "torchrun ...", distributed):
             raise error
-        assert kept.value is error
+        return exit.value.code, capsys.readouterr().err
+    gone = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
+    assert ending(gone) == (2, f"error: another rank of this run is gone (DistBackendError: {gone}); no checkpoint "
+                               f"was written yet: start the run again\n")
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert "error: another rank of this run is gone (RuntimeError: [/pytorch" in ending(gloo)[1]
+    for error, distributed in ((gone, False), (RuntimeError("NCCL version 2.27.5: Broken pipe [gloo]"), True)):
+        code, err = ending(error, distributed)
+        assert code == 1 and "another rank" not in err and err.endswith(f"(traceback in {tmp_path / 'error.log'})\n")
 
 
 def test_a_loss_that_stays_nan_stops_the_run_and_leaves_best_pt_untouched(write_csv, tmp_path, monkeypatch, capsys):

@@ -136,20 +136,19 @@ def test_a_killed_rank_leaves_one_line_naming_the_intact_checkpoint_and_a_comman
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == STEPS
 
 
-def test_a_signal_says_what_happens_at_that_moment(capsys):
+def test_a_signal_says_what_happens_at_that_moment(tmp_path, capsys):
     """During start-up a signal stops at once (nothing is saved yet); in training it stops after the step the loop
     names, which it announces; after training (an error ended the loop) it announces no save that cannot come."""
     from summarizer.launch import StopSignals
-    signals = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "",
-                          distributed=False)
+    signals = StopSignals(str(tmp_path), is_main=True, distributed=False)
     with pytest.raises(KeyboardInterrupt):
         signals.handle(signal.SIGINT, None)
     assert signals.received is None and capsys.readouterr().err == ""
     with signals.training(lambda: 3):
         signals.handle(signal.SIGTERM, None)
         assert signals.received == signal.SIGTERM and signals.stop_after == 3
-        assert "SIGTERM: stopping after iter 3, then saving ckpt.pt" in capsys.readouterr().err
-    ended = StopSignals(lambda step: f"stopping after iter {step}, then saving ckpt.pt", lambda: "", distributed=True)
+        assert f"SIGTERM: stopping after iter 3, then saving {tmp_path / 'ckpt.pt'}" in capsys.readouterr().err
+    ended = StopSignals(str(tmp_path), is_main=True, distributed=True)
     with ended.training(lambda: 1):
         pass
     ended.handle(signal.SIGTERM, None)
@@ -222,7 +221,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once_whatever_it_does_in_one_line(write
     assert output.rstrip().endswith(f"second Ctrl-C: stopping at once; {intact}") and "Traceback" not in output
 
 
-def test_the_second_ctrl_c_line_starts_a_line_of_its_own(monkeypatch, capsys):
+def test_the_second_ctrl_c_line_starts_a_line_of_its_own(tmp_path, monkeypatch, capsys):
     """A progress bar leaves the cursor at its end: the second Ctrl-C's line begins on a new line, not glued to it."""
     from summarizer.launch import StopSignals
     read, write = os.pipe()
@@ -230,8 +229,8 @@ def test_the_second_ctrl_c_line_starts_a_line_of_its_own(monkeypatch, capsys):
     os.close(write)
     monkeypatch.setattr(os, "_exit", sys.exit)
     with pytest.raises(SystemExit):
-        StopSignals(None, lambda: "intact: out/ckpt.pt (iter 2)", False).second_ctrl_c(read)
-    assert capsys.readouterr().err == "\nsecond Ctrl-C: stopping at once; intact: out/ckpt.pt (iter 2)\n"
+        StopSignals(str(tmp_path)).second_ctrl_c(read)
+    assert capsys.readouterr().err == f"\nsecond Ctrl-C: stopping at once; nothing is saved in {tmp_path} yet\n"
 
 
 def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_its_error_line():
@@ -240,12 +239,12 @@ def test_a_launchers_sigterm_after_another_rank_failed_cannot_end_a_rank_before_
     from summarizer.launch import StopSignals
     before = signal.getsignal(signal.SIGTERM)
     try:
-        with pytest.raises(RuntimeError), StopSignals(None, lambda: "", distributed=True) as signals:
+        with pytest.raises(RuntimeError), StopSignals(distributed=True) as signals:
             with signals.training(lambda: 1):
                 raise RuntimeError("connection closed by peer")
         assert signal.getsignal(signal.SIGTERM) == signals.handle
         signals.handle(signal.SIGTERM, None)  # taken quietly: the error's line comes next
-        with StopSignals(None, lambda: "", distributed=False) as alone:
+        with StopSignals() as alone:
             pass
         assert signal.getsignal(signal.SIGTERM) == signals.handle != alone.handle  # one process: restored as found
     finally:

@@ -3,11 +3,11 @@ and scope (TAKES: what a later command takes from a run's checkpoint, applied by
 command line gives them (command_line.py reads its words); Config reports every problem in one line. It imports
 nothing from summarizer/."""
 import difflib
-import enum
+import json
 import os
 import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import command_line
 from command_line import UserError
@@ -18,57 +18,6 @@ LOG_DESTINATIONS = ("tensorboard", "wandb")
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
-
-
-class Described(enum.Enum):
-    """An enum whose members are a name (their value) and what it means, in the words docs/config.md's table and
-    --help quote."""
-
-    def __new__(cls, value, meaning):
-        member = object.__new__(cls)
-        member._value_, member.meaning = value, meaning
-        return member
-
-
-class Scope(Described):
-    """What a setting is to the commands that use a run's checkpoint: its row of TAKES."""
-    SHAPE = "shape", "the model's shape"
-    TRAINED = "trained", "what training fixed: the row format, `batch_size`, `warmup_iters`, the adapters"
-    TRAINING = "training", "how the run trains, what it does at its end, the test CSV"
-    RUN = "run", "the data, its split and `seed`, `micro_batch_size`"
-    DECODING = "decoding", "how summaries are decoded"
-    COMMAND = "command", "where and how this command runs: paths, device, precision, budget"
-
-
-class Use(Described):
-    """What a command does with a run's checkpoint: a column of TAKES."""
-    RESUME = "resume", "a resume (`--init_from=resume`): continues the run"
-    WEIGHTS = "weights", "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe"
-    INFERENCE = "inference", "evaluate.py, predict.py: decode the run's model on its data"
-    EXPORT = "export", "export.py: the run's model, and a card that describes the run"
-
-
-class Take(enum.Enum):
-    """Where a command's value of a setting comes from, in the words of docs/config.md's table."""
-    OWN = "its own"  # defaults, presets, flags: never the run's
-    RUN_OR_GIVEN = "the run's unless given"  # what the command gives (a flag; for a new run, a preset too) wins
-    RUN = "the run's (a flag against it is refused)"  # a flag that contradicts it stops in one line
-
-
-# The contract between a run and every later command, one row per scope, the only statement of it: resolve() reads
-# it, docs/config.md prints it (settings_report.scope_table) and --help points there. A resume changes only what a
-# flag gives, since a preset would silently change a run it continues.
-TAKES = {
-    Scope.SHAPE: dict.fromkeys(Use, Take.RUN),
-    Scope.TRAINED: {**dict.fromkeys(Use, Take.RUN), Use.WEIGHTS: Take.RUN_OR_GIVEN},
-    Scope.TRAINING: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.INFERENCE: Take.OWN, Use.EXPORT: Take.RUN},
-    Scope.RUN: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.EXPORT: Take.RUN},
-    Scope.DECODING: dict.fromkeys(Use, Take.RUN_OR_GIVEN),
-    Scope.COMMAND: dict.fromkeys(Use, Take.OWN),
-}
-REFUSED = {Use.WEIGHTS: "drop the flag (the checkpoint brings the model's shape)",
-           Use.INFERENCE: "drop the flag (the run's value holds for every later command)",
-           Use.EXPORT: "drop the flag (the model card describes the run)"}
 
 
 @dataclass(frozen=True)
@@ -90,10 +39,8 @@ def competition_file(name, fallback):
 
 
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
-    """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, choices, Bound, parser of a
-    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), whether a path (~ expands)."""
-    if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
-        raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
+    """A setting (a callable default is called per Config); `why`: why a resume cannot change it."""
+    why = why or {"shape": "the model's shape", "trained": "what the model was trained on"}.get(scope)
     metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,
                 "path": path}
     if callable(default):
@@ -203,15 +150,15 @@ class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
-                            "else data/train.csv", Scope.RUN, path=True)
-    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", Scope.RUN, path=True)
-    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", Scope.RUN)
-    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", Scope.RUN)
-    id_column: str = option("", "id column; '' = auto (id)", Scope.RUN)
+                            "else data/train.csv", "run", path=True)
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", "run", path=True)
+    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", "run")
+    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", "run")
+    id_column: str = option("", "id column; '' = auto (id)", "run")
     val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''",
-                                 Scope.RUN, bound=FRACTION)
+                                 "run", bound=FRACTION)
     split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)",
-                             Scope.RUN, bound=NON_NEGATIVE)
+                             "run", bound=NON_NEGATIVE)
 
 
 @dataclass
@@ -219,27 +166,25 @@ class Submission:
     """What predict.py summarizes, and the sample submission its ids must match."""
     test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
                            f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv",
-                           Scope.TRAINING, path=True)
+                           "training", path=True)
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
                                         "sample submission whose ids submission.csv must match; '' = no check",
-                                        Scope.TRAINING, path=True)
+                                        "training", path=True)
     test_dialogue_column: str = option("", "test_csv's dialogue column, where it differs from train_csv's; '' = "
-                                           "dialogue_column", Scope.TRAINING)
+                                           "dialogue_column", "training")
     test_id_column: str = option("", "test_csv's id column, where it differs from train_csv's; '' = id_column",
-                                 Scope.TRAINING)
+                                 "training")
 
 
 @dataclass
 class RowFormat:
     """How a training row is made: fixed by training, so inference takes it from the checkpoint."""
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
-                                                   "summary and <|endoftext|>; must contain {dialogue} once",
-                                                   Scope.TRAINED, why="what the model was trained on")
+                                                   "summary and <|endoftext|>; must contain {dialogue} once", "trained")
     train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)",
-                                   Scope.TRAINED, why="what the model was trained on")
+                                   "trained")
     block_size: int = option(1024, "longest sequence in tokens, a multiple of 8, at most the model's positions "
-                                   "(GPT-2: 1024); longer dialogues are cut",
-                                   Scope.TRAINED, why="what the model was trained on", bound=POSITIVE)
+                                   "(GPT-2: 1024); longer dialogues are cut", "trained", bound=POSITIVE)
 
     def problems(self):
         problems = []
@@ -261,36 +206,33 @@ class RowFormat:
 class Paths:
     """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
-                                                "settings)", Scope.COMMAND, path=True)
-    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", Scope.COMMAND, path=True)
+                                                "settings)", "command", path=True)
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", "command", path=True)
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
-                                    "or a local transformers model directory", Scope.COMMAND, path=True)
+                                    "or a local transformers model directory", "command", path=True)
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
-                                  "attached as input; '' = out_dir/ckpt.pt", Scope.COMMAND, path=True)
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", Scope.COMMAND,
+                                  "attached as input; '' = out_dir/ckpt.pt", "command", path=True)
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", "command",
                        path=True)
     output_quota_dir: str = option("/kaggle/working", "a folder that keeps at most output_quota_gb as output "
                                                       "(Kaggle's: what is beyond is lost at Save Version); a run "
                                                       "writing under it plans its checkpoints against what the quota "
-                                                      "leaves; '' = none", Scope.COMMAND, path=True)
-    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", Scope.COMMAND, bound=POSITIVE)
+                                                      "leaves; '' = none", "command", path=True)
+    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", "command", bound=POSITIVE)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
                                "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "
-                               "outputs go to out_dir/baseline-<name>/", Scope.COMMAND, path=True)
+                               "outputs go to out_dir/baseline-<name>/", "command", path=True)
 
 
 @dataclass
 class ModelShape:
     """A model's shape from scratch (a pretrained or resumed model brings its own)."""
-    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)",
-                          Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    n_head: int = option(12, "attention heads (init_from='scratch' only)",
-                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)",
-                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)",
-                        Scope.SHAPE, why="the model's shape")
+    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)", "shape", bound=POSITIVE)
+    n_head: int = option(12, "attention heads (init_from='scratch' only)", "shape", bound=POSITIVE)
+    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)", "shape",
+                         bound=POSITIVE)
+    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)", "shape")
 
     def problems(self):
         if self.n_head > 0 and self.n_embd % self.n_head:
@@ -301,44 +243,43 @@ class ModelShape:
 @dataclass
 class Training:
     """The optimization: batch, steps, learning rate and its schedule, time budget."""
-    dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
+    dropout: float = option(0.0, "dropout probability while training", "training", bound=FRACTION)
     batch_size: int = option(256, "effective batch: sequences per optimizer step over all processes (a multiple of "
-                                  "their number) and micro-batches", Scope.TRAINED, why="the rows of each step",
+                                  "their number) and micro-batches", "trained", why="the rows of each step",
                              bound=POSITIVE)
     micro_batch_size: int | str = option(8, "a micro-batch's memory on one rank: at most the positions and targets "
                                             "of this many of the longest rows (a step's rows are cut by length where "
                                             "padding is least, so a micro-batch of short rows holds more); auto = "
-                                            "the most the run's memory plan fits on its GPU",
-                                         Scope.RUN,
+                                            "the most the run's memory plan fits on its GPU", "run",
                                          bound=Bound(lambda v: v == "auto" or (type(v) is int and v > 0),
                                                      "must be a number > 0 or auto"))
-    max_iters: int = option(300, "optimizer steps", Scope.TRAINING, bound=POSITIVE)
-    learning_rate: float = option(2e-4, "peak learning rate", Scope.TRAINING, bound=POSITIVE)
-    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", Scope.TRAINING, bound=NON_NEGATIVE)
-    warmup_iters: int = option(20, "steps of linear warmup",
-                               Scope.TRAINED, why="the warmup of the schedule", bound=NON_NEGATIVE)
-    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", Scope.TRAINING,
+    max_iters: int = option(300, "optimizer steps", "training", bound=POSITIVE)
+    learning_rate: float = option(2e-4, "peak learning rate", "training", bound=POSITIVE)
+    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", "training", bound=NON_NEGATIVE)
+    warmup_iters: int = option(20, "steps of linear warmup", "trained", why="the warmup of the schedule",
+                               bound=NON_NEGATIVE)
+    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", "training",
                                  bound=NON_NEGATIVE)
-    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", Scope.TRAINING, bound=NON_NEGATIVE)
-    seed: int = option(1337, "seed of the data order, dropout and sampling", Scope.RUN, bound=NON_NEGATIVE)
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", "training", bound=NON_NEGATIVE)
+    seed: int = option(1337, "seed of the data order, dropout and sampling", "run", bound=NON_NEGATIVE)
     max_time: float | None = option(None, "time budget of the run in seconds, given as seconds or a duration "
                                           "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
                                           "evaluate_after/predict_after; None or '' = none; this process's own, never "
-                                          "a checkpoint's", Scope.COMMAND, parse=parse_duration)
+                                          "a checkpoint's", "command", parse=parse_duration)
     sessions: int = option(1, "how many max_time sessions (processes that end at their budget) the run is planned "
                               "over: the learning rate cools down to min_lr at the end of the last; each earlier one "
-                              "trains at the schedule's LR to its budget", Scope.TRAINING, bound=POSITIVE)
+                              "trains at the schedule's LR to its budget", "training", bound=POSITIVE)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute",
-                                                 Scope.TRAINING)
+                                                 "training")
 
 
 @dataclass
 class AdamW:
     """AdamW's settings, which a resumed run applies to the optimizer it restores."""
-    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", Scope.TRAINING, bound=NON_NEGATIVE)
-    beta1: float = option(0.9, "AdamW beta1", Scope.TRAINING, bound=FRACTION)
-    beta2: float = option(0.95, "AdamW beta2", Scope.TRAINING, bound=FRACTION)
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", "training", bound=NON_NEGATIVE)
+    beta1: float = option(0.9, "AdamW beta1", "training", bound=FRACTION)
+    beta2: float = option(0.95, "AdamW beta2", "training", bound=FRACTION)
 
 
 @dataclass
@@ -346,14 +287,14 @@ class Lora:
     """LoRA adapters (lora_rank 0 = full fine-tuning)."""
     lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
                                "lora_targets; best.pt holds the merged weights",
-                               Scope.TRAINED, why="the adapters", bound=NON_NEGATIVE)
+                               "trained", why="the adapters", bound=NON_NEGATIVE)
     lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank",
-                               Scope.TRAINED, why="the adapters", bound=POSITIVE)
+                               "trained", why="the adapters", bound=POSITIVE)
     lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training",
-                                 Scope.TRAINED, why="the adapters", bound=FRACTION)
+                                 "trained", why="the adapters", bound=FRACTION)
     lora_targets: tuple = option(LORA_TARGETS, f"Linear layers of each block that get adapters (comma-separated on "
                                                f"the command line), among {', '.join(LORA_TARGETS)}",
-                                               Scope.TRAINED, why="the adapters", parse=parse_targets)
+                                               "trained", why="the adapters", parse=parse_targets)
 
     def problems(self):
         for target in self.lora_targets or ("",):
@@ -366,25 +307,25 @@ class Lora:
 @dataclass
 class Evaluation:
     """Evaluation during training, checkpoints kept, and logging."""
-    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", Scope.TRAINING,
+    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", "training",
                                 bound=POSITIVE)
     eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split",
-                                   Scope.TRAINING, bound=NON_NEGATIVE)
+                                   "training", bound=NON_NEGATIVE)
     rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE",
-                                Scope.TRAINING, bound=NON_NEGATIVE)
+                                "training", bound=NON_NEGATIVE)
     best_metric: str = option("rougeL", "which score picks the checkpoint kept as best.pt; last = every save (a run "
-                                        "without validation rows)", Scope.TRAINING, ("rougeL", "val_loss", "last"))
-    log_interval: int = option(10, "print training loss every this many steps", Scope.TRAINING, bound=POSITIVE)
-    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", Scope.TRAINING)
+                                        "without validation rows)", "training", ("rougeL", "val_loss", "last"))
+    log_interval: int = option(10, "print training loss every this many steps", "training", bound=POSITIVE)
+    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", "training")
     predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)",
-                                 Scope.TRAINING)
+                                 "training")
     log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard "
-                             "(out_dir/tensorboard), wandb; '' = nowhere else", Scope.TRAINING)
-    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", Scope.TRAINING)
-    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", Scope.TRAINING)
+                             "(out_dir/tensorboard), wandb; '' = nowhere else", "training")
+    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", "training")
+    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", "training")
     compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its "
                               "out_dir or eval_predictions.csv): paired ROUGE differences on stdout and in "
-                              "eval_report.html", Scope.COMMAND, path=True)
+                              "eval_report.html", "command", path=True)
 
     def problems(self):
         problems = []
@@ -399,32 +340,32 @@ class Evaluation:
 @dataclass
 class System:
     """Device, precision, compile and the distributed backend."""
-    device: str = option("auto", "auto, cpu, cuda or cuda:N", Scope.COMMAND)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", "command")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
-                        Scope.COMMAND, ("auto", "float32", "bfloat16", "float16"))
+                        "command", ("auto", "float32", "bfloat16", "float16"))
     compile: bool | str = option("auto", "torch.compile the training step and replay greedy decoding's steps as "
                                          "CUDA graphs: auto = on CUDA only (on CPU compiling costs more than a "
                                          "short run saves); True/False = on/off anywhere (graphs on CUDA only)",
-                                 Scope.COMMAND, ("auto", True, False))
+                                 "command", ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
-                          Scope.COMMAND, ("auto", "ddp", "fsdp", "accelerate", "none"))
+                          "command", ("auto", "ddp", "fsdp", "accelerate", "none"))
     fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
                                           "once per optimizer step, the weights gathered and fp32 gradients "
                                           "unsharded through its micro-steps (far less traffic, more memory); auto "
                                           "= where the memory ledger of one row with it fits the GPU (decided "
                                           "before micro_batch_size=auto, which counts it), False = after every "
                                           "micro-step",
-                                          Scope.COMMAND, ("auto", True, False))
+                                          "command", ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_CUMEM_HOST_ENABLE=0: GPUs talk through "
                                            "host memory's /dev/shm files (hosts without peer access, e.g. Kaggle's "
-                                           "2xT4)", Scope.COMMAND)
+                                           "2xT4)", "command")
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
-                                          "(only for a broken InfiniBand setup)", Scope.COMMAND)
+                                          "(only for a broken InfiniBand setup)", "command")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing",
-                               Scope.COMMAND, bound=POSITIVE)
+                               "command", bound=POSITIVE)
     dist_start_timeout: int = option(120, "seconds the ranks have at start-up to meet and run a first collective "
-                                          "(NCCL's setup included) before the run stops in one line", Scope.COMMAND,
+                                          "(NCCL's setup included) before the run stops in one line", "command",
                                      bound=POSITIVE)
 
     def problems(self):
@@ -437,29 +378,29 @@ class System:
 class Decoding:
     """How summaries are decoded: generate()'s settings."""
     max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size",
-                                 Scope.DECODING, bound=POSITIVE)
+                                 "decoding", bound=POSITIVE)
     min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it",
-                                 Scope.DECODING)
-    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", Scope.DECODING, bound=POSITIVE)
+                                 "decoding")
+    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", "decoding", bound=POSITIVE)
     temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam "
-                                     "candidate)", Scope.DECODING, bound=NON_NEGATIVE)
-    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", Scope.DECODING, bound=NON_NEGATIVE)
-    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", Scope.DECODING, bound=Bound(lambda v: 0 < v <= 1,
+                                     "candidate)", "decoding", bound=NON_NEGATIVE)
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", "decoding", bound=NON_NEGATIVE)
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", "decoding", bound=Bound(lambda v: 0 < v <= 1,
                                                                                   "must be in (0, 1]"))
     epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off",
-                            Scope.DECODING, bound=FRACTION)
-    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", Scope.DECODING)
+                            "decoding", bound=FRACTION)
+    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", "decoding")
     repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary",
-                                       Scope.DECODING, bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
+                                       "decoding", bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
     no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off",
-                                       Scope.DECODING, bound=NON_NEGATIVE)
+                                       "decoding", bound=NON_NEGATIVE)
     mbr_samples: int = option(0, "minimum Bayes risk decoding: sample this many summaries per dialogue (needs "
                                  "temperature > 0) and keep the one that agrees most with the others; 0 = off",
-                                 Scope.DECODING, bound=NON_NEGATIVE)
+                                 "decoding", bound=NON_NEGATIVE)
     mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries",
-                             Scope.DECODING, ROUGE_TYPES)
+                             "decoding", ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too",
-                                    Scope.DECODING)
+                                    "decoding")
 
     def contradiction(self):
         """The first of these settings that contradicts the others, in one line naming them; '' when none does.
@@ -481,21 +422,21 @@ class Decoding:
 class Summarizing:
     """How many dialogues one generate() call takes, and evaluate.py's sweep."""
     gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)",
-                                 Scope.COMMAND, bound=POSITIVE)
+                                 "command", bound=POSITIVE)
     gen_memory_gb: float = option(0.0, "GiB the KV cache and logits of one generate() call may take (docs/memory.md); "
-                                       "0 = auto: half the GPU's free memory, 2 on CPU", Scope.COMMAND,
+                                       "0 = auto: half the GPU's free memory, 2 on CPU", "command",
                                   bound=Bound(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     sweep: dict = option(dict, "evaluate.py: score every combination of these decoding settings instead, e.g. "
                                "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)",
-                               Scope.COMMAND, parse=parse_sweep)
+                               "command", parse=parse_sweep)
 
 
 @dataclass
 class Export:
     """export.py's output."""
-    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND,
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", "command",
                              path=True)
-    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", Scope.COMMAND)
+    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", "command")
 
 
 # in the order of --help and the reference
@@ -566,31 +507,51 @@ READS = {"train.py": TRAINING_KEYS,
 
 # ---- what a later command takes from a run ----------------------------------------------------------------------
 
+# What a later command takes from a run: a row per scope (each setting has one), a column per command that uses a
+# run's checkpoint. "run": the run's value, a flag against it refused; "given": the run's unless given (a flag; for a
+# new run from the weights, a preset too: a resume changes only what a flag gives, since a preset would silently
+# change the run it continues); "own": the command's own (defaults, presets, flags), never the run's. resolve()
+# applies it; docs/config.md prints it.
+USES = {"resume": "a resume (`--init_from=resume`): continues the run",
+        "weights": "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe",
+        "inference": "evaluate.py, predict.py: decode the run's model on its data",
+        "export": "export.py: the run's model, and a card that describes the run"}
+SCOPES = {  # scope: (what it holds, what each of USES takes)
+    "shape": ("the model's shape", "run run run run"),
+    "trained": ("what training fixed: the row format, `batch_size`, `warmup_iters`, the adapters", "run given run run"),
+    "training": ("how the run trains, what it does at its end, the test CSV", "given given own run"),
+    "run": ("the data, its split and `seed`, `micro_batch_size`", "given given given run"),
+    "decoding": ("how summaries are decoded", "given given given given"),
+    "command": ("where and how this command runs: paths, device, precision, budget", "own own own own"),
+}
+TAKES = {"own": "its own", "given": "the run's unless given", "run": "the run's (a flag against it is refused)"}
+REFUSED = {"resume": "resume with --{key}={theirs!r} ({why} cannot change when resuming)",
+           "weights": "drop the flag (the checkpoint brings the model's shape)",
+           "inference": "drop the flag (the run's value holds for every later command)",
+           "export": "drop the flag (the model card describes the run)"}
+
+
+def takes(key, use):
+    """What command `use` takes of setting `key` from a run: "own", "given" or "run"."""
+    return SCOPES[FIELDS[key].metadata["scope"]][1].split()[list(USES).index(use)]
+
+
 def resolve(cfg, given, saved, path, use):
-    """(the Config a command runs with, [(key, the run's value, this command's)] for the given keys that changed),
-    by TAKES for its `use`, from `cfg` and the run's `saved` settings; a given key the run decides is refused."""
+    """(the Config command `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed):
+    `cfg`'s values over the run's `saved` ones, as SCOPES says."""
     values, changed = {}, []
-    for key, f in FIELDS.items():
-        take, mine = TAKES[f.metadata["scope"]][use], getattr(cfg, key)
-        if take is Take.OWN:  # read before anything saved: a run's file need not hold a command's own keys
-            values[key] = mine
+    for key in FIELDS:
+        mine, take = getattr(cfg, key), takes(key, use)
+        values[key] = mine if take == "own" else saved[key]  # a run's file need not hold a command's own keys
+        if take == "own" or key not in given or mine == values[key]:
             continue
-        theirs = saved[key]
-        differs = key in given and mine != theirs
-        if take is Take.RUN and differs:
-            why = f"resume with --{key}={theirs!r} ({f.metadata['why']} cannot change when resuming)" \
-                if use is Use.RESUME else REFUSED[use]
+        if take == "run":
+            theirs, why = values[key], FIELDS[key].metadata["why"]
             raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
-                            f"{mine!r}: {why}")
-        values[key] = mine if differs else theirs
-        if differs:
-            changed.append((key, theirs, mine))
+                            f"{mine!r}: " + REFUSED[use].format(key=key, theirs=theirs, why=why))
+        changed.append((key, values[key], mine))
+        values[key] = mine
     return Config(**values), changed
-
-
-def own_keys(use):
-    """The settings that a command using a run's checkpoint so (a Use) decides itself, whatever the run's."""
-    return {key for key, f in FIELDS.items() if TAKES[f.metadata["scope"]][use] is Take.OWN}
 
 
 # ---- a command line, read --------------------------------------------------------------------------------------
@@ -693,3 +654,100 @@ def help_text(command):
     defaults, read = Config(), set(READS[command])
     return f"The settings {command} reads, with their defaults:\n" + "\n".join(
         f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items() if name in read)
+
+
+# ---- what a command says of its settings ------------------------------------------------------------------------
+
+def config_json(cfg):
+    """config.json's text: every setting."""
+    return json.dumps(asdict(cfg), indent=2) + "\n"
+
+
+def as_json(cfg):
+    return json.loads(config_json(cfg))
+
+
+def changed_values(given):
+    """[(key, value, source)] of the keys a preset or the command line changed (a preset's value a flag
+    overrode too), in config.py's order; `given`: settings_given(argv)."""
+    defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
+    source = {key: where for key, _, where in given}
+    moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode
+    return [(key, getattr(cfg, key), source[key]) for key in FIELDS
+            if getattr(cfg, key) != getattr(defaults, key) or key in moved]
+
+
+SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
+
+
+def settings_report(argv, json_path, from_run=None):
+    """The start-up block: per source (presets, then the command line) the keys it changed, by group; `from_run`:
+    (the run's checkpoint, the command's use of it, what the command changed of the run's settings)."""
+    given = settings_given(argv)
+    changed, every_key = changed_values(given), f"every key in {json_path} before step 1"
+    if from_run:
+        path, use, of_run = from_run
+        changed = [change for change in changed if takes(change[0], use) == "own"]
+        winner = {key: "the command line" if where == "command line" else where for key, _, where in given}
+        lines = [f"settings (the run's, from {path}, and this command's; {every_key}):"]
+        if not of_run:
+            lines.append("  changed from the run's: none")
+        for source in dict.fromkeys(winner[key] for key, _, _ in of_run):  # presets, then the command line
+            lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in of_run if winner[key] == source]],
+                          f"  changed from the run's by {source}: ", "    ")
+    elif not changed:
+        return f"settings: the defaults; {every_key}"
+    else:
+        lines = [f"settings (changed from the defaults; {every_key}):"]
+    for source in dict.fromkeys(where for *_, where in given):  # the presets, then the command line
+        segments = [[f"{group.__name__}: {words[0]}", *words[1:]] for group in GROUPS if (words := [
+            setting_text(key, value) for key, value, where in changed if where == source and key in keys(group)])]
+        lines += pack(segments, f"  {source}: ", "    ") if segments else []
+    return "\n".join(lines)
+
+
+def pack(segments, first, indent, width=SETTINGS_WIDTH):
+    """Segments (lists of words) joined by ' | ' in lines of at most `width`: a segment that does not fit the line's
+    rest starts the next, unbroken where it fits one."""
+    lines, line = [], first
+    for segment in segments:
+        whole = " ".join(segment)
+        if line not in (first, indent) and len(line) + 3 + len(whole) > width and len(indent) + len(whole) <= width:
+            lines.append(line)
+            line = indent
+        for j, word in enumerate(segment):
+            sep = "" if line in (first, indent) else " | " if j == 0 else " "
+            if sep and len(line) + len(sep) + len(word) > width:
+                lines.append(line)
+                line, sep = indent, ""
+            line += sep + word
+    return [*lines, line]
+
+
+def setting_text(key, value):
+    text = f"{key}={value!r}"
+    if key == "max_time" and value:
+        text += f" [{describe_duration(value)} = {round(value, 3):.10g} s]"
+    return text
+
+
+def markdown_reference():
+    """docs/config.md's keys (`python config.py` prints it): SCOPES as a table, then each group's keys."""
+    defaults = Config()
+    table = ["| scope | what | " + " | ".join(USES.values()) + " |", "| --- " * (len(USES) + 2) + "|",
+            *(f"| `{scope}` | {what} | " + " | ".join(TAKES[take] for take in row.split()) + " |"
+              for scope, (what, row) in SCOPES.items())]
+    sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
+                "and for a new run from the weights a preset too):\n\n" + "\n".join(table)]
+    for group in GROUPS:
+        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | scope | meaning |",
+                "| --- | --- | --- | --- | --- |"]
+        for f in fields(group):
+            default = repr(getattr(defaults, f.name)).replace("|", "\\|")
+            rows.append(f"| `{f.name}` | {type_name(f)} | `{default}` | {f.metadata['scope']} | {f.metadata['help']} |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
+
+
+if __name__ == "__main__":
+    print(markdown_reference())

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import data
 from command_line import UserError, arguments
-from config import FIELDS, flags_given
+from config import FIELDS, flags_given, settings_report
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
@@ -49,7 +49,6 @@ from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
 from summarizer.schedule import advance, cut_short
 from summarizer.scoring import rouge
-from summarizer.settings_report import settings_report
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
 

@@ -1,7 +1,5 @@
-"""Every setting of train.py, evaluate.py, predict.py and export.py, declared once with its type, default, rules
-and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the values a
-command line gives them (command_line.py reads its words); Config reports every problem in one line. It imports
-nothing from summarizer/."""
+"""Every setting of the four commands, declared once (type, default, rules, scope), the values a command line gives
+them, and what a later command takes from a run. It imports nothing from summarizer/: every layer reads it."""
 import difflib
 import json
 import os
@@ -21,8 +19,7 @@ BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
 
 
 @dataclass(frozen=True)
-class Bound:
-    """A range rule of one value: `ok(value)`, else the problem is '<key>=<value> <text>'."""
+class Bound:  # a range rule: ok(value), else the problem is '<key>=<value> <text>'
     ok: typing.Callable
     text: str
 
@@ -33,7 +30,6 @@ FRACTION = Bound(lambda v: 0 <= v < 1, "must be in [0, 1)")
 
 
 def competition_file(name, fallback):
-    """The Kaggle competition's input file when running on Kaggle, else the local path."""
     path = os.path.join(KAGGLE_INPUT, name)
     return path if os.path.exists(path) else fallback
 
@@ -54,35 +50,27 @@ NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 
 
 def parse_duration(text):
-    """max_time's seconds: '' or None -> None, 5400, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' ->
-    5400.0, '1h30m15s' -> 5415.0. The units go h, m, s, each at most once; a number after a unit needs its own:
-    '1h30' is refused (1h30m or 1h30s?)."""
+    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s'; None from '' or None. A number after a
+    unit needs its own: '1h30' is refused (1h30m or 1h30s?)."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
-    if type(text) in (int, float):
-        seconds = float(text)
-    elif isinstance(text, str):
-        compact = re.sub(r"\s", "", text)
-        if re.fullmatch(NUMBER, compact):
-            compact += "s"  # plain seconds
-        match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
-        if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
-            last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
-            meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
-            raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
-                            + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
-        hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
-        seconds += hours * 3600 + minutes * 60
-    else:
-        seconds = 0
-    if seconds <= 0:
+    compact = re.sub(r"\s", "", str(text))
+    compact += "s" if re.fullmatch(NUMBER, compact) else ""  # plain seconds
+    match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
+    if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
+        last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
+        meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
+        raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
+                        + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
+    hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
+    seconds += hours * 3600 + minutes * 60
+    if type(text) is bool or seconds <= 0:
         raise UserError(f"max_time={text!r} is not a positive duration: write seconds (5400, 5400s) or hours, "
                         f"minutes and seconds, each number with its unit (1.5h, 45m, 11h30m, 1h30m15s)")
     return seconds
 
 
-def describe_duration(seconds):
-    """5400 -> '1h 30m', 5415 -> '1h 30m 15s', 90 -> '1m 30s', 41400 -> '11h 30m', 0.5 -> '0.5s'."""
+def describe_duration(seconds):  # 5415 -> '1h 30m 15s'
     hours, rest = divmod(round(seconds, 3), 3600)
     minutes, rest = divmod(rest, 60)
     parts = [f"{int(hours)}h" if hours else "", f"{int(minutes)}m" if minutes else "", f"{rest:g}s" if rest else ""]
@@ -90,8 +78,7 @@ def describe_duration(seconds):
 
 
 def parse_targets(value):
-    """lora_targets as a tuple of layer names: 'attn.c_attn,mlp.c_fc' (a flag, or an older checkpoint's text) or
-    a list/tuple (a .json preset, config.json)."""
+    """lora_targets from 'attn.c_attn,mlp.c_fc' (a flag, an older checkpoint) or a list (a .json preset)."""
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise UserError(f"lora_targets={value!r}: give layer names, comma-separated, among {', '.join(LORA_TARGETS)}")
@@ -99,14 +86,12 @@ def parse_targets(value):
 
 
 def sweep_keys():
-    """What evaluate.py --sweep may vary: the decoding settings but max_new_tokens (the run's prompts were cut to
-    leave room for it), the sampling seed and the generation batch."""
+    """The decoding settings but max_new_tokens (the prompts were cut to leave it room), seed and gen_batch_size."""
     return (*(key for key in keys(Decoding) if key != "max_new_tokens"), "seed", "gen_batch_size")
 
 
 def parse_sweep(value):
-    """The sweep as {key: (value, ...)}, each value typed as --key=value would be: from 'num_beams=1,4
-    length_penalty=0.8,1.0' (keys apart by spaces, values by commas) or from a mapping (config.json); {} for ''."""
+    """{key: (value, ...)} from 'num_beams=1,4 length_penalty=0.8,1.0' or a mapping (config.json), typed as flags."""
     if isinstance(value, dict):
         for key in value:
             check_sweep_key(key, value)
@@ -403,8 +388,7 @@ class Decoding:
                                     "decoding")
 
     def contradiction(self):
-        """The first of these settings that contradicts the others, in one line naming them; '' when none does.
-        Config validation and generate() both ask it (they raise UserError and ValueError with it)."""
+        """The first setting that contradicts the others, in one line; ''. Config and generate() both ask it."""
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             return f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
         if self.mbr_samples and self.temperature <= 0:
@@ -446,16 +430,15 @@ GROUPS = (Split, Submission, RowFormat, Paths, ModelShape, Training, AdamW, Lora
 
 @dataclass
 class Config(*reversed(GROUPS)):
-    """Every setting of train.py, evaluate.py, predict.py and export.py, flat (--key=value, config.json, a
-    checkpoint's saved config); the groups above name the settings that belong together."""
+    """Every setting, flat (--key=value, config.json, a checkpoint's config); the groups name those that belong
+    together."""
 
     def __post_init__(self):
         if problems := self.problems():
             raise UserError("; ".join(problems))
 
     def problems(self):
-        """Every rule this config breaks, one message each: each value's choices and range, then the rules of each
-        group whose values keep those."""
+        """Each value's broken choices or range, then the broken rules of each group whose values keep those."""
         problems, broken = [], set()
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
@@ -471,19 +454,16 @@ class Config(*reversed(GROUPS)):
                            for p in group.problems(self)]
 
 
-def keys(group, scope=None):
-    """The names of a group's settings (of one Scope, if given)."""
-    return tuple(f.name for f in fields(group) if scope is None or f.metadata["scope"] is scope)
+def keys(group):
+    return tuple(f.name for f in fields(group))
 
 
 def part(cfg, group):
-    """The group's settings of a Config (e.g. part(cfg, Decoding) for generate)."""
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
 def rows_per_rank(batch_size, world_size):
-    """The rows of a step each of `world_size` processes takes (the cut deals them out evenly); UserError when
-    batch_size does not split so: batch_size's one rule, checked before the model is built."""
+    """The rows of a step each process takes: batch_size's one rule, checked before the model is built."""
     if batch_size % world_size:
         raise UserError(f"batch_size={batch_size} does not split over the {world_size} processes of this run (each "
                         f"takes as many of a step's rows): give --batch_size a multiple of {world_size}, e.g. "
@@ -557,8 +537,7 @@ def resolve(cfg, given, saved, path, use):
 # ---- a command line, read --------------------------------------------------------------------------------------
 
 def load_config(argv, usage=None, command="train.py"):
-    """The checked Config a command line asks for: presets in their order, then --key=value flags, which beat any
-    preset whatever the order; --help prints the usage and the keys the command reads, and exits."""
+    """The Config of presets in their order, then --key=value flags, which beat any preset whatever the order."""
     if "-h" in argv or "--help" in argv:
         command_line.print_help(usage, help_text(command))
         raise SystemExit(0)
@@ -566,8 +545,7 @@ def load_config(argv, usage=None, command="train.py"):
 
 
 def settings_given(argv):
-    """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
-    flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
+    """(key, value, the preset's path or 'command line') for each key set, in the order they apply."""
     presets, flags = command_line.arguments(argv)
     given, problems = [(key, value, path) for path in presets for key, value in read_preset(path).items()], []
     for arg in flags:  # every flag read, so that one line names all their problems
@@ -581,12 +559,11 @@ def settings_given(argv):
 
 
 def flags_given(argv):
-    """{key: value} of the --key=value flags (not what a preset sets): what a command asks for in so many words."""
     return dict(parse_override(arg) for arg in command_line.arguments(argv)[1] if arg not in ("-h", "--help"))
 
 
 def parse_override(arg):
-    """'--key=value' -> (key, value): the value as a Python literal, or as text for a text field."""
+    """'--key=value' -> (key, value): a Python literal, or text for a text field."""
     key, text = command_line.flag(arg)
     source = f"--{key}={text}"
     check_key(key, source)
@@ -595,7 +572,6 @@ def parse_override(arg):
 
 
 def read_preset(path):
-    """{key: value} from a preset file, each value typed."""
     return {key: typed(key, value, source) for key, value, source in command_line.preset(path)}
 
 
@@ -607,7 +583,6 @@ def check_key(key, source):
 
 
 def types_of(f):
-    """The types a field accepts: (int,), or (bool, str) for `bool | str`."""
     return typing.get_args(f.type) or (f.type,)
 
 
@@ -618,22 +593,13 @@ def type_name(f):
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-def as_bool(value):
-    """True or False for a yes/no word (any case) or 1/0; None for anything else (a bool stays itself)."""
-    if type(value) is bool:
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in TRUE_WORDS or word in FALSE_WORDS:
-            return word in TRUE_WORDS
-    return None
+def as_bool(value):  # True or False for a yes/no word (any case), a bool or 1/0; None for anything else
+    word = str(value).strip().lower() if type(value) in (bool, int, str) else None
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def typed(key, value, source):
-    """`value` as the field's type (an int is accepted for a float, a yes/no word or 1/0 for a bool, a text its
-    parser reads), or UserError naming the key."""
+    """`value` as the field's type (an int for a float, a yes/no word or 1/0 for a bool), or UserError."""
     check_key(key, source)
     f = FIELDS[key]
     if f.metadata["parse"]:
@@ -659,7 +625,6 @@ def help_text(command):
 # ---- what a command says of its settings ------------------------------------------------------------------------
 
 def config_json(cfg):
-    """config.json's text: every setting."""
     return json.dumps(asdict(cfg), indent=2) + "\n"
 
 
@@ -668,8 +633,7 @@ def as_json(cfg):
 
 
 def changed_values(given):
-    """[(key, value, source)] of the keys a preset or the command line changed (a preset's value a flag
-    overrode too), in config.py's order; `given`: settings_given(argv)."""
+    """[(key, value, source)] that a preset or a flag changed (a preset's value a flag overrode too)."""
     defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
     source = {key: where for key, _, where in given}
     moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode
@@ -707,8 +671,7 @@ def settings_report(argv, json_path, from_run=None):
 
 
 def pack(segments, first, indent, width=SETTINGS_WIDTH):
-    """Segments (lists of words) joined by ' | ' in lines of at most `width`: a segment that does not fit the line's
-    rest starts the next, unbroken where it fits one."""
+    """Segments of words joined by ' | ' in lines of at most `width`, a segment unbroken where it fits one."""
     lines, line = [], first
     for segment in segments:
         whole = " ".join(segment)

@@ -31,6 +31,7 @@ from config import FIELDS, flags_given, settings_report
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
+from summarizer.clock import advance, cut_short
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.files import DiskFull
 from summarizer.launch import (
@@ -47,7 +48,6 @@ from summarizer.launch import (
 from summarizer.loading import resume_path, resuming
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
-from summarizer.schedule import advance, cut_short
 from summarizer.scoring import rouge
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix

@@ -14,7 +14,7 @@ from command_line import UserError
 from config import config_json, flags_given, load_config, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, lora, run_folder
-from summarizer.clock import RunClock, used_up
+from summarizer.clock import RunClock, decayed, sessions_done, used_up
 from summarizer.compiling import CompiledModule
 from summarizer.files import atomic_write
 from summarizer.launch import training_memory_hint
@@ -29,7 +29,6 @@ from summarizer.loading import (
 )
 from summarizer.memory import choose_micro_batch, workload
 from summarizer.micro_batch import micro_batch_that_runs
-from summarizer.schedule import decayed, sessions_done
 from summarizer.state import TrainingState, rng_state, set_rng_state
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history

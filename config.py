@@ -1,6 +1,7 @@
 """Every setting of the four commands, declared once (type, default, rules, scope), the values a command line gives
 them, and what a later command takes from a run. It imports nothing from summarizer/: every layer reads it."""
 import difflib
+import itertools
 import json
 import os
 import re
@@ -37,11 +38,8 @@ def competition_file(name, fallback):
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
     """A setting (a callable default is called per Config); `why`: why a resume cannot change it."""
     why = why or {"shape": "the model's shape", "trained": "what the model was trained on"}.get(scope)
-    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,
-                "path": path}
-    if callable(default):
-        return field(default_factory=default, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    metadata = dict(help=help, scope=scope, choices=choices, bound=bound, parse=parse, why=why, path=path)
+    return field(**{"default_factory" if callable(default) else "default": default}, metadata=metadata)
 
 
 # ---- values given as text ------------------------------------------------------------------------------------
@@ -92,40 +90,31 @@ def sweep_keys():
 
 def parse_sweep(value):
     """{key: (value, ...)} from 'num_beams=1,4 length_penalty=0.8,1.0' or a mapping (config.json), typed as flags."""
-    if isinstance(value, dict):
-        for key in value:
-            check_sweep_key(key, value)
-        return {key: tuple(typed(key, v, f"sweep {key}") for v in values) for key, values in value.items()}
-    if not isinstance(value, str):
+    if not isinstance(value, (str, dict)):
         raise UserError(f"sweep={value!r}: write 'key=value1,value2 key2=...'")
+    text = isinstance(value, str)
     settings = {}
-    for group in value.split():
-        key, eq, values = group.partition("=")
-        if not eq or not values:
-            raise UserError(f"sweep={value!r}: cannot read {group!r}, write key=value1,value2,...")
-        check_sweep_key(key, value)
+    for key, values in [group.partition("=")[::2] for group in value.split()] if text else value.items():
+        if text and not values:
+            raise UserError(f"sweep={value!r}: cannot read {key!r}, write key=value1,value2,...")
+        if key == "max_new_tokens":
+            raise UserError(f"sweep={value!r}: max_new_tokens cannot be swept: the run's prompts are cut to leave "
+                            f"room for its summaries, so one evaluation has one max_new_tokens; evaluate once per "
+                            f"value with --max_new_tokens=N")
+        if key not in sweep_keys():
+            raise UserError(f"sweep={value!r}: {key!r} is not a decoding setting; sweep one of "
+                            f"{', '.join(sweep_keys())}")
         try:
-            settings[key] = tuple(parse_override(f"--{key}={v}")[1] for v in values.split(","))
+            settings[key] = tuple(parse_override(f"--{key}={v}")[1] if text else typed(key, v, f"sweep {key}")
+                                  for v in (values.split(",") if text else values))
         except UserError as e:
             raise UserError(f"sweep={value!r}: {e}") from None
     return settings
 
 
-def check_sweep_key(key, sweep):
-    if key == "max_new_tokens":
-        raise UserError(f"sweep={sweep!r}: max_new_tokens cannot be swept: the run's prompts are cut to leave room "
-                        f"for its summaries, so one evaluation has one max_new_tokens; evaluate once per value "
-                        f"with --max_new_tokens=N")
-    if key not in sweep_keys():
-        raise UserError(f"sweep={sweep!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
-
-
 def sweep_settings(sweep):
     """Every combination of a sweep's values, as [{key: value}, ...] (the last key varies fastest); [] for {}."""
-    settings = [{}] if sweep else []
-    for key, values in sweep.items():
-        settings = [dict(s, **{key: v}) for s in settings for v in values]
-    return settings
+    return [dict(zip(sweep, values, strict=True)) for values in itertools.product(*sweep.values())] if sweep else []
 
 
 # ---- the settings, by group ------------------------------------------------------------------------------------
@@ -220,9 +209,8 @@ class ModelShape:
     bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)", "shape")
 
     def problems(self):
-        if self.n_head > 0 and self.n_embd % self.n_head:
-            return [f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"]
-        return []
+        ok = self.n_head <= 0 or self.n_embd % self.n_head == 0  # n_head <= 0 is its bound's problem
+        return [] if ok else [f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"]
 
 
 @dataclass
@@ -282,11 +270,9 @@ class Lora:
                                                "trained", why="the adapters", parse=parse_targets)
 
     def problems(self):
-        for target in self.lora_targets or ("",):
-            if target not in LORA_TARGETS:
-                return [f"lora_targets={','.join(self.lora_targets)!r}: {target!r} is not one of "
-                        f"{', '.join(LORA_TARGETS)} (give one or more, comma-separated)"]
-        return []
+        unknown = [target for target in self.lora_targets or ("",) if target not in LORA_TARGETS]
+        return [f"lora_targets={','.join(self.lora_targets)!r}: {unknown[0]!r} is not one of "
+                f"{', '.join(LORA_TARGETS)} (give one or more, comma-separated)"] if unknown else []
 
 
 @dataclass
@@ -354,9 +340,8 @@ class System:
                                      bound=POSITIVE)
 
     def problems(self):
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            return [f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N"]
-        return []
+        ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)
+        return [] if ok else [f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N"]
 
 
 @dataclass
@@ -439,19 +424,16 @@ class Config(*reversed(GROUPS)):
 
     def problems(self):
         """Each value's broken choices or range, then the broken rules of each group whose values keep those."""
-        problems, broken = [], set()
+        problems = {}  # key: its value's problem
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
             if choices and value not in choices:
                 yes_no = f" (True and False also as {BOOL_FORMS})" if True in choices else ""
-                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}")
+                problems[f.name] = f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}"
             elif bound and not bound.ok(value):
-                problems.append(f"{f.name}={value!r} {bound.text}")
-            else:
-                continue
-            broken.add(f.name)
-        return problems + [p for group in GROUPS if hasattr(group, "problems") and not broken & set(keys(group))
-                           for p in group.problems(self)]
+                problems[f.name] = f"{f.name}={value!r} {bound.text}"
+        return [*problems.values()] + [p for group in GROUPS if hasattr(group, "problems")
+                                       and not problems.keys() & set(keys(group)) for p in group.problems(self)]
 
 
 def keys(group):
@@ -538,8 +520,11 @@ def resolve(cfg, given, saved, path, use):
 
 def load_config(argv, usage=None, command="train.py"):
     """The Config of presets in their order, then --key=value flags, which beat any preset whatever the order."""
-    if "-h" in argv or "--help" in argv:
-        command_line.print_help(usage, help_text(command))
+    if "-h" in argv or "--help" in argv:  # the keys the command reads, with their defaults
+        defaults = Config()
+        command_line.print_help(usage, f"The settings {command} reads, with their defaults:\n" + "\n".join(
+            f"--{key}={getattr(defaults, key)!r}\n    {FIELDS[key].metadata['help']}" for key in FIELDS
+            if key in READS[command]))
         raise SystemExit(0)
     return Config(**{key: value for key, value, _ in settings_given(argv)})
 
@@ -616,12 +601,6 @@ def typed(key, value, source):
     return os.path.expanduser(value) if f.metadata["path"] else value
 
 
-def help_text(command):
-    defaults, read = Config(), set(READS[command])
-    return f"The settings {command} reads, with their defaults:\n" + "\n".join(
-        f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items() if name in read)
-
-
 # ---- what a command says of its settings ------------------------------------------------------------------------
 
 def config_json(cfg):
@@ -649,21 +628,21 @@ def settings_report(argv, json_path, from_run=None):
     (the run's checkpoint, the command's use of it, what the command changed of the run's settings)."""
     given = settings_given(argv)
     changed, every_key = changed_values(given), f"every key in {json_path} before step 1"
+    sources, final = dict.fromkeys(where for *_, where in given), {key: where for key, _, where in given}
     if from_run:
         path, use, of_run = from_run
         changed = [change for change in changed if takes(change[0], use) == "own"]
-        winner = {key: "the command line" if where == "command line" else where for key, _, where in given}
         lines = [f"settings (the run's, from {path}, and this command's; {every_key}):"]
-        if not of_run:
-            lines.append("  changed from the run's: none")
-        for source in dict.fromkeys(winner[key] for key, _, _ in of_run):  # presets, then the command line
-            lines += pack([[f"{key}={old!r} -> {new!r}" for key, old, new in of_run if winner[key] == source]],
-                          f"  changed from the run's by {source}: ", "    ")
+        lines += [] if of_run else ["  changed from the run's: none"]
+        for source in sources:
+            if words := [f"{key}={old!r} -> {new!r}" for key, old, new in of_run if final[key] == source]:
+                by = "the command line" if source == "command line" else source
+                lines += pack([words], f"  changed from the run's by {by}: ", "    ")
     elif not changed:
         return f"settings: the defaults; {every_key}"
     else:
         lines = [f"settings (changed from the defaults; {every_key}):"]
-    for source in dict.fromkeys(where for *_, where in given):  # the presets, then the command line
+    for source in sources:
         segments = [[f"{group.__name__}: {words[0]}", *words[1:]] for group in GROUPS if (words := [
             setting_text(key, value) for key, value, where in changed if where == source and key in keys(group)])]
         lines += pack(segments, f"  {source}: ", "    ") if segments else []
@@ -672,19 +651,18 @@ def settings_report(argv, json_path, from_run=None):
 
 def pack(segments, first, indent, width=SETTINGS_WIDTH):
     """Segments of words joined by ' | ' in lines of at most `width`, a segment unbroken where it fits one."""
-    lines, line = [], first
+    lines = [first]
     for segment in segments:
         whole = " ".join(segment)
-        if line not in (first, indent) and len(line) + 3 + len(whole) > width and len(indent) + len(whole) <= width:
-            lines.append(line)
-            line = indent
         for j, word in enumerate(segment):
-            sep = "" if line in (first, indent) else " | " if j == 0 else " "
-            if sep and len(line) + len(sep) + len(word) > width:
-                lines.append(line)
-                line, sep = indent, ""
-            line += sep + word
-    return [*lines, line]
+            sep, fits = (" | ", whole if len(indent) + len(whole) <= width else word) if j == 0 else (" ", word)
+            if lines[-1] in (first, indent):
+                lines[-1] += word
+            elif len(lines[-1]) + len(sep) + len(fits) > width:
+                lines.append(indent + word)
+            else:
+                lines[-1] += sep + word
+    return lines
 
 
 def setting_text(key, value):

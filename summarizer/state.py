@@ -1,5 +1,4 @@
-"""The training state: what ckpt.pt holds of a run in progress and a resume restores, and the optimizer it starts
-with. The checkpoint's record and file are summarizer.checkpoint's."""
+"""What ckpt.pt holds of a run in progress and a resume restores; the file's record is summarizer.checkpoint's."""
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -12,15 +11,6 @@ from config import AdamW, keys
 from summarizer import lora, run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
 from summarizer.clock import describe_schedule, lr_schedule, resumed_schedule, sessions_done
-
-
-def configure_optimizer(model, cfg, device_type):
-    """AdamW with weight decay on 2-D weights only (not biases, LayerNorms); fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device_type == "cuda")
 
 
 @dataclass
@@ -41,8 +31,14 @@ class TrainingState:
 
     @classmethod
     def start(cls, model, cfg, rt, **record):
-        return cls(model, configure_optimizer(model, cfg, rt.device.type),
-                   torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
+        """Step 0: AdamW with weight decay on 2-D weights only (not biases, LayerNorms), fused on CUDA."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                                      fused=rt.device.type == "cuda")
+        return cls(model, optimizer, torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler),
+                   lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
         """Whether `stats` beat the best so far by `metric`; a tie of ROUGE (0 early on) goes to the lower val_loss."""
@@ -118,9 +114,8 @@ class TrainingState:
         if ckpt["validation_digest"] != self.validation_digest:
             notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
                          f"measured on the others, so a later best.pt is chosen by another yardstick")
-        changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
-                   if saved[k] != getattr(cfg, k)]
-        if changed:
+        if changed := [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
+                       if saved[k] != getattr(cfg, k)]:
             notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
         return notes
 

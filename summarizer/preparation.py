@@ -140,6 +140,7 @@ def announce(run, rt, notes, train_rows, runs, chosen, disk):
              *([clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
                                   sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
     print("\n".join([*notes, *lines]))
+    os.makedirs(cfg.out_dir, exist_ok=True)  # prepare() without train.py's claim on out_dir (tests, bench)
     with atomic_write(os.path.join(cfg.out_dir, run_folder.CONFIG)) as f:
         f.write(config_json(cfg))
 

@@ -1,13 +1,12 @@
-"""Every setting of train.py, evaluate.py, predict.py and export.py, declared once with its type, default, rules
-and scope (TAKES: what a later command takes from a run's checkpoint, applied by resolve), and the values a
-command line gives them (command_line.py reads its words); Config reports every problem in one line. It imports
-nothing from summarizer/."""
+"""Every setting of the four commands, declared once (type, default, rules, scope), the values a command line gives
+them, and what a later command takes from a run. It imports nothing from summarizer/: every layer reads it."""
 import difflib
-import enum
+import itertools
+import json
 import os
 import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import command_line
 from command_line import UserError
@@ -20,60 +19,8 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
 
 
-class Described(enum.Enum):
-    """An enum whose members are a name (their value) and what it means, in the words docs/config.md's table and
-    --help quote."""
-
-    def __new__(cls, value, meaning):
-        member = object.__new__(cls)
-        member._value_, member.meaning = value, meaning
-        return member
-
-
-class Scope(Described):
-    """What a setting is to the commands that use a run's checkpoint: its row of TAKES."""
-    SHAPE = "shape", "the model's shape"
-    TRAINED = "trained", "what training fixed: the row format, `batch_size`, `warmup_iters`, the adapters"
-    TRAINING = "training", "how the run trains, what it does at its end, the test CSV"
-    RUN = "run", "the data, its split and `seed`, `micro_batch_size`"
-    DECODING = "decoding", "how summaries are decoded"
-    COMMAND = "command", "where and how this command runs: paths, device, precision, budget"
-
-
-class Use(Described):
-    """What a command does with a run's checkpoint: a column of TAKES."""
-    RESUME = "resume", "a resume (`--init_from=resume`): continues the run"
-    WEIGHTS = "weights", "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe"
-    INFERENCE = "inference", "evaluate.py, predict.py: decode the run's model on its data"
-    EXPORT = "export", "export.py: the run's model, and a card that describes the run"
-
-
-class Take(enum.Enum):
-    """Where a command's value of a setting comes from, in the words of docs/config.md's table."""
-    OWN = "its own"  # defaults, presets, flags: never the run's
-    RUN_OR_GIVEN = "the run's unless given"  # what the command gives (a flag; for a new run, a preset too) wins
-    RUN = "the run's (a flag against it is refused)"  # a flag that contradicts it stops in one line
-
-
-# The contract between a run and every later command, one row per scope, the only statement of it: resolve() reads
-# it, docs/config.md prints it (settings_report.scope_table) and --help points there. A resume changes only what a
-# flag gives, since a preset would silently change a run it continues.
-TAKES = {
-    Scope.SHAPE: dict.fromkeys(Use, Take.RUN),
-    Scope.TRAINED: {**dict.fromkeys(Use, Take.RUN), Use.WEIGHTS: Take.RUN_OR_GIVEN},
-    Scope.TRAINING: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.INFERENCE: Take.OWN, Use.EXPORT: Take.RUN},
-    Scope.RUN: {**dict.fromkeys(Use, Take.RUN_OR_GIVEN), Use.EXPORT: Take.RUN},
-    Scope.DECODING: dict.fromkeys(Use, Take.RUN_OR_GIVEN),
-    Scope.COMMAND: dict.fromkeys(Use, Take.OWN),
-}
-REFUSED = {Use.WEIGHTS: "drop the flag (the checkpoint brings the model's shape)",
-           Use.INFERENCE: "drop the flag (the run's value holds for every later command)",
-           Use.EXPORT: "drop the flag (the model card describes the run)"}
-
-
 @dataclass(frozen=True)
-class Bound:
-    """A range rule of one value: `ok(value)`, else the problem is '<key>=<value> <text>'."""
+class Bound:  # a range rule: ok(value), else the problem is '<key>=<value> <text>'
     ok: typing.Callable
     text: str
 
@@ -84,21 +31,15 @@ FRACTION = Bound(lambda v: 0 <= v < 1, "must be in [0, 1)")
 
 
 def competition_file(name, fallback):
-    """The Kaggle competition's input file when running on Kaggle, else the local path."""
     path = os.path.join(KAGGLE_INPUT, name)
     return path if os.path.exists(path) else fallback
 
 
 def option(default, help, scope, choices=None, bound=None, parse=None, why=None, path=False):
-    """A setting: its default (a callable is evaluated per Config), one-line doc, Scope, choices, Bound, parser of a
-    value given as text, why a resume cannot change it (Scope.SHAPE, Scope.TRAINED), whether a path (~ expands)."""
-    if (why is None) != (TAKES[scope][Use.RESUME] is not Take.RUN):
-        raise TypeError(f"why is for the settings a resume cannot change, not for scope {scope}")
-    metadata = {"help": help, "scope": scope, "choices": choices, "bound": bound, "parse": parse, "why": why,
-                "path": path}
-    if callable(default):
-        return field(default_factory=default, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    """A setting (a callable default is called per Config); `why`: why a resume cannot change it."""
+    why = why or {"shape": "the model's shape", "trained": "what the model was trained on"}.get(scope)
+    metadata = dict(help=help, scope=scope, choices=choices, bound=bound, parse=parse, why=why, path=path)
+    return field(**{"default_factory" if callable(default) else "default": default}, metadata=metadata)
 
 
 # ---- values given as text ------------------------------------------------------------------------------------
@@ -107,35 +48,27 @@ NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 
 
 def parse_duration(text):
-    """max_time's seconds: '' or None -> None, 5400, '5400' or '5400s' -> 5400.0, '11h30m' -> 41400.0, '1.5h' ->
-    5400.0, '1h30m15s' -> 5415.0. The units go h, m, s, each at most once; a number after a unit needs its own:
-    '1h30' is refused (1h30m or 1h30s?)."""
+    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s'; None from '' or None. A number after a
+    unit needs its own: '1h30' is refused (1h30m or 1h30s?)."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
-    if type(text) in (int, float):
-        seconds = float(text)
-    elif isinstance(text, str):
-        compact = re.sub(r"\s", "", text)
-        if re.fullmatch(NUMBER, compact):
-            compact += "s"  # plain seconds
-        match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
-        if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
-            last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
-            meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
-            raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
-                            + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
-        hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
-        seconds += hours * 3600 + minutes * 60
-    else:
-        seconds = 0
-    if seconds <= 0:
+    compact = re.sub(r"\s", "", str(text))
+    compact += "s" if re.fullmatch(NUMBER, compact) else ""  # plain seconds
+    match = re.fullmatch(rf"(?:({NUMBER})h)?(?:({NUMBER})m)?(?:({NUMBER})s)?", compact)
+    if match is None and re.fullmatch(rf"(?:{NUMBER}h)?(?:{NUMBER}m)?{NUMBER}", compact):
+        last = re.findall(r"[hm]", compact)[-1]  # the units after it are the ones meant
+        meant = [compact + unit for unit in "hms"["hms".index(last) + 1:]]
+        raise UserError(f"max_time={text!r} is ambiguous: write {meant[0]}"
+                        + (f" (or {meant[1]})" if len(meant) > 1 else "") + ", each number with its unit")
+    hours, minutes, seconds = (float(number or 0) for number in match.groups()) if match else (0, 0, 0)
+    seconds += hours * 3600 + minutes * 60
+    if type(text) is bool or seconds <= 0:
         raise UserError(f"max_time={text!r} is not a positive duration: write seconds (5400, 5400s) or hours, "
                         f"minutes and seconds, each number with its unit (1.5h, 45m, 11h30m, 1h30m15s)")
     return seconds
 
 
-def describe_duration(seconds):
-    """5400 -> '1h 30m', 5415 -> '1h 30m 15s', 90 -> '1m 30s', 41400 -> '11h 30m', 0.5 -> '0.5s'."""
+def describe_duration(seconds):  # 5415 -> '1h 30m 15s'
     hours, rest = divmod(round(seconds, 3), 3600)
     minutes, rest = divmod(rest, 60)
     parts = [f"{int(hours)}h" if hours else "", f"{int(minutes)}m" if minutes else "", f"{rest:g}s" if rest else ""]
@@ -143,8 +76,7 @@ def describe_duration(seconds):
 
 
 def parse_targets(value):
-    """lora_targets as a tuple of layer names: 'attn.c_attn,mlp.c_fc' (a flag, or an older checkpoint's text) or
-    a list/tuple (a .json preset, config.json)."""
+    """lora_targets from 'attn.c_attn,mlp.c_fc' (a flag, an older checkpoint) or a list (a .json preset)."""
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise UserError(f"lora_targets={value!r}: give layer names, comma-separated, among {', '.join(LORA_TARGETS)}")
@@ -152,48 +84,37 @@ def parse_targets(value):
 
 
 def sweep_keys():
-    """What evaluate.py --sweep may vary: the decoding settings but max_new_tokens (the run's prompts were cut to
-    leave room for it), the sampling seed and the generation batch."""
+    """The decoding settings but max_new_tokens (the prompts were cut to leave it room), seed and gen_batch_size."""
     return (*(key for key in keys(Decoding) if key != "max_new_tokens"), "seed", "gen_batch_size")
 
 
 def parse_sweep(value):
-    """The sweep as {key: (value, ...)}, each value typed as --key=value would be: from 'num_beams=1,4
-    length_penalty=0.8,1.0' (keys apart by spaces, values by commas) or from a mapping (config.json); {} for ''."""
-    if isinstance(value, dict):
-        for key in value:
-            check_sweep_key(key, value)
-        return {key: tuple(typed(key, v, f"sweep {key}") for v in values) for key, values in value.items()}
-    if not isinstance(value, str):
+    """{key: (value, ...)} from 'num_beams=1,4 length_penalty=0.8,1.0' or a mapping (config.json), typed as flags."""
+    if not isinstance(value, (str, dict)):
         raise UserError(f"sweep={value!r}: write 'key=value1,value2 key2=...'")
+    text = isinstance(value, str)
     settings = {}
-    for group in value.split():
-        key, eq, values = group.partition("=")
-        if not eq or not values:
-            raise UserError(f"sweep={value!r}: cannot read {group!r}, write key=value1,value2,...")
-        check_sweep_key(key, value)
+    for key, values in [group.partition("=")[::2] for group in value.split()] if text else value.items():
+        if text and not values:
+            raise UserError(f"sweep={value!r}: cannot read {key!r}, write key=value1,value2,...")
+        if key == "max_new_tokens":
+            raise UserError(f"sweep={value!r}: max_new_tokens cannot be swept: the run's prompts are cut to leave "
+                            f"room for its summaries, so one evaluation has one max_new_tokens; evaluate once per "
+                            f"value with --max_new_tokens=N")
+        if key not in sweep_keys():
+            raise UserError(f"sweep={value!r}: {key!r} is not a decoding setting; sweep one of "
+                            f"{', '.join(sweep_keys())}")
         try:
-            settings[key] = tuple(parse_override(f"--{key}={v}")[1] for v in values.split(","))
+            settings[key] = tuple(parse_override(f"--{key}={v}")[1] if text else typed(key, v, f"sweep {key}")
+                                  for v in (values.split(",") if text else values))
         except UserError as e:
             raise UserError(f"sweep={value!r}: {e}") from None
     return settings
 
 
-def check_sweep_key(key, sweep):
-    if key == "max_new_tokens":
-        raise UserError(f"sweep={sweep!r}: max_new_tokens cannot be swept: the run's prompts are cut to leave room "
-                        f"for its summaries, so one evaluation has one max_new_tokens; evaluate once per value "
-                        f"with --max_new_tokens=N")
-    if key not in sweep_keys():
-        raise UserError(f"sweep={sweep!r}: {key!r} is not a decoding setting; sweep one of {', '.join(sweep_keys())}")
-
-
 def sweep_settings(sweep):
     """Every combination of a sweep's values, as [{key: value}, ...] (the last key varies fastest); [] for {}."""
-    settings = [{}] if sweep else []
-    for key, values in sweep.items():
-        settings = [dict(s, **{key: v}) for s in settings for v in values]
-    return settings
+    return [dict(zip(sweep, values, strict=True)) for values in itertools.product(*sweep.values())] if sweep else []
 
 
 # ---- the settings, by group ------------------------------------------------------------------------------------
@@ -203,15 +124,15 @@ class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
     train_csv: str = option(lambda: competition_file("train.csv", "data/train.csv"),
                             f"training CSV (id, dialogue, summary); {KAGGLE_INPUT}/train.csv on Kaggle, "
-                            "else data/train.csv", Scope.RUN, path=True)
-    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", Scope.RUN, path=True)
-    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", Scope.RUN)
-    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", Scope.RUN)
-    id_column: str = option("", "id column; '' = auto (id)", Scope.RUN)
+                            "else data/train.csv", "run", path=True)
+    validation_csv: str = option("", "validation CSV; '' = hold out val_fraction of train_csv", "run", path=True)
+    dialogue_column: str = option("", "dialogue column; '' = auto (dialogue, article, document, text)", "run")
+    summary_column: str = option("", "summary column; '' = auto (summary, highlights, abstract)", "run")
+    id_column: str = option("", "id column; '' = auto (id)", "run")
     val_fraction: float = option(0.05, "fraction of train_csv held out for validation when validation_csv is ''",
-                                 Scope.RUN, bound=FRACTION)
+                                 "run", bound=FRACTION)
     split_seed: int = option(42, "seed of the train/validation split (same split on every rank and every run)",
-                             Scope.RUN, bound=NON_NEGATIVE)
+                             "run", bound=NON_NEGATIVE)
 
 
 @dataclass
@@ -219,27 +140,25 @@ class Submission:
     """What predict.py summarizes, and the sample submission its ids must match."""
     test_csv: str = option(lambda: competition_file("test.csv", "data/test.csv"),
                            f"CSV to summarize (id, dialogue); {KAGGLE_INPUT}/test.csv on Kaggle, else data/test.csv",
-                           Scope.TRAINING, path=True)
+                           "training", path=True)
     sample_submission_csv: str = option(lambda: competition_file("sample_submission.csv", ""),
                                         "sample submission whose ids submission.csv must match; '' = no check",
-                                        Scope.TRAINING, path=True)
+                                        "training", path=True)
     test_dialogue_column: str = option("", "test_csv's dialogue column, where it differs from train_csv's; '' = "
-                                           "dialogue_column", Scope.TRAINING)
+                                           "dialogue_column", "training")
     test_id_column: str = option("", "test_csv's id column, where it differs from train_csv's; '' = id_column",
-                                 Scope.TRAINING)
+                                 "training")
 
 
 @dataclass
 class RowFormat:
     """How a training row is made: fixed by training, so inference takes it from the checkpoint."""
     prompt_template: str = option(PROMPT_TEMPLATE, "prompt around the dialogue; the model continues it with the "
-                                                   "summary and <|endoftext|>; must contain {dialogue} once",
-                                                   Scope.TRAINED, why="what the model was trained on")
+                                                   "summary and <|endoftext|>; must contain {dialogue} once", "trained")
     train_on_prompt: bool = option(False, "also train on the prompt tokens (default: loss on summary + EOS only)",
-                                   Scope.TRAINED, why="what the model was trained on")
+                                   "trained")
     block_size: int = option(1024, "longest sequence in tokens, a multiple of 8, at most the model's positions "
-                                   "(GPT-2: 1024); longer dialogues are cut",
-                                   Scope.TRAINED, why="what the model was trained on", bound=POSITIVE)
+                                   "(GPT-2: 1024); longer dialogues are cut", "trained", bound=POSITIVE)
 
     def problems(self):
         problems = []
@@ -261,84 +180,79 @@ class RowFormat:
 class Paths:
     """Where a run starts from and writes to."""
     data_cache_dir: str = option(".cache/data", "where tokenized CSVs are cached (keyed by file contents and "
-                                                "settings)", Scope.COMMAND, path=True)
-    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", Scope.COMMAND, path=True)
+                                                "settings)", "command", path=True)
+    out_dir: str = option("out", "checkpoints, config.json, logs and submission.csv go here", "command", path=True)
     init_from: str = option("gpt2", "'scratch', 'resume' (out_dir/ckpt.pt), a GPT-2 name (gpt2 .. gpt2-xl) "
-                                    "or a local transformers model directory", Scope.COMMAND, path=True)
+                                    "or a local transformers model directory", "command", path=True)
     resume_from: str = option("", "init_from=resume: the ckpt.pt to continue, e.g. an earlier session's output "
-                                  "attached as input; '' = out_dir/ckpt.pt", Scope.COMMAND, path=True)
-    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", Scope.COMMAND,
+                                  "attached as input; '' = out_dir/ckpt.pt", "command", path=True)
+    ckpt: str = option("", "checkpoint evaluate.py/predict.py/export.py load; '' = out_dir/best.pt", "command",
                        path=True)
     output_quota_dir: str = option("/kaggle/working", "a folder that keeps at most output_quota_gb as output "
                                                       "(Kaggle's: what is beyond is lost at Save Version); a run "
                                                       "writing under it plans its checkpoints against what the quota "
-                                                      "leaves; '' = none", Scope.COMMAND, path=True)
-    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", Scope.COMMAND, bound=POSITIVE)
+                                                      "leaves; '' = none", "command", path=True)
+    output_quota_gb: float = option(20.0, "GB that output_quota_dir keeps", "command", bound=POSITIVE)
     baseline: str = option("", "evaluate.py/predict.py: score this instead of the checkpoint: 'scratch' (untrained, "
                                "the preset's shape), a GPT-2 name, a transformers directory, or an extractive "
                                "baseline: first_line, lead3 or longest3 (lines of the dialogue, no model); its "
-                               "outputs go to out_dir/baseline-<name>/", Scope.COMMAND, path=True)
+                               "outputs go to out_dir/baseline-<name>/", "command", path=True)
 
 
 @dataclass
 class ModelShape:
     """A model's shape from scratch (a pretrained or resumed model brings its own)."""
-    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)",
-                          Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    n_head: int = option(12, "attention heads (init_from='scratch' only)",
-                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)",
-                         Scope.SHAPE, why="the model's shape", bound=POSITIVE)
-    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)",
-                        Scope.SHAPE, why="the model's shape")
+    n_layer: int = option(12, "transformer blocks (init_from='scratch' only)", "shape", bound=POSITIVE)
+    n_head: int = option(12, "attention heads (init_from='scratch' only)", "shape", bound=POSITIVE)
+    n_embd: int = option(768, "embedding width, a multiple of n_head (init_from='scratch' only)", "shape",
+                         bound=POSITIVE)
+    bias: bool = option(True, "biases in Linear and LayerNorm layers (init_from='scratch' only)", "shape")
 
     def problems(self):
-        if self.n_head > 0 and self.n_embd % self.n_head:
-            return [f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"]
-        return []
+        ok = self.n_head <= 0 or self.n_embd % self.n_head == 0  # n_head <= 0 is its bound's problem
+        return [] if ok else [f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"]
 
 
 @dataclass
 class Training:
     """The optimization: batch, steps, learning rate and its schedule, time budget."""
-    dropout: float = option(0.0, "dropout probability while training", Scope.TRAINING, bound=FRACTION)
+    dropout: float = option(0.0, "dropout probability while training", "training", bound=FRACTION)
     batch_size: int = option(256, "effective batch: sequences per optimizer step over all processes (a multiple of "
-                                  "their number) and micro-batches", Scope.TRAINED, why="the rows of each step",
+                                  "their number) and micro-batches", "trained", why="the rows of each step",
                              bound=POSITIVE)
     micro_batch_size: int | str = option(8, "a micro-batch's memory on one rank: at most the positions and targets "
                                             "of this many of the longest rows (a step's rows are cut by length where "
                                             "padding is least, so a micro-batch of short rows holds more); auto = "
-                                            "the most the run's memory plan fits on its GPU",
-                                         Scope.RUN,
+                                            "the most the run's memory plan fits on its GPU", "run",
                                          bound=Bound(lambda v: v == "auto" or (type(v) is int and v > 0),
                                                      "must be a number > 0 or auto"))
-    max_iters: int = option(300, "optimizer steps", Scope.TRAINING, bound=POSITIVE)
-    learning_rate: float = option(2e-4, "peak learning rate", Scope.TRAINING, bound=POSITIVE)
-    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", Scope.TRAINING, bound=NON_NEGATIVE)
-    warmup_iters: int = option(20, "steps of linear warmup",
-                               Scope.TRAINED, why="the warmup of the schedule", bound=NON_NEGATIVE)
-    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", Scope.TRAINING,
+    max_iters: int = option(300, "optimizer steps", "training", bound=POSITIVE)
+    learning_rate: float = option(2e-4, "peak learning rate", "training", bound=POSITIVE)
+    min_lr: float = option(2e-5, "learning rate at the end of the cosine decay", "training", bound=NON_NEGATIVE)
+    warmup_iters: int = option(20, "steps of linear warmup", "trained", why="the warmup of the schedule",
+                               bound=NON_NEGATIVE)
+    lr_decay_iters: int = option(0, "step where the cosine decay reaches min_lr; 0 = max_iters", "training",
                                  bound=NON_NEGATIVE)
-    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", Scope.TRAINING, bound=NON_NEGATIVE)
-    seed: int = option(1337, "seed of the data order, dropout and sampling", Scope.RUN, bound=NON_NEGATIVE)
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 = off", "training", bound=NON_NEGATIVE)
+    seed: int = option(1337, "seed of the data order, dropout and sampling", "run", bound=NON_NEGATIVE)
     max_time: float | None = option(None, "time budget of the run in seconds, given as seconds or a duration "
                                           "(11h30m): training stops in time to evaluate, write ckpt.pt and run "
                                           "evaluate_after/predict_after; None or '' = none; this process's own, never "
-                                          "a checkpoint's", Scope.COMMAND, parse=parse_duration)
+                                          "a checkpoint's", "command", parse=parse_duration)
     sessions: int = option(1, "how many max_time sessions (processes that end at their budget) the run is planned "
                               "over: the learning rate cools down to min_lr at the end of the last; each earlier one "
-                              "trains at the schedule's LR to its budget", Scope.TRAINING, bound=POSITIVE)
+                              "trains at the schedule's LR to its budget", "training", bound=POSITIVE)
     gradient_checkpointing: bool = option(False, "recompute each block's activations in backward instead of "
                                                  "keeping them: far less activation memory for ~1/3 more compute",
-                                                 Scope.TRAINING)
+                                                 "training")
 
 
 @dataclass
 class AdamW:
     """AdamW's settings, which a resumed run applies to the optimizer it restores."""
-    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", Scope.TRAINING, bound=NON_NEGATIVE)
-    beta1: float = option(0.9, "AdamW beta1", Scope.TRAINING, bound=FRACTION)
-    beta2: float = option(0.95, "AdamW beta2", Scope.TRAINING, bound=FRACTION)
+    weight_decay: float = option(0.1, "AdamW weight decay on 2-D weights", "training", bound=NON_NEGATIVE)
+    beta1: float = option(0.9, "AdamW beta1", "training", bound=FRACTION)
+    beta2: float = option(0.95, "AdamW beta2", "training", bound=FRACTION)
 
 
 @dataclass
@@ -346,45 +260,43 @@ class Lora:
     """LoRA adapters (lora_rank 0 = full fine-tuning)."""
     lora_rank: int = option(0, "0 = full fine-tuning; > 0 = train only LoRA adapters of this rank (peft) on the "
                                "lora_targets; best.pt holds the merged weights",
-                               Scope.TRAINED, why="the adapters", bound=NON_NEGATIVE)
+                               "trained", why="the adapters", bound=NON_NEGATIVE)
     lora_alpha: float = option(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank",
-                               Scope.TRAINED, why="the adapters", bound=POSITIVE)
+                               "trained", why="the adapters", bound=POSITIVE)
     lora_dropout: float = option(0.05, "dropout on the LoRA adapters' input while training",
-                                 Scope.TRAINED, why="the adapters", bound=FRACTION)
+                                 "trained", why="the adapters", bound=FRACTION)
     lora_targets: tuple = option(LORA_TARGETS, f"Linear layers of each block that get adapters (comma-separated on "
                                                f"the command line), among {', '.join(LORA_TARGETS)}",
-                                               Scope.TRAINED, why="the adapters", parse=parse_targets)
+                                               "trained", why="the adapters", parse=parse_targets)
 
     def problems(self):
-        for target in self.lora_targets or ("",):
-            if target not in LORA_TARGETS:
-                return [f"lora_targets={','.join(self.lora_targets)!r}: {target!r} is not one of "
-                        f"{', '.join(LORA_TARGETS)} (give one or more, comma-separated)"]
-        return []
+        unknown = [target for target in self.lora_targets or ("",) if target not in LORA_TARGETS]
+        return [f"lora_targets={','.join(self.lora_targets)!r}: {unknown[0]!r} is not one of "
+                f"{', '.join(LORA_TARGETS)} (give one or more, comma-separated)"] if unknown else []
 
 
 @dataclass
 class Evaluation:
     """Evaluation during training, checkpoints kept, and logging."""
-    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", Scope.TRAINING,
+    eval_interval: int = option(50, "evaluate (val loss, ROUGE) and checkpoint every this many steps", "training",
                                 bound=POSITIVE)
     eval_val_batches: int = option(0, "micro-batches of validation loss per evaluation; 0 = whole split",
-                                   Scope.TRAINING, bound=NON_NEGATIVE)
+                                   "training", bound=NON_NEGATIVE)
     rouge_samples: int = option(200, "validation dialogues summarized for ROUGE per evaluation; 0 = no ROUGE",
-                                Scope.TRAINING, bound=NON_NEGATIVE)
+                                "training", bound=NON_NEGATIVE)
     best_metric: str = option("rougeL", "which score picks the checkpoint kept as best.pt; last = every save (a run "
-                                        "without validation rows)", Scope.TRAINING, ("rougeL", "val_loss", "last"))
-    log_interval: int = option(10, "print training loss every this many steps", Scope.TRAINING, bound=POSITIVE)
-    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", Scope.TRAINING)
+                                        "without validation rows)", "training", ("rougeL", "val_loss", "last"))
+    log_interval: int = option(10, "print training loss every this many steps", "training", bound=POSITIVE)
+    evaluate_after: bool = option(False, "train.py: when training ends, run evaluate.py on best.pt", "training")
     predict_after: bool = option(False, "train.py: when training ends, run predict.py on best.pt (submission.csv)",
-                                 Scope.TRAINING)
+                                 "training")
     log_to: str = option("", "also send metrics.jsonl's rows, comma-separated, to: tensorboard "
-                             "(out_dir/tensorboard), wandb; '' = nowhere else", Scope.TRAINING)
-    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", Scope.TRAINING)
-    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", Scope.TRAINING)
+                             "(out_dir/tensorboard), wandb; '' = nowhere else", "training")
+    wandb_project: str = option("gpt2-summarization", "log_to=wandb: the W&B project", "training")
+    wandb_run_name: str = option("", "log_to=wandb: the W&B run name; '' = one W&B makes up", "training")
     compare: str = option("", "evaluate.py: also compare with another evaluation of the same dialogues (its "
                               "out_dir or eval_predictions.csv): paired ROUGE differences on stdout and in "
-                              "eval_report.html", Scope.COMMAND, path=True)
+                              "eval_report.html", "command", path=True)
 
     def problems(self):
         problems = []
@@ -399,71 +311,69 @@ class Evaluation:
 @dataclass
 class System:
     """Device, precision, compile and the distributed backend."""
-    device: str = option("auto", "auto, cpu, cuda or cuda:N", Scope.COMMAND)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", "command")
     dtype: str = option("auto", "auto = float16 on GPUs before Ampere (T4), bfloat16 on newer, float32 on CPU",
-                        Scope.COMMAND, ("auto", "float32", "bfloat16", "float16"))
+                        "command", ("auto", "float32", "bfloat16", "float16"))
     compile: bool | str = option("auto", "torch.compile the training step and replay greedy decoding's steps as "
                                          "CUDA graphs: auto = on CUDA only (on CPU compiling costs more than a "
                                          "short run saves); True/False = on/off anywhere (graphs on CUDA only)",
-                                 Scope.COMMAND, ("auto", True, False))
+                                 "command", ("auto", True, False))
     backend: str = option("auto", "auto = accelerate under `accelerate launch`, ddp under torchrun, else none; fsdp "
                                   "(under torchrun) shards weights, gradients and optimizer state across the ranks",
-                          Scope.COMMAND, ("auto", "ddp", "fsdp", "accelerate", "none"))
+                          "command", ("auto", "ddp", "fsdp", "accelerate", "none"))
     fsdp_reduce_once: bool | str = option("auto", "backend=fsdp with gradient accumulation: reduce-scatter gradients "
                                           "once per optimizer step, the weights gathered and fp32 gradients "
                                           "unsharded through its micro-steps (far less traffic, more memory); auto "
                                           "= where the memory ledger of one row with it fits the GPU (decided "
                                           "before micro_batch_size=auto, which counts it), False = after every "
                                           "micro-step",
-                                          Scope.COMMAND, ("auto", True, False))
+                                          "command", ("auto", True, False))
     nccl_p2p_disable: bool = option(False, "set NCCL_P2P_DISABLE=1 and NCCL_CUMEM_HOST_ENABLE=0: GPUs talk through "
                                            "host memory's /dev/shm files (hosts without peer access, e.g. Kaggle's "
-                                           "2xT4)", Scope.COMMAND)
+                                           "2xT4)", "command")
     nccl_ib_disable: bool = option(False, "set NCCL_IB_DISABLE=1: nodes talk over TCP sockets, not InfiniBand "
-                                          "(only for a broken InfiniBand setup)", Scope.COMMAND)
+                                          "(only for a broken InfiniBand setup)", "command")
     dist_timeout: int = option(1800, "seconds a rank waits for the others in a collective before failing",
-                               Scope.COMMAND, bound=POSITIVE)
+                               "command", bound=POSITIVE)
     dist_start_timeout: int = option(120, "seconds the ranks have at start-up to meet and run a first collective "
-                                          "(NCCL's setup included) before the run stops in one line", Scope.COMMAND,
+                                          "(NCCL's setup included) before the run stops in one line", "command",
                                      bound=POSITIVE)
 
     def problems(self):
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            return [f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N"]
-        return []
+        ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)
+        return [] if ok else [f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N"]
 
 
 @dataclass
 class Decoding:
     """How summaries are decoded: generate()'s settings."""
     max_new_tokens: int = option(128, "longest generated summary in tokens; must be < block_size",
-                                 Scope.DECODING, bound=POSITIVE)
+                                 "decoding", bound=POSITIVE)
     min_new_tokens: int = option(0, "shortest generated summary in tokens: <|endoftext|> is masked before it",
-                                 Scope.DECODING)
-    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", Scope.DECODING, bound=POSITIVE)
+                                 "decoding")
+    num_beams: int = option(1, "beam search width; 1 = greedy or sampling", "decoding", bound=POSITIVE)
     temperature: float = option(0.0, "0 = greedy; > 0 samples (num_beams must be 1, except for MBR's beam "
-                                     "candidate)", Scope.DECODING, bound=NON_NEGATIVE)
-    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", Scope.DECODING, bound=NON_NEGATIVE)
-    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", Scope.DECODING, bound=Bound(lambda v: 0 < v <= 1,
+                                     "candidate)", "decoding", bound=NON_NEGATIVE)
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", "decoding", bound=NON_NEGATIVE)
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off", "decoding", bound=Bound(lambda v: 0 < v <= 1,
                                                                                   "must be in (0, 1]"))
     epsilon: float = option(0.0, "epsilon sampling: never sample a token of probability below this; 0 = off",
-                            Scope.DECODING, bound=FRACTION)
-    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", Scope.DECODING)
+                            "decoding", bound=FRACTION)
+    length_penalty: float = option(1.0, "beam search: > 1 favours longer summaries, < 1 shorter", "decoding")
     repetition_penalty: float = option(1.0, "> 1 discourages repeating tokens already in the prompt or summary",
-                                       Scope.DECODING, bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
+                                       "decoding", bound=Bound(lambda v: v > 0, "must be > 0 (1.0 = off)"))
     no_repeat_ngram_size: int = option(0, "never repeat an n-gram of this size; 0 = off",
-                                       Scope.DECODING, bound=NON_NEGATIVE)
+                                       "decoding", bound=NON_NEGATIVE)
     mbr_samples: int = option(0, "minimum Bayes risk decoding: sample this many summaries per dialogue (needs "
                                  "temperature > 0) and keep the one that agrees most with the others; 0 = off",
-                                 Scope.DECODING, bound=NON_NEGATIVE)
+                                 "decoding", bound=NON_NEGATIVE)
     mbr_metric: str = option("rougeL", "MBR: the agreement between two candidate summaries",
-                             Scope.DECODING, ROUGE_TYPES)
+                             "decoding", ROUGE_TYPES)
     mbr_include_beam: bool = option(True, "MBR: the greedy (num_beams=1) or beam search summary is a candidate too",
-                                    Scope.DECODING)
+                                    "decoding")
 
     def contradiction(self):
-        """The first of these settings that contradicts the others, in one line naming them; '' when none does.
-        Config validation and generate() both ask it (they raise UserError and ValueError with it)."""
+        """The first setting that contradicts the others, in one line; ''. Config and generate() both ask it."""
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             return f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
         if self.mbr_samples and self.temperature <= 0:
@@ -481,21 +391,21 @@ class Decoding:
 class Summarizing:
     """How many dialogues one generate() call takes, and evaluate.py's sweep."""
     gen_batch_size: int = option(32, "dialogues summarized per generate() call (fewer where gen_memory_gb says)",
-                                 Scope.COMMAND, bound=POSITIVE)
+                                 "command", bound=POSITIVE)
     gen_memory_gb: float = option(0.0, "GiB the KV cache and logits of one generate() call may take (docs/memory.md); "
-                                       "0 = auto: half the GPU's free memory, 2 on CPU", Scope.COMMAND,
+                                       "0 = auto: half the GPU's free memory, 2 on CPU", "command",
                                   bound=Bound(lambda v: v >= 0, "must be >= 0 (0 = auto)"))
     sweep: dict = option(dict, "evaluate.py: score every combination of these decoding settings instead, e.g. "
                                "'num_beams=1,4 min_new_tokens=0,8' (keys apart by spaces, values by commas)",
-                               Scope.COMMAND, parse=parse_sweep)
+                               "command", parse=parse_sweep)
 
 
 @dataclass
 class Export:
     """export.py's output."""
-    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", Scope.COMMAND,
+    export_dir: str = option("", "export.py: the transformers model folder to write (new or empty)", "command",
                              path=True)
-    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", Scope.COMMAND)
+    overwrite: bool = option(False, "export.py: replace an earlier export in export_dir", "command")
 
 
 # in the order of --help and the reference
@@ -505,44 +415,37 @@ GROUPS = (Split, Submission, RowFormat, Paths, ModelShape, Training, AdamW, Lora
 
 @dataclass
 class Config(*reversed(GROUPS)):
-    """Every setting of train.py, evaluate.py, predict.py and export.py, flat (--key=value, config.json, a
-    checkpoint's saved config); the groups above name the settings that belong together."""
+    """Every setting, flat (--key=value, config.json, a checkpoint's config); the groups name those that belong
+    together."""
 
     def __post_init__(self):
         if problems := self.problems():
             raise UserError("; ".join(problems))
 
     def problems(self):
-        """Every rule this config breaks, one message each: each value's choices and range, then the rules of each
-        group whose values keep those."""
-        problems, broken = [], set()
+        """Each value's broken choices or range, then the broken rules of each group whose values keep those."""
+        problems = {}  # key: its value's problem
         for f in fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata["choices"], f.metadata["bound"]
             if choices and value not in choices:
                 yes_no = f" (True and False also as {BOOL_FORMS})" if True in choices else ""
-                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}")
+                problems[f.name] = f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}{yes_no}"
             elif bound and not bound.ok(value):
-                problems.append(f"{f.name}={value!r} {bound.text}")
-            else:
-                continue
-            broken.add(f.name)
-        return problems + [p for group in GROUPS if hasattr(group, "problems") and not broken & set(keys(group))
-                           for p in group.problems(self)]
+                problems[f.name] = f"{f.name}={value!r} {bound.text}"
+        return [*problems.values()] + [p for group in GROUPS if hasattr(group, "problems")
+                                       and not problems.keys() & set(keys(group)) for p in group.problems(self)]
 
 
-def keys(group, scope=None):
-    """The names of a group's settings (of one Scope, if given)."""
-    return tuple(f.name for f in fields(group) if scope is None or f.metadata["scope"] is scope)
+def keys(group):
+    return tuple(f.name for f in fields(group))
 
 
 def part(cfg, group):
-    """The group's settings of a Config (e.g. part(cfg, Decoding) for generate)."""
     return group(**{key: getattr(cfg, key) for key in keys(group)})
 
 
 def rows_per_rank(batch_size, world_size):
-    """The rows of a step each of `world_size` processes takes (the cut deals them out evenly); UserError when
-    batch_size does not split so: batch_size's one rule, checked before the model is built."""
+    """The rows of a step each process takes: batch_size's one rule, checked before the model is built."""
     if batch_size % world_size:
         raise UserError(f"batch_size={batch_size} does not split over the {world_size} processes of this run (each "
                         f"takes as many of a step's rows): give --batch_size a multiple of {world_size}, e.g. "
@@ -566,47 +469,68 @@ READS = {"train.py": TRAINING_KEYS,
 
 # ---- what a later command takes from a run ----------------------------------------------------------------------
 
+# What a later command takes from a run: a row per scope (each setting has one), a column per command that uses a
+# run's checkpoint. "run": the run's value, a flag against it refused; "given": the run's unless given (a flag; for a
+# new run from the weights, a preset too: a resume changes only what a flag gives, since a preset would silently
+# change the run it continues); "own": the command's own (defaults, presets, flags), never the run's. resolve()
+# applies it; docs/config.md prints it.
+USES = {"resume": "a resume (`--init_from=resume`): continues the run",
+        "weights": "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe",
+        "inference": "evaluate.py, predict.py: decode the run's model on its data",
+        "export": "export.py: the run's model, and a card that describes the run"}
+SCOPES = {  # scope: (what it holds, what each of USES takes)
+    "shape": ("the model's shape", "run run run run"),
+    "trained": ("what training fixed: the row format, `batch_size`, `warmup_iters`, the adapters", "run given run run"),
+    "training": ("how the run trains, what it does at its end, the test CSV", "given given own run"),
+    "run": ("the data, its split and `seed`, `micro_batch_size`", "given given given run"),
+    "decoding": ("how summaries are decoded", "given given given given"),
+    "command": ("where and how this command runs: paths, device, precision, budget", "own own own own"),
+}
+TAKES = {"own": "its own", "given": "the run's unless given", "run": "the run's (a flag against it is refused)"}
+REFUSED = {"resume": "resume with --{key}={theirs!r} ({why} cannot change when resuming)",
+           "weights": "drop the flag (the checkpoint brings the model's shape)",
+           "inference": "drop the flag (the run's value holds for every later command)",
+           "export": "drop the flag (the model card describes the run)"}
+
+
+def takes(key, use):
+    """What command `use` takes of setting `key` from a run: "own", "given" or "run"."""
+    return SCOPES[FIELDS[key].metadata["scope"]][1].split()[list(USES).index(use)]
+
+
 def resolve(cfg, given, saved, path, use):
-    """(the Config a command runs with, [(key, the run's value, this command's)] for the given keys that changed),
-    by TAKES for its `use`, from `cfg` and the run's `saved` settings; a given key the run decides is refused."""
+    """(the Config command `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed):
+    `cfg`'s values over the run's `saved` ones, as SCOPES says."""
     values, changed = {}, []
-    for key, f in FIELDS.items():
-        take, mine = TAKES[f.metadata["scope"]][use], getattr(cfg, key)
-        if take is Take.OWN:  # read before anything saved: a run's file need not hold a command's own keys
-            values[key] = mine
+    for key in FIELDS:
+        mine, take = getattr(cfg, key), takes(key, use)
+        values[key] = mine if take == "own" else saved[key]  # a run's file need not hold a command's own keys
+        if take == "own" or key not in given or mine == values[key]:
             continue
-        theirs = saved[key]
-        differs = key in given and mine != theirs
-        if take is Take.RUN and differs:
-            why = f"resume with --{key}={theirs!r} ({f.metadata['why']} cannot change when resuming)" \
-                if use is Use.RESUME else REFUSED[use]
+        if take == "run":
+            theirs, why = values[key], FIELDS[key].metadata["why"]
             raise UserError(f"--{key}={mine!r} contradicts {path}: it was trained with {key}={theirs!r}, not "
-                            f"{mine!r}: {why}")
-        values[key] = mine if differs else theirs
-        if differs:
-            changed.append((key, theirs, mine))
+                            f"{mine!r}: " + REFUSED[use].format(key=key, theirs=theirs, why=why))
+        changed.append((key, values[key], mine))
+        values[key] = mine
     return Config(**values), changed
-
-
-def own_keys(use):
-    """The settings that a command using a run's checkpoint so (a Use) decides itself, whatever the run's."""
-    return {key for key, f in FIELDS.items() if TAKES[f.metadata["scope"]][use] is Take.OWN}
 
 
 # ---- a command line, read --------------------------------------------------------------------------------------
 
 def load_config(argv, usage=None, command="train.py"):
-    """The checked Config a command line asks for: presets in their order, then --key=value flags, which beat any
-    preset whatever the order; --help prints the usage and the keys the command reads, and exits."""
-    if "-h" in argv or "--help" in argv:
-        command_line.print_help(usage, help_text(command))
+    """The Config of presets in their order, then --key=value flags, which beat any preset whatever the order."""
+    if "-h" in argv or "--help" in argv:  # the keys the command reads, with their defaults
+        defaults = Config()
+        command_line.print_help(usage, f"The settings {command} reads, with their defaults:\n" + "\n".join(
+            f"--{key}={getattr(defaults, key)!r}\n    {FIELDS[key].metadata['help']}" for key in FIELDS
+            if key in READS[command]))
         raise SystemExit(0)
     return Config(**{key: value for key, value, _ in settings_given(argv)})
 
 
 def settings_given(argv):
-    """(key, value, source) for every key the arguments set, in the order they apply (presets first, then the
-    flags; a later tuple of the same key wins). source: the preset's path, or 'command line'."""
+    """(key, value, the preset's path or 'command line') for each key set, in the order they apply."""
     presets, flags = command_line.arguments(argv)
     given, problems = [(key, value, path) for path in presets for key, value in read_preset(path).items()], []
     for arg in flags:  # every flag read, so that one line names all their problems
@@ -620,12 +544,11 @@ def settings_given(argv):
 
 
 def flags_given(argv):
-    """{key: value} of the --key=value flags (not what a preset sets): what a command asks for in so many words."""
     return dict(parse_override(arg) for arg in command_line.arguments(argv)[1] if arg not in ("-h", "--help"))
 
 
 def parse_override(arg):
-    """'--key=value' -> (key, value): the value as a Python literal, or as text for a text field."""
+    """'--key=value' -> (key, value): a Python literal, or text for a text field."""
     key, text = command_line.flag(arg)
     source = f"--{key}={text}"
     check_key(key, source)
@@ -634,7 +557,6 @@ def parse_override(arg):
 
 
 def read_preset(path):
-    """{key: value} from a preset file, each value typed."""
     return {key: typed(key, value, source) for key, value, source in command_line.preset(path)}
 
 
@@ -646,7 +568,6 @@ def check_key(key, source):
 
 
 def types_of(f):
-    """The types a field accepts: (int,), or (bool, str) for `bool | str`."""
     return typing.get_args(f.type) or (f.type,)
 
 
@@ -657,22 +578,13 @@ def type_name(f):
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-def as_bool(value):
-    """True or False for a yes/no word (any case) or 1/0; None for anything else (a bool stays itself)."""
-    if type(value) is bool:
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in TRUE_WORDS or word in FALSE_WORDS:
-            return word in TRUE_WORDS
-    return None
+def as_bool(value):  # True or False for a yes/no word (any case), a bool or 1/0; None for anything else
+    word = str(value).strip().lower() if type(value) in (bool, int, str) else None
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def typed(key, value, source):
-    """`value` as the field's type (an int is accepted for a float, a yes/no word or 1/0 for a bool, a text its
-    parser reads), or UserError naming the key."""
+    """`value` as the field's type (an int for a float, a yes/no word or 1/0 for a bool), or UserError."""
     check_key(key, source)
     f = FIELDS[key]
     if f.metadata["parse"]:
@@ -689,7 +601,94 @@ def typed(key, value, source):
     return os.path.expanduser(value) if f.metadata["path"] else value
 
 
-def help_text(command):
-    defaults, read = Config(), set(READS[command])
-    return f"The settings {command} reads, with their defaults:\n" + "\n".join(
-        f"--{name}={getattr(defaults, name)!r}\n    {f.metadata['help']}" for name, f in FIELDS.items() if name in read)
+# ---- what a command says of its settings ------------------------------------------------------------------------
+
+def config_json(cfg):
+    return json.dumps(asdict(cfg), indent=2) + "\n"
+
+
+def as_json(cfg):
+    return json.loads(config_json(cfg))
+
+
+def changed_values(given):
+    """[(key, value, source)] that a preset or a flag changed (a preset's value a flag overrode too)."""
+    defaults, cfg = Config(), Config(**{key: value for key, value, _ in given})
+    source = {key: where for key, _, where in given}
+    moved = {key for key, value, _ in given if value != getattr(cfg, key)}  # a preset's value a flag overrode
+    return [(key, getattr(cfg, key), source[key]) for key in FIELDS
+            if getattr(cfg, key) != getattr(defaults, key) or key in moved]
+
+
+SETTINGS_WIDTH = 110  # the settings block's lines, but for a single value too long for one
+
+
+def settings_report(argv, json_path, from_run=None):
+    """The start-up block: per source (presets, then the command line) the keys it changed, by group; `from_run`:
+    (the run's checkpoint, the command's use of it, what the command changed of the run's settings)."""
+    given = settings_given(argv)
+    changed, every_key = changed_values(given), f"every key in {json_path} before step 1"
+    sources, final = dict.fromkeys(where for *_, where in given), {key: where for key, _, where in given}
+    if from_run:
+        path, use, of_run = from_run
+        changed = [change for change in changed if takes(change[0], use) == "own"]
+        lines = [f"settings (the run's, from {path}, and this command's; {every_key}):"]
+        lines += [] if of_run else ["  changed from the run's: none"]
+        for source in sources:
+            if words := [f"{key}={old!r} -> {new!r}" for key, old, new in of_run if final[key] == source]:
+                by = "the command line" if source == "command line" else source
+                lines += pack([words], f"  changed from the run's by {by}: ", "    ")
+    elif not changed:
+        return f"settings: the defaults; {every_key}"
+    else:
+        lines = [f"settings (changed from the defaults; {every_key}):"]
+    for source in sources:
+        segments = [[f"{group.__name__}: {words[0]}", *words[1:]] for group in GROUPS if (words := [
+            setting_text(key, value) for key, value, where in changed if where == source and key in keys(group)])]
+        lines += pack(segments, f"  {source}: ", "    ") if segments else []
+    return "\n".join(lines)
+
+
+def pack(segments, first, indent, width=SETTINGS_WIDTH):
+    """Segments of words joined by ' | ' in lines of at most `width`, a segment unbroken where it fits one."""
+    lines = [first]
+    for segment in segments:
+        whole = " ".join(segment)
+        for j, word in enumerate(segment):
+            sep, fits = (" | ", whole if len(indent) + len(whole) <= width else word) if j == 0 else (" ", word)
+            if lines[-1] in (first, indent):
+                lines[-1] += word
+            elif len(lines[-1]) + len(sep) + len(fits) > width:
+                lines.append(indent + word)
+            else:
+                lines[-1] += sep + word
+    return lines
+
+
+def setting_text(key, value):
+    text = f"{key}={value!r}"
+    if key == "max_time" and value:
+        text += f" [{describe_duration(value)} = {round(value, 3):.10g} s]"
+    return text
+
+
+def markdown_reference():
+    """docs/config.md's keys (`python config.py` prints it): SCOPES as a table, then each group's keys."""
+    defaults = Config()
+    table = ["| scope | what | " + " | ".join(USES.values()) + " |", "| --- " * (len(USES) + 2) + "|",
+            *(f"| `{scope}` | {what} | " + " | ".join(TAKES[take] for take in row.split()) + " |"
+              for scope, (what, row) in SCOPES.items())]
+    sections = ["What a command that uses a run's checkpoint takes from it, by each key's scope (\"given\": a flag, "
+                "and for a new run from the weights a preset too):\n\n" + "\n".join(table)]
+    for group in GROUPS:
+        rows = [f"### {group.__name__}\n\n{group.__doc__}\n", "| key | type | default | scope | meaning |",
+                "| --- | --- | --- | --- | --- |"]
+        for f in fields(group):
+            default = repr(getattr(defaults, f.name)).replace("|", "\\|")
+            rows.append(f"| `{f.name}` | {type_name(f)} | `{default}` | {f.metadata['scope']} | {f.metadata['help']} |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
+
+
+if __name__ == "__main__":
+    print(markdown_reference())

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, GPT2Toke
 
 import data
 from command_line import UserError
-from config import Config, Decoding, Use, flags_given, load_config, part
+from config import Config, Decoding, flags_given, load_config, part
 from model import CONV1D_WEIGHTS, PRETRAINED
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
@@ -188,7 +188,7 @@ def export(cfg, explicit=()):
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
     # what the card says of training is the run's: flags only repeat it
-    summarizer = open_summarizer(cfg, explicit, Use.EXPORT)
+    summarizer = open_summarizer(cfg, explicit, "export")
     trained = Config(**summarizer.ckpt["config"])
     hf = to_transformers(summarizer.model)
     hf.generation_config = generation_config(part(summarizer.cfg, Decoding))

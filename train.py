@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 import data
 from command_line import UserError, arguments
-from config import FIELDS, flags_given
+from config import FIELDS, flags_given, settings_report
 from model import Targets
 from summarizer import inference, run_folder
+from summarizer.clock import advance, cut_short
 from summarizer.evaluation import evaluate, validation_loss
 from summarizer.files import DiskFull
 from summarizer.launch import (
@@ -42,9 +43,7 @@ from summarizer.launch import (
 from summarizer.loading import resume_path, resuming
 from summarizer.preparation import prepare, run_settings
 from summarizer.runtime import Runtime
-from summarizer.schedule import advance, cut_short
 from summarizer.scoring import rouge
-from summarizer.settings_report import settings_report
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
 

@@ -46,7 +46,7 @@ class Checkpoint(Record, total=False):
     optimizer: dict
     scaler: dict  # {} without fp16
     rng: list  # each rank's
-    schedule: dict  # summarizer.schedule's
+    schedule: dict  # summarizer.clock's lr_schedule
     skipped_steps: int
 
 

@@ -1,5 +1,5 @@
 """The inference layer: a trained run's model and contract, read from its checkpoint (config.resolve takes what
-config.TAKES says), and the summaries it writes, for evaluate.py, predict.py, export.py and training's ROUGE. A
+config.SCOPES says), and the summaries it writes, for evaluate.py, predict.py, export.py and training's ROUGE. A
 --baseline has no run: the command line is its config."""
 import contextlib
 import dataclasses
@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import data
 from command_line import UserError, first_line
-from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
+from config import Config, Decoding, Split, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder, scoring
@@ -98,7 +98,7 @@ class Summarizer:
         return summaries
 
 
-def open_summarizer(cfg, explicit=(), use=Use.INFERENCE):
+def open_summarizer(cfg, explicit=(), use="inference"):
     """The Summarizer that cfg names, on the CPU: the checkpoint (checkpoint_path) with its config resolved for
     `use` and the `explicit` --key=value keys, or a cfg.baseline with cfg as it is."""
     if cfg.baseline in EXTRACTIVE:

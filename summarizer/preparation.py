@@ -8,11 +8,12 @@ import torch
 
 import data
 from command_line import UserError
-from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
+from config import config_json, flags_given, load_config, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, lora, run_folder
-from summarizer.clock import RunClock, used_up
+from summarizer.clock import RunClock, decayed, sessions_done, used_up
 from summarizer.compiling import CompiledModule
+from summarizer.files import atomic_write
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     check_shape,
@@ -25,8 +26,6 @@ from summarizer.loading import (
 )
 from summarizer.memory import choose_micro_batch, workload
 from summarizer.micro_batch import micro_batch_that_runs
-from summarizer.schedule import decayed, sessions_done
-from summarizer.settings_report import FromRun, save_config
 from summarizer.state import TrainingState, rng_state, set_rng_state
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
@@ -135,7 +134,9 @@ def announce(run, rt, notes, train_rows, chosen, disk):
              *([clock.budget_line(state.step, cfg.max_iters, decayed(state.step, state.schedule),
                                   sessions_done(state.schedule) + 1, cfg.sessions)] if clock else [])]
     print("\n".join([*notes, *lines]))
-    save_config(cfg, os.path.join(cfg.out_dir, run_folder.CONFIG))
+    os.makedirs(cfg.out_dir, exist_ok=True)  # prepare() without train.py's claim on out_dir (tests, bench)
+    with atomic_write(os.path.join(cfg.out_dir, run_folder.CONFIG)) as f:
+        f.write(config_json(cfg))
 
 
 class StartUp:
@@ -218,10 +219,10 @@ def run_settings(argv, usage=None):
     path, start_ckpt = start_checkpoint(cfg)
     from_run = None
     if start_ckpt is not None:
-        use = Use.RESUME if resuming(cfg) else Use.WEIGHTS
-        given = flags if use is Use.RESUME else {key for key, _, _ in settings_given(argv)}
+        use = "resume" if resuming(cfg) else "weights"
+        given = flags if use == "resume" else {key for key, _, _ in settings_given(argv)}
         cfg, changed = resolve(cfg, given, start_ckpt["config"], path, use)
-        from_run = FromRun(path, own_keys(use), changed)
+        from_run = (path, use, changed)
     check_shape(cfg, flags, cfg.init_from, ckpt=None if resuming(cfg) else start_ckpt)
     # the settings alone leave no validation rows (the rows a split or a CSV leaves are counted by read_inputs)
     if not cfg.validation_csv and cfg.val_fraction == 0 and (problem := validation_problem(cfg, 0)):

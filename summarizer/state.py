@@ -1,6 +1,4 @@
-"""The training state: what ckpt.pt holds of a run in progress and a resumed run restores (TrainingState: the
-model as the backend shards it, AdamW, the fp16 GradScaler, the LR schedule, the step, the best score, each rank's
-RNG), and the optimizer it starts with. The checkpoint's record and file are summarizer.checkpoint's."""
+"""What ckpt.pt holds of a run in progress and a resume restores; the file's record is summarizer.checkpoint's."""
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -12,23 +10,12 @@ from command_line import UserError
 from config import AdamW, keys
 from summarizer import lora, run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
-from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule, sessions_done
-
-
-def configure_optimizer(model, cfg, device_type):
-    """AdamW with weight decay on 2-D weights only (not biases, LayerNorms); fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device_type == "cuda")
+from summarizer.clock import describe_schedule, lr_schedule, resumed_schedule, sessions_done
 
 
 @dataclass
 class TrainingState:
-    """What ckpt.pt holds and a resumed run restores (`step`: the optimizer steps done, saved as iter_num; the
-    sampler needs no state: a step's batch is a function of the step), and what every checkpoint says of the run:
-    `base`, its first session's init_from; the training rows, which inference refuses to score."""
+    """`step`: the optimizer steps done (iter_num); the sampler needs no state: a batch is a function of the step."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -44,13 +31,17 @@ class TrainingState:
 
     @classmethod
     def start(cls, model, cfg, rt, **record):
-        """The state of a run at step 0: a fresh optimizer, scaler and schedule for `model` (sharded)."""
-        return cls(model, configure_optimizer(model, cfg, rt.device.type),
-                   torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler), lr_schedule(asdict(cfg)), **record)
+        """Step 0: AdamW with weight decay on 2-D weights only (not biases, LayerNorms), fused on CUDA."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                                      fused=rt.device.type == "cuda")
+        return cls(model, optimizer, torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler),
+                   lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
-        """Whether `metric` of an evaluation's stats beats the best so far (the caller records it): a higher ROUGE, or
-        the same (0 early in a run) with a lower val_loss; a lower val_loss; with best_metric=last, every save."""
+        """Whether `stats` beat the best so far by `metric`; a tie of ROUGE (0 early on) goes to the lower val_loss."""
         if metric == "last":
             return True
         score, best = stats[metric], self.best_score
@@ -62,8 +53,7 @@ class TrainingState:
         return score > best or (score == best and stats["val_loss"] < best_val_loss)
 
     def save(self, cfg, rt, metrics, best):
-        """Rank 0 writes ckpt.pt, and with `best` best.pt (a LoRA run's: the merged weights); the others wait. A save
-        that cannot fit on the disk stops every rank with one line before anything is written."""
+        """Rank 0 writes ckpt.pt (and best.pt: a LoRA run's merged); a save the disk cannot hold stops all first."""
         rng = rt.all_gather_objects(rng_state())
         model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
         writes = []
@@ -92,8 +82,7 @@ class TrainingState:
         rt.barrier()
 
     def restore(self, ckpt, cfg, rt, path, given=()):
-        """Continue the checkpoint's run with what this run's config changed applied (`given`: the keys its command
-        line gave, for resumed_schedule). Returns the lines that say so."""
+        """Continue the checkpoint's run with this config's changes (`given`: the flags); the lines that say so."""
         saved = ckpt["config"]
         if ckpt["iter_num"] >= cfg.max_iters:
             raise UserError(f"{path} is at iter {ckpt['iter_num']} and max_iters={cfg.max_iters}: nothing to train; "
@@ -104,10 +93,8 @@ class TrainingState:
                             f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
         rt.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
         # the optimizer's state dict brings back the saved run's AdamW settings: this run's config decides
-        decay, no_decay = self.optimizer.param_groups
-        decay["weight_decay"], no_decay["weight_decay"] = cfg.weight_decay, 0.0
-        for group in self.optimizer.param_groups:
-            group["betas"] = (cfg.beta1, cfg.beta2)
+        for group, decay in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
+            group.update(weight_decay=decay, betas=(cfg.beta1, cfg.beta2))
         if ckpt["scaler"]:  # {} from a run without fp16
             self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.skipped_steps = ckpt["iter_num"], ckpt["skipped_steps"]
@@ -127,15 +114,14 @@ class TrainingState:
         if ckpt["validation_digest"] != self.validation_digest:
             notes.append(f"note: the validation rows are not those of {path}: best.pt's {cfg.best_metric} so far was "
                          f"measured on the others, so a later best.pt is chosen by another yardstick")
-        changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
-                   if saved[k] != getattr(cfg, k)]
-        if changed:
+        if changed := [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in (*keys(AdamW), "dropout", "grad_clip")
+                       if saved[k] != getattr(cfg, k)]:
             notes.append(f"changed since the checkpoint, applied from iter {self.step}: {', '.join(changed)}")
         return notes
 
 
 def rng_state():
-    """This process's torch RNG (dropout); data order needs none, the sampler is a function of the step."""
+    """This process's torch RNG (dropout); the data order needs none."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()

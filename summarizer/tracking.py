@@ -7,10 +7,9 @@ import re
 from dataclasses import asdict
 
 from command_line import UserError
-from config import describe_duration
+from config import as_json, describe_duration
 from summarizer.files import atomic_write, disk_full
 from summarizer.run_folder import METRICS
-from summarizer.settings_report import as_json
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
 

@@ -81,10 +81,9 @@ def one_error_line(capsys, main, argv, code=2):
 
 
 def changed_settings(argv):
-    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': what settings_report.changed_values says of
+    """'batch_size=32 (config/demo.py), max_iters=5 (command line)': what config.changed_values says of
     argv, the keys whose value differs from the default with the preset or command line whose value holds."""
-    from config import settings_given
-    from summarizer.settings_report import changed_values, setting_text
+    from config import changed_values, setting_text, settings_given
     return ", ".join(f"{setting_text(key, value)} ({source})" for key, value, source in
                      changed_values(settings_given(argv)))
 

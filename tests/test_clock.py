@@ -17,8 +17,17 @@ from conftest import metrics, one_error_line, tiny
 from model import GPT
 from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
-from summarizer.clock import Rate
-from summarizer.schedule import COOLDOWN, advance, cut_short, decayed, learning_rate, lr_schedule, resumed_schedule
+from summarizer.clock import (
+    COOLDOWN,
+    Rate,
+    RunClock,
+    advance,
+    cut_short,
+    decayed,
+    learning_rate,
+    lr_schedule,
+    resumed_schedule,
+)
 
 COLD = 20  # a first call's cost, in warm calls
 MIN_LR, WARMUP, GEN_BATCH = 5e-4, 5, 4
@@ -301,7 +310,6 @@ def test_a_resumed_run_cools_down_at_the_end_of_its_budget_and_a_finished_one_st
 def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
     """A resumed run whose last session ended at its budget stays at min_lr: its budget line says so instead of
     promising a cooldown to it."""
-    from summarizer.clock import RunClock
     schedule = lr_schedule({"warmup_iters": WARMUP, "learning_rate": 1e-3, "min_lr": MIN_LR, "lr_decay_iters": 0,
                             "max_iters": 100000})
     assert not decayed(300, schedule)
@@ -458,7 +466,6 @@ def test_an_after_run_that_a_slower_pace_would_push_past_the_budget_is_not_start
 
 def test_a_budget_refusal_names_only_the_after_runs_that_are_on():
     """No after-run: neither is named nor advised off; evaluate_after alone: it alone."""
-    from summarizer.clock import RunClock
     lines = {}
     for after in ({}, {"evaluate_after": 82}, {"evaluate_after": 82, "predict_after": 819}):
         clock = RunClock(60, started=0.0, now=lambda: 55.0, rouge_summaries=4, after=after)
@@ -476,7 +483,6 @@ def test_a_budget_refusal_names_only_the_after_runs_that_are_on():
 def test_an_after_run_starts_where_the_time_left_holds_half_of_what_the_slowest_rate_asks():
     """A new user's run (240 s, busy CPU): training stopped with 164 s left for predict_after, whose 819 summaries
     the slowest recent rate (340 ms) put at 280 s; it was not started, and then took 88.6 s by hand."""
-    from summarizer.clock import RunClock
     for left, started in ((164.0, True), (139.0, False)):
         clock = RunClock(240, started=0.0, now=lambda left=left: 240 - left, after={"predict_after": 819})
         clock.prime(1.0, tokens=1, decodings=[(10.0, 1), (0.2, 1), (0.34, 1), (0.2, 1)])
@@ -487,7 +493,6 @@ def test_an_after_run_starts_where_the_time_left_holds_half_of_what_the_slowest_
 def test_within_a_factor_safe_of_the_need_either_verdict_says_its_margin_is_thin():
     """A new user's preflight and train.py, seconds apart on a busy CPU, timed a step at 2,542 and 980 ms and gave
     opposite verdicts for one budget, neither saying it was close. Start-up 20 s here, the step's need varied."""
-    from summarizer.clock import RunClock
 
     def clock(budget, step):
         timed = RunClock(budget, started=0.0, now=lambda: 20.0)
@@ -503,7 +508,6 @@ def test_within_a_factor_safe_of_the_need_either_verdict_says_its_margin_is_thin
 def test_one_quiet_batch_does_not_size_the_after_run():
     """Three warm batches timed before step 1, one of them 8x faster (a quiet moment on a busy machine): the
     after-run is sized by the slowest, not by that one."""
-    from summarizer.clock import RunClock
     clock = RunClock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
     clock.prime(1.0, tokens=1, decodings=[(40.0, 16), (0.5, 16), (4.0, 16), (4.0, 16)])
     assert clock.after_run() == pytest.approx(800 * 0.25)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import config
-from summarizer.settings_report import markdown_reference
+from config import markdown_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -17,7 +17,7 @@ DOCS = os.path.join(ROOT, "docs")
 CONFIG_DOC = os.path.join(DOCS, "config.md")
 README_MAX_LINES = 250
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-REGENERATE = ("python -c \"import re,summarizer.settings_report as c;p='docs/config.md';t=open(p).read();"
+REGENERATE = ("python -c \"import re,config as c;p='docs/config.md';t=open(p).read();"
               "open(p,'w').write(re.sub("
               "r'(<!-- config-reference:start -->\\n).*?(<!-- config-reference:end -->)',"
               "lambda m:m[1]+c.markdown_reference()+'\\n'+m[2],t,flags=re.S))\"")

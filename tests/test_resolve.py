@@ -1,4 +1,4 @@
-"""A later command's settings (config.resolve): every setting's scope decides what a resume, a new run
+"""A later command's settings (config.resolve): every setting's scope (config.SCOPES) decides what a resume, a new run
 from a checkpoint's weights, evaluate/predict and export take from the run's record. A resume with no flags
 continues the run, in place or into another folder; a flag changes what may change and is printed as a change;
 a flag that contradicts what training fixed stops in one line naming it and the run's value; a message never names
@@ -12,7 +12,7 @@ import torch
 import export
 import train
 from command_line import UserError
-from config import FIELDS, TAKES, Scope, Take, Use, flags_given, load_config, resolve
+from config import FIELDS, SCOPES, USES, flags_given, load_config, resolve, takes
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.inference import open_summarizer
@@ -85,18 +85,17 @@ def test_a_new_run_from_a_checkpoints_weights_takes_its_template_and_decoding(ru
 # ---- the scope table, cell by cell, through each command's own start ---------------------------------------------
 
 # A key of each scope: (the run's value, another, the default), the run's set by the `run` fixture.
-KEYS = {Scope.SHAPE: ("n_layer", 1, 2, 12), Scope.TRAINED: ("warmup_iters", 3, 5, 20),
-        Scope.TRAINING: ("learning_rate", 1e-3, 3e-4, 2e-4), Scope.RUN: ("seed", 7, 9, 1337),
-        Scope.DECODING: ("num_beams", 2, 3, 1), Scope.COMMAND: ("gen_batch_size", 5, 6, 32)}
+KEYS = {"shape": ("n_layer", 1, 2, 12), "trained": ("warmup_iters", 3, 5, 20),
+        "training": ("learning_rate", 1e-3, 3e-4, 2e-4), "run": ("seed", 7, 9, 1337),
+        "decoding": ("num_beams", 2, 3, 1), "command": ("gen_batch_size", 5, 6, 32)}
 OWN, RUN_OR_GIVEN, FIXED = "own", "the run's unless given", "the run's, a flag against it refused"
-# What each command takes from the run (the specification config.TAKES implements)
-SPEC = {Scope.SHAPE: dict(resume=FIXED, weights=FIXED, inference=FIXED, export=FIXED),
-        Scope.TRAINED: dict(resume=FIXED, weights=RUN_OR_GIVEN, inference=FIXED, export=FIXED),
-        Scope.TRAINING: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=OWN, export=FIXED),
-        Scope.RUN: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN, export=FIXED),
-        Scope.DECODING: dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN,
-                             export=RUN_OR_GIVEN),
-        Scope.COMMAND: dict(resume=OWN, weights=OWN, inference=OWN, export=OWN)}
+# What each command takes from the run (the specification config.SCOPES implements)
+SPEC = {"shape": dict(resume=FIXED, weights=FIXED, inference=FIXED, export=FIXED),
+        "trained": dict(resume=FIXED, weights=RUN_OR_GIVEN, inference=FIXED, export=FIXED),
+        "training": dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=OWN, export=FIXED),
+        "run": dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN, export=FIXED),
+        "decoding": dict(resume=RUN_OR_GIVEN, weights=RUN_OR_GIVEN, inference=RUN_OR_GIVEN, export=RUN_OR_GIVEN),
+        "command": dict(resume=OWN, weights=OWN, inference=OWN, export=OWN)}
 
 
 def settings_taken(use, out, cache, argv):
@@ -107,11 +106,10 @@ def settings_taken(use, out, cache, argv):
             [f"--init_from={out / 'best.pt'}", f"--out_dir={out}-new"]
         return train.run_settings([*start, cache, *argv])[0]
     args = [f"--ckpt={out / 'best.pt'}", f"--out_dir={out}", *argv]
-    return open_summarizer(load_config(args), flags_given(args), Use.EXPORT if use == "export" else Use.INFERENCE).cfg
+    return open_summarizer(load_config(args), flags_given(args), use).cfg
 
 
-@pytest.mark.parametrize("scope, use", [(scope, use) for scope in SPEC for use in SPEC[scope]],
-                         ids=lambda x: getattr(x, "value", x))
+@pytest.mark.parametrize("scope, use", [(scope, use) for scope in SPEC for use in SPEC[scope]])
 def test_each_scope_and_use_takes_what_the_table_says(run, scope, use):
     _, out, cache = run
     key, theirs, other, default = KEYS[scope]
@@ -127,22 +125,21 @@ def test_each_scope_and_use_takes_what_the_table_says(run, scope, use):
 
 
 def test_the_table_is_the_one_the_code_reads():
-    assert {scope: {use.value: take for use, take in uses.items()} for scope, uses in TAKES.items()} == {
-        scope: {use: {OWN: Take.OWN, RUN_OR_GIVEN: Take.RUN_OR_GIVEN, FIXED: Take.RUN}[take]
-                for use, take in uses.items()} for scope, uses in SPEC.items()}
+    assert {scope: {use: takes(KEYS[scope][0], use) for use in USES} for scope in SCOPES} == {
+        scope: {use: {OWN: "own", RUN_OR_GIVEN: "given", FIXED: "run"}[take] for use, take in uses.items()}
+        for scope, uses in SPEC.items()}
 
 
 def test_a_flag_that_repeats_the_runs_value_is_no_change(run):
     _, out, _ = run
     saved = load_checkpoint(str(out / "ckpt.pt"))["config"]
     resolved, changed = resolve(load_config(["--n_layer=1", "--max_iters=2"]), {"n_layer", "max_iters"}, saved,
-                                "run.pt", Use.RESUME)
+                                "run.pt", "resume")
     assert changed == [] and resolved.n_layer == 1
 
 
 def test_every_setting_has_a_scope():
-    assert all(isinstance(f.metadata["scope"], Scope) for f in FIELDS.values())
-    assert {f.metadata["scope"] for f in FIELDS.values()} == set(Scope)
+    assert {f.metadata["scope"] for f in FIELDS.values()} == set(SCOPES)
 
 
 def test_a_damaged_ckpt_pts_hint_followed_literally_trains_on_with_the_runs_settings(run, tmp_path, capsys):

@@ -20,10 +20,10 @@ from conftest import metrics, one_error_line, run, tiny
 from model import GPT
 from summarizer import backends
 from summarizer.checkpoint import load_checkpoint
+from summarizer.clock import describe_schedule, learning_rate, lr_schedule
 from summarizer.compiling import use_compile
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
-from summarizer.schedule import describe_schedule, learning_rate, lr_schedule
 from summarizer.state import TrainingState
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)

@@ -24,7 +24,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from command_line import UserError, repository_copy_hint
+from command_line import DiskFull, UserError, atomic_write, repository_copy_hint
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -345,17 +345,12 @@ def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
 
 def save_tokens(folder, name, arrays):
     """Save the arrays as folder/name; the reason it cannot be written there, or None."""
-    path = os.path.join(folder, name)
-    tmp = f"{path}.tmp{os.getpid()}"  # a cache: what a failed write leaves is no file, and tokenizing again
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_write(os.path.join(folder, name), "wb") as f:
             np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        return e.strerror or str(e)
+    except (OSError, DiskFull) as e:
+        return getattr(e, "strerror", None) or str(e)
     return None
 
 

@@ -26,13 +26,12 @@ import torch
 from tqdm import tqdm
 
 import data
-from command_line import UserError, arguments
+from command_line import DiskFull, UserError, arguments
 from config import FIELDS, flags_given
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.checkpoint import intact_in
 from summarizer.evaluation import evaluate, validation_loss
-from summarizer.files import DiskFull
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,

@@ -24,12 +24,11 @@ import torch
 import data
 import train
 from bench import child_environ, torchrun
-from command_line import UserError
+from command_line import UserError, atomic_write
 from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder
 from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
-from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors, process_age
 from summarizer.loading import resuming, trained_shape
 from summarizer.preparation import check_before_model, prepare, run_settings

@@ -7,10 +7,9 @@ from typing import TypedDict
 
 import torch
 
-from command_line import UserError
+from command_line import DiskFull, UserError, atomic_write
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
-from summarizer.files import DiskFull, atomic_write
 
 # ---- the record --------------------------------------------------------------------------------------------
 

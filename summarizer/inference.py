@@ -20,7 +20,6 @@ from generate import generate, plain_greedy
 from model import GPT, GPTConfig
 from summarizer import lora, run_folder, scoring
 from summarizer.checkpoint import load_checkpoint
-from summarizer.files import no_empty_folder_left
 from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
 from summarizer.memory import generation_batches, generation_memory
@@ -221,7 +220,7 @@ def decoding_command(argv, usage, command, work):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv, usage, command)
-        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
+        with run_folder.no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             work(cfg, flags_given(argv), rt)
 
 

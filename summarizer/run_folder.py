@@ -7,6 +7,7 @@ import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from command_line import UserError, repository_copy_hint
-from summarizer.files import left_by_a_dead_process
 from summarizer.memory import nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
@@ -46,6 +46,19 @@ def make(path, reads=None):
                         f"folder>{keep}") from None
     if removed := remove_left_temp_files(path):
         print(removed)
+
+
+def left_by_a_dead_process(name):
+    """The file an atomic_write temp `name` was to become, when its writer is gone (killed while saving); else None."""
+    if not (match := re.fullmatch(r"(.+)\.tmp(\d+)", name)):
+        return None
+    try:
+        os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return match[1]
+    except (PermissionError, OverflowError, ValueError):  # another user's process; a number no pid is
+        return None
+    return None
 
 
 def remove_left_temp_files(folder):
@@ -90,6 +103,19 @@ def claimed(out_dir, is_main, stop_if, reads=None):
             if created and failed:
                 with contextlib.suppress(OSError):
                     os.rmdir(out_dir)  # only if empty
+
+
+@contextlib.contextmanager
+def no_empty_folder_left(*paths):
+    """If the body fails, remove those of `paths` it created that are still empty: no empty out_dir is left."""
+    new = [path for path in paths if path and not os.path.exists(path)]
+    try:
+        yield
+    except BaseException:
+        for path in sorted(new, key=len, reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
 
 
 def in_use(out_dir, who):

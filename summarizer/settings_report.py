@@ -5,8 +5,8 @@ import json
 import os
 from typing import NamedTuple
 
+from command_line import atomic_write
 from config import FIELDS, GROUPS, TAKES, Config, Use, describe_duration, keys, settings_given, type_name
-from summarizer.files import atomic_write
 
 
 def as_json(cfg):

@@ -30,7 +30,7 @@ from summarizer.memory import choose_micro_batch, workload
 from summarizer.micro_batch import micro_batch_that_runs
 from summarizer.schedule import decayed, sessions_done
 from summarizer.settings_report import FromRun, save_config
-from summarizer.state import TrainingState, rng_state, set_rng_state
+from summarizer.state import TrainingState, rng_restored
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
 
@@ -194,11 +194,11 @@ def time_step(cfg, rt, batches, state, module, phase):
     """Before step 1 under max_time: (the seconds of a warm step, its tokens), from the step's longest micro-batch
     run 1 + WARM_RUNS times, the first paying the one-time costs, the slowest warm one counted (a quiet moment of a
     busy machine must not mislead). Leaves no gradients and draws no random numbers."""
-    rng, runs, batch = rng_state(), [], batches(state.step)
+    runs, batch = [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
     x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
     phase("timing a training step (its first call pays the one-time costs)")
-    with training_memory_hint(cfg, rt):
+    with training_memory_hint(cfg, rt), rng_restored():
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
             with rt.autocast():
@@ -207,7 +207,6 @@ def time_step(cfg, rt, batches, state, module, phase):
             runs.append(time.perf_counter() - start)
         phase("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
-    set_rng_state(rng)
     return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
@@ -216,14 +215,13 @@ def time_decoding(cfg, rt, state, prompts, phase):
     first paying the one-time costs (untrained weights run to max_new_tokens: an upper bound). No random numbers."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
-        rng = rng_state()
         phase(f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
-        for _ in range(1 + WARM_RUNS):
-            start = time.perf_counter()
-            inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
-            timed.append((time.perf_counter() - start, len(prompts)))
-        set_rng_state(rng)
+        with rng_restored():
+            for _ in range(1 + WARM_RUNS):
+                start = time.perf_counter()
+                inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
+                timed.append((time.perf_counter() - start, len(prompts)))
     return timed
 
 

@@ -1,6 +1,7 @@
 """The training state: what ckpt.pt holds of a run in progress and a resumed run restores (TrainingState: the
 model as the backend shards it, AdamW, the fp16 GradScaler, the LR schedule, the step, the best score, each rank's
 RNG), and the optimizer it starts with. The checkpoint's record and file are summarizer.checkpoint's."""
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -146,3 +147,13 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_restored():
+    """Side work (a timing, a memory probe) leaves the RNG as it found it: the run's dropout draws what it would."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

@@ -5,13 +5,13 @@
 
 An explicit --key=value changes a decoding setting (e.g. --num_beams=4), a preset does not. An earlier
 submission.csv of other weights or decoding is moved aside."""
-from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+import summarizer  # the standard library alone: first, before seconds of imports
 
-quiet_start.until_imported(__name__)
+summarizer.until_imported(__name__)
 from summarizer.inference import decoding_command
 from summarizer.submission import predict
 
-quiet_start.imported(__name__)
+summarizer.imported(__name__)
 
 
 def main(argv=None):

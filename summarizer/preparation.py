@@ -14,8 +14,8 @@ from command_line import UserError
 from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
 from summarizer import inference, lora, run_folder
+from summarizer.backends import CompiledModule
 from summarizer.clock import RunClock, used_up
-from summarizer.compiling import CompiledModule
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     check_shape,

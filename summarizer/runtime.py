@@ -13,8 +13,7 @@ from tqdm import tqdm
 
 from command_line import UserError
 from generate import StepGraphs
-from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend
-from summarizer.compiling import use_compile
+from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend, use_compile
 
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
 

@@ -17,7 +17,7 @@ from conftest import mid_way_eos, tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, lora
-from summarizer.compiling import CompiledModule
+from summarizer.backends import CompiledModule
 
 MAX_NEW = 20
 

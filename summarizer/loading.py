@@ -15,10 +15,10 @@ import urllib.parse
 import torch
 
 from command_line import UserError
-from config import ModelShape, keys
+from config import Lora, ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora, run_folder
+from summarizer import run_folder
 from summarizer.checkpoint import load_checkpoint
 
 GPT2_POSITIONS = 1024
@@ -189,6 +189,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
         raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
     state = own_copies(ckpt["model"])
+    adapters = any(f".lora_A.{ADAPTER}." in key for key in state)
     try:
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
@@ -196,10 +197,10 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
                         f"{str(e) or type(e).__name__}") from None
     if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
         state = {**base_weights(ckpt, path, lora_base, model, keep_adapters), **state}
-    if lora.has_adapters(state) and keep_adapters:
-        lora.add_adapters(model, **lora.settings(ckpt["config"]))
-    elif lora.has_adapters(state):
-        state = dict(lora.merged_weights(state, **lora.settings(ckpt["config"])))
+    if adapters and keep_adapters:
+        add_adapters(model, **lora_settings(ckpt["config"]))
+    elif adapters:
+        state = dict(merged_weights(state, **lora_settings(ckpt["config"])))
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
@@ -299,7 +300,7 @@ def model_to_train(cfg, start_ckpt=None):
     if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg, ckpt=start_ckpt)
         if cfg.lora_rank:
-            lora.add_adapters(model, **lora.settings(cfg))
+            add_adapters(model, **lora_settings(cfg))
         return model, None
     path = resume_path(cfg)
     model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start_ckpt)
@@ -320,4 +321,60 @@ def kept_lora_base(cfg, model, ckpt):
         return reference and {**reference, "init_from": lora_base_moved_to(cfg) or reference["init_from"]}
     if cfg.init_from == "scratch":
         return None
-    return {"init_from": cfg.init_from, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
+    return {"init_from": cfg.init_from, "sha256": weights_digest(base_state_dict(model.state_dict()))}
+
+
+# ---- LoRA: adapters on the blocks' Linear layers (peft), base frozen; merged, a plain GPT state dict ------------
+
+ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
+
+
+def lora_settings(config):
+    """The Lora settings of a Config (or a Lora), or of a saved config dict (a checkpoint's), as keywords."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+    return {key: get(key) for key in keys(Lora)}
+
+
+def add_adapters(model, lora_rank, lora_alpha, lora_dropout, lora_targets):
+    """Put rank-lora_rank adapters (A random, B zero: the model is unchanged until trained) on the lora_targets
+    of every block, in place; from then on only the adapters require grad. Returns the model."""
+    from peft import LoraConfig, inject_adapter_in_model  # seconds to import: only for LoRA runs
+
+    peft_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                             target_modules=list(lora_targets), bias="none")
+    return inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
+
+
+def merged_weights(state_dict, lora_rank, lora_alpha, **_):
+    """(key, float32 tensor) of the plain GPT state dict of a state dict with adapters (e.g. gathered from FSDP
+    shards), one weight at a time: an adapted weight is W + B @ A * lora_alpha / lora_rank (peft's merge for
+    nn.Linear), made as it is asked for; the rest as they are."""
+    scaling = lora_alpha / lora_rank
+    for key, value in state_dict.items():
+        if ".lora_" in key:
+            continue
+        layer, _, kind = key.partition(".base_layer.")
+        if kind == "weight":
+            a, b = state_dict[f"{layer}.lora_A.{ADAPTER}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
+            value = value + b @ a * scaling
+        yield (f"{layer}.{kind}" if kind else key), value.float()
+
+
+def cast_base(model, dtype):
+    """The blocks' frozen Linear layers (a LoRA run's base) in `dtype`, the run's compute dtype: a 16-bit run holds
+    half their bytes and autocast uses them as they are, not casting them again at every forward and recompute. The
+    adapters, embeddings and LayerNorms stay float32. Returns the model."""
+    for module in model.transformer.h.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            module.to(dtype)
+    return model
+
+
+def base_state_dict(state_dict):
+    """The frozen base of a state dict with adapters, under a plain GPT's keys."""
+    return {key.replace(".base_layer.", "."): value for key, value in state_dict.items() if ".lora_" not in key}
+
+
+def adapter_state_dict(state_dict):
+    """The adapters alone: what a LoRA run trains, and all of the weights its ckpt.pt keeps."""
+    return {key: value for key, value in state_dict.items() if ".lora_" in key}

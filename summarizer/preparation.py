@@ -13,11 +13,12 @@ import data
 from command_line import UserError
 from config import Use, flags_given, load_config, own_keys, resolve, rows_per_rank, settings_given
 from model import Targets
-from summarizer import inference, lora, run_folder
+from summarizer import inference, run_folder
 from summarizer.backends import CompiledModule
 from summarizer.clock import RunClock, used_up
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
+    cast_base,
     check_shape,
     from_hub_cache,
     kept_lora_base,
@@ -67,7 +68,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     model.gradient_checkpointing = cfg.gradient_checkpointing
     lora_base = kept_lora_base(cfg, model, resumed) if rt.is_main else None  # its hash: of the base as loaded
     if rt.backend != "fsdp":  # FSDP gathers its units in 16 bits anyway (and torch < 2.8 wants one dtype a unit)
-        lora.cast_base(model, getattr(torch, rt.dtype))
+        cast_base(model, getattr(torch, rt.dtype))
     compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
     cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model, phase)
     tracker.cfg = cfg  # the tracker logs the chosen settings

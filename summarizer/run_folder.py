@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from command_line import UserError, repository_copy_hint
-from summarizer.memory import nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
@@ -295,6 +294,18 @@ def file_bytes(path):
 
 def gb(n):
     return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
+
+
+def nbytes(tensors, per_tensor=0):
+    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
+    the one count of tensor bytes, which memory's plan and bench ask too."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes + per_tensor
+    return total
 
 
 def checkpoint_bytes(state):

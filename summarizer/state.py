@@ -11,8 +11,9 @@ import torch
 import data
 from command_line import UserError
 from config import AdamW, keys
-from summarizer import lora, run_folder
+from summarizer import run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
+from summarizer.loading import adapter_state_dict, lora_settings, merged_weights
 from summarizer.schedule import describe_schedule, lr_schedule, resumed_schedule, sessions_done
 
 
@@ -76,7 +77,7 @@ class TrainingState:
                             best_score=self.best_score, best_val_loss=self.best_val_loss,
                             metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
                             train_rows=self.train_rows, validation_digest=self.validation_digest, model={})
-            trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
+            trained = ({"model": adapter_state_dict(model_state), "lora_base": self.lora_base}
                        if self.lora_base else {"model": model_state})
             writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
                            {**record, **trained, "optimizer": optimizer_state,
@@ -85,7 +86,7 @@ class TrainingState:
             if best:
                 merged = model_state if not cfg.lora_rank else {  # what the merge makes goes to the host at once
                     key: value if value is model_state.get(key) else value.cpu()
-                    for key, value in lora.merged_weights(model_state, **lora.settings(cfg))}
+                    for key, value in merged_weights(model_state, **lora_settings(cfg))}
                 writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
         rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
         for path, state in writes:

@@ -1,6 +1,5 @@
-"""The run folder (out_dir): the names of the files a run keeps there, the lock that gives the folder to one
-training run at a time, moving an earlier run's files aside, the disk its checkpoints take, and what the commands
-say about the folder when a file they need is not there."""
+"""The run folder (out_dir): its file names, the lock that gives it to one training run at a time, an earlier run's
+files moved aside, a killed save's temp files removed, the disk its checkpoints take, and the missing-file hints."""
 import contextlib
 import datetime
 import fcntl
@@ -14,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from command_line import UserError, repository_copy_hint
 
@@ -32,8 +32,8 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and check that a file can be written there, before any work whose results would be lost.
-    `reads`: the flag naming the checkpoint the command takes from out_dir, which another out_dir must then give."""
+    """Create the folder and write a file there, before any work whose results would be lost. `reads`: the flag that
+    names the checkpoint the command takes from out_dir, which another out_dir must then give."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -48,7 +48,7 @@ def make(path, reads=None):
 
 
 def left_by_a_dead_process(name):
-    """The file an atomic_write temp `name` was to become, when its writer is gone (killed while saving); else None."""
+    """The file an atomic_write temp `name` was to become, when its writer is gone; else None."""
     if not (match := re.fullmatch(r"(.+)\.tmp(\d+)", name)):
         return None
     try:
@@ -61,8 +61,7 @@ def left_by_a_dead_process(name):
 
 
 def remove_left_temp_files(folder):
-    """Remove the temp files a process killed while saving left (a half-written checkpoint of gigabytes: Kaggle
-    keeps 20 GB); a live process's are its own. The line that says what went, or None."""
+    """The line that says which temp files a killed save left (a checkpoint's are gigabytes) were removed, or None."""
     removed, freed = [], 0
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -81,7 +80,7 @@ def remove_left_temp_files(folder):
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
     """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
-    another run holds stops every rank before any write. A folder this run made goes if it failed empty."""
+    another run holds stops every rank before any write."""
     created = not os.path.exists(out_dir)
     handle, problem = None, None
     if is_main:
@@ -106,7 +105,7 @@ def claimed(out_dir, is_main, stop_if, reads=None):
 
 @contextlib.contextmanager
 def no_empty_folder_left(*paths):
-    """If the body fails, remove those of `paths` it created that are still empty: no empty out_dir is left."""
+    """If the body fails, those of `paths` it created that are still empty go."""
     new = [path for path in paths if path and not os.path.exists(path)]
     try:
         yield
@@ -123,8 +122,7 @@ def in_use(out_dir, who):
 
 
 def lock(out_dir):
-    """The open lock file of out_dir, flock'ed by this process and naming it, or None when another holds it. A
-    file another run removed between our open and our flock is not the lock any more: open it again."""
+    """The open lock file of out_dir, flock'ed by this process and naming it, or None when another holds it."""
     path = os.path.join(out_dir, LOCK)
     while True:
         handle = open(path, "a+")
@@ -133,7 +131,7 @@ def lock(out_dir):
         except BlockingIOError:
             handle.close()
             return None
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):  # a file removed between our open and flock is no lock
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
         handle.close()
@@ -147,7 +145,6 @@ def lock(out_dir):
 
 
 def describe_holder(who):
-    """'pid 123 on host h since 2026-11-25T10:00:00' from a lock file's contents."""
     try:
         return f"pid {who['pid']} on host {who['host']} since {who['since']}"
     except (KeyError, TypeError):
@@ -155,8 +152,7 @@ def describe_holder(who):
 
 
 def training_in(out_dir):
-    """The holder of out_dir's lock when a training run other than this process holds it, else None: evaluate,
-    predict and export then read the last complete save (saves replace files whole, never in place)."""
+    """Who holds out_dir's lock when a training run other than this process does, else None."""
     try:
         with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
             with contextlib.suppress(BlockingIOError):
@@ -171,8 +167,8 @@ def training_in(out_dir):
 
 
 def set_aside_earlier_run(out_dir):
-    """Move an earlier run's files into out_dir/previous-run-<its time>/, so a fresh run neither appends to its
-    metrics nor overwrites its checkpoints; a line saying so, or None. Call it once every check has passed."""
+    """A fresh run neither appends to an earlier run's metrics nor overwrites its checkpoints: they move into
+    out_dir/previous-run-<its time>/. A line saying so, or None. Call it once every check has passed."""
     best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
     if not found:
@@ -182,8 +178,8 @@ def set_aside_earlier_run(out_dir):
 
 
 def set_aside_other_output(out, record, names, prefix, made_by):
-    """Move `names` of folder `out` into out/<prefix>-<time>/, saying so in one line, unless every key of `made_by`
-    matches what the JSON file `record` among them says made them (no record: moved too)."""
+    """Move `names` of `out` aside (move_aside), saying so, unless the JSON `record` among them says `made_by` made
+    them."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
             made = dict(json.load(f))
@@ -197,7 +193,7 @@ def set_aside_other_output(out, record, names, prefix, made_by):
 
 
 def free_path(path, suffix=""):
-    """`path + suffix`, or the first of path-2, path-3, ... (before the suffix) that does not exist."""
+    """`path + suffix`, or the first of path-2, path-3, ... that does not exist."""
     candidate, n = path + suffix, 1
     while os.path.exists(candidate):
         n += 1
@@ -206,8 +202,7 @@ def free_path(path, suffix=""):
 
 
 def move_aside(out_dir, names, prefix):
-    """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
-    moved, the folder), or ([], None)."""
+    """(those of `names` moved into out_dir/<prefix>-<time of the newest>/, the folder), or ([], None)."""
     if not (found := [name for name in names if os.path.exists(os.path.join(out_dir, name))]):
         return [], None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
@@ -220,8 +215,8 @@ def move_aside(out_dir, names, prefix):
 
 
 def keep_best_of_metric(out_dir, metric):
-    """Rename out_dir/best.pt, the best by `metric`, to best-<metric>.pt (best-<metric>-2.pt, ... if taken), so a
-    run that now picks its best by another metric loses nothing. Returns the new path, or None without best.pt."""
+    """best.pt renamed best-<metric>.pt, so a run that now picks its best by another metric loses nothing; its path,
+    or None."""
     best = os.path.join(out_dir, BEST)
     if not os.path.exists(best):
         return None
@@ -231,9 +226,8 @@ def keep_best_of_metric(out_dir, metric):
 
 
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: where the file is found, and the flag `use` that takes it; ''
-    where it is not. Relative paths resolve against the working folder, so a command run from another folder misses
-    the repository's file; a fresh run moves an earlier run's into previous-run-*/ beside it (the newest is named)."""
+    """The clause that ends a 'does not exist' line: the copy that exists (the repository's, an earlier run's moved
+    into previous-run-*/) and the flag `use` that takes it; '' where none does."""
     if repository := repository_copy_hint(path, use):
         return repository
     folder, name = os.path.split(os.path.abspath(path))
@@ -254,8 +248,8 @@ ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 has
 
 @dataclass(frozen=True)
 class Quota:
-    """A folder that keeps at most `gb` GB as output, whatever its filesystem's free space (Kaggle's
-    /kaggle/working keeps 20 GB: what is beyond is lost at "Save Version", after the GPU hours are spent)."""
+    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB, the rest lost at "Save
+    Version", after the GPU hours are spent)."""
     folder: str
     gb: float
 
@@ -265,8 +259,7 @@ class Quota:
 
 
 def room(path, quota):
-    """(bytes a write into `path` may take, what limits them): the free space of its filesystem or, for a path
-    under the quota's folder where that is less, what the quota leaves after what the folder holds already."""
+    """(bytes a write into `path` may take, what limits them: its filesystem or the quota)."""
     free = free_bytes(path)
     if quota.folder and os.path.isdir(quota.folder) and os.path.commonpath(
             [os.path.realpath(quota.folder), os.path.realpath(path)]) == os.path.realpath(quota.folder):
@@ -278,7 +271,6 @@ def room(path, quota):
 
 
 def free_bytes(path):
-    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -286,7 +278,7 @@ def free_bytes(path):
 
 
 def file_bytes(path):
-    """Bytes of a file, or of everything under a folder; 0 for nothing."""
+    """Bytes of a file, or of everything under a folder."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
@@ -297,8 +289,7 @@ def gb(n):
 
 
 def nbytes(tensors, per_tensor=0):
-    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
-    the one count of tensor bytes, which memory's plan and bench ask too."""
+    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` each: the one count, memory's plan's too."""
     seen, total = set(), 0
     for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
@@ -309,22 +300,13 @@ def nbytes(tensors, per_tensor=0):
 
 
 def checkpoint_bytes(state):
-    """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
-    return nbytes(tensors_in(state), ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
-
-
-def tensors_in(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for value in obj.values() if isinstance(obj, dict) else obj:
-            yield from tensors_in(value)
+    tensors = [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+    return nbytes(tensors, ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
 
 
 class DiskPlan:
-    """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
-    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it (on
-    the disk's free space: an output quota counts what the folder keeps, and an atomic save keeps one copy)."""
+    """ckpt.pt, best.pt and, while a save replaces one, its second copy (which an output quota does not count), sized
+    from the model's tensors."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once
@@ -341,7 +323,7 @@ class DiskPlan:
 
     @property
     def kept(self):
-        """What out_dir holds between saves, all an output quota keeps: a save's second copy goes as it ends."""
+        """What out_dir holds between saves."""
         return self.ckpt + self.best + self.export
 
     @property
@@ -356,13 +338,13 @@ class DiskPlan:
         return f"{gb(self.peak)} ({' + '.join(parts)})"
 
     def room(self):
-        """'51 GB free on its filesystem', or what an output quota leaves: the room out_dir's checkpoints have."""
+        """'51 GB free on its filesystem', or what an output quota leaves."""
         left, limit = self.space
         return f"{gb(left)} {limit}"
 
     def problem(self, resuming):
-        """None if out_dir's filesystem and output quota can take the run's peak, else the one line that says what
-        to change. A resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
+        """None, or the one line that says what to change. A resumed run replaces the ckpt.pt and best.pt there; a
+        fresh one keeps them, moved aside."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
         (free, limit), disk = self.space, free_bytes(out_dir)
@@ -389,9 +371,8 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 
 def save_problem(writes, iter_num, quota):
-    """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces,
-    within the free space, and what the folder keeps then within the output `quota`; else the line that says which
-    cannot and what is kept."""
+    """None if the (path, state) checkpoints fit, written one after the other beside the files they replace, else the
+    line that says which cannot and what is kept."""
     (free, limit), disk = room(writes[0][0], quota), free_bytes(writes[0][0])
     for path, state in writes:
         need = checkpoint_bytes(state)

@@ -1,6 +1,5 @@
-"""The machinery that train.py, evaluate.py, predict.py and export.py share. Ctrl-C while a script imports (torch
-takes seconds) would end in a traceback of import machinery: this file, the package's first code to run, imports the
-standard library alone, so a script calls until_imported before its other imports and imported after them."""
+"""The machinery the scripts share. A script calls until_imported first (this file imports the standard library
+alone) and imported after its imports: Ctrl-C during seconds of torch's import is one line, no traceback."""
 import os
 import signal
 import sys
@@ -17,6 +16,5 @@ def until_imported(name):
 
 
 def imported(name):
-    """Ctrl-C raises KeyboardInterrupt again, which the script's one-line errors end."""
     if name == "__main__":
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,5 +1,5 @@
-"""A checkpoint: its record (a typed dict with a format version; older formats are upgraded as they load), its
-file (torch.save written atomically, read with weights_only so a file cannot run code) and a damaged file's line."""
+"""A checkpoint: its record (typed, with a format version: older ones are upgraded as they load) and its file
+(read with weights_only, so a file cannot run code)."""
 import glob
 import os
 import zipfile
@@ -122,7 +122,7 @@ def save_checkpoint(state, path):
 
 
 def not_an_archive(path):
-    """Content that is no zip (torch.save) archive: another file given for a checkpoint. Empty is truncated."""
+    """Another file given for a checkpoint (empty is truncated)."""
     with open(path, "rb") as f:
         return os.path.getsize(path) > 0 and f.read(4) != b"PK\x03\x04"
 

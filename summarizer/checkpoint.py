@@ -140,7 +140,7 @@ def load_checkpoint(path, key="ckpt"):
     if not_an_archive(path):
         raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
                         f"archives): pass --{key}=<a best.pt or ckpt.pt>")
-    if not complete_archive(path):
+    if not zipfile.is_zipfile(path):  # a truncated zip lacks the directory at its end
         raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
                         f"torch.save archive: truncated by a full disk or an interrupted copy?); "
                         + intact_neighbours(path))
@@ -153,15 +153,6 @@ def load_checkpoint(path, key="ckpt"):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint written by train.py")
     return upgraded(ckpt, path)
-
-
-def complete_archive(path):
-    """A truncated zip lacks the directory at its end."""
-    try:
-        with zipfile.ZipFile(path):
-            return True
-    except (OSError, zipfile.BadZipFile):
-        return False
 
 
 def intact_neighbours(path):

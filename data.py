@@ -35,8 +35,8 @@ TOKENIZER_ID = "gpt2-bpe:" + hashlib.sha256(
     f"{ENCODER_JSON_SHA256}{VOCAB_BPE_SHA256}{GPT2_PATTERN}".encode()).hexdigest()[:16]
 
 
-class TokenizerFileError(UserError):
-    """A BPE file that is not OpenAI's: its tokens would silently differ from GPT-2's."""
+class TokenizerFileError(UserError):  # a BPE file that is not OpenAI's: its tokens would differ from GPT-2's
+    pass
 
 
 def bpe_files():
@@ -55,8 +55,7 @@ def _read_verified(path, expected_sha256):
     return blob
 
 
-def _bytes_of_printable_char():
-    """GPT-2 stores token bytes as printable unicode chars; this inverts that byte -> char table."""
+def _bytes_of_printable_char():  # GPT-2 stores token bytes as printable unicode chars: the inverse table
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]  # shifted past 255, in order
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
@@ -98,8 +97,7 @@ codecs.register_error("utf8-else-cp1252",
                       lambda err: (err.object[err.start:err.end].decode("cp1252", errors="replace"), err.end))
 
 
-def clean_text(text):
-    """LF newlines, no surrounding whitespace: training and inference alike."""
+def clean_text(text):  # training and inference alike
     return text.replace("\r\n", "\n").replace("\r", "\n").strip()
 
 
@@ -227,8 +225,7 @@ def rows_with_no_id(frame, ids, key, path):
 
 # ---- rows of text -> token sequences ----------------------------------------------------------------------
 
-def template_text(template):
-    """The prompt's text before and after the dialogue."""
+def template_text(template):  # the prompt's text before and after the dialogue
     return tuple(template.format(dialogue="\0").split("\0"))
 
 
@@ -245,8 +242,7 @@ class PromptFormat:
     tail: list
     max_dialogue: int
 
-    def fit(self, dialogue, max_dialogue=None):
-        """(prompt tokens, whether the dialogue was cut)."""
+    def fit(self, dialogue, max_dialogue=None):  # (prompt tokens, whether the dialogue was cut)
         keep = self.max_dialogue if max_dialogue is None else min(max_dialogue, self.max_dialogue)
         return self.head + dialogue[:keep] + self.tail, keep < len(dialogue)
 
@@ -320,8 +316,7 @@ def cached_tokens(cfg, key, is_main=True, barrier=no_op):
         return table, {name: f[name] for name in f.files}, notes
 
 
-def save_tokens(path, arrays):
-    """None, or why `path` cannot be written."""
+def save_tokens(path, arrays):  # None, or why `path` cannot be written
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_write(path, "wb") as f:
@@ -330,8 +325,7 @@ def save_tokens(path, arrays):
         return getattr(e, "strerror", None) or str(e)
 
 
-def text_hashes(texts):
-    """64-bit hashes (blake2b) of texts with runs of whitespace made one space, as an int64 tensor."""
+def text_hashes(texts):  # whitespace made single spaces
     return torch.tensor([int.from_bytes(hashlib.blake2b(" ".join(t.split()).encode(), digest_size=8).digest(),
                                         "little", signed=True) for t in texts], dtype=torch.int64)
 
@@ -375,8 +369,7 @@ class Examples:
         return {"digest": self.digest, "dialogues": text_hashes(self.dialogues),
                 "ids": text_hashes(self.ids) if self.has_ids else None}
 
-    def target_counts(self, train_on_prompt=False):
-        """Per example, the entries of y that are not -1: summary + EOS, or every token but the first."""
+    def target_counts(self, train_on_prompt=False):  # the entries of y that are not -1
         return self.lengths - 1 if train_on_prompt else self.lengths - self.prompt_lens
 
 
@@ -501,8 +494,7 @@ class LengthGroupedSampler:
         offset = start - epochs[0] * n
         return np.concatenate(permutations)[offset:offset + count]
 
-    def global_batch(self, step):
-        """`step`'s examples, shortest first."""
+    def global_batch(self, step):  # shortest first
         group, slot = divmod(step, GROUP_STEPS)
         size = GROUP_STEPS * self.batch_size
         members = self.stream(group * size, size)
@@ -571,8 +563,7 @@ class GlobalBatch:
     positions: int
 
 
-class TrainBatches:
-    """The GlobalBatch of any step, with rank `rank`'s micro-batches."""
+class TrainBatches:  # the GlobalBatch of any step
 
     def __init__(self, examples, cfg, rank=0, world_size=1):
         self.examples, self.train_on_prompt = examples, cfg.train_on_prompt

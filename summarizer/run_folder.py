@@ -49,14 +49,13 @@ def make(path, reads=None):
 
 def left_by_a_dead_process(name):
     """The file an atomic_write temp `name` was to become, when its writer is gone; else None."""
-    if not (match := re.fullmatch(r"(.+)\.tmp(\d+)", name)):
-        return None
-    try:
-        os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return match[1]
-    except (PermissionError, OverflowError, ValueError):  # another user's process; a number no pid is
-        return None
+    if match := re.fullmatch(r"(.+)\.tmp(\d+)", name):
+        try:
+            os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists
+        except ProcessLookupError:
+            return match[1]
+        except (PermissionError, OverflowError, ValueError):  # another user's process; a number no pid is
+            pass
     return None
 
 
@@ -144,7 +143,7 @@ def lock(out_dir):
     return handle
 
 
-def describe_holder(who):
+def describe_holder(who):  # a lock file's contents
     try:
         return f"pid {who['pid']} on host {who['host']} since {who['since']}"
     except (KeyError, TypeError):

@@ -67,12 +67,7 @@ def upgrade_3(ckpt):
                                              for key, value in config.items() if key in FIELDS}}
 
 
-def upgrade_4(ckpt):
-    """The same contents; 5 marked a command setting a run's file lacks."""
-    return {**ckpt, "format": 5}
-
-
-UPGRADES = {3: upgrade_3, 4: upgrade_4}
+UPGRADES = {3: upgrade_3, 4: lambda ckpt: {**ckpt, "format": 5}}  # 5 marked a command setting a run's file lacks
 
 # Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning

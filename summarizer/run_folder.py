@@ -80,26 +80,20 @@ def remove_left_temp_files(folder):
 def claimed(out_dir, is_main, stop_if, reads=None):
     """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
     another run holds stops every rank before any write."""
-    created = not os.path.exists(out_dir)
     handle, problem = None, None
-    if is_main:
-        make(out_dir, reads)
-        handle = lock(out_dir)
-        if handle is None:
-            problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
-    failed = True
-    try:
-        stop_if(problem)
-        yield
-        failed = False
-    finally:
-        if handle:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out_dir, LOCK))  # while still holding it: see lock()
-            handle.close()
-            if created and failed:
+    with no_empty_folder_left(out_dir if is_main else None):
+        if is_main:
+            make(out_dir, reads)
+            if (handle := lock(out_dir)) is None:
+                problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
+        try:
+            stop_if(problem)
+            yield
+        finally:
+            if handle:
                 with contextlib.suppress(OSError):
-                    os.rmdir(out_dir)  # only if empty
+                    os.remove(os.path.join(out_dir, LOCK))  # while still holding it: see lock()
+                handle.close()
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ class Runtime:
         # module at each step
         self.barrier, self.all_reduce_sum = self.parallel.barrier, self.parallel.all_reduce_sum
         self.all_gather_objects = self.parallel.all_gather_objects
-        self.is_main = self.rank == 0
+        self.is_main, self.distributed = self.rank == 0, self.world_size > 1
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.autocast = (contextlib.nullcontext if self.dtype == "float32" else
@@ -104,10 +104,6 @@ class Runtime:
         if trace is not None:  # what the failed work held (a DDP module, FSDP's state) goes before its group
             traceback.clear_frames(trace)
         self.parallel.close(clean=kind is None)
-
-    @property
-    def distributed(self):
-        return self.world_size > 1
 
     def stop_if(self, problem):
         """Every rank stops together when rank 0 found `problem`: its one error line, the others quietly."""

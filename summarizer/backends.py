@@ -67,8 +67,7 @@ class SingleProcess:
     def shard(self, model):
         return model
 
-    def wrap(self, model):
-        return model
+    wrap = shard
 
     def no_sync(self, wrapped, sync):
         return contextlib.nullcontext()
@@ -125,9 +124,7 @@ class DDP(SingleProcess):
                                        device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def no_sync(self, wrapped, sync):
-        if sync or self.world_size == 1:
-            return contextlib.nullcontext()
-        return wrapped.no_sync()
+        return contextlib.nullcontext() if sync or self.world_size == 1 else wrapped.no_sync()
 
 
 def zero_gradients(model):
@@ -280,8 +277,7 @@ class FSDP(DDP):
         self.model = None  # the sharded model holds the group: it goes first
         super().close(clean)
 
-    def wrap(self, model):
-        return model
+    wrap = SingleProcess.shard
 
     def no_sync(self, wrapped, sync):
         return self.accumulation(sync) if self.reduce_once else contextlib.nullcontext()

@@ -141,8 +141,8 @@ def print_help(usage, settings):
 
 # ---- the one way a file is written ----------------------------------------------------------------------------
 
-class DiskFull(UserError):
-    """No space left (or the quota used up): the user's to fix; what was saved is intact."""
+class DiskFull(UserError):  # no space left, or the quota used up: what was saved is intact
+    pass
 
 
 def disk_full(path, error):

@@ -135,10 +135,8 @@ def read_frame(path, key, missing_hint=None):
         raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:
         raw = csv_content(f.read(), path, key)
-    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Excel's "Unicode text"
-        text = raw.decode("utf-16", errors="replace")
-    else:
-        text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
+    utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))  # Excel's "Unicode text"
+    text = raw.decode("utf-16", errors="replace") if utf16 else raw.decode("utf-8-sig", errors="utf8-else-cp1252")
     if not text.strip():
         raise UserError(f"{key} {path} is empty: it needs a header row (e.g. id,dialogue,summary) and data rows")
     try:

@@ -160,10 +160,9 @@ def hub_reachable(timeout=3.0):
 
 def in_hub_cache(name):
     from huggingface_hub import try_to_load_from_cache
-
-    def cached(filename):
-        return isinstance(try_to_load_from_cache(name, filename), str)
-    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+    config, *weights = (isinstance(try_to_load_from_cache(name, file), str)
+                        for file in ("config.json", "model.safetensors", "pytorch_model.bin"))
+    return config and any(weights)
 
 
 def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):

@@ -317,8 +317,7 @@ class FSDP(DDP):
 BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accelerate}
 
 
-# ---- compiling: whether a command compiles, and the training step under torch.compile ----------------------
-# (Decoding is not compiled: greedy's steps replay as CUDA graphs, generate.StepGraphs.)
+# ---- the training step compiled (decoding is not: greedy's steps replay as CUDA graphs, generate.StepGraphs) ----
 
 def use_compile(requested, device_type, accelerate_dynamo="no"):
     """'auto' compiles on CUDA only (on CPU a short run spends more time compiling than it saves), as Accelerate's

@@ -171,8 +171,7 @@ def set_aside_earlier_run(out_dir):
 
 
 def set_aside_other_output(out, record, names, prefix, made_by):
-    """Move `names` of `out` aside (move_aside), saying so, unless the JSON `record` among them says `made_by` made
-    them."""
+    """Move `names` of `out` aside, saying so, unless the JSON `record` among them says `made_by` made them."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
             made = dict(json.load(f))

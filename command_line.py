@@ -1,9 +1,12 @@
 """A command line in words (presets, --key=value flags, --help), which config.py types and checks; UserError lives
-here: a command line is the first thing to get wrong."""
+here: a command line is the first thing to get wrong. atomic_write: the one way every module writes a file."""
 import ast
+import contextlib
 import difflib
+import errno
 import json
 import os
+import shutil
 import sys
 
 COMMAND_LINE = """\
@@ -136,3 +139,38 @@ def print_help(usage, settings):
         print("\n\n".join(text.strip() for text in (usage, COMMAND_LINE, settings) if text), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+
+
+# ---- the one way a file is written ----------------------------------------------------------------------------
+
+class DiskFull(UserError):  # no space left, or the quota used up: what was saved is intact
+    pass
+
+
+def disk_full(path, error):
+    """The DiskFull an OSError from writing `path` is when the disk or quota is full, else None."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    return DiskFull(f"cannot write {path}: {error.strerror} ({free / 1e6:.0f} MB free in {folder})")
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="w"):
+    """A temp file beside `path`, fsync'd and renamed over it: a crash or a full disk never leaves a half-written
+    file under the real name. Text is UTF-8, newlines as written."""
+    tmp = f"{path}.tmp{os.getpid()}"  # the writer's pid: see run_folder.left_by_a_dead_process
+    text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
+    try:
+        with open(tmp, mode, **text) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if full := isinstance(e, OSError) and disk_full(path, e):
+            raise full from None
+        raise

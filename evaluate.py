@@ -7,13 +7,13 @@
 
 Writes eval_predictions.csv, eval_metrics.json and eval_report.html into out_dir (a --baseline's into
 out_dir/baseline-<name>/); --compare adds the paired ROUGE differences from another evaluation."""
-from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+import summarizer  # the standard library alone: first, before seconds of imports
 
-quiet_start.until_imported(__name__)
+summarizer.until_imported(__name__)
 from summarizer.evaluation import evaluate, sweep
 from summarizer.inference import decoding_command
 
-quiet_start.imported(__name__)
+summarizer.imported(__name__)
 
 
 def main(argv=None):

@@ -4,9 +4,9 @@
 
 An explicit --key=value replaces a decoding setting of the run's, a preset does not. `--init_from=DIR` fine-tunes
 the exported folder further."""
-from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+import summarizer  # the standard library alone: first, before seconds of imports
 
-quiet_start.until_imported(__name__)
+summarizer.until_imported(__name__)
 import os
 import shutil
 import sys
@@ -21,7 +21,7 @@ from model import CONV1D_WEIGHTS, PRETRAINED
 from summarizer.inference import describe_validation, open_summarizer, training_note
 from summarizer.launch import one_line_errors
 
-quiet_start.imported(__name__)
+summarizer.imported(__name__)
 
 
 def to_transformers(model):

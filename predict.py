@@ -4,13 +4,13 @@
     torchrun --nproc_per_node=2 predict.py [...]          the test set is sharded; rank 0 writes the file
 
 An explicit --key=value changes a decoding setting (e.g. --num_beams=4), a preset does not."""
-from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+import summarizer  # the standard library alone: first, before seconds of imports
 
-quiet_start.until_imported(__name__)
+summarizer.until_imported(__name__)
 from summarizer.inference import decoding_command
 from summarizer.submission import predict
 
-quiet_start.imported(__name__)
+summarizer.imported(__name__)
 
 
 def main(argv=None):

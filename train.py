@@ -7,9 +7,9 @@
 """
 # Reads top to bottom: main, then the Trainer's loop (fit, train_step). What a run is built from is
 # summarizer/preparation.py's (prepare: the one way in); what ckpt.pt holds, summarizer/state.py's TrainingState.
-from summarizer import quiet_start  # the standard library alone: first, before seconds of imports
+import summarizer  # the standard library alone: first, before seconds of imports
 
-quiet_start.until_imported(__name__)
+summarizer.until_imported(__name__)
 import collections
 import math
 import os
@@ -23,13 +23,12 @@ import torch
 from tqdm import tqdm
 
 import data
-from command_line import UserError, arguments
+from command_line import DiskFull, UserError, arguments
 from config import FIELDS, flags_given, settings_report
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.clock import advance, cut_short
 from summarizer.evaluation import evaluate, validation_loss
-from summarizer.files import DiskFull
 from summarizer.launch import (
     STOP_SIGNALS,
     StopSignals,
@@ -47,7 +46,7 @@ from summarizer.scoring import rouge
 from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
 
-quiet_start.imported(__name__)
+summarizer.imported(__name__)
 
 NAN_PATIENCE = 3  # consecutive non-finite losses (no update is applied for them) before the run stops
 SKIP_WINDOW, SKIP_WARN = 20, 5  # warn when more than SKIP_WARN of the last SKIP_WINDOW steps were skipped (fp16)

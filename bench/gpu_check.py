@@ -31,11 +31,10 @@ from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchro
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
-from command_line import UserError
+from command_line import UserError, atomic_write
 from config import Decoding, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import memory
-from summarizer.files import atomic_write
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 

@@ -12,7 +12,7 @@ import data
 from bench import GIB, PRESETS, ROOT, progress
 from config import Config, load_config
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora, memory
+from summarizer import loading, memory
 
 T4_GIB = 14.74  # a T4's memory as torch.cuda.get_device_properties reports it
 # The CUDA context's part of it: torch 2.10 with CUDA 12 and lazy module loading holds 0.3-0.45 GiB on a T4 (issue
@@ -43,7 +43,7 @@ def build(shape, device, cfg=None):
     with torch.device(device):
         model = GPT(GPTConfig(**shape))
     model.gradient_checkpointing = bool(cfg and cfg.gradient_checkpointing)
-    return lora.add_adapters(model, **lora.settings(cfg)) if cfg and cfg.lora_rank else model
+    return loading.add_adapters(model, **loading.lora_settings(cfg)) if cfg and cfg.lora_rank else model
 
 
 def preset_ledger(name, cfg, csv_path=""):
@@ -51,7 +51,7 @@ def preset_ledger(name, cfg, csv_path=""):
     fsdp = cfg.backend == "fsdp"
     model = build(PRETRAINED[name], "meta", cfg)
     if not fsdp:  # as train.py's prepare: a LoRA run's frozen base in the compute dtype
-        lora.cast_base(model, torch.float16)
+        loading.cast_base(model, torch.float16)
     run = memory.Workload(model, cfg, "fsdp" if fsdp else "ddp", RANKS, torch.float16, *lengths(csv_path, cfg),
                           fsdp and cfg.fsdp_reduce_once is not False)
     budget = T4_USABLE_GIB * GIB * memory.HEADROOM

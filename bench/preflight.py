@@ -24,14 +24,13 @@ import torch
 import data
 import train
 from bench import child_environ, torchrun
-from command_line import UserError
+from command_line import UserError, atomic_write
 from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
-from summarizer import lora, run_folder
+from summarizer import run_folder
 from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
-from summarizer.files import atomic_write
 from summarizer.launch import one_line_errors, process_age
-from summarizer.loading import resuming, trained_shape
+from summarizer.loading import add_adapters, lora_settings, resuming, trained_shape
 from summarizer.preparation import check_before_model, prepare, run_settings
 from summarizer.runtime import Runtime, choose_precision
 
@@ -96,7 +95,7 @@ def start(cfg, start_ckpt, nproc):
         _, splits, after = check_before_model(cfg, rank_0)
         with torch.device("meta"):  # the run's model, its tensors' sizes alone
             model = GPT(GPTConfig(**trained_shape(cfg, start_ckpt), vocab_size=50304))
-        model = lora.add_adapters(model, **lora.settings(cfg)) if cfg.lora_rank else model
+        model = add_adapters(model, **lora_settings(cfg)) if cfg.lora_rank else model
         plan = run_folder.DiskPlan(model, cfg, small_lora=bool(cfg.lora_rank) and cfg.init_from != "scratch",
                                    train_rows=len(splits.train))
         figures = dict(peak_gb=round(plan.peak / 1e9, 2), parameters_m=round(model.num_params() / 1e6, 1))

@@ -1,6 +1,5 @@
-"""The backends: one object each for a single process, torchrun's DDP or FSDP, and Accelerate, that shards, wraps and
-gathers the model its way and saves and restores its optimizer; and the process group's start (meet: NCCL's
-fallbacks on Kaggle's T4s) and its teardown in an order that cannot deadlock (end_process_group, with a watchdog)."""
+"""The backends (one process, torchrun's DDP or FSDP, Accelerate), each sharding, wrapping and gathering the model
+its way; the process group's start and its teardown in an order that cannot deadlock; the compiled training step."""
 import contextlib
 import datetime
 import gc
@@ -11,8 +10,10 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
-from command_line import UserError
+from command_line import UserError, first_line
+from summarizer.launch import out_of_memory
 
 
 def resolve_backend(requested, environ):
@@ -25,8 +26,7 @@ def resolve_backend(requested, environ):
 
 
 def accelerate_settings(environ):
-    """(mixed_precision, dynamo backend) that `accelerate launch` passes in the environment, lower case; refuses
-    the distributed types this trainer does not implement through Accelerate."""
+    """(mixed_precision, dynamo backend) that `accelerate launch` passes in the environment."""
     for key, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         if environ.get(key, "false").lower() in ("1", "true", "yes"):
             raise UserError(f"the Accelerate config asks for {what}, which this trainer does not run through "
@@ -38,7 +38,7 @@ def accelerate_settings(environ):
 # ---- the backends ----------------------------------------------------------------------------------------
 
 class SingleProcess:
-    """One process: the model as it is; state dicts as PyTorch writes them."""
+    """One process: the model as it is."""
 
     def __init__(self, cfg, want_cuda):
         self.rank, self.world_size = 0, 1
@@ -58,7 +58,6 @@ class SingleProcess:
         return tensor
 
     def all_gather_objects(self, obj):
-        """Every rank's `obj`, in rank order, on every rank."""
         if self.world_size == 1:
             return [obj]
         gathered = [None] * self.world_size
@@ -68,8 +67,7 @@ class SingleProcess:
     def shard(self, model):
         return model
 
-    def wrap(self, model):
-        return model
+    wrap = shard
 
     def no_sync(self, wrapped, sync):
         return contextlib.nullcontext()
@@ -79,11 +77,10 @@ class SingleProcess:
     keeps_gradients = False
 
     def training_state(self, model, optimizer):
-        """(model, optimizer) state dicts as ckpt.pt keeps them, complete, on rank 0; every rank must call this."""
+        """(model, optimizer) state dicts, complete, on rank 0; every rank must call this."""
         return model.state_dict(), optimizer.state_dict()
 
     def load_optimizer_state(self, model, optimizer, state, path):
-        """Load an optimizer state dict saved by training_state."""
         if any(isinstance(key, str) for key in state["state"]):
             raise UserError(f"{path} was written by a run with --backend=fsdp, whose optimizer state another "
                             f"backend cannot load: resume with the backend it was trained with")
@@ -96,7 +93,6 @@ class SingleProcess:
                     per_param[key] = value.clone()
 
     def full_weights(self, model):
-        """The model's complete state dict on every rank."""
         return model.state_dict()
 
 
@@ -128,15 +124,12 @@ class DDP(SingleProcess):
                                        device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def no_sync(self, wrapped, sync):
-        """Skip the gradient reduction on all but the last micro-step of an accumulation."""
-        if sync or self.world_size == 1:
-            return contextlib.nullcontext()
-        return wrapped.no_sync()
+        return contextlib.nullcontext() if sync or self.world_size == 1 else wrapped.no_sync()
 
 
 def zero_gradients(model):
-    """`model` with zero gradients, which DDP with gradient_as_bucket_view=True makes views of its buckets as it is
-    built: the first step's backward too accumulates into the buckets, with no second copy."""
+    """Gradients that DDP (gradient_as_bucket_view) makes views of its buckets as it is built: the first backward too
+    accumulates into the buckets, with no second copy."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -151,25 +144,23 @@ NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
 
 
 def nccl_flags(cfg):
-    """The NCCL variables the config's flags ask for (set only where the environment has none)."""
+    """The NCCL variables the config's flags ask for."""
     return {key: value for key, value, on in (("NCCL_P2P_DISABLE", "1", cfg.nccl_p2p_disable),
                                                ("NCCL_CUMEM_HOST_ENABLE", "0", cfg.nccl_p2p_disable),
                                                ("NCCL_IB_DISABLE", "1", cfg.nccl_ib_disable)) if on}
 
 
 def next_nccl_setting(environ):
-    """The first of NCCL_SETTINGS that `environ` does not already have, or None."""
     return next((s for s in NCCL_SETTINGS if any(environ.get(k) != v for k, v in s.items())), None)
 
 
 def nccl_in_effect(environ):
-    """The NCCL_* variables of `environ`, as KEY=value words."""
     return " ".join(f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("NCCL_")) or "NCCL's defaults"
 
 
 def meet(cfg, device, world_size):
-    """Start the process group and run one collective within dist_start_timeout seconds: a rank that never arrives
-    or a transport that fails stops every rank in one line at start-up; later ones may take dist_timeout each."""
+    """Start the process group and run one collective within dist_start_timeout: a rank that never arrives or a
+    transport that fails stops every rank in one line."""
     nccl = device.type == "cuda"
     bound = min((cfg.dist_start_timeout, "dist_start_timeout"), (cfg.dist_timeout, "dist_timeout"))
     start = datetime.timedelta(seconds=bound[0])
@@ -209,16 +200,10 @@ if not select.select([pipe], [], [], seconds)[0]:  # the pipe is readable (at it
 
 
 def end_process_group(device, clean, rank):
-    """End the process group in an order that cannot deadlock. A gloo group's destructor joins its worker threads,
-    and a worker may need the GIL to drop the last reference to a finished collective's tensors: when a C++ holder
-    drops the group's last reference (DDP's Reducer, at the interpreter's exit) the GIL stays held and both wait
-    (pytorch/pytorch#56297, #75097). So: whatever still holds the group (the run's DDP module, FSDP's state) is
-    collected first, while the group's registry keeps it alive; a clean end meets the other ranks in one blocking
-    all-reduce whose tensor stays referenced here until the group is gone (no worker drops its last reference);
-    then destroy_process_group drops the group from Python, which releases the GIL while the workers stop. A
-    watchdog process bounds the rest of this process's life by TEARDOWN_SECONDS, in case a runtime still hangs.
-    After an error (its frames cleared by Runtime), no collection: under torchrun the launcher stops the other ranks
-    within moments."""
+    """A gloo group's destructor joins its workers, which may need the GIL that a C++ holder dropping the group's last
+    reference (DDP's Reducer, at exit) keeps: both wait (pytorch/pytorch#56297). So what holds the group is collected
+    first, a clean end meets the other ranks in one all-reduce whose tensor stays referenced until the group is gone,
+    and destroy_process_group drops it from Python, which releases the GIL; a watchdog bounds the rest."""
     if clean:  # no rank tears its connections down while another still uses them
         gc.collect()  # reference cycles through the model and its hooks
         done = torch.ones(1, device=device)
@@ -232,8 +217,8 @@ def end_process_group(device, clean, rank):
 
 
 def watch_exit(seconds, line):
-    """A watchdog process that writes `line` and kills this process if it is alive `seconds` from now (a thread
-    needs the GIL, which a hung teardown may hold); it learns of our end from a pipe only we write to."""
+    """A process (a thread needs the GIL, which a hung teardown may hold) that writes `line` and kills this one if it
+    is alive `seconds` from now."""
     read, write = os.pipe()  # not inherited by later children (PEP 446): only this process holds `write`
     subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
                      pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -265,21 +250,17 @@ class Accelerate(DDP):
 
 
 class FSDP(DDP):
-    """torchrun's processes with FSDP2's fully_shard: weights, gradients and optimizer state sharded across ranks.
-    torch's FSDP modules are imported where used: at the top they cost every process a second of its start-up."""
+    """torchrun's processes with FSDP2's fully_shard (imported where used: a second of every process's start-up)."""
 
     def __init__(self, cfg, want_cuda):
         super().__init__(cfg, want_cuda)
         self.model = None  # the sharded model, once shard() ran
 
     def plan(self, reduce_once, dtype, is_main):
-        """fsdp_reduce_once ('auto': decided by shard) and the compute dtype."""
         self.reduce_once, self.dtype, self.is_main = reduce_once, dtype, is_main
 
     def shard(self, model):
-        """Shard the model in place with fully_shard, one unit per block, then the root; its parameters become fp32
-        DTensors (build the optimizer after this), gathered in a 16-bit dtype. (memory.workload decides
-        fsdp_reduce_once='auto' before.)"""
+        """In place, one unit per block, then the root: fp32 DTensors (build the optimizer after)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy()
         if self.dtype != "float32":
@@ -296,18 +277,15 @@ class FSDP(DDP):
         self.model = None  # the sharded model holds the group: it goes first
         super().close(clean)
 
-    def wrap(self, model):
-        return model
+    wrap = SingleProcess.shard
 
     def no_sync(self, wrapped, sync):
-        """FSDP reduce-scatters after every micro-step, unless reduce_once (accumulation)."""
         return self.accumulation(sync) if self.reduce_once else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def accumulation(self, sync):
-        """One micro-step with reduce_once: the first forward of an optimizer step gathers the weights, which stay
-        gathered until the last backward; gradients accumulate unsharded in fp32 and are reduce-scattered
-        (averaged, as DDP's all-reduce) by the last backward only."""
+        """reduce_once: the weights stay gathered from a step's first forward to its last backward, and gradients
+        accumulate unsharded in fp32 until that backward reduce-scatters them."""
         self.model.set_requires_gradient_sync(sync)
         self.model.set_reshard_after_backward(sync)
         for block in self.model.transformer.h:  # the root unit is never resharded after forward
@@ -318,14 +296,13 @@ class FSDP(DDP):
                 block.set_reshard_after_forward(True, recurse=False)
 
     def training_state(self, model, optimizer):
-        """Gathered from the shards onto rank 0's CPU ({} elsewhere), the optimizer's keyed by parameter name."""
+        """Gathered onto rank 0's CPU ({} elsewhere), the optimizer's keyed by parameter name."""
         from torch.distributed.checkpoint import state_dict as dcp
         options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
         return dcp.get_model_state_dict(model, options=options), dcp.get_optimizer_state_dict(model, optimizer,
                                                                                               options=options)
 
     def load_optimizer_state(self, model, optimizer, state, path):
-        """Each rank takes its shards of an optimizer state dict saved by training_state."""
         if not any(isinstance(key, str) for key in state["state"]):
             raise UserError(f"{path} was written by a run with another backend, whose optimizer state FSDP cannot "
                             f"load: resume with the backend it was trained with")
@@ -333,9 +310,71 @@ class FSDP(DDP):
         dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def full_weights(self, model):
-        """The model's complete state dict on every rank, all-gathered onto each rank's device."""
         from torch.distributed.checkpoint import state_dict as dcp
         return dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True))
 
 
 BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accelerate}
+
+
+# ---- the training step compiled (decoding is not: greedy's steps replay as CUDA graphs, generate.StepGraphs) ----
+
+def use_compile(requested, device_type, accelerate_dynamo="no"):
+    """'auto' compiles on CUDA only (on CPU a short run spends more time compiling than it saves), as Accelerate's
+    dynamo backend 'inductor' asks (we compile, with our fallback)."""
+    if accelerate_dynamo not in ("no", "inductor"):
+        raise UserError(f"Accelerate's dynamo_backend={accelerate_dynamo} is not supported: this trainer compiles with "
+                        f"inductor (--compile=True); set accelerate's dynamo_backend to no or inductor")
+    if accelerate_dynamo == "inductor":
+        if requested is False:
+            raise UserError(f"--compile=False disagrees with Accelerate's dynamo_backend={accelerate_dynamo} (from "
+                            f"accelerate config, --dynamo_backend or ACCELERATE_DYNAMO_BACKEND): drop one of them")
+        return True
+    return requested is True or (requested == "auto" and device_type == "cuda")
+
+
+def compiler_error(error):
+    """Whether `error` is the compiler's: only then is running eagerly a fallback (eager would meet the program's own,
+    an out-of-memory too)."""
+    import torch._inductor.exc as inductor  # loaded only when something failed
+
+    causes = (error, getattr(error, "inner_exception", None), error.__cause__, error.__context__)
+    if any(out_of_memory(e) for e in causes):
+        return False
+    compiler = tuple(getattr(inductor, name) for name in ("InductorError", "CppCompileError", "InvalidCxxCompiler",
+                                                         "CUDACompileError", "LoweringException")
+                     if hasattr(inductor, name))
+    # fullgraph=True turns dynamo's recompile limit into an error that is not a TorchDynamoException
+    return isinstance(error, (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit,
+                              *compiler))
+
+
+def backward_compiled_in_forward():
+    """The backward graph compiled at the forward, not lazily: its compiler error meets CompiledModule's fallback."""
+    config = torch._functorch.config
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        return config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
+
+
+class CompiledModule(torch.nn.Module):
+    """`module` under torch.compile (sizes symbolic: widths change every step); where the compiler fails, one warning
+    and `module` eagerly for the rest of the run (`why`). The parameters are `module`'s either way."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.compiled, self.why = torch.compile(module, fullgraph=True, dynamic=True), None
+
+    def forward(self, *args):
+        if self.why is None:
+            try:
+                with backward_compiled_in_forward():
+                    return self.compiled(*args)
+            except Exception as e:  # a failed compile ran nothing: the eager call below does the whole work
+                if not compiler_error(e):
+                    raise
+                error = getattr(e, "inner_exception", None) or e  # dynamo wraps the backend's exception
+                self.why = f"{type(error).__name__}: {first_line(error)}"
+                tqdm.write(f"warning: torch.compile failed ({self.why}); training eagerly from now on (tokens_per_s "
+                           f"and mfu are eager's)", file=sys.stderr)  # a line of its own under a bar
+        return self.compiled._orig_mod(*args)

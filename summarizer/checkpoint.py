@@ -1,5 +1,5 @@
-"""A checkpoint: its record (a typed dict with a format version; older formats are upgraded as they load), its
-file (torch.save written atomically, read with weights_only so a file cannot run code) and a damaged file's line."""
+"""A checkpoint: its record (typed, with a format version: older ones are upgraded as they load) and its file
+(read with weights_only, so a file cannot run code)."""
 import glob
 import os
 import zipfile
@@ -7,10 +7,9 @@ from typing import TypedDict
 
 import torch
 
-from command_line import UserError, first_line
+from command_line import DiskFull, UserError, atomic_write, first_line
 from config import FIELDS, ModelShape, keys, typed
 from summarizer import run_folder
-from summarizer.files import DiskFull, atomic_write
 
 # ---- the record --------------------------------------------------------------------------------------------
 
@@ -68,12 +67,7 @@ def upgrade_3(ckpt):
                                              for key, value in config.items() if key in FIELDS}}
 
 
-def upgrade_4(ckpt):
-    """The same contents; 5 marked a command setting a run's file lacks."""
-    return {**ckpt, "format": 5}
-
-
-UPGRADES = {3: upgrade_3, 4: upgrade_4}
+UPGRADES = {3: upgrade_3, 4: lambda ckpt: {**ckpt, "format": 5}}  # 5 marked a command setting a run's file lacks
 
 # Settings a later command takes from a run, added since format 5, with the value in effect before each existed: a
 # checkpoint that lacks one gets it as it loads. A new setting needs no new format; a format changes when a meaning
@@ -123,7 +117,7 @@ def save_checkpoint(state, path):
 
 
 def not_an_archive(path):
-    """Content that is no zip (torch.save) archive: another file given for a checkpoint. Empty is truncated."""
+    """Another file given for a checkpoint (empty is truncated)."""
     with open(path, "rb") as f:
         return os.path.getsize(path) > 0 and f.read(4) != b"PK\x03\x04"
 
@@ -141,7 +135,7 @@ def load_checkpoint(path, key="ckpt"):
     if not_an_archive(path):
         raise UserError(f"{path} is not a checkpoint (train.py writes best.pt and ckpt.pt as torch.save "
                         f"archives): pass --{key}=<a best.pt or ckpt.pt>")
-    if not complete_archive(path):
+    if not zipfile.is_zipfile(path):  # a truncated zip lacks the directory at its end
         raise UserError(f"checkpoint {path} is corrupted ({os.path.getsize(path):,} bytes, not a complete "
                         f"torch.save archive: truncated by a full disk or an interrupted copy?); "
                         + intact_neighbours(path))
@@ -154,15 +148,6 @@ def load_checkpoint(path, key="ckpt"):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint written by train.py")
     return upgraded(ckpt, path)
-
-
-def complete_archive(path):
-    """A truncated zip lacks the directory at its end."""
-    try:
-        with zipfile.ZipFile(path):
-            return True
-    except (OSError, zipfile.BadZipFile):
-        return False
 
 
 def intact_neighbours(path):

@@ -12,11 +12,10 @@ import torch
 from rouge_score import tokenize
 
 import data
-from command_line import UserError
+from command_line import UserError, atomic_write
 from config import ROUGE_TYPES, sweep_settings
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.files import atomic_write
 from summarizer.report import interval_text, write_report
 from summarizer.scoring import rouge_per_example
 

@@ -18,11 +18,17 @@ from command_line import UserError, first_line
 from config import Config, Decoding, Split, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import lora, run_folder, scoring
+from summarizer import run_folder, scoring
 from summarizer.checkpoint import load_checkpoint
-from summarizer.files import no_empty_folder_left
 from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
-from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
+from summarizer.loading import (
+    build_model,
+    check_named,
+    check_shape,
+    lora_settings,
+    merged_weights,
+    model_from_checkpoint,
+)
 from summarizer.memory import generation_batches, generation_memory
 from summarizer.runtime import Runtime
 
@@ -221,7 +227,7 @@ def decoding_command(argv, usage, command, work):
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv, usage, command)
-        with no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
+        with run_folder.no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
             work(cfg, flags_given(argv), rt)
 
 
@@ -346,6 +352,6 @@ def rouge_model(model, cfg, rt):
     copy = GPT.on_meta(GPTConfig(**asdict(model.config))).to(dtype)
     copy.lm_head.weight = copy.transformer.to_empty(device=rt.device).wte.weight  # one tensor, as in the model
     held = copy.state_dict()
-    for key, value in lora.merged_weights(weights, **lora.settings(cfg)) if cfg.lora_rank else weights.items():
+    for key, value in merged_weights(weights, **lora_settings(cfg)) if cfg.lora_rank else weights.items():
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()

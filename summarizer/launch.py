@@ -10,11 +10,10 @@ import traceback
 
 import torch
 
-from command_line import UserError, first_line
+from command_line import DiskFull, UserError, first_line
 from config import load_config
 from summarizer import run_folder
 from summarizer.checkpoint import intact_in
-from summarizer.files import DiskFull
 
 FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a run saves ckpt.pt after the step in progress and stops

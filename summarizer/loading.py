@@ -1,7 +1,6 @@
-"""Where a model comes from: the one function that builds it (untrained, pretrained GPT-2 from the Hub or a local
-transformers folder, or a checkpoint of ours), the Hub probe that keeps an offline machine from waiting, a LoRA
-run's frozen base (referenced by where it came from and its hash instead of stored), and the model a training run
-trains: the checkpoint it continues or starts from, and its shape."""
+"""Where a model comes from: the one function that builds it (scratch, GPT-2 from the Hub or a folder, a checkpoint),
+the Hub probe that keeps an offline machine from waiting, the model a training run trains, and LoRA: its adapters,
+their merged weights, and a run's frozen base, kept by where it came from and its hash instead of its weights."""
 import contextlib
 import difflib
 import hashlib
@@ -15,30 +14,23 @@ import urllib.parse
 import torch
 
 from command_line import UserError, first_line
-from config import ModelShape, keys
+from config import Lora, ModelShape, keys
 from data import TOKENIZER_ID
 from model import GPT, PRETRAINED, GPTConfig
-from summarizer import lora, run_folder
+from summarizer import run_folder
 from summarizer.checkpoint import load_checkpoint
 
 GPT2_POSITIONS = 1024
 
 
 def is_checkpoint(source):
-    """Whether `source` names a checkpoint file (train.py's), not scratch, a GPT-2 name or a transformers folder."""
     return os.path.isfile(source) or source.endswith(".pt")
 
 
 def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None, ckpt=None):
-    """The one place a model is built: (model, checkpoint dict or None) from `source`, which is
-    - 'scratch': an untrained model of cfg's shape (n_layer, n_head, n_embd, block_size, bias), from torch's RNG;
-    - a GPT-2 name (gpt2 .. gpt2-xl) or a local transformers directory: its weights, the context cut to
-      cfg.block_size when that is shorter;
-    - a checkpoint file (.pt) written by train.py: its weights. A LoRA run's ckpt.pt holds the adapters and a
-      reference to its base (rebuilt from lora_base, else from where the run took it, and checked by hash):
-      merged into a plain GPT (as in best.pt), or with keep_adapters (to resume) kept as they are.
-    cfg.dropout applies to all three (without cfg, a checkpoint's model has the dropout it was saved with).
-    Errors name the config key the source came from. `ckpt`: the checkpoint at `source`, if loaded already."""
+    """(model, checkpoint or None) from `source`: scratch, a GPT-2 name or transformers folder (cut to cfg.block_size),
+    or a checkpoint (a LoRA run's adapters merged, or kept with keep_adapters). Errors name the config key `key`;
+    `ckpt`: the checkpoint at `source`, if loaded already."""
     if is_checkpoint(source):
         ckpt = load_checkpoint(source, key) if ckpt is None else ckpt
         model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
@@ -60,8 +52,7 @@ def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_bas
 
 
 def source_shape(source, ckpt=None):
-    """The ModelShape keys and block_size `source` fixes, read without its weights (`ckpt`: its checkpoint, if loaded
-    already); None for 'scratch' or a source that is not there (build_model says why)."""
+    """The ModelShape keys and block_size `source` fixes, read without its weights; None for scratch or nothing."""
     if ckpt is not None:
         return dict(ckpt["model_args"])
     if source in PRETRAINED:
@@ -81,21 +72,18 @@ def source_shape(source, ckpt=None):
 
 
 def resume_path(cfg):
-    """The ckpt.pt a resumed run continues: resume_from, else out_dir's."""
     return cfg.resume_from or os.path.join(cfg.out_dir, run_folder.CKPT)
 
 
 def trained_shape(cfg, start_ckpt):
-    """The ModelShape keys and block_size of the model a run of `cfg` trains: its source's shape (the checkpoint it
-    resumes or starts from, `start_ckpt`, else init_from), cut to cfg.block_size, or cfg's own from scratch."""
+    """The ModelShape keys and block_size of the model a run of `cfg` trains (`start_ckpt`: its checkpoint)."""
     shape = source_shape(cfg.init_from, start_ckpt) or {key: getattr(cfg, key) for key in keys(ModelShape)}
     return {**{key: shape[key] for key in keys(ModelShape)}, "block_size": min(cfg.block_size,
                                                                                shape.get("block_size", math.inf))}
 
 
 def check_folder(source, key):
-    """One line for a folder that holds no transformers model: a run's out_dir (its config.json is ours) names its
-    checkpoint instead."""
+    """A run's out_dir (its config.json is ours) names its checkpoint instead."""
     if not os.path.isdir(source) or any(os.path.isfile(os.path.join(source, weights))
                                         for weights in ("model.safetensors", "pytorch_model.bin")):
         return
@@ -110,8 +98,7 @@ def check_folder(source, key):
 
 
 def check_named(source, key, others=()):
-    """One line for a source that names nothing: none of `others`, scratch and the GPT-2 names, and no file or folder
-    there; every choice listed, the closest first."""
+    """One line for a source that names nothing, every choice listed, the closest first."""
     choices = [*others, "scratch", *PRETRAINED]
     if source in choices or os.path.exists(source):
         return
@@ -121,8 +108,7 @@ def check_named(source, key, others=()):
 
 
 def check_shape(cfg, explicit, source, key="init_from", ckpt=None):
-    """One line, before any work, when cfg asks `source` for what it cannot be (a block_size longer than its
-    positions, a shape flag in `explicit` not its own). `ckpt`: the checkpoint at `source`, if loaded already."""
+    """One line, before any work, when cfg asks `source` for what it cannot be (more positions, another shape)."""
     if source != "scratch":
         check_named(source, key, ("resume",) if key == "init_from" else ())
         check_folder(source, key)
@@ -140,8 +126,7 @@ def check_shape(cfg, explicit, source, key="init_from", ckpt=None):
 
 
 def from_hub_cache(source, key="init_from"):
-    """Whether GPT-2 `source` loads from the hub's cache alone (the hub cannot be reached); one line when it is not
-    there either. False for any other source."""
+    """Whether GPT-2 `source` loads from the hub's cache alone (offline); one line when it is not there either."""
     offline = source in PRETRAINED and not hub_reachable()
     if offline and not in_hub_cache(source):
         raise UserError(f"{key}={source} needs GPT-2's weights from {hub_endpoint()}, which cannot be reached (no "
@@ -156,8 +141,7 @@ def hub_endpoint():
 
 
 def hub_reachable(timeout=3.0):
-    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a connection within `timeout` seconds. Without this,
-    an offline machine spends about a minute in transformers' retries before its error."""
+    """Without this, an offline machine spends about a minute in transformers' retries before its error."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return False
     url = urllib.parse.urlparse(hub_endpoint())
@@ -175,20 +159,18 @@ def hub_reachable(timeout=3.0):
 
 
 def in_hub_cache(name):
-    """Whether GPT-2 `name` was downloaded before (transformers can then load it offline)."""
     from huggingface_hub import try_to_load_from_cache
-
-    def cached(filename):
-        return isinstance(try_to_load_from_cache(name, filename), str)
-    return cached("config.json") and (cached("model.safetensors") or cached("pytorch_model.bin"))
+    config, *weights = (isinstance(try_to_load_from_cache(name, file), str)
+                        for file in ("config.json", "model.safetensors", "pytorch_model.bin"))
+    return config and any(weights)
 
 
 def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
-    """The checkpoint's model (see build_model)."""
     if ckpt["tokenizer"] != TOKENIZER_ID:
         raise UserError(f"{path} was trained with tokenizer {ckpt['tokenizer']}, this version has {TOKENIZER_ID}: "
                         f"its token ids would mean other text")
     state = own_copies(ckpt["model"])
+    adapters = any(f".lora_A.{ADAPTER}." in key for key in state)
     try:
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
@@ -196,10 +178,10 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
                         f"{str(e) or type(e).__name__}") from None
     if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
         state = {**base_weights(ckpt, path, lora_base, model, keep_adapters), **state}
-    if lora.has_adapters(state) and keep_adapters:
-        lora.add_adapters(model, **lora.settings(ckpt["config"]))
-    elif lora.has_adapters(state):
-        state = dict(lora.merged_weights(state, **lora.settings(ckpt["config"])))
+    if adapters and keep_adapters:
+        add_adapters(model, **lora_settings(ckpt["config"]))
+    elif adapters:
+        state = dict(merged_weights(state, **lora_settings(ckpt["config"])))
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
@@ -209,8 +191,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
 
 
 def own_copies(state):
-    """The tensors of `state` (a checkpoint's mmap) copied into memory once each: no tensor keeps the file mapped,
-    whose disk space would stay in use after a save replaces it."""
+    """Copies, once each: a tensor that keeps a checkpoint's mmap keeps its disk space after a save replaces it."""
     copies, owned = {}, {}
     for key, tensor in state.items():
         storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
@@ -221,8 +202,7 @@ def own_copies(state):
 
 
 def weights_digest(state_dict):
-    """sha256 of a state dict's tensors (names, dtypes, shapes, bytes), in key order: the identity of a LoRA
-    run's frozen base."""
+    """sha256 of a state dict's names, dtypes, shapes and bytes: the identity of a LoRA run's frozen base."""
     digest = hashlib.sha256()
     for name, tensor in state_dict.items():
         tensor = tensor.detach().cpu().contiguous()
@@ -232,8 +212,7 @@ def weights_digest(state_dict):
 
 
 def base_weights(ckpt, path, source, model, resuming):
-    """The frozen base of a LoRA ckpt.pt under `model`'s keys, rebuilt from `source` (else where the run took it)
-    and checked against its hash; where it cannot be, the line says how to go on."""
+    """A LoRA ckpt.pt's frozen base, rebuilt from `source` (else where the run took it) and checked by its hash."""
     reference = ckpt["lora_base"]
     source = source or reference["init_from"]
     go_on = (f"continue with --resume_from={path} --init_from=<where the base is now: a GPT-2 "
@@ -262,8 +241,7 @@ def resuming(cfg):
 
 
 def start_checkpoint(cfg):
-    """(path, its Checkpoint) of the checkpoint the run continues (resuming) or starts from (init_from=<a
-    checkpoint file>), else (None, None)."""
+    """(path, Checkpoint) of the checkpoint the run continues or starts from, else (None, None)."""
     if resuming(cfg):
         path = resume_path(cfg)
         running = None if cfg.resume_from else run_folder.training_in(cfg.out_dir)
@@ -289,17 +267,16 @@ def start_checkpoint(cfg):
 
 
 def lora_base_moved_to(cfg):
-    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from), else None."""
+    """Where a resumed LoRA run's base is now, if the command says (init_from beside resume_from)."""
     return cfg.init_from if cfg.init_from != "resume" else None
 
 
 def model_to_train(cfg, start_ckpt=None):
-    """(model, ckpt.pt's Checkpoint when resuming, else None) as init_from says, with LoRA adapters when lora_rank >
-    0. `start_ckpt`: the checkpoint run_settings loaded and resolved cfg against (else loaded here)."""
+    """(model, ckpt.pt's Checkpoint when resuming, else None); `start_ckpt`: the checkpoint, if loaded already."""
     if not resuming(cfg):
         model, _ = build_model(cfg.init_from, cfg, ckpt=start_ckpt)
         if cfg.lora_rank:
-            lora.add_adapters(model, **lora.settings(cfg))
+            add_adapters(model, **lora_settings(cfg))
         return model, None
     path = resume_path(cfg)
     model, ckpt = build_model(path, cfg, keep_adapters=True, lora_base=lora_base_moved_to(cfg), ckpt=start_ckpt)
@@ -311,8 +288,7 @@ def model_to_train(cfg, start_ckpt=None):
 
 
 def kept_lora_base(cfg, model, ckpt):
-    """What ckpt.pt keeps of a LoRA run's frozen base instead of its weights (where it comes from, its hash),
-    or None where it keeps the weights: full fine-tuning, adapters on a random (scratch) base."""
+    """What ckpt.pt keeps of a LoRA run's base instead of its weights, or None where it keeps them (scratch)."""
     if not cfg.lora_rank:
         return None
     if ckpt is not None:
@@ -320,4 +296,53 @@ def kept_lora_base(cfg, model, ckpt):
         return reference and {**reference, "init_from": lora_base_moved_to(cfg) or reference["init_from"]}
     if cfg.init_from == "scratch":
         return None
-    return {"init_from": cfg.init_from, "sha256": weights_digest(lora.base_state_dict(model.state_dict()))}
+    base = {key.replace(".base_layer.", "."): value for key, value in model.state_dict().items() if ".lora_" not in key}
+    return {"init_from": cfg.init_from, "sha256": weights_digest(base)}
+
+
+# ---- LoRA: adapters on the blocks' Linear layers (peft), base frozen; merged, a plain GPT state dict ------------
+
+ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (...lora_A.default.weight)
+
+
+def lora_settings(config):
+    """The Lora settings of a Config or of a checkpoint's config dict, as keywords."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+    return {key: get(key) for key in keys(Lora)}
+
+
+def add_adapters(model, lora_rank, lora_alpha, lora_dropout, lora_targets):
+    """Adapters (B zero: the model is unchanged until trained) on every block's lora_targets, in place."""
+    from peft import LoraConfig, inject_adapter_in_model  # seconds to import: only for LoRA runs
+
+    peft_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                             target_modules=list(lora_targets), bias="none")
+    return inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
+
+
+def merged_weights(state_dict, lora_rank, lora_alpha, **_):
+    """(key, float32 tensor) of the plain GPT state dict, one weight at a time: W + B @ A * lora_alpha / lora_rank
+    (peft's merge)."""
+    scaling = lora_alpha / lora_rank
+    for key, value in state_dict.items():
+        if ".lora_" in key:
+            continue
+        layer, _, kind = key.partition(".base_layer.")
+        if kind == "weight":
+            a, b = state_dict[f"{layer}.lora_A.{ADAPTER}.weight"], state_dict[f"{layer}.lora_B.{ADAPTER}.weight"]
+            value = value + b @ a * scaling
+        yield (f"{layer}.{kind}" if kind else key), value.float()
+
+
+def cast_base(model, dtype):
+    """The frozen Linear layers in the compute dtype: half the bytes, and autocast uses them without casting them
+    again at every forward. Adapters, embeddings and LayerNorms stay float32."""
+    for module in model.transformer.h.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            module.to(dtype)
+    return model
+
+
+def adapter_state_dict(state_dict):
+    """All of the weights a LoRA run's ckpt.pt keeps."""
+    return {key: value for key, value in state_dict.items() if ".lora_" in key}

@@ -33,7 +33,8 @@ from command_line import UserError
 from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
-from summarizer import lora
+from summarizer.loading import lora_settings, merged_weights
+from summarizer.run_folder import nbytes
 
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
@@ -41,18 +42,6 @@ CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may
 # a container's memory limit and what its processes use: cgroup v2's, then v1's
 CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
-
-
-def nbytes(tensors, per_tensor=0):
-    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
-    the one count of tensor bytes, which the run folder's disk plan and bench ask too."""
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.nbytes + per_tensor
-    return total
 
 
 def shard_bytes(tensors, world_size):
@@ -187,7 +176,7 @@ def ledger(run, rows, budget):
     if not fsdp and not cfg.lora_rank and run.dtype == torch.float32:
         copied = 0  # rouge_model decodes with the trained model itself
     # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
-    merged = counted(lambda: deque(lora.merged_weights(meta.state_dict(), **lora.settings(cfg)), maxlen=0))[1] \
+    merged = counted(lambda: deque(merged_weights(meta.state_dict(), **lora_settings(cfg)), maxlen=0))[1] \
         if cfg.lora_rank else 0
     prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
     phases = dict(train=train,

@@ -14,7 +14,7 @@ from model import Targets
 from summarizer.backends import zero_gradients
 from summarizer.launch import out_of_memory, training_memory_hint
 from summarizer.memory import parameter_bytes
-from summarizer.state import rng_state, set_rng_state
+from summarizer.state import rng_restored
 
 
 def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
@@ -45,17 +45,16 @@ def peak_step(cfg, rt, model, train_set):
     """A step's peak on `model` (the model, or its CompiledModule) before any backend wraps it (no collective: a rank
     out of memory leaves it alone), beside AdamW's state and, where the backend keeps them between steps, the
     gradients. Leaves no gradients, draws no random numbers."""
-    rng = rng_state()
     rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
     x, y = data.collate(train_set, rows, cfg.train_on_prompt)
     held = torch.empty(parameter_bytes(model, rt.backend, rt.world_size)[2], dtype=torch.uint8, device=rt.device)
     if rt.parallel.keeps_gradients:
         zero_gradients(model)
     try:
-        with rt.autocast():
-            _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
-        loss.backward()
+        with rng_restored():
+            with rt.autocast():
+                _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
+            loss.backward()
     finally:
         del held
         model.zero_grad(set_to_none=True)
-        set_rng_state(rng)

@@ -7,15 +7,15 @@ from dataclasses import dataclass, replace
 import torch
 
 import data
-from command_line import UserError
+from command_line import UserError, atomic_write
 from config import config_json, flags_given, load_config, resolve, rows_per_rank, settings_given
 from model import Targets
-from summarizer import inference, lora, run_folder
+from summarizer import inference, run_folder
+from summarizer.backends import CompiledModule
 from summarizer.clock import RunClock, decayed, sessions_done, used_up
-from summarizer.compiling import CompiledModule
-from summarizer.files import atomic_write
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
+    cast_base,
     check_shape,
     from_hub_cache,
     kept_lora_base,
@@ -26,7 +26,7 @@ from summarizer.loading import (
 )
 from summarizer.memory import choose_micro_batch, workload
 from summarizer.micro_batch import micro_batch_that_runs
-from summarizer.state import TrainingState, rng_state, set_rng_state
+from summarizer.state import TrainingState, rng_restored
 from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
 
@@ -61,7 +61,7 @@ def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False
     model.gradient_checkpointing = cfg.gradient_checkpointing
     lora_base = kept_lora_base(cfg, model, resumed) if rt.is_main else None  # its hash: of the base as loaded
     if rt.backend != "fsdp":  # FSDP gathers its units in 16 bits anyway (and torch < 2.8 wants one dtype a unit)
-        lora.cast_base(model, getattr(torch, rt.dtype))
+        cast_base(model, getattr(torch, rt.dtype))
     compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
     cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model, phase)
     tracker.cfg = cfg  # the tracker logs the chosen settings
@@ -174,11 +174,11 @@ def training_state(cfg, rt, model, resumed, splits, given, base):
 
 def time_step(cfg, rt, batches, state, module, phase):
     """(a warm step's seconds, its tokens): the slowest warm run, as a busy machine's quiet moment must not mislead."""
-    rng, runs, batch = rng_state(), [], batches(state.step)
+    runs, batch = [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
     x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
     phase("timing a training step (its first call pays the one-time costs)")
-    with training_memory_hint(cfg, rt):
+    with training_memory_hint(cfg, rt), rng_restored():
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
             with rt.autocast():
@@ -187,7 +187,6 @@ def time_step(cfg, rt, batches, state, module, phase):
             runs.append(time.perf_counter() - start)
         phase("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
-    set_rng_state(rng)
     return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
@@ -195,14 +194,13 @@ def time_decoding(cfg, rt, state, prompts, phase):
     """[(seconds, summaries)]: untrained weights run to max_new_tokens, an upper bound."""
     prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
     if prompts:
-        rng = rng_state()
         phase(f"timing a batch of {len(prompts)} summaries")
         model = inference.rouge_model(state.model, cfg, rt)
-        for _ in range(1 + WARM_RUNS):
-            start = time.perf_counter()
-            inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
-            timed.append((time.perf_counter() - start, len(prompts)))
-        set_rng_state(rng)
+        with rng_restored():
+            for _ in range(1 + WARM_RUNS):
+                start = time.perf_counter()
+                inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
+                timed.append((time.perf_counter() - start, len(prompts)))
     return timed
 
 

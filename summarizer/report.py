@@ -12,9 +12,9 @@ import pandas as pd
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 
+from command_line import atomic_write
 from config import ROUGE_TYPES
 from summarizer import tracking
-from summarizer.files import atomic_write
 from summarizer.scoring import StemCachedTokenizer
 
 WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare

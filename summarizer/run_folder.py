@@ -1,22 +1,21 @@
-"""The run folder (out_dir): the names of the files a run keeps there, the lock that gives the folder to one
-training run at a time, moving an earlier run's files aside, the disk its checkpoints take, and what the commands
-say about the folder when a file they need is not there."""
+"""The run folder (out_dir): its file names, the lock that gives it to one training run at a time, an earlier run's
+files moved aside, a killed save's temp files removed, the disk its checkpoints take, and the missing-file hints."""
 import contextlib
 import datetime
 import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import sys
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from command_line import UserError, repository_copy_hint
-from summarizer.files import left_by_a_dead_process
-from summarizer.memory import nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"
@@ -33,8 +32,8 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and check that a file can be written there, before any work whose results would be lost.
-    `reads`: the flag naming the checkpoint the command takes from out_dir, which another out_dir must then give."""
+    """Create the folder and write a file there, before any work whose results would be lost. `reads`: the flag that
+    names the checkpoint the command takes from out_dir, which another out_dir must then give."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -48,9 +47,20 @@ def make(path, reads=None):
         print(removed)
 
 
+def left_by_a_dead_process(name):
+    """The file an atomic_write temp `name` was to become, when its writer is gone; else None."""
+    if match := re.fullmatch(r"(.+)\.tmp(\d+)", name):
+        try:
+            os.kill(int(match[2]), 0)  # signal 0 only asks whether the process exists
+        except ProcessLookupError:
+            return match[1]
+        except (PermissionError, OverflowError, ValueError):  # another user's process; a number no pid is
+            pass
+    return None
+
+
 def remove_left_temp_files(folder):
-    """Remove the temp files a process killed while saving left (a half-written checkpoint of gigabytes: Kaggle
-    keeps 20 GB); a live process's are its own. The line that says what went, or None."""
+    """The line that says which temp files a killed save left (a checkpoint's are gigabytes) were removed, or None."""
     removed, freed = [], 0
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -69,27 +79,34 @@ def remove_left_temp_files(folder):
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
     """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
-    another run holds stops every rank before any write. A folder this run made goes if it failed empty."""
-    created = not os.path.exists(out_dir)
+    another run holds stops every rank before any write."""
     handle, problem = None, None
-    if is_main:
-        make(out_dir, reads)
-        handle = lock(out_dir)
-        if handle is None:
-            problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
-    failed = True
-    try:
-        stop_if(problem)
-        yield
-        failed = False
-    finally:
-        if handle:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out_dir, LOCK))  # while still holding it: see lock()
-            handle.close()
-            if created and failed:
+    with no_empty_folder_left(out_dir if is_main else None):
+        if is_main:
+            make(out_dir, reads)
+            if (handle := lock(out_dir)) is None:
+                problem = in_use(out_dir, training_in(out_dir) or describe_holder(None))  # None: it ended since
+        try:
+            stop_if(problem)
+            yield
+        finally:
+            if handle:
                 with contextlib.suppress(OSError):
-                    os.rmdir(out_dir)  # only if empty
+                    os.remove(os.path.join(out_dir, LOCK))  # while still holding it: see lock()
+                handle.close()
+
+
+@contextlib.contextmanager
+def no_empty_folder_left(*paths):
+    """If the body fails, those of `paths` it created that are still empty go."""
+    new = [path for path in paths if path and not os.path.exists(path)]
+    try:
+        yield
+    except BaseException:
+        for path in sorted(new, key=len, reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
 
 
 def in_use(out_dir, who):
@@ -98,8 +115,7 @@ def in_use(out_dir, who):
 
 
 def lock(out_dir):
-    """The open lock file of out_dir, flock'ed by this process and naming it, or None when another holds it. A
-    file another run removed between our open and our flock is not the lock any more: open it again."""
+    """The open lock file of out_dir, flock'ed by this process and naming it, or None when another holds it."""
     path = os.path.join(out_dir, LOCK)
     while True:
         handle = open(path, "a+")
@@ -108,7 +124,7 @@ def lock(out_dir):
         except BlockingIOError:
             handle.close()
             return None
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):  # a file removed between our open and flock is no lock
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
         handle.close()
@@ -121,8 +137,7 @@ def lock(out_dir):
     return handle
 
 
-def describe_holder(who):
-    """'pid 123 on host h since 2026-11-25T10:00:00' from a lock file's contents."""
+def describe_holder(who):  # a lock file's contents
     try:
         return f"pid {who['pid']} on host {who['host']} since {who['since']}"
     except (KeyError, TypeError):
@@ -130,8 +145,7 @@ def describe_holder(who):
 
 
 def training_in(out_dir):
-    """The holder of out_dir's lock when a training run other than this process holds it, else None: evaluate,
-    predict and export then read the last complete save (saves replace files whole, never in place)."""
+    """Who holds out_dir's lock when a training run other than this process does, else None."""
     try:
         with open(os.path.join(out_dir, LOCK), encoding="utf-8") as f:
             with contextlib.suppress(BlockingIOError):
@@ -146,8 +160,8 @@ def training_in(out_dir):
 
 
 def set_aside_earlier_run(out_dir):
-    """Move an earlier run's files into out_dir/previous-run-<its time>/, so a fresh run neither appends to its
-    metrics nor overwrites its checkpoints; a line saying so, or None. Call it once every check has passed."""
+    """A fresh run neither appends to an earlier run's metrics nor overwrites its checkpoints: they move into
+    out_dir/previous-run-<its time>/. A line saying so, or None. Call it once every check has passed."""
     best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
     if not found:
@@ -157,8 +171,7 @@ def set_aside_earlier_run(out_dir):
 
 
 def set_aside_other_output(out, record, names, prefix, made_by):
-    """Move `names` of folder `out` into out/<prefix>-<time>/, saying so in one line, unless every key of `made_by`
-    matches what the JSON file `record` among them says made them (no record: moved too)."""
+    """Move `names` of `out` aside, saying so, unless the JSON `record` among them says `made_by` made them."""
     try:
         with open(os.path.join(out, record), encoding="utf-8") as f:
             made = dict(json.load(f))
@@ -172,7 +185,7 @@ def set_aside_other_output(out, record, names, prefix, made_by):
 
 
 def free_path(path, suffix=""):
-    """`path + suffix`, or the first of path-2, path-3, ... (before the suffix) that does not exist."""
+    """`path + suffix`, or the first of path-2, path-3, ... that does not exist."""
     candidate, n = path + suffix, 1
     while os.path.exists(candidate):
         n += 1
@@ -181,8 +194,7 @@ def free_path(path, suffix=""):
 
 
 def move_aside(out_dir, names, prefix):
-    """Move those of `names` that exist in out_dir into out_dir/<prefix>-<time of the newest>/. Returns (the names
-    moved, the folder), or ([], None)."""
+    """(those of `names` moved into out_dir/<prefix>-<time of the newest>/, the folder), or ([], None)."""
     if not (found := [name for name in names if os.path.exists(os.path.join(out_dir, name))]):
         return [], None
     newest = max(os.path.getmtime(os.path.join(out_dir, name)) for name in found)
@@ -195,8 +207,8 @@ def move_aside(out_dir, names, prefix):
 
 
 def keep_best_of_metric(out_dir, metric):
-    """Rename out_dir/best.pt, the best by `metric`, to best-<metric>.pt (best-<metric>-2.pt, ... if taken), so a
-    run that now picks its best by another metric loses nothing. Returns the new path, or None without best.pt."""
+    """best.pt renamed best-<metric>.pt, so a run that now picks its best by another metric loses nothing; its path,
+    or None."""
     best = os.path.join(out_dir, BEST)
     if not os.path.exists(best):
         return None
@@ -206,9 +218,8 @@ def keep_best_of_metric(out_dir, metric):
 
 
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: where the file is found, and the flag `use` that takes it; ''
-    where it is not. Relative paths resolve against the working folder, so a command run from another folder misses
-    the repository's file; a fresh run moves an earlier run's into previous-run-*/ beside it (the newest is named)."""
+    """The clause that ends a 'does not exist' line: the copy that exists (the repository's, an earlier run's moved
+    into previous-run-*/) and the flag `use` that takes it; '' where none does."""
     if repository := repository_copy_hint(path, use):
         return repository
     folder, name = os.path.split(os.path.abspath(path))
@@ -229,8 +240,8 @@ ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 has
 
 @dataclass(frozen=True)
 class Quota:
-    """A folder that keeps at most `gb` GB as output, whatever its filesystem's free space (Kaggle's
-    /kaggle/working keeps 20 GB: what is beyond is lost at "Save Version", after the GPU hours are spent)."""
+    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB, the rest lost at "Save
+    Version", after the GPU hours are spent)."""
     folder: str
     gb: float
 
@@ -240,8 +251,7 @@ class Quota:
 
 
 def room(path, quota):
-    """(bytes a write into `path` may take, what limits them): the free space of its filesystem or, for a path
-    under the quota's folder where that is less, what the quota leaves after what the folder holds already."""
+    """(bytes a write into `path` may take, what limits them: its filesystem or the quota)."""
     free = free_bytes(path)
     if quota.folder and os.path.isdir(quota.folder) and os.path.commonpath(
             [os.path.realpath(quota.folder), os.path.realpath(path)]) == os.path.realpath(quota.folder):
@@ -253,7 +263,6 @@ def room(path, quota):
 
 
 def free_bytes(path):
-    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -261,7 +270,7 @@ def free_bytes(path):
 
 
 def file_bytes(path):
-    """Bytes of a file, or of everything under a folder; 0 for nothing."""
+    """Bytes of a file, or of everything under a folder."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
@@ -271,23 +280,25 @@ def gb(n):
     return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
 
 
+def nbytes(tensors, per_tensor=0):
+    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` each: the one count, memory's plan's too."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes + per_tensor
+    return total
+
+
 def checkpoint_bytes(state):
-    """Bytes of a checkpoint holding `state` (nested dicts and lists of tensors and plain values), rounded up."""
-    return nbytes(tensors_in(state), ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
-
-
-def tensors_in(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for value in obj.values() if isinstance(obj, dict) else obj:
-            yield from tensors_in(value)
+    tensors = [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+    return nbytes(tensors, ZIP_BYTES_PER_TENSOR) + ZIP_BYTES_FIXED
 
 
 class DiskPlan:
-    """The files a training run keeps in out_dir, sized from the model's real tensors: ckpt.pt (with small_lora the
-    adapters alone, and AdamW's moments), best.pt, and a second copy of the larger one while a save replaces it (on
-    the disk's free space: an output quota counts what the folder keeps, and an atomic save keeps one copy)."""
+    """ckpt.pt, best.pt and, while a save replaces one, its second copy (which an output quota does not count), sized
+    from the model's tensors."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once
@@ -304,7 +315,7 @@ class DiskPlan:
 
     @property
     def kept(self):
-        """What out_dir holds between saves, all an output quota keeps: a save's second copy goes as it ends."""
+        """What out_dir holds between saves."""
         return self.ckpt + self.best + self.export
 
     @property
@@ -319,13 +330,13 @@ class DiskPlan:
         return f"{gb(self.peak)} ({' + '.join(parts)})"
 
     def room(self):
-        """'51 GB free on its filesystem', or what an output quota leaves: the room out_dir's checkpoints have."""
+        """'51 GB free on its filesystem', or what an output quota leaves."""
         left, limit = self.space
         return f"{gb(left)} {limit}"
 
     def problem(self, resuming):
-        """None if out_dir's filesystem and output quota can take the run's peak, else the one line that says what
-        to change. A resumed run replaces the ckpt.pt and best.pt there; a fresh one keeps them, moved aside."""
+        """None, or the one line that says what to change. A resumed run replaces the ckpt.pt and best.pt there; a
+        fresh one keeps them, moved aside."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
         (free, limit), disk = self.space, free_bytes(out_dir)
@@ -352,9 +363,8 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 
 def save_problem(writes, iter_num, quota):
-    """None if the (path, state) checkpoints can be written one after the other, each beside the file it replaces,
-    within the free space, and what the folder keeps then within the output `quota`; else the line that says which
-    cannot and what is kept."""
+    """None if the (path, state) checkpoints fit, written one after the other beside the files they replace, else the
+    line that says which cannot and what is kept."""
     (free, limit), disk = room(writes[0][0], quota), free_bytes(writes[0][0])
     for path, state in writes:
         need = checkpoint_bytes(state)

@@ -1,6 +1,4 @@
-"""Where the job runs: the Runtime of this process (rank, device, precision, whether it compiles
-(summarizer/compiling.py) and replays greedy's steps as CUDA graphs (generate.StepGraphs), its backend from
-summarizer/backends.py, and the few collectives the trainer uses)."""
+"""Where the job runs: this process's Runtime (rank, device, precision, compile and CUDA graphs, its backend)."""
 import contextlib
 import functools
 import os
@@ -13,16 +11,14 @@ from tqdm import tqdm
 
 from command_line import UserError
 from generate import StepGraphs
-from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend
-from summarizer.compiling import use_compile
+from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend, use_compile
 
 ACCELERATE_PRECISIONS = {"no": None, "fp16": "float16", "bf16": "bfloat16"}
 
 
 def choose_precision(requested, device_type, capability=None, accelerate_precision="no"):
-    """(dtype name, use GradScaler) from the config's `dtype`, the device's properties and, under `accelerate
-    launch`, Accelerate's mixed_precision ('no' is its default when the user chose nothing, so it defers to us).
-    CUDA: bf16 from compute capability 8.0 (A100, H100, L4, A10), else fp16 + GradScaler; CPU: fp32 unless asked."""
+    """(dtype name, use GradScaler). Accelerate's mixed_precision 'no' is its default, so it defers to us. CUDA: bf16
+    from compute capability 8.0, else fp16 + GradScaler; CPU: fp32 unless asked."""
     if accelerate_precision not in ACCELERATE_PRECISIONS:
         raise UserError(f"Accelerate's mixed_precision={accelerate_precision!r} is not supported here: use 'no', "
                         f"'fp16' or 'bf16' (accelerate launch --mixed_precision=...) and this trainer's --dtype")
@@ -44,17 +40,15 @@ def choose_precision(requested, device_type, capability=None, accelerate_precisi
 
 
 def expandable_segments():
-    """The CUDA allocator's expandable segments, before its first allocation (widths that vary every step fragment
-    fixed segments), set through the release's own setter rather than a variable: torch 2.8-2.11 warn that
-    PYTORCH_CUDA_ALLOC_CONF is deprecated, and some of them ignore PYTORCH_ALLOC_CONF's (pytorch#183387)."""
+    """Widths that vary every step fragment fixed segments. Set through the setter, not a variable: torch 2.8-2.11
+    warn that PYTORCH_CUDA_ALLOC_CONF is deprecated, and some ignore PYTORCH_ALLOC_CONF (pytorch#183387)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 names the setter torch._C's
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 class Runtime:
-    """Rank, world size, device, precision and compile of this process; its backend (rt.parallel) and the few
-    collective operations the trainer uses."""
+    """Rank, world size, device, precision and compile of this process; its backend (rt.parallel) and collectives."""
 
     def __init__(self, cfg):
         self.backend = resolve_backend(cfg.backend, os.environ)
@@ -73,7 +67,7 @@ class Runtime:
         # module at each step
         self.barrier, self.all_reduce_sum = self.parallel.barrier, self.parallel.all_reduce_sum
         self.all_gather_objects = self.parallel.all_gather_objects
-        self.is_main = self.rank == 0
+        self.is_main, self.distributed = self.rank == 0, self.world_size > 1
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.dtype, self.use_scaler = choose_precision(cfg.dtype, self.device.type, capability, accelerate_precision)
         self.autocast = (contextlib.nullcontext if self.dtype == "float32" else
@@ -97,8 +91,7 @@ class Runtime:
             self.parallel.plan(cfg.fsdp_reduce_once, self.dtype, self.is_main)
 
     def describe(self, compiled):
-        """What runs, in words: the line the trainer prints (and what it prints is what runs); `compiled` says what
-        runs under torch.compile."""
+        """What runs, in words; `compiled` says what runs under torch.compile."""
         return (f"{self.dtype}{' with GradScaler' if self.use_scaler else ''} on {self.device_name}, "
                 f"{compiled}, backend {self.backend}"
                 + (f" (following {', '.join(self.decided_by)})" if self.decided_by else "")
@@ -112,13 +105,8 @@ class Runtime:
             traceback.clear_frames(trace)
         self.parallel.close(clean=kind is None)
 
-    @property
-    def distributed(self):
-        return self.world_size > 1
-
     def stop_if(self, problem):
-        """Every rank stops together when rank 0 found `problem` (rank 0 ends with it as its one error line; the
-        others exit quietly); with None from rank 0 every rank goes on."""
+        """Every rank stops together when rank 0 found `problem`: its one error line, the others quietly."""
         problem = self.all_gather_objects(problem if self.is_main else None)[0]
         if problem and self.is_main:
             raise UserError(problem)

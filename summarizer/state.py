@@ -1,4 +1,5 @@
 """What ckpt.pt holds of a run in progress and a resume restores; the file's record is summarizer.checkpoint's."""
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -8,9 +9,10 @@ import torch
 import data
 from command_line import UserError
 from config import AdamW, keys
-from summarizer import lora, run_folder
+from summarizer import run_folder
 from summarizer.checkpoint import FORMAT, Record, save_checkpoint, shape_settings
 from summarizer.clock import describe_schedule, lr_schedule, resumed_schedule, sessions_done
+from summarizer.loading import adapter_state_dict, lora_settings, merged_weights
 
 
 @dataclass
@@ -65,7 +67,7 @@ class TrainingState:
                             best_score=self.best_score, best_val_loss=self.best_val_loss,
                             metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
                             train_rows=self.train_rows, validation_digest=self.validation_digest, model={})
-            trained = ({"model": lora.adapter_state_dict(model_state), "lora_base": self.lora_base}
+            trained = ({"model": adapter_state_dict(model_state), "lora_base": self.lora_base}
                        if self.lora_base else {"model": model_state})
             writes.append((os.path.join(cfg.out_dir, run_folder.CKPT),
                            {**record, **trained, "optimizer": optimizer_state,
@@ -74,7 +76,7 @@ class TrainingState:
             if best:
                 merged = model_state if not cfg.lora_rank else {  # what the merge makes goes to the host at once
                     key: value if value is model_state.get(key) else value.cpu()
-                    for key, value in lora.merged_weights(model_state, **lora.settings(cfg))}
+                    for key, value in merged_weights(model_state, **lora_settings(cfg))}
                 writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
         rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
         for path, state in writes:
@@ -132,3 +134,13 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_restored():
+    """Side work (a timing, a memory probe) leaves the RNG as it found it: the run's dropout draws what it would."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

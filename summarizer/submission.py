@@ -5,9 +5,8 @@ import os
 import pandas as pd
 
 import data
-from command_line import UserError
+from command_line import UserError, atomic_write
 from summarizer import inference, run_folder
-from summarizer.files import atomic_write
 
 
 def write_submission(ids, summaries, path):

@@ -6,9 +6,8 @@ import os
 import re
 from dataclasses import asdict
 
-from command_line import UserError
+from command_line import UserError, atomic_write, disk_full
 from config import as_json, describe_duration
-from summarizer.files import atomic_write, disk_full
 from summarizer.run_folder import METRICS
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows

@@ -17,13 +17,12 @@ import pytest
 import torch
 
 import train
-from command_line import UserError
+from command_line import UserError, disk_full
 from config import Decoding, load_config, parse_duration, part
 from conftest import REPO, TINY, metrics, one_error_line
 from model import GPT
 from summarizer import inference, loading, memory, run_folder
 from summarizer.checkpoint import load_checkpoint, save_checkpoint
-from summarizer.files import disk_full
 from summarizer.state import TrainingState
 
 

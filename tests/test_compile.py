@@ -16,8 +16,8 @@ from config import Decoding, load_config
 from conftest import mid_way_eos, tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
-from summarizer import inference, lora
-from summarizer.compiling import CompiledModule
+from summarizer import inference, loading
+from summarizer.backends import CompiledModule
 
 MAX_NEW = 20
 
@@ -135,7 +135,7 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
     fallback, with the eager loss and gradients."""
     torch.manual_seed(0)
     model = tiny_gpt()
-    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
+    loading.add_adapters(model, **loading.lora_settings(load_config(["--lora_rank=2", "--lora_dropout=0.0"])))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:

@@ -8,7 +8,7 @@ import torch
 
 import train
 from conftest import metrics, run, tiny, torchrun
-from summarizer import compiling
+from summarizer import backends
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_the_compiled_module_falls_back_to_its_own_weights(capsys, fresh_dynamo)
     model = tiny_gpt()
     x = torch.randint(0, 64, (2, 8))
     with torch._dynamo.config.patch(recompile_limit=1):
-        compiled = compiling.CompiledModule(model)
+        compiled = backends.CompiledModule(model)
         compiled(x, Targets.of(x))
         assert compiled.why is None
         _, loss = compiled(x[:1], Targets.of(x[:1]))

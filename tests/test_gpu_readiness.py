@@ -24,8 +24,8 @@ from config import load_config
 from conftest import REPO, metrics, save_csv, synthetic_rows, tiny, tiny_gpt
 from generate import generate
 from summarizer import preparation
+from summarizer.backends import use_compile
 from summarizer.checkpoint import load_checkpoint
-from summarizer.compiling import use_compile
 from summarizer.loading import build_model
 from summarizer.runtime import Runtime, choose_precision
 from summarizer.tracking import peak_flops

@@ -263,16 +263,16 @@ def test_the_docs_say_what_a_stop_does_before_the_first_step_and_after_a_killed_
     assert "ChildFailedError" in killed and "`error (rank N)` line above it is the one to act on" in killed, killed
 
 
-def test_every_script_hands_ctrl_c_to_quiet_start_around_its_imports():
-    """The test below shows train.py's imports end in one line; each script holds it: quiet_start's two calls
+def test_every_script_hands_ctrl_c_to_the_package_around_its_imports():
+    """The test below shows train.py's imports end in one line; each script holds it: summarizer's two calls
     enclose every import after its own."""
     for script in ("train.py", "evaluate.py", "predict.py", "export.py"):
         with open(os.path.join(REPO, script), encoding="utf-8") as f:
             lines = [ast.unparse(node) for node in ast.parse(f.read()).body]
         imports = [i for i, line in enumerate(lines) if line.startswith(("import ", "from "))]
-        until, imported = lines.index("quiet_start.until_imported(__name__)"), lines.index(
-            "quiet_start.imported(__name__)")
-        assert lines[imports[0]] == "from summarizer import quiet_start" and imports[0] + 1 == until, script
+        until, imported = lines.index("summarizer.until_imported(__name__)"), lines.index(
+            "summarizer.imported(__name__)")
+        assert lines[imports[0]] == "import summarizer" and imports[0] + 1 == until, script
         assert until < imports[1] and imports[-1] < imported, script
 
 

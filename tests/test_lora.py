@@ -21,7 +21,7 @@ import train
 from config import load_config
 from conftest import assert_export_matches, metrics, tiny, tiny_gpt
 from model import GPT, PRETRAINED, GPTConfig, Targets
-from summarizer import inference, lora, memory
+from summarizer import inference, loading, memory
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import model_from_checkpoint
 from summarizer.preparation import prepare
@@ -37,7 +37,7 @@ def trained_adapter_model():
     model = tiny_gpt(vocab_size=96)
     base = copy.deepcopy(model.state_dict())
     cfg = load_config(["--lora_rank=2", "--lora_alpha=8", "--lora_dropout=0.1"])
-    lora.add_adapters(model, **lora.settings(cfg))
+    loading.add_adapters(model, **loading.lora_settings(cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
@@ -55,7 +55,7 @@ def test_only_adapters_train_and_the_base_is_untouched(trained_adapter_model):
 
 def test_merged_weights_are_base_plus_low_rank_update(trained_adapter_model):
     model, base, cfg = trained_adapter_model
-    merged = dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg)))
+    merged = dict(loading.merged_weights(model.state_dict(), **loading.lora_settings(cfg)))
     assert list(merged) == list(base)  # the keys (and order) of a plain GPT: loadable with no adapters
     peft_merged = copy.deepcopy(model)  # the reference: peft's own in-place merge
     for module in peft_merged.modules():
@@ -74,7 +74,7 @@ def test_merged_weights_are_base_plus_low_rank_update(trained_adapter_model):
 def test_merged_model_logits_equal_the_adapter_model(trained_adapter_model):
     model, _, cfg = trained_adapter_model
     plain = GPT(model.config)
-    plain.load_state_dict(dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg))))
+    plain.load_state_dict(dict(loading.merged_weights(model.state_dict(), **loading.lora_settings(cfg))))
     x = torch.randint(0, 96, (3, 32))
     with torch.no_grad():
         expected, _ = model(x)
@@ -87,7 +87,8 @@ def test_merged_model_logits_equal_the_adapter_model(trained_adapter_model):
 def test_lora_targets_choose_the_layers():
     torch.manual_seed(0)
     model = tiny_gpt(vocab_size=96)
-    lora.add_adapters(model, **lora.settings(load_config(["--lora_rank=4", "--lora_targets=attn.c_proj,mlp.c_fc"])))
+    settings = loading.lora_settings(load_config(["--lora_rank=4", "--lora_targets=attn.c_proj,mlp.c_fc"]))
+    loading.add_adapters(model, **settings)
     adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
     assert adapted == [f"transformer.h.{i}.{t}" for i in range(2) for t in ("attn.c_proj", "mlp.c_fc")]
 
@@ -99,7 +100,7 @@ def test_the_frozen_base_in_16_bits_gives_the_same_loss_and_adapter_gradients(tr
     """cast_base puts the blocks' frozen Linear layers in the compute dtype, adapters, embeddings and LayerNorms
     stay float32; under autocast the loss and the adapters' gradients are those of the float32 base."""
     model, _, _ = trained_adapter_model
-    held = lora.cast_base(copy.deepcopy(model).train(), torch.bfloat16)
+    held = loading.cast_base(copy.deepcopy(model).train(), torch.bfloat16)
     dtypes = {name: p.dtype for name, p in held.named_parameters()}
     assert all(dtype == (torch.bfloat16 if ".base_layer." in name else torch.float32) for name, dtype in dtypes.items())
     x = torch.randint(0, 96, (4, 32))
@@ -121,9 +122,9 @@ def test_the_frozen_base_in_16_bits_gives_the_same_loss_and_adapter_gradients(tr
 def test_gpt2_xl_with_lora_plans_its_weights_in_16_bits():
     """What micro_batch_size=auto and bench --section=memory count of gpt2-xl's LoRA run in fp16 (5.84 GiB with a
     float32 base)."""
-    settings = lora.settings(load_config(["--lora_rank=8"]))
-    model = lora.add_adapters(GPT.on_meta(GPTConfig(**PRETRAINED["gpt2-xl"])), **settings)
-    weights, _, _ = memory.parameter_bytes(lora.cast_base(model, torch.float16), "ddp", 2)
+    settings = loading.lora_settings(load_config(["--lora_rank=8"]))
+    model = loading.add_adapters(GPT.on_meta(GPTConfig(**PRETRAINED["gpt2-xl"])), **settings)
+    weights, _, _ = memory.parameter_bytes(loading.cast_base(model, torch.float16), "ddp", 2)
     assert weights <= 3.5 * 2**30
 
 
@@ -163,12 +164,12 @@ def test_the_rouge_copy_is_filled_one_merged_weight_at_a_time_and_tied(base_dtyp
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64, vocab_size=50257))
     base = memory.nbytes(model.parameters())
     cfg = load_config(["--lora_rank=8"])
-    lora.add_adapters(model, **lora.settings(cfg))
+    loading.add_adapters(model, **loading.lora_settings(cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(std=0.1)
-    lora.cast_base(model, base_dtype)
+    loading.cast_base(model, base_dtype)
     rt = types.SimpleNamespace(dtype="bfloat16", backend="none", device=torch.device("cpu"),
                                parallel=types.SimpleNamespace(full_weights=lambda m: m.state_dict()))
     with NewBytes() as built:
@@ -177,7 +178,7 @@ def test_the_rouge_copy_is_filled_one_merged_weight_at_a_time_and_tied(base_dtyp
     assert rouge.lm_head.weight is rouge.transformer.wte.weight
     assert held == 2 * sum(p.numel() for p in rouge.parameters()) and held <= 0.52 * base
     assert built.peak <= 0.65 * base
-    merged = dict(lora.merged_weights(model.state_dict(), **lora.settings(cfg)))
+    merged = dict(loading.merged_weights(model.state_dict(), **loading.lora_settings(cfg)))
     assert all(torch.equal(tensor, merged[name].bfloat16()) for name, tensor in rouge.state_dict().items())
 
 

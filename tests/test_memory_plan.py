@@ -20,7 +20,7 @@ from command_line import UserError
 from config import load_config
 from conftest import REPO, metrics, tiny, tiny_gpt
 from model import GPT, GPTConfig, Targets
-from summarizer import lora, memory, preparation
+from summarizer import loading, memory, preparation
 
 PRESETS = sorted(glob.glob(os.path.join(REPO, "config", "kaggle_t4x2*.py")))
 RANKS = 2  # Kaggle's two T4s
@@ -35,7 +35,7 @@ def small_run(preset, **changes):
     model = GPT(GPTConfig(**SMALL))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if cfg.lora_rank:
-        lora.add_adapters(model, **lora.settings(cfg))
+        loading.add_adapters(model, **loading.lora_settings(cfg))
     fsdp = cfg.backend == "fsdp"
     return memory.Workload(model, cfg, "fsdp" if fsdp else "ddp", RANKS, torch.float16, longest_row=256,
                            most_targets=60, longest_prompt=190, reduce_once=fsdp), cfg
@@ -99,7 +99,8 @@ def test_the_ledger_agrees_with_torchs_memory_tracker_on_real_tensors(lora_rank)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if lora_rank:  # MemTracker's module hooks cannot take frozen weights: the merge for best.pt, no module run
-        measured = {"save": peak(lambda: deque(lora.merged_weights(model.state_dict(), **lora.settings(cfg)), 0))}
+        merged = loading.merged_weights(model.state_dict(), **loading.lora_settings(cfg))
+        measured = {"save": peak(lambda: deque(merged, 0))}
     else:
         step()  # AdamW's moments exist from the first step on
         measured = {"train": peak(step)}

@@ -299,3 +299,16 @@ def test_one_dialogue_that_fits_at_no_value_says_so_and_names_the_memory_it_need
                                                   "--gen_memory_gb=0.00001", f"--data_cache_dir={tmp_path / 'c'}",
                                                   "--mbr_samples=16", "--temperature=0.7"])
     assert re.search(r"\): not even mbr_samples=1 fits \([\d.e-]+ GiB\): give --gen_memory_gb above that$", line), line
+
+
+def test_the_micro_batch_check_leaves_the_rng_as_it_found_it(write_csv, tmp_path):
+    """peak_step runs dropout on the side (state.rng_restored): the run's own draws come as they would without it."""
+    import data
+    from config import load_config
+    from summarizer.runtime import Runtime
+    cfg = load_config([*tiny(dropout=0.5), f"--train_csv={write_csv('train.csv', 12)}", "--micro_batch_size=4",
+                       f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={tmp_path / 'out'}"])
+    model = GPT(GPTConfig(block_size=128, n_layer=1, n_head=2, n_embd=32, dropout=0.5)).train()
+    before = torch.get_rng_state()
+    micro_batch.peak_step(cfg, Runtime(cfg), model, data.load_splits(cfg).train)
+    assert torch.equal(torch.get_rng_state(), before)

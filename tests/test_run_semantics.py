@@ -19,9 +19,9 @@ from config import load_config
 from conftest import metrics, one_error_line, run, tiny
 from model import GPT
 from summarizer import backends
+from summarizer.backends import use_compile
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import describe_schedule, learning_rate, lr_schedule
-from summarizer.compiling import use_compile
 from summarizer.preparation import prepare
 from summarizer.runtime import Runtime, choose_precision
 from summarizer.state import TrainingState

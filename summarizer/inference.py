@@ -3,6 +3,7 @@ config.TAKES says), and the summaries it writes, for evaluate.py, predict.py, ex
 --baseline has no run: the command line is its config."""
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -21,9 +22,9 @@ from model import GPT, GPTConfig
 from summarizer import lora, run_folder, scoring
 from summarizer.checkpoint import load_checkpoint
 from summarizer.files import no_empty_folder_left
-from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
+from summarizer.launch import one_line_errors, out_of_memory_hint
 from summarizer.loading import build_model, check_named, check_shape, model_from_checkpoint
-from summarizer.memory import generation_batches, generation_memory
+from summarizer.memory import generation_batches, generation_memory, halved_until_it_runs
 from summarizer.runtime import Runtime
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
@@ -276,8 +277,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
                                           seed=cfg.seed, mbr_pick=scoring.mbr_pick, graphs=graphs)
             except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
-                if out_of_memory(e):
-                    e.summaries, e.batch = summaries, len(batch)
+                e.done, e.size = summaries, len(batch)
                 raise
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
@@ -296,40 +296,29 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. float32 weights
     (the model being trained) run under rt's autocast. A batch out of memory on any rank halves gen_batch_size on
     every rank for the rest of the process (rt.gen_batch_size), and the dialogues left go on; one line says so."""
-    held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
+    autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, rt.dtype) else rt.autocast()
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
-    summaries, tried, met = [None] * len(prompts), [], None
-    while True:
-        todo = [i for i, summary in enumerate(summaries) if summary is None]
-        lowered = dataclasses.replace(cfg, gen_batch_size=min(cfg.gen_batch_size, rt.gen_batch_size or math.inf))
-        try:
-            autocast = contextlib.nullcontext() if held else rt.autocast()
-            mine = summarize_batches(model, [prompts[i] for i in todo], lowered, autocast, progress and rt.is_main,
-                                     rt.rank, rt.world_size, memory, rt.graphs)
-            failed = None
-        except Exception as e:  # told to every rank below: none waits for this one's shard
-            if not out_of_memory(e):
-                raise
-            mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}")
-        shards = rt.all_gather_objects((mine, failed))
-        for i, column in zip(todo, zip(*(shard for shard, _ in shards), strict=True), strict=True):
+    summaries, todo = [None] * len(prompts), []
+
+    def attempt(size):
+        todo[:] = [i for i, summary in enumerate(summaries) if summary is None]
+        return summarize_batches(model, [prompts[i] for i in todo], dataclasses.replace(cfg, gen_batch_size=size),
+                                 autocast, progress and rt.is_main, rt.rank, rt.world_size, memory, rt.graphs)
+
+    def keep(shards):  # each rank's summaries of todo, None where another rank's batch
+        for i, column in zip(todo, zip(*shards, strict=True), strict=True):
             summaries[i] = next((summary for summary in column if summary is not None), None)
-        failures = [failure for _, failure in shards if failure]
-        if not failures:
-            if tried and rt.is_main:
-                print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): "
-                      f"went on in batches of at most {rt.gen_batch_size} (gen_batch_size={rt.gen_batch_size} "
-                      f"from now on in this process)", flush=True)
-            return summaries
-        batch, met = min(failures)
-        if batch == 1:  # no smaller batch: what else holds memory per dialogue
-            others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples")
-                      if getattr(cfg, key) > 1]
-            with out_of_memory_hint("summarizing 1 dialogue at a time",
-                                    " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others])):
-                raise torch.OutOfMemoryError(met)
-        tried.append(str(batch))
-        rt.gen_batch_size = batch // 2
+    others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples") if getattr(cfg, key) > 1]
+    hint = functools.partial(out_of_memory_hint, "summarizing 1 dialogue at a time",
+                             " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others]))
+    size, tried, met = halved_until_it_runs(rt, min(cfg.gen_batch_size, rt.gen_batch_size or math.inf), attempt,
+                                            hint, keep)
+    if tried:
+        rt.gen_batch_size = size
+        if rt.is_main:
+            print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): went on "
+                  f"in batches of at most {size} (gen_batch_size={size} from now on in this process)", flush=True)
+    return summaries
 
 
 def rouge_model(model, cfg, rt):

@@ -34,6 +34,7 @@ from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
+from summarizer.launch import out_of_memory
 
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
@@ -286,6 +287,33 @@ def reduce_once_bytes(model, world_size, dtype):
     gradients = nbytes(p for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
     held = sum(p.numel() for p in params) * dtype.itemsize + gradients
     return held, (nbytes(params) + 3 * gradients) / world_size
+
+
+def halved_until_it_runs(rt, size, attempt, hint, keep=None):
+    """attempt(size) on every rank until none runs out of memory, `size` halved alike on every rank after an
+    out-of-memory error on any (each rank tells the others: none waits). An error may carry .size (where it ran out)
+    and .done (its work, which keep gets with every rank's). Returns (size, the sizes that ran out, the first error
+    line); at size 1 the error is raised inside hint()."""
+    tried, met = [], None
+    while True:
+        try:
+            mine, failed = attempt(size), None
+        except Exception as e:  # left here, the error frees what the attempt held
+            if not out_of_memory(e):
+                raise
+            mine, failed = getattr(e, "done", None), (getattr(e, "size", size), f"rank {rt.rank}: "
+                                                                                 f"{str(e).strip().partition(chr(10))[0]}")
+        shards = rt.all_gather_objects((mine, failed))
+        if keep:
+            keep([shard for shard, _ in shards])
+        if not (failures := [failure for _, failure in shards if failure]):
+            return size, tried, met
+        size, met = min(failures)
+        if size == 1:
+            with hint():
+                raise torch.OutOfMemoryError(met)
+        tried.append(str(size))
+        size //= 2
 
 
 # ---- a generation's batches -----------------------------------------------------------------------------------

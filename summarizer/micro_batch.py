@@ -3,6 +3,7 @@ and leaves backward's transient buffers to its headroom, so the micro-batch it c
 the run's step calls (compiled where it compiles: a compiled, checkpointed step may peak higher, pytorch#120381); an
 out-of-memory error lowers it, on every rank alike, rather than ending the run at its first step. (A generation
 batch that runs out of memory is lowered where batches are formed: inference.summarize_on_ranks.)"""
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -11,33 +12,19 @@ import torch
 import data
 from model import Targets
 from summarizer.backends import zero_gradients
-from summarizer.launch import out_of_memory, training_memory_hint
-from summarizer.memory import parameter_bytes
+from summarizer.launch import training_memory_hint
+from summarizer.memory import halved_until_it_runs, parameter_bytes
 from summarizer.state import rng_state, set_rng_state
 
 
 def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
-    """(cfg with the largest micro-batch, from the plan's down, halved at each out-of-memory, whose peak_step runs on
-    every rank; the start line's words). Every rank tells the others whether it ran, so all choose alike and none
-    waits."""
-    tried, met = [], None
-    while True:
-        try:
-            peak_step(cfg, rt, model, train_set)
-            mine = None
-        except Exception as e:  # left here, the error frees what the step held
-            if not out_of_memory(e):
-                raise
-            mine = f"rank {rt.rank}: {str(e).strip().partition(chr(10))[0]}"
-        if not (failed := [m for m in rt.all_gather_objects(mine) if m]):
-            return cfg, chosen + (f"; out of memory at {' and '.join(tried)} ({met}): lowered to "
-                                  f"{cfg.micro_batch_size}" if tried else "")
-        met = failed[0]
-        if cfg.micro_batch_size == 1:
-            with training_memory_hint(cfg, rt):
-                raise torch.OutOfMemoryError(met)
-        tried.append(str(cfg.micro_batch_size))
-        cfg = replace(cfg, micro_batch_size=cfg.micro_batch_size // 2)
+    """(cfg with the largest micro-batch, from the plan's down, whose peak_step runs on every rank; the start line's
+    words)."""
+    rows, tried, met = halved_until_it_runs(
+        rt, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), rt, model, train_set),
+        functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), rt))
+    return replace(cfg, micro_batch_size=rows), chosen + (
+        f"; out of memory at {' and '.join(tried)} ({met}): lowered to {rows}" if tried else "")
 
 
 def peak_step(cfg, rt, model, train_set):

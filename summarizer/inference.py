@@ -294,8 +294,8 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
 
 def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
     """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. float32 weights
-    (the model being trained) run under rt's autocast. A batch out of memory on any rank halves gen_batch_size on
-    every rank for the rest of the process (rt.gen_batch_size), and the dialogues left go on; one line says so."""
+    (the model being trained) run under rt's autocast. A batch out of memory on any rank lowers rt.gen_batch_cap on
+    every rank, below gen_batch_size for the rest of the process, and the dialogues left go on; one line says so."""
     autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, rt.dtype) else rt.autocast()
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, todo = [None] * len(prompts), []
@@ -311,10 +311,10 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
     others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples") if getattr(cfg, key) > 1]
     hint = functools.partial(out_of_memory_hint, "summarizing 1 dialogue at a time",
                              " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others]))
-    size, tried, met = halved_until_it_runs(rt, min(cfg.gen_batch_size, rt.gen_batch_size or math.inf), attempt,
+    size, tried, met = halved_until_it_runs(rt, min(cfg.gen_batch_size, rt.gen_batch_cap or math.inf), attempt,
                                             hint, keep)
     if tried:
-        rt.gen_batch_size = size
+        rt.gen_batch_cap = size
         if rt.is_main:
             print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): went on "
                   f"in batches of at most {size} (gen_batch_size={size} from now on in this process)", flush=True)

@@ -66,3 +66,15 @@ def no_empty_folder_left(*paths):
             with contextlib.suppress(OSError):
                 os.rmdir(path)
         raise
+
+
+def nbytes(tensors, per_tensor=0):
+    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
+    the one count of tensor bytes, for the disk plan and the memory plan (here: below both)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes + per_tensor
+    return total

@@ -34,6 +34,7 @@ from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
+from summarizer.files import nbytes
 from summarizer.launch import out_of_memory
 
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
@@ -42,18 +43,6 @@ CPU_SHARE = 0.5  # the share of the host's available memory a CPU run's plan may
 # a container's memory limit and what its processes use: cgroup v2's, then v1's
 CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
-
-
-def nbytes(tensors, per_tensor=0):
-    """Bytes of distinct tensors (a tied weight once), plus `per_tensor` for each (what a file adds to record one):
-    the one count of tensor bytes, which the run folder's disk plan and bench ask too."""
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes) if t.device.type != "meta" else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.nbytes + per_tensor
-    return total
 
 
 def shard_bytes(tensors, world_size):

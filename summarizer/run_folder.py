@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from command_line import UserError, repository_copy_hint
-from summarizer.files import left_by_a_dead_process
-from summarizer.memory import nbytes
+from summarizer.files import left_by_a_dead_process, nbytes
 
 CKPT, BEST, CONFIG, METRICS, PLOT = "ckpt.pt", "best.pt", "config.json", "metrics.jsonl", "metrics.png"
 EVAL_PREDICTIONS, EVAL_METRICS, EVAL_REPORT = "eval_predictions.csv", "eval_metrics.json", "eval_report.html"

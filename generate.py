@@ -30,7 +30,7 @@ def generate(model, prompts, decoding, eos_token_id=50256, seed=None, num_return
       (early_stopping=False), whose n-best are the best finished hypotheses, best first.
     - temperature>0: sampling (top_k, top_p, epsilon), seeded by `seed`; a prompt's samples in the order they end.
     - mbr_samples=N>0: N samples per prompt (plus the greedy/beam result with mbr_include_beam), one of which
-      mbr_pick(token lists, metric) -> index chooses (summarizer.scoring.mbr_pick).
+      mbr_pick(token lists, metric) -> index chooses (summarizer.inference.mbr_pick).
     graphs: a StepGraphs that replays greedy's static-shape steps as CUDA graphs (None: eagerly). compact_below:
     running rows at most this fraction of the batch are copied into a smaller one."""
     d = decoding

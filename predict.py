@@ -9,7 +9,7 @@ from summarizer import quiet_start  # the standard library alone: first, before 
 
 quiet_start.until_imported(__name__)
 from summarizer.inference import decoding_command
-from summarizer.submission import predict
+from summarizer.report import predict
 
 quiet_start.imported(__name__)
 

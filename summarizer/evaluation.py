@@ -18,7 +18,6 @@ from model import Targets
 from summarizer import inference, run_folder
 from summarizer.files import atomic_write
 from summarizer.report import interval_text, write_report
-from summarizer.scoring import rouge_per_example
 
 COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
 REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing
@@ -76,7 +75,7 @@ def evaluate(cfg, explicit, rt):
 def scored_frame(val, predictions):
     """The evaluation's rows, as eval_predictions.csv holds them: id, dialogue, reference, prediction, their ROUGE
     F1 and the lengths in tokens of the summary, the reference and the dialogue."""
-    scores = rouge_per_example(predictions, val.summaries)
+    scores = inference.rouge_per_example(predictions, val.summaries)
     return pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                          "prediction": predictions, **scores, "generated_tokens": token_counts(predictions),
                          "reference_tokens": token_counts(val.summaries),

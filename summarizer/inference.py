@@ -12,14 +12,19 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from nltk.stem import porter
+from rapidfuzz import process
+from rapidfuzz.distance import LCSseq
+from rouge_score import rouge_scorer, tokenize, tokenizers
+from rouge_score.scoring import fmeasure
 from tqdm import tqdm
 
 import data
 from command_line import UserError
-from config import Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
+from config import ROUGE_TYPES, Config, Decoding, Split, Use, flags_given, keys, load_config, part, resolve
 from generate import generate, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import lora, run_folder, scoring
+from summarizer import lora, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.files import no_empty_folder_left
 from summarizer.launch import one_line_errors, out_of_memory_hint
@@ -275,7 +280,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                          seed=cfg.seed, mbr_pick=scoring.mbr_pick, graphs=graphs)
+                                          seed=cfg.seed, mbr_pick=mbr_pick, graphs=graphs)
             except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
                 e.done, e.size = summaries, len(batch)
                 raise
@@ -335,3 +340,56 @@ def rouge_model(model, cfg, rt):
     for key, value in lora.merged_weights(weights, **lora.settings(cfg)) if cfg.lora_rank else weights.items():
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()
+
+
+# ---- ROUGE as the competition scores it (rouge-score F1, Porter stemmer on), and MBR's choice by it ------------
+
+def rouge_per_example(predictions, references):
+    """{type: [f1 of each (prediction, reference)]}."""
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=StemCachedTokenizer())
+    results = [scorer.score(reference, prediction)
+               for prediction, reference in zip(predictions, references, strict=True)]
+    return {t: [result[t].fmeasure for result in results] for t in ROUGE_TYPES}
+
+
+def rouge(predictions, references):
+    return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
+
+
+class StemCachedTokenizer(tokenizers.Tokenizer):
+    """rouge-score's tokenizer and stemmer, each text and word done once: MBR scores every candidate
+    against every other, and stemming is most of what tokenizing costs."""
+
+    def __init__(self):
+        self.stem = functools.cache(porter.PorterStemmer().stem)
+        self.tokens = functools.cache(lambda text: tokenize.tokenize(text, self))
+
+    def tokenize(self, text):
+        return self.tokens(text)
+
+
+def mbr_pick(candidates, metric="rougeL"):
+    """generate's mbr_pick, on token lists."""
+    return mbr_select([data.summary_text(tokens) for tokens in candidates], metric)
+
+
+def agreement(candidates, metric="rougeL"):
+    """`metric` F1 of every candidate (row) against every other (column). rougeL's LCS comes from rapidfuzz
+    (C++): rouge-score's was most of MBR's time."""
+    tokenizer = StemCachedTokenizer()
+    if metric == "rougeL":
+        tokens = [tokenizer.tokenize(c) for c in candidates]
+        lcs = process.cdist(tokens, tokens, scorer=LCSseq.similarity).tolist()
+        return [[fmeasure(n / len(prediction), n / len(reference)) if prediction and reference else 0.0
+                 for reference, n in zip(tokens, row, strict=True)]
+                for prediction, row in zip(tokens, lcs, strict=True)]
+    scorer = rouge_scorer.RougeScorer([metric], tokenizer=tokenizer)
+    return [[scorer.score(reference, prediction)[metric].fmeasure for reference in candidates]
+            for prediction in candidates]
+
+
+def mbr_select(candidates, metric="rougeL"):
+    """Index of the highest mean F1 against the others; ties go to the earlier."""
+    scores = agreement(candidates, metric)
+    utility = [(sum(row) - row[i]) / max(1, len(candidates) - 1) for i, row in enumerate(scores)]
+    return max(range(len(candidates)), key=lambda i: (utility[i], -i))

@@ -16,6 +16,7 @@ Not counted: the CUDA context (a plan's budget is the memory the GPU has free) a
 import bisect
 import contextlib
 import copy
+import functools
 import math
 import os
 import resource
@@ -24,18 +25,22 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import data
 from command_line import UserError
 from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
 from summarizer import lora
+from summarizer.backends import zero_gradients
 from summarizer.files import nbytes
-from summarizer.launch import out_of_memory
+from summarizer.launch import out_of_memory, training_memory_hint
+from summarizer.state import rng_state, set_rng_state
 
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
@@ -303,6 +308,41 @@ def halved_until_it_runs(rt, size, attempt, hint, keep=None):
                 raise torch.OutOfMemoryError(met)
         tried.append(str(size))
         size //= 2
+
+
+# ---- micro_batch_size=auto on the device, before step 1 ---------------------------------------------------------
+# The plan has never met the user's GPU and leaves backward's transient buffers to HEADROOM, so the micro-batch it
+# chose runs a step's peak once, on what the run's step calls (a compiled, checkpointed step may peak higher,
+# pytorch#120381): an out-of-memory error lowers it on every rank alike rather than ending the run at step 1.
+
+def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
+    """(cfg with the largest micro-batch, from the plan's down, whose peak_step runs on every rank; the start line's
+    words)."""
+    rows, tried, met = halved_until_it_runs(
+        rt, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), rt, model, train_set),
+        functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), rt))
+    return replace(cfg, micro_batch_size=rows), chosen + (
+        f"; out of memory at {' and '.join(tried)} ({met}): lowered to {rows}" if tried else "")
+
+
+def peak_step(cfg, rt, model, train_set):
+    """A step's peak on `model` (the model, or its CompiledModule) before any backend wraps it (no collective: a rank
+    out of memory leaves it alone), beside AdamW's state and, where the backend keeps them between steps, the
+    gradients. Leaves no gradients, draws no random numbers."""
+    rng = rng_state()
+    rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
+    x, y = data.collate(train_set, rows, cfg.train_on_prompt)
+    held = torch.empty(parameter_bytes(model, rt.backend, rt.world_size)[2], dtype=torch.uint8, device=rt.device)
+    if rt.parallel.keeps_gradients:
+        zero_gradients(model)
+    try:
+        with rt.autocast():
+            _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
+        loss.backward()
+    finally:
+        del held
+        model.zero_grad(set_to_none=True)
+        set_rng_state(rng)
 
 
 # ---- a generation's batches -----------------------------------------------------------------------------------

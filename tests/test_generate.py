@@ -13,7 +13,7 @@ from config import Decoding
 from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
-from summarizer.scoring import agreement, mbr_pick, mbr_select
+from summarizer.inference import agreement, mbr_pick, mbr_select
 
 MAX_NEW = 24
 

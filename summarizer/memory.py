@@ -236,19 +236,28 @@ def workload(cfg, rt, model, train_set, val_set):
     """(the Workload of this run, the smallest budget of its ranks: device_memory), with fsdp_reduce_once=auto
     decided: on where the ledger of one row with it fits (rank 0 says why not)."""
     budget = min(rt.all_gather_objects(device_memory(rt.device)))
-    run = Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
-                   longest_row=int(train_set.lengths.max()),
-                   most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
-                   longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0,
-                   reduce_once=rt.backend == "fsdp" and cfg.fsdp_reduce_once is not False)
-    if rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto":
-        run = replace(run, reduce_once=(one := ledger(run, 1, budget)).peak <= budget)
+    run, one = decide_reduce_once(Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
+                                           longest_row=int(train_set.lengths.max()),
+                                           most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
+                                           longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0),
+                                  budget)
+    if one is not None:
         rt.parallel.reduce_once = run.reduce_once
         if not run.reduce_once and rt.is_main:
             print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
                   f"need {one.peak / 2**30:.1f} GiB ({one.describe()}), more than the {budget / 2**30:.1f} GiB "
                   f"usable (--fsdp_reduce_once=True tries anyway)")
     return run, budget
+
+
+def decide_reduce_once(run, budget):
+    """(run with FSDP's reduce-once as fsdp_reduce_once says, for auto: on where the ledger of one row with it fits
+    `budget`; that ledger, or None where the setting decided)."""
+    run = replace(run, reduce_once=run.backend == "fsdp" and run.cfg.fsdp_reduce_once is not False)
+    if not run.reduce_once or run.cfg.fsdp_reduce_once != "auto":
+        return run, None
+    one = ledger(run, 1, budget)
+    return replace(run, reduce_once=one.peak <= budget), one
 
 
 def choose_micro_batch(run, budget):

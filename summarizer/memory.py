@@ -213,29 +213,34 @@ def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
 
 
 def device_memory(device):
-    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory, CPU_SHARE of what the host leaves."""
+    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory; on a CPU, host_memory(CPU_SHARE)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * HEADROOM)
-    return int(host_memory() * CPU_SHARE)
+    return host_memory(CPU_SHARE)
 
 
-def host_memory():
-    """Bytes this process may still take on the host: its available memory (free, and the page cache the kernel
-    drops on demand), at most what RLIMIT_AS (`ulimit -v`) and its container's cgroup (CGROUP_FILES) leave."""
+def host_memory(share=1.0):
+    """Bytes this process may still take on the host: `share` of what the host and its container's cgroup
+    (CGROUP_FILES) have available (others use them too), at most HEADROOM of what RLIMIT_AS (`ulimit -v`) leaves:
+    this process's own address space, not shared with anyone."""
     meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
-    left = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB
-    if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
-        left.append(address_space - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    shared = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB: free, and the page cache dropped on demand
     for limit, usage in CGROUP_FILES:
         with contextlib.suppress(OSError, ValueError):  # no such cgroup, or no limit (memory.max: "max")
-            left.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))
-    return max(min(left), 0)
+            shared.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))
+    left = [share * min(shared)]
+    if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
+        in_use = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        left.append(HEADROOM * (address_space - in_use))
+    return int(max(min(left), 0))
 
 
 def workload(cfg, rt, model, train_set, val_set):
     """(the Workload of this run, the smallest budget of its ranks: device_memory), with fsdp_reduce_once=auto
     decided: on where the ledger of one row with it fits (rank 0 says why not)."""
-    budget = min(rt.all_gather_objects(device_memory(rt.device)))
+    # the plan counts the weights, so those already on the device (a CPU run's) are part of its budget
+    held = nbytes(p for p in model.parameters() if p.device.type == rt.device.type)
+    budget = min(rt.all_gather_objects(device_memory(rt.device) + held))
     run, one = decide_reduce_once(Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
                                            longest_row=int(train_set.lengths.max()),
                                            most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),

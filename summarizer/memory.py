@@ -1,18 +1,7 @@
-"""The T4 ledger: the bytes one GPU of a training run holds at the peak of each phase it goes through, counted
-before step 1 by running the project's own code on fake tensors (FakeTensorMode: the real shapes, no memory) and
-adding up the storages alive after every operator (LiveBytes). micro_batch_size=auto, fsdp_reduce_once=auto and
-bench --section=memory read it; generation batches are formed by its rule (generation_batches).
-- train: weights, AdamW's moments and DDP's buckets held, and the peak of a micro-batch's forward and backward in
-  the run's autocast (activations, gradients, backward's transient buffers, checkpointing's recompute; attention as
-  the fused kernels hold it, O(T) state). FSDP: a rank's shards and the units it gathers, or with reduce-once every
-  weight gathered and the fp32 gradients unsharded (reduce_once_bytes).
-- validation: what is held (gradients freed) and a forward without autograd.
-- rouge_build, rouge_decode: train.rouge_model's copy built beside what is held (FSDP: beside the gathered fp32
-  weights), then a generation batch's KV cache and logits beside the copy.
-- save: a LoRA run's merged weights for best.pt, on rank 0.
-- after: evaluate_after and predict_after: best.pt's weights in the run's dtype and a generation batch.
-- host: the ranks' fp32 weights while loading, or FSDP's gathered state on rank 0's CPU at a save.
-Not counted: the CUDA context (a plan's budget is the memory the GPU has free) and fragmentation (HEADROOM)."""
+"""The T4 ledger: the bytes one GPU of a run holds at the peak of each phase (train, validation, rouge_build,
+rouge_decode, save, after; host), counted before step 1 by running the project's own code on fake tensors at the real
+shapes (no second formula to drift from the code). micro_batch_size=auto, fsdp_reduce_once=auto, generation batches and
+bench --section=memory use it. Not counted: the CUDA context (a budget is free memory) and fragmentation (HEADROOM)."""
 import bisect
 import contextlib
 import copy
@@ -57,9 +46,8 @@ def shard_bytes(tensors, world_size):
 
 
 def parameter_bytes(model, backend, world_size):
-    """(weights, gradients, AdamW's state) bytes on one GPU, from the model's tensors (meta ones will do): the
-    tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter (DDP's buckets are
-    the gradients: gradient_as_bucket_view). FSDP: a rank's shards, and the units it gathers (the root, two blocks)."""
+    """(weights, gradients, AdamW's state) bytes on one GPU; DDP's buckets are the gradients (gradient_as_bucket_view).
+    FSDP: a rank's shards and the units it gathers (the root, two blocks)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     moments = 2 * sum(p.numel() for p in trainable) * 4
@@ -72,8 +60,7 @@ def parameter_bytes(model, backend, world_size):
 
 
 class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages that the operators run inside it made and that are still alive, and their peak:
-    what the caching allocator would hold for them (fake tensors hold nothing themselves)."""
+    """The bytes of the storages made inside it and still alive, and their peak (fake tensors hold nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -97,9 +84,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def twin(model, fake=None):
-    """`model`'s modules (adapters, checkpointing and all) on tensors that hold no memory, of its dtypes and tying,
-    requires_grad kept: fake CPU ones (`fake`: its FakeTensorMode), whose autocast and kernels are a GPU's, else meta
-    ones, on which code that builds modules on the meta device runs too."""
+    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, whose
+    autocast and kernels are a GPU's, else meta ones."""
     with fake or contextlib.nullcontext():
         memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
                                           t.requires_grad) if isinstance(t, torch.nn.Parameter) else
@@ -109,15 +95,13 @@ def twin(model, fake=None):
 
 
 def counted(fn, fake=None):
-    """(fn's result, the peak of the bytes it made alive, what of them is alive after)."""
     with fake or contextlib.nullcontext(), LiveBytes() as live:
         out = fn()
     return out, live.peak, live.now
 
 
 def pass_peak(model, fake, rows, length, targets, dtype, train):
-    """The peak of one micro-batch's forward (and backward, with `train`, gradients included) in `dtype`'s CPU
-    autocast, whose casts and fused attention (O(T) state: flash on a CPU, memory-efficient on a T4) are a GPU's."""
+    """The peak of a micro-batch's forward (backward with `train`) under CPU autocast: a GPU's casts and attention."""
     with fake:
         x = torch.zeros(rows, length, dtype=torch.long)
         found = Targets(x, torch.zeros(targets, dtype=torch.long))
@@ -134,9 +118,7 @@ def pass_peak(model, fake, rows, length, targets, dtype, train):
 
 @dataclass(frozen=True)
 class Workload:
-    """What a ledger needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
-    decodes in, its longest training row, the most targets a row has, its longest prompt (tokens), and whether FSDP
-    reduces gradients once per optimizer step."""
+    """What a ledger needs of a run; lengths in tokens."""
     model: torch.nn.Module
     cfg: object
     backend: str
@@ -150,8 +132,6 @@ class Workload:
 
 @dataclass(frozen=True)
 class Ledger:
-    """Bytes on one GPU at the peak of each phase (train, validation, rouge_build, rouge_decode, save, after), and
-    on the host (host)."""
     phases: dict
     host: int
 
@@ -164,8 +144,7 @@ class Ledger:
 
 
 def ledger(run, rows, budget):
-    """The Ledger of `run` at micro-batches of `rows` (each as long as its longest row), on a GPU whose plan may
-    fill `budget` bytes (generation takes half of what the rest leaves, as generation_memory sizes it)."""
+    """The Ledger of `run` at micro-batches of `rows` of its longest row, where a plan may fill `budget` bytes."""
     cfg, model, fsdp = run.cfg, run.model, run.backend == "fsdp"
     fake = FakeTensorMode()
     faked, meta = twin(model, fake), twin(model)
@@ -198,31 +177,27 @@ def ledger(run, rows, budget):
 
 
 def batch_bytes(run, prompts, left):
-    """The KV cache and logits bytes of the first generation batch of `prompts` of the run's longest prompt, in
-    gen_memory_gb, else half of the `left` bytes (generation_memory's rule)."""
+    """KV cache and logits bytes of the first generation batch of `prompts` longest prompts."""
     room = run.cfg.gen_memory_gb * 2**30 or max(left, 0) / 2
     return sum(decoding_bytes(run.cfg, run.model.config, run.dtype, prompts, run.longest_prompt, room)[1:])
 
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
-    """(prompts, KV cache bytes, logits bytes) of the first generation batch of `prompts` prompts of `prompt_tokens`
-    tokens in batches of `room` bytes (as generation_batches forms them)."""
+    """(prompts, KV cache bytes, logits bytes) of the first generation batch as generation_batches forms it."""
     kv, logits = dialogue_bytes(part(cfg, Decoding), prompt_tokens, model_config, dtype)
     batch = min(prompts, cfg.gen_batch_size, max(1, int(room // (kv + logits)))) if prompts else 0
     return batch, batch * kv, batch * logits
 
 
 def device_memory(device):
-    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory; on a CPU, host_memory(CPU_SHARE)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * HEADROOM)
     return host_memory(CPU_SHARE)
 
 
 def host_memory(share=1.0):
-    """Bytes this process may still take on the host: `share` of what the host and its container's cgroup
-    (CGROUP_FILES) have available (others use them too), at most HEADROOM of what RLIMIT_AS (`ulimit -v`) leaves:
-    this process's own address space, not shared with anyone."""
+    """Bytes this process may still take on the host: `share` of what the host and its cgroup have available (others use
+    them too), at most HEADROOM of what `ulimit -v` leaves its own address space."""
     meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
     shared = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB: free, and the page cache dropped on demand
     for limit, usage in CGROUP_FILES:
@@ -236,8 +211,7 @@ def host_memory(share=1.0):
 
 
 def workload(cfg, rt, model, train_set, val_set):
-    """(the Workload of this run, the smallest budget of its ranks: device_memory), with fsdp_reduce_once=auto
-    decided: on where the ledger of one row with it fits (rank 0 says why not)."""
+    """(the Workload of this run, the smallest budget of its ranks), fsdp_reduce_once=auto decided."""
     # the plan counts the weights, so those already on the device (a CPU run's) are part of its budget
     held = nbytes(p for p in model.parameters() if p.device.type == rt.device.type)
     budget = min(rt.all_gather_objects(device_memory(rt.device) + held))
@@ -256,8 +230,7 @@ def workload(cfg, rt, model, train_set, val_set):
 
 
 def decide_reduce_once(run, budget):
-    """(run with FSDP's reduce-once as fsdp_reduce_once says, for auto: on where the ledger of one row with it fits
-    `budget`; that ledger, or None where the setting decided)."""
+    """(run with reduce-once as fsdp_reduce_once says, auto: on where one row fits with it; that ledger)."""
     run = replace(run, reduce_once=run.backend == "fsdp" and run.cfg.fsdp_reduce_once is not False)
     if not run.reduce_once or run.cfg.fsdp_reduce_once != "auto":
         return run, None
@@ -266,7 +239,6 @@ def decide_reduce_once(run, budget):
 
 
 def choose_micro_batch(run, budget):
-    """micro_batch_size=auto: (the rows every rank's micro-batches take, the words for the start line)."""
     rows, chosen = largest_micro_batch(run, budget)
     words = (f"micro_batch_size=auto: {rows} (the plan's peak {chosen.peak / 2**30:.1f} of {budget / 2**30:.1f} GiB "
              f"usable: {chosen.describe()})")
@@ -280,17 +252,14 @@ def choose_micro_batch(run, budget):
 
 
 def largest_micro_batch(run, budget):
-    """(rows, its Ledger): the largest micro-batch, up to a rank's rows per step, whose ledger fits `budget` bytes;
-    the smallest, 1, when none does. A ledger grows with its rows: a bisection."""
+    """(rows, its Ledger): the largest micro-batch, up to a rank's rows per step, that fits `budget` (else 1)."""
     counts = range(1, rows_per_rank(run.cfg.batch_size, run.world_size) + 1)
     rows = counts[max(bisect.bisect_right(counts, False, key=lambda n: ledger(run, n, budget).peak > budget) - 1, 0)]
     return rows, ledger(run, rows, budget)
 
 
 def reduce_once_bytes(model, world_size, dtype):
-    """(held, kept): bytes per rank that reducing gradients once per optimizer step holds between FSDP's
-    micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps
-    anyway (its shards of the fp32 weights and gradients, and AdamW's two moments), from the unsharded model."""
+    """(held, kept) bytes per rank: reduce-once's gathered weights and fp32 gradients; FSDP's shards, moments."""
     params = list(model.parameters())  # tied weights once
     gradients = nbytes(p for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
     held = sum(p.numel() for p in params) * dtype.itemsize + gradients
@@ -298,10 +267,9 @@ def reduce_once_bytes(model, world_size, dtype):
 
 
 def halved_until_it_runs(rt, size, attempt, hint, keep=None):
-    """attempt(size) on every rank until none runs out of memory, `size` halved alike on every rank after an
-    out-of-memory error on any (each rank tells the others: none waits). An error may carry .size (where it ran out)
-    and .done (its work, which keep gets with every rank's). Returns (size, the sizes that ran out, the first error
-    line); at size 1 the error is raised inside hint()."""
+    """attempt(size) on every rank, `size` halved alike on all after an out-of-memory error on any (told to all: none
+    waits). An error may carry .size (where it ran out) and .done (its work, given to keep). Returns (size, the sizes
+    that ran out, the first error line); at size 1 raises inside hint()."""
     tried, met = [], None
     while True:
         try:
@@ -325,13 +293,10 @@ def halved_until_it_runs(rt, size, attempt, hint, keep=None):
 
 
 # ---- micro_batch_size=auto on the device, before step 1 ---------------------------------------------------------
-# The plan has never met the user's GPU and leaves backward's transient buffers to HEADROOM, so the micro-batch it
-# chose runs a step's peak once, on what the run's step calls (a compiled, checkpointed step may peak higher,
-# pytorch#120381): an out-of-memory error lowers it on every rank alike rather than ending the run at step 1.
+# The plan never met this GPU (and a compiled, checkpointed step may peak higher, pytorch#120381): the chosen
+# micro-batch's peak runs once; an out-of-memory error lowers it on every rank rather than ending the run at step 1.
 
 def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
-    """(cfg with the largest micro-batch, from the plan's down, whose peak_step runs on every rank; the start line's
-    words)."""
     rows, tried, met = halved_until_it_runs(
         rt, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), rt, model, train_set),
         functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), rt))
@@ -340,9 +305,7 @@ def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
 
 
 def peak_step(cfg, rt, model, train_set):
-    """A step's peak on `model` (the model, or its CompiledModule) before any backend wraps it (no collective: a rank
-    out of memory leaves it alone), beside AdamW's state and, where the backend keeps them between steps, the
-    gradients. Leaves no gradients, draws no random numbers."""
+    """A step's peak on `model`, unwrapped (no collective), beside AdamW's state; leaves no gradients or RNG change."""
     rng = rng_state()
     rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
     x, y = data.collate(train_set, rows, cfg.train_on_prompt)
@@ -365,9 +328,8 @@ CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
 def generation_memory(cfg, device):
-    """Bytes the KV cache and logits of one generate() call may take: gen_memory_gb, else half the GPU's free memory
-    (counting what the caching allocator holds unused), else CPU_GEN_MEMORY_GB; never more than the device has
-    left (on a CPU: host_memory)."""
+    """Bytes one generate() call may take: gen_memory_gb, else half the GPU's free memory (its cache's unused bytes
+    counted), else CPU_GEN_MEMORY_GB; at most what the device has left."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         left = torch.cuda.mem_get_info(device)[0] + cached
@@ -376,11 +338,8 @@ def generation_memory(cfg, device):
 
 
 def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
-    """KV-cache slots (one token's keys and values in every layer) that one prompt of P tokens holds at the peak of
-    generate(), M new tokens after it. Plain greedy: its static cache (greedy_slots) twice (the copy that drops
-    ended rows, or CUDA graphs' buffers). Else the prefill's P, shared by the prompt's rows (beams, samples, MBR's
-    candidate; 1 for greedy with processors), and their M own slots each, all twice at a copy (dropping ended
-    prompts, reordering beams). MBR's candidate decodes before its samples, over the same prefill."""
+    """KV-cache slots a prompt of P tokens holds at generate()'s peak, M new tokens after it: greedy's static cache
+    twice (a copy drops ended rows); else the prefill's P shared by the prompt's rows, M own slots each, twice."""
     d, P, M = decoding, prompt_tokens, decoding.max_new_tokens
     if plain_greedy(d) and not d.mbr_samples:
         return 2 * greedy_slots(P, M, block_size)
@@ -392,15 +351,14 @@ def kv_cache_bytes(model_config, slots, dtype):
 
 
 def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
-    """(KV cache bytes, logits bytes) that one dialogue of `prompt_tokens` tokens holds at the peak of generate()."""
     slots = cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size)
     rows = max(decoding.num_beams, decoding.mbr_samples, 1)
     return kv_cache_bytes(model_config, slots, dtype), LOGITS_COPIES * rows * model_config.vocab_size * 4
 
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
-    """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
-    naming the setting that multiplies what it holds and the largest value of it that fits."""
+    """UserError, before any allocation, where one dialogue does not fit `memory`, naming the largest value that
+    fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):
@@ -415,9 +373,7 @@ def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
-    """This rank's (every world_size-th) batches of prompt indices, length-sorted (left padding stays small): at most
-    batch_size prompts whose KV caches and logits fit `memory` bytes; UserError where the longest prompt alone does
-    not (check_one_dialogue)."""
+    """This rank's length-sorted batches of prompt indices: at most batch_size whose caches and logits fit `memory`."""
     order, batches = sorted(range(len(prompts)), key=lambda i: len(prompts[i])), []
     if order:
         check_one_dialogue(decoding, len(prompts[order[-1]]), model_config, memory, dtype)

@@ -1,5 +1,4 @@
-"""eval_report.html: an evaluation as one self-contained page that a browser reads offline (Kaggle) and
-without JavaScript."""
+"""What the user reads: eval_report.html (one page, offline, without JavaScript) and submission.csv."""
 import base64
 import html
 import io
@@ -29,16 +28,14 @@ CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1d1d1f; margin: 0 auto;
        max-width: 1280px; padding: 0.5rem 2rem 3rem; }
 h1 { margin-bottom: 0.2rem; } h2 { margin-top: 2rem; border-bottom: 2px solid #e3e3e8; }
-nav a { margin-right: 1rem; } .muted { color: #6e6e73; }
-table { border-collapse: collapse; margin: 0.5rem 0; }
+nav a { margin-right: 1rem; } .muted { color: #6e6e73; } table { border-collapse: collapse; margin: 0.5rem 0; }
 th, td { border-bottom: 1px solid #e3e3e8; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }
 th { background: #f5f5f7; } td.num { white-space: nowrap; }
 .num { text-align: right; font-variant-numeric: tabular-nums; }
 table.examples { width: 100%; table-layout: fixed; } table.examples .num { width: 5.5rem; }
 table.examples .key { width: 9rem; } table.examples .text { overflow-wrap: anywhere; }
 tr.dialogue td { border-bottom: 2px solid #c7c7cc; padding-top: 0; }
-mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; }
-details summary { cursor: pointer; color: #0a58ca; }
+mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; } details summary { cursor: pointer; color: #0a58ca; }
 details pre { white-space: pre-wrap; font: inherit; background: #f5f5f7; padding: 0.5rem; margin: 0.3rem 0; }
 .figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1rem; }
 figure { margin: 0; } figure img { width: 100%; height: auto; } figcaption { color: #6e6e73; }
@@ -48,7 +45,6 @@ tr.picked td { background: #eef6ff; } .better { color: #1a7f37; } .worse { color
 
 
 def write_report(path, frame, report, curve="", comparison=None, sweep_rows=None):
-    """`frame`: evaluation.scored_frame's rows; `report`: eval_metrics.json's; `curve`: metrics.jsonl or ''."""
     words = inference.StemCachedTokenizer()
     sections = [scored_section(report), scores_section(report), figures_section(frame, report, curve),
                 sweep_section(sweep_rows, report) if sweep_rows else "",
@@ -70,7 +66,7 @@ def esc(value):
 
 
 def table(head, rows, classes=None, attrs=""):
-    """Cells hold HTML already; head None: no header row; a row given as a string is a whole <tr>."""
+    """Cells hold HTML; head None: no header row; a row given as a string is a whole <tr>."""
     classes = classes or {}
 
     def cells(tag, values):
@@ -125,20 +121,24 @@ def share(count, n):
     return f"{count} of {n} ({100 * count / max(n, 1):.1f}%)"
 
 
+SWEEP_HEAD = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", "mean length (tokens)", "summaries/s",
+              "ROUGE-L - best's (paired 95%)", "within noise of the best"]
+
+
+def sweep_cells(row, picked=None):
+    interval = interval_text((row["rougeL_vs_best_low"], row["rougeL_vs_best_high"]), signed=True)
+    return [row["setting"], *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")), f"{row['mean_tokens']:.1f}",
+            f"{row['summaries_per_s']:.1f}", f"{row['rougeL_vs_best']:+.4f} {interval}",
+            "yes, recommended" if row["setting"] == picked else "yes" if row["within_best_ci95"] else ""]
+
+
 def sweep_section(rows, report):
-    head = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", "mean length (tokens)", "summaries/s",
-            "ROUGE-L - best's (paired 95%)", "within noise of the best"]
-    body = [[esc(row["setting"]), *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
-             f"{row['mean_tokens']:.1f}", f"{row['summaries_per_s']:.1f}",
-             f"{row['rougeL_vs_best']:+.4f} "
-             f"{interval_text((row['rougeL_vs_best_low'], row['rougeL_vs_best_high']), signed=True)}",
-             "yes, recommended" if row["setting"] == report["setting"] else "yes" if row["within_best_ci95"] else ""]
-            for row in rows]
+    body = [[esc(cell) for cell in sweep_cells(row, report["setting"])] for row in rows]
     return section("sweep", "Sweep",
                    note("Each setting's ROUGE-L minus the best's, paired over the same dialogues (95% bootstrap "
                         "interval). The recommended setting, which this report details, is the fastest whose "
                         "interval holds 0."),
-                   table(head, body, dict.fromkeys(range(1, 7), "num")))
+                   table(SWEEP_HEAD, body, dict.fromkeys(range(1, 7), "num")))
 
 
 def comparison_section(frame, comparison, words):
@@ -227,7 +227,6 @@ def figures_section(frame, report, curve):
 
 
 def figure(image, caption, kind=""):
-    """`image`: (MIME type, bytes), inlined as a data: URI."""
     mime, data = image
     uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     attrs = f' class="{kind}"' if kind else ""
@@ -295,8 +294,7 @@ def write_submission(ids, summaries, path):
 
 
 def check_against_sample(ids, path):
-    """UserError unless the sample has the columns id,summary and exactly the test ids; returns a note when
-    its order differs, else ''."""
+    """UserError unless the sample has columns id,summary and the test ids; a note where its order differs."""
     _, sample = data.read_frame(path, "sample_submission_csv",
                                 "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
     skip = "--sample_submission_csv='' skips the check"
@@ -316,7 +314,6 @@ def check_against_sample(ids, path):
 
 
 def predict(cfg, explicit, rt):
-    """Rank 0 writes submission.csv and returns its path; the others return None."""
     out = inference.output_dir(cfg)
     summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
     test = data.read_test(summarizer.cfg)

@@ -126,7 +126,8 @@ def test_reduce_once_is_decided_before_the_micro_batch_and_counted_in_it(monkeyp
     assert on.phases["train"] != off.phases["train"] and on.peak == on.phases["train"]
     train_set = SimpleNamespace(lengths=np.array([256]), target_counts=lambda _: np.array([60]))
     for budget, decided in ((on.peak + 2**20, True), (on.peak - 2**20, False)):
-        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cpu"),
+        # a T4 rank: the model is on the CPU until the run moves it, so `budget` is all the GPU leaves
+        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cuda"),
                              is_main=True, all_gather_objects=lambda mine: [mine] * RANKS,
                              parallel=SimpleNamespace(reduce_once="auto"))
         monkeypatch.setattr(memory, "device_memory", lambda device, budget=budget: int(budget))

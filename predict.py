@@ -8,7 +8,7 @@ import summarizer  # the standard library alone: first, before seconds of import
 
 summarizer.until_imported(__name__)
 from summarizer.inference import decoding_command
-from summarizer.submission import predict
+from summarizer.report import predict
 
 summarizer.imported(__name__)
 

@@ -41,9 +41,8 @@ from summarizer.launch import (
 )
 from summarizer.loading import resume_path, resuming
 from summarizer.preparation import prepare, run_settings
+from summarizer.report import predict
 from summarizer.runtime import Runtime
-from summarizer.scoring import rouge
-from summarizer.submission import predict
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
 
 summarizer.imported(__name__)
@@ -273,7 +272,7 @@ class Trainer:
             predictions = inference.summarize_on_ranks(model, run.rouge_prompts, run.cfg, rt, progress=False)
             if run.clock:
                 run.clock.summarized(time.perf_counter() - start, len(predictions))
-            metrics.update(rouge(predictions, run.val_set.summaries[:len(predictions)]))
+            metrics.update(inference.rouge(predictions, run.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
 

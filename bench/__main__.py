@@ -30,10 +30,9 @@ from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
 from model import GPT, SharedPromptCache
-from summarizer import inference, scoring
-from summarizer.inference import open_summarizer, summarize_batches
+from summarizer import inference
+from summarizer.inference import open_summarizer, rouge, summarize_batches
 from summarizer.memory import kv_cache_bytes
-from summarizer.scoring import rouge
 
 
 def samsum_examples(n, samsum_csv, seed=0):
@@ -294,7 +293,7 @@ def kv_bytes_per_step(model, prompts, decoding):
             read[1] += every * slot
 
     hooks = [block.attn.register_forward_pre_hook(count) for block in model.transformer.h]
-    generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=scoring.mbr_pick)
+    generate(model, prompts, decoding, eos_token_id=-1, seed=0, mbr_pick=inference.mbr_pick)
     for hook in hooks:
         hook.remove()
     return [total / calls[0] / len(prompts) for total in read]

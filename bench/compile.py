@@ -18,7 +18,7 @@ import model as model_module
 from bench import SAMSUM_CSV, child_environ, demo_arguments, torchrun, train_quietly, training_csv
 from config import Decoding, part
 from generate import READ_EVERY, LogitsProcessors, generate
-from summarizer import inference, memory, scoring
+from summarizer import inference, memory
 
 aten = torch.ops.aten
 
@@ -156,7 +156,7 @@ def decode_counts(model, prompts, cfg, compact_below=0.5):
     with decoding_steps() as steps, kv_cache_traffic() as traffic, Waits(list(model.parameters())) as waits:
         for batch in memory.generation_batches(prompts, decoding, cfg.gen_batch_size, model.config, room, weight.dtype):
             generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID, seed=cfg.seed,
-                     mbr_pick=scoring.mbr_pick, compact_below=compact_below)
+                     mbr_pick=inference.mbr_pick, compact_below=compact_below)
     return waits.syncs / len(steps), waits.weight_casts / len(steps), traffic["copied"] / traffic["read"]
 
 

@@ -259,8 +259,7 @@ def preset_row(name, device, total_gib, folder, csv):
                       for step in range(len(batches.examples) // cfg.batch_size)}
             step = max(widest, key=lambda s: widest[s][0].numel())
             x, y = widest[step]
-            run = memory.Workload(bench_memory.build(PRETRAINED[name], "meta", cfg), cfg, "none", 1, torch.float16,
-                                  x.shape[1], int((y >= 0).sum(1).max()), 0)  # the ledger's training phase
+            run = bench_memory.preset_run(name, cfg, (x.shape[1], int((y >= 0).sum(1).max()), 0), ranks=1)
             row.update(width=x.shape[1], predicted_gib=memory.ledger(run, x.shape[0], 0).phases["train"] / GIB)
             if row["predicted_gib"] > total_gib:
                 return dict(row, note=f"predicted above this GPU's {total_gib:.1f} GiB: not run")

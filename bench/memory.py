@@ -46,17 +46,21 @@ def build(shape, device, cfg=None):
     return loading.add_adapters(model, **loading.lora_settings(cfg)) if cfg and cfg.lora_rank else model
 
 
-def preset_ledger(name, cfg, csv_path=""):
-    """(the micro-batch, memory.Ledger) of preset `cfg` for gpt2 model `name` (meta tensors) on RANKS T4s in fp16."""
+def preset_run(name, cfg, found, ranks=RANKS):
+    """The memory.Workload of preset `cfg` for gpt2 model `name` (meta tensors) on `ranks` T4s in fp16, built as
+    train.py's prepare builds it; `found`: lengths()."""
     fsdp = cfg.backend == "fsdp"
     model = build(PRETRAINED[name], "meta", cfg)
-    if not fsdp:  # as train.py's prepare: a LoRA run's frozen base in the compute dtype
+    if not fsdp:  # a LoRA run's frozen base in the compute dtype
         loading.cast_base(model, torch.float16)
-    run = memory.Workload(model, cfg, "fsdp" if fsdp else "ddp", RANKS, torch.float16, *lengths(csv_path, cfg),
-                          fsdp and cfg.fsdp_reduce_once is not False)
+    backend = "fsdp" if fsdp else "ddp" if ranks > 1 else "none"
+    return memory.Workload(model, cfg, backend, ranks, torch.float16, *found)
+
+
+def preset_ledger(name, cfg, csv_path=""):
+    """(the micro-batch, memory.Ledger) of preset `cfg` for gpt2 model `name` on RANKS T4s."""
     budget = T4_USABLE_GIB * GIB * memory.HEADROOM
-    if fsdp and cfg.fsdp_reduce_once == "auto":  # decided as memory.workload decides it
-        run = dataclasses.replace(run, reduce_once=memory.ledger(run, 1, budget).peak <= budget)
+    run, _ = memory.decide_reduce_once(preset_run(name, cfg, lengths(csv_path, cfg)), budget)
     if cfg.micro_batch_size == "auto":
         return memory.largest_micro_batch(run, budget)
     return cfg.micro_batch_size, memory.ledger(run, cfg.micro_batch_size, budget)

@@ -1,6 +1,5 @@
-"""Scoring a run on its validation split: ROUGE with bootstrap intervals and diagnostics (evaluate), or several
-decoding settings side by side (sweep); either against another evaluation of the same dialogues (--compare), by a
-paired bootstrap. evaluate.py is their command line; train.py runs evaluate after training on request."""
+"""A run scored on its validation split: ROUGE with bootstrap intervals and diagnostics (evaluate) or several decoding
+settings side by side (sweep), either against another evaluation by a paired bootstrap (--compare)."""
 import dataclasses
 import json
 import os
@@ -16,8 +15,7 @@ from command_line import UserError, atomic_write
 from config import ROUGE_TYPES, sweep_settings
 from model import Targets
 from summarizer import inference, run_folder
-from summarizer.report import interval_text, write_report
-from summarizer.scoring import rouge_per_example
+from summarizer.report import SWEEP_HEAD, interval_text, sweep_cells, write_report
 
 COMPARED = ("rouge1", "rouge2", "rougeL")  # the per-dialogue scores every eval_predictions.csv holds
 REPEAT_N = 3  # a summary that repeats a word 3-gram is looping, not summarizing
@@ -45,7 +43,6 @@ def validation_loss(model, val_set, cfg, rt):
 
 
 def prepare_scoring(cfg, explicit, rt):
-    """(summarizer, validation examples, their prompts, the --compare evaluation's rows or None), after the notes."""
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
     summarizer = inference.load_summarizer(cfg, explicit, rt, inference.describe_validation)
     val, notes = inference.validation_set(summarizer, explicit, rt)
@@ -58,8 +55,7 @@ def prepare_scoring(cfg, explicit, rt):
 
 
 def evaluate(cfg, explicit, rt):
-    """ROUGE of the run on its whole validation split, on stdout and in the evaluation files (write_evaluation); with
-    cfg.compare, the paired differences from that evaluation. The report on rank 0, None on the others."""
+    """ROUGE of the run on its validation split, printed and written (write_evaluation); the report on rank 0."""
     summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
     predictions = summarizer.summarize(prompts, rt)
     if not rt.is_main:
@@ -73,9 +69,8 @@ def evaluate(cfg, explicit, rt):
 
 
 def scored_frame(val, predictions):
-    """The evaluation's rows, as eval_predictions.csv holds them: id, dialogue, reference, prediction, their ROUGE
-    F1 and the lengths in tokens of the summary, the reference and the dialogue."""
-    scores = rouge_per_example(predictions, val.summaries)
+    """eval_predictions.csv's rows: the texts, their ROUGE F1 and token lengths."""
+    scores = inference.rouge_per_example(predictions, val.summaries)
     return pd.DataFrame({"id": val.ids, "dialogue": val.dialogues, "reference": val.summaries,
                          "prediction": predictions, **scores, "generated_tokens": token_counts(predictions),
                          "reference_tokens": token_counts(val.summaries),
@@ -83,7 +78,6 @@ def scored_frame(val, predictions):
 
 
 def scores_report(frame, summarizer, decoding_cfg, overridden):
-    """eval_metrics.json: what was scored (weights, step, decoding, split), ROUGE with 95% intervals, diagnostics."""
     return {**{t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES},
             "weights": summarizer.weights, "step": summarizer.ckpt["iter_num"] if summarizer.ckpt else None,
             "decoding": inference.describe_decoding(decoding_cfg, overridden, summarizer.ckpt is not None),
@@ -94,8 +88,7 @@ def scores_report(frame, summarizer, decoding_cfg, overridden):
 
 
 def diagnostics(frame, max_new_tokens):
-    """What moves a leaderboard score besides the words: how long the summaries run against the references, and how
-    many stopped at max_new_tokens (their re-encoded text as long as that), came out empty or loop."""
+    """What moves a leaderboard score besides the words: length, cut at max_new_tokens, empty, looping."""
     generated = frame["generated_tokens"]
     return {"length_ratio": float(generated.mean() / max(frame["reference_tokens"].mean(), 1e-9)),
             "max_new_tokens": max_new_tokens,
@@ -106,15 +99,13 @@ def diagnostics(frame, max_new_tokens):
 
 
 def repeats_ngram(text, n=REPEAT_N):
-    """Whether some word n-gram (ROUGE's words: lowercased, letters and digits) occurs twice in text."""
     words = tokenize.tokenize(text, None)
     ngrams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
     return len(set(ngrams)) < len(ngrams)
 
 
 def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows=None):
-    """eval_predictions.csv, eval_metrics.json and eval_report.html into inference.output_dir (first moving aside one
-    there of other weights, split, decoding or sweep, with its sweep); with a comparison, its lines on stdout."""
+    """eval_predictions.csv, eval_metrics.json and eval_report.html, first moving aside another evaluation's."""
     out = inference.output_dir(cfg)
     made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
     run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES, run_folder.SWEEP_CSV,
@@ -138,7 +129,7 @@ def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows
 
 
 def bootstrap_interval(values, samples=1000, seed=0):
-    """95% percentile bootstrap interval of the mean; None for fewer than two values, which give no interval."""
+    """95% percentile bootstrap interval of the mean; None for fewer than two values."""
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return None
@@ -147,8 +138,7 @@ def bootstrap_interval(values, samples=1000, seed=0):
 
 
 def paired_bootstrap(ours, theirs, samples=1000, seed=0):
-    """(mean of ours - theirs, its 95% bootstrap interval) over the same dialogues: each resample draws dialogues,
-    both scores of a dialogue together, so what the dialogues share (some are hard for any model) cancels out."""
+    """(mean of ours - theirs, its 95% interval), resampling dialogues with both scores: what they share cancels out."""
     differences = np.asarray(ours, dtype=float) - np.asarray(theirs, dtype=float)
     return float(differences.mean()), bootstrap_interval(differences, samples, seed)
 
@@ -160,14 +150,12 @@ def token_counts(texts):
 
 @dataclasses.dataclass
 class Comparison:
-    """This evaluation against another (--compare): its label, its rows in this order, per ROUGE compare's stats."""
     label: str
     other: pd.DataFrame
     stats: dict
 
 
 def read_evaluation(where):
-    """The rows of another evaluation (an out_dir, or its eval_predictions.csv)."""
     path = os.path.join(where, run_folder.EVAL_PREDICTIONS) if os.path.isdir(where) else where
     if not os.path.isfile(path):
         raise UserError(f"--compare={where}: {path} does not exist; give an out_dir that evaluate.py wrote into, "
@@ -183,8 +171,7 @@ def read_evaluation(where):
 
 
 def matched(other, val, where):
-    """`other`'s rows in the order of the validation examples `val`, or a UserError in one line naming how their
-    dialogues differ: ids on one side only, or the same id with another dialogue or reference."""
+    """`other`'s rows in `val`'s order, or a one-line UserError naming how their dialogues differ."""
     ours, theirs = pd.Index(val.ids), pd.Index(other["id"])
     refused = f"--compare={where} scored other dialogues than this evaluation"
     if theirs.has_duplicates:
@@ -204,8 +191,7 @@ def matched(other, val, where):
 
 
 def compare(frame, other):
-    """Per ROUGE of COMPARED: frame's mean minus other's with its paired 95% interval, and on how many dialogues
-    frame's score is better, worse or the same. Both frames hold the same dialogues in the same order."""
+    """Per ROUGE: the paired mean difference and interval, and on how many dialogues frame is better, worse, same."""
     stats = {}
     for t in COMPARED:
         differences = frame[t].to_numpy(dtype=float) - other[t].to_numpy(dtype=float)
@@ -216,9 +202,8 @@ def compare(frame, other):
 
 
 def interleaved_seconds(model, prompts, configs, rt):
-    """Seconds each decoding config takes on `prompts`: the mean of TIMED_ROUNDS rounds through every config, in
-    alternating order after a round that pays their first calls, so that a busy machine's changing load falls on
-    every config alike (timed one after another, a sweep's speeds followed the order of its settings)."""
+    """Seconds each config takes on `prompts`, over TIMED_ROUNDS rounds in alternating order after a warm one: a
+    changing load falls on every config alike (timed in turn, the speeds followed the settings' order)."""
     seconds = [0.0] * len(configs)
     for round_ in range(1 + TIMED_ROUNDS):
         for i in (range(len(configs)) if round_ % 2 else reversed(range(len(configs)))):
@@ -229,8 +214,7 @@ def interleaved_seconds(model, prompts, configs, rt):
 
 
 def sweep(cfg, explicit, rt):
-    """Score every decoding setting of cfg.sweep with one loaded model: a table (stdout, sweep.csv, sweep.md), and
-    the fastest setting a paired test cannot tell from the best: its evaluation files and its flags for predict.py."""
+    """Every setting of cfg.sweep scored with one model: a table, and the fastest setting within noise of the best."""
     settings = sweep_settings(cfg.sweep)
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")
@@ -273,8 +257,7 @@ def sweep(cfg, explicit, rt):
 
 
 def against_the_best(rows, frames):
-    """Each row gets its paired ROUGE-L difference from the best setting's with its 95% interval, within_best_ci95
-    when that holds 0 (noise on this many dialogues). Returns (the best row's index, the fastest such row's)."""
+    """Each row's paired ROUGE-L difference from the best's; returns (the best, the fastest within noise of it)."""
     best = max(range(len(rows)), key=lambda i: rows[i]["rougeL"])
     for row, frame in zip(rows, frames, strict=True):
         difference, ci95 = paired_bootstrap(frame["rougeL"], frames[best]["rougeL"])
@@ -287,7 +270,6 @@ def against_the_best(rows, frames):
 
 
 def setting_configs(base, settings):
-    """`base` with each sweep setting applied, or a UserError naming the first setting that cannot work."""
     configs = []
     for setting in settings:
         try:
@@ -298,15 +280,9 @@ def setting_configs(base, settings):
 
 
 def format_sweep(rows):
-    lines = [f"ROUGE F1 of {len(rows)} decoding settings on the validation split",
-             "| setting | ROUGE-1 | ROUGE-2 | ROUGE-L | mean length (tokens) | summaries/s | ROUGE-L - best's "
-             "(paired 95%) | within noise of the best |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['setting']} | {r['rouge1']:.4f} | {r['rouge2']:.4f} | {r['rougeL']:.4f} | "
-              f"{r['mean_tokens']:.1f} | {r['summaries_per_s']:.1f} | {r['rougeL_vs_best']:+.4f} "
-              f"{interval_text((r['rougeL_vs_best_low'], r['rougeL_vs_best_high']), signed=True)} | "
-              f"{'yes' if r['within_best_ci95'] else ''} |" for r in rows]
-    return "\n".join(lines)
+    lines = [f"ROUGE F1 of {len(rows)} decoding settings on the validation split", SWEEP_HEAD,
+             ["---"] * len(SWEEP_HEAD), *map(sweep_cells, rows)]
+    return "\n".join(cells if isinstance(cells, str) else f"| {' | '.join(cells)} |" for cells in lines)
 
 
 def format_report(report):

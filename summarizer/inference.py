@@ -1,8 +1,8 @@
-"""The inference layer: a trained run's model and contract, read from its checkpoint (config.resolve takes what
-config.SCOPES says), and the summaries it writes, for evaluate.py, predict.py, export.py and training's ROUGE. A
---baseline has no run: the command line is its config."""
+"""A trained run's model and contract, read from its checkpoint, and the summaries it writes (evaluate.py, predict.py,
+export.py, training's ROUGE); ROUGE, by which MBR chooses. A --baseline has no run: the command line is its config."""
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -11,16 +11,21 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from nltk.stem import porter
+from rapidfuzz import process
+from rapidfuzz.distance import LCSseq
+from rouge_score import rouge_scorer, tokenize, tokenizers
+from rouge_score.scoring import fmeasure
 from tqdm import tqdm
 
 import data
-from command_line import UserError, first_line
-from config import Config, Decoding, Split, flags_given, keys, load_config, part, resolve
+from command_line import UserError
+from config import ROUGE_TYPES, Config, Decoding, Split, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import run_folder, scoring
+from summarizer import run_folder
 from summarizer.checkpoint import load_checkpoint
-from summarizer.launch import one_line_errors, out_of_memory, out_of_memory_hint
+from summarizer.launch import one_line_errors, out_of_memory_hint
 from summarizer.loading import (
     build_model,
     check_named,
@@ -29,27 +34,22 @@ from summarizer.loading import (
     merged_weights,
     model_from_checkpoint,
 )
-from summarizer.memory import generation_batches, generation_memory
+from summarizer.memory import generation_batches, generation_memory, halved_until_it_runs
 from summarizer.runtime import Runtime
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
 
 def utterances(dialogue):
-    """A dialogue's non-empty lines (its utterances, speaker included), in order."""
     return [line.strip() for line in data.clean_text(dialogue).split("\n") if line.strip()]
-
-
-def longest(lines, n):
-    keep = set(sorted(range(len(lines)), key=lambda i: (-len(lines[i]), i))[:n])
-    return [line for i, line in enumerate(lines) if i in keep]
 
 
 # The extractive baselines of the SAMSum paper (Gliwa et al., 2019: LEAD-3, LONGEST-3) and the first line alone:
 # what a model must beat. Each takes a dialogue's utterances and keeps some, in their order.
 EXTRACTIVE = {"first_line": (lambda lines: lines[:1], "the first line of each dialogue"),
               "lead3": (lambda lines: lines[:3], "the first 3 lines of each dialogue"),
-              "longest3": (lambda lines: longest(lines, 3), "the 3 longest lines of each dialogue, in order")}
+              "longest3": (lambda lines: [line for i, line in enumerate(lines) if i in sorted(range(len(lines)),
+                           key=lambda i: (-len(lines[i]), i))[:3]], "the 3 longest lines of each dialogue, in order")}
 
 
 @dataclass
@@ -70,8 +70,7 @@ class Summarizer:
                                   max(self.cfg.max_new_tokens, self.trained_max_new_tokens))
 
     def cut_warning(self):
-        """A line where this command's larger max_new_tokens leaves a dialogue under half the tokens training gave it:
-        summaries of what is left score low."""
+        """A line where a larger max_new_tokens leaves a dialogue under half the tokens training gave it."""
         now, block, run = self.prompt_format().max_dialogue, self.model.config.block_size, self.trained_max_new_tokens
         trained = data.prompt_format(self.cfg.prompt_template, block, run or self.cfg.max_new_tokens).max_dialogue
         if 2 * now < trained:
@@ -81,8 +80,7 @@ class Summarizer:
         return None
 
     def prompts(self, dialogues):
-        """(prompt tokens per dialogue, how many dialogues were cut), by the run's PromptFormat; an empty prompt
-        starts from <|endoftext|>; an extractive baseline reads the dialogues themselves."""
+        """(prompt tokens per dialogue, how many were cut); an extractive baseline reads the dialogues."""
         if self.extractive:
             return list(dialogues), 0
         fmt = self.prompt_format()
@@ -90,8 +88,6 @@ class Summarizer:
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
     def summarize(self, prompts, rt, cfg=None):
-        """A summary per prompt (self.prompts), in order, on every rank: decoded as `cfg` (else self.cfg) says,
-        sharded across the ranks; or an extractive baseline's lines of each dialogue."""
         if self.extractive:
             return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
         cfg = cfg or self.cfg
@@ -105,8 +101,7 @@ class Summarizer:
 
 
 def open_summarizer(cfg, explicit=(), use="inference"):
-    """The Summarizer that cfg names, on the CPU: the checkpoint (checkpoint_path) with its config resolved for
-    `use` and the `explicit` --key=value keys, or a cfg.baseline with cfg as it is."""
+    """The Summarizer that cfg names, on the CPU: a checkpoint's with its config resolved for `use`, or a baseline's."""
     if cfg.baseline in EXTRACTIVE:
         return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
@@ -130,8 +125,7 @@ def open_summarizer(cfg, explicit=(), use="inference"):
 
 
 def load_summarizer(cfg, explicit, rt, describe_data):
-    """Rank 0 makes the output folder; open_summarizer, on rank 0 its first line (weights, template, describe_data(its
-    config), decoding), the model on rt's device in eval mode, cast once to rt's dtype: no decode step casts again."""
+    """open_summarizer, its first line on rank 0, the model on rt's device cast once to rt's dtype."""
     if rt.is_main:
         make_output_dir(cfg)
     summarizer = open_summarizer(cfg, explicit)
@@ -150,14 +144,13 @@ def load_summarizer(cfg, explicit, rt, describe_data):
 
 
 def training_note(path):
-    """The line that says a training run holds the checkpoint's folder (this reads its last save), or None."""
     holder = path and run_folder.training_in(os.path.dirname(os.path.abspath(path)))
     return holder and (f"note: a training run holds {os.path.dirname(path) or '.'} ({holder}): this reads its last "
                        f"complete save, {path}")
 
 
 def describe_checkpoint(ckpt):
-    """'iter 300, best rougeL 0.4123, val_loss 2.1034' from what train.py saved with the weights."""
+    """'iter 300, best rougeL 0.4123, val_loss 2.1034'"""
     metrics, best_metric = ckpt["metrics"], ckpt["best_metric"]
     scores = [f"best {best_metric} {metrics[best_metric]:.4f}" if best_metric in metrics else ""]
     scores += [f"{k} {metrics[k]:.4f}" for k in ("val_loss", "rougeL") if k in metrics and k != best_metric]
@@ -165,9 +158,7 @@ def describe_checkpoint(ckpt):
 
 
 def describe_decoding(cfg, overridden=(), from_run=True):
-    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)': the kind of decoding, the settings
-    that act on it and are not defaults (max_new_tokens always), where they come from, and the settings this kind
-    ignores that are not defaults; 'none' for an extractive baseline."""
+    """'beam search: num_beams=4 max_new_tokens=48 (the run's, except --num_beams)', and what this kind ignores."""
     if cfg.baseline in EXTRACTIVE:
         return "none: lines of the dialogue"
     defaults = Config()
@@ -191,8 +182,7 @@ def describe_validation(cfg):
 
 
 def validation_set(summarizer, explicit, rt):
-    """(validation examples, notes): the run's split, or the one the command names. Rows the checkpoint trained on
-    (data.repeated_rows) are refused in one line, unless they are duplicates inside the run's own split (a note)."""
+    """(validation examples, notes): rows the checkpoint trained on are refused, unless duplicates in its own split."""
     if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
         splits, (_, val, _) = None, data.validation_examples(summarizer.cfg, rt.is_main, rt.barrier)
     else:
@@ -222,8 +212,7 @@ def validation_set(summarizer, explicit, rt):
 
 
 def decoding_command(argv, usage, command, work):
-    """evaluate.py's and predict.py's main: `work(cfg, the flags given, rt)` in the Runtime of the command line's
-    Config, errors in one line, no empty output folder left behind."""
+    """evaluate.py's and predict.py's main: `work(cfg, flags given, rt)`, errors in one line, no empty folder left."""
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv, usage, command)
@@ -232,24 +221,21 @@ def decoding_command(argv, usage, command, work):
 
 
 def checkpoint_path(cfg):
-    """The checkpoint evaluate.py, predict.py and export.py read: --ckpt, else out_dir/best.pt."""
     return cfg.ckpt or os.path.join(cfg.out_dir, run_folder.BEST)
 
 
 def make_output_dir(cfg):
-    """output_dir(cfg), created and checked writable before any work."""
     run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
 
 
 def output_dir(cfg):
-    """Where evaluate.py/predict.py write: out_dir, or out_dir/baseline-<name> that a baseline's never replace."""
+    """out_dir, or out_dir/baseline-<name>, so that a baseline never replaces a run's files."""
     if not cfg.baseline:
         return cfg.out_dir
     return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
 
 
 def cut_line(summarizer, cut, total):
-    """The line that says how many dialogues the truncation rule cut."""
     fmt, block_size = summarizer.prompt_format(), summarizer.model.config.block_size
     template = len(fmt.head) + len(fmt.tail)
     return (f"cut the end of {cut} of {total} dialogue(s): a prompt keeps a dialogue's first {fmt.max_dialogue} "
@@ -261,10 +247,8 @@ def cut_line(summarizer, cut, total):
 
 def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
                       graphs=None):
-    """One summary per prompt, in order, decoded as cfg says in generation_batches within `memory` bytes of KV
-    cache. This rank summarizes every world_size-th batch from `rank` on, None for the rest: the batches are the
-    same whatever the number of ranks, so sharded output is the single-process output. graphs: greedy's steps as
-    CUDA graphs (generate.StepGraphs, released at the end so that training gets its memory back; None: eagerly)."""
+    """One summary per prompt, in order, None for other ranks' batches (every world_size-th is this rank's, the same
+    batches whatever the ranks: sharded output is single-process output). graphs released at the end."""
     memory = generation_memory(cfg, model.lm_head.weight.device) if memory is None else memory
     dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else model.lm_head.weight.dtype
     decoding = part(cfg, Decoding)
@@ -283,10 +267,9 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             try:
                 with autocast:
                     new_tokens = generate(model, [prompts[i] for i in batch], decoding, eos_token_id=data.EOT_ID,
-                                          seed=cfg.seed, mbr_pick=scoring.mbr_pick, graphs=graphs)
+                                          seed=cfg.seed, mbr_pick=mbr_pick, graphs=graphs)
             except Exception as e:  # an out-of-memory's: what summarize_on_ranks keeps, and the size it halves
-                if out_of_memory(e):
-                    e.summaries, e.batch = summaries, len(batch)
+                e.done, e.size = summaries, len(batch)
                 raise
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
@@ -302,49 +285,36 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
 
 
 def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
-    """Every rank summarizes its share of `prompts`; all of the summaries, in order, on every rank. float32 weights
-    (the model being trained) run under rt's autocast. A batch out of memory on any rank halves gen_batch_size on
-    every rank for the rest of the process (rt.gen_batch_size), and the dialogues left go on; one line says so."""
-    held = model.lm_head.weight.dtype == getattr(torch, rt.dtype)
+    """All of the summaries, in order, on every rank. A batch out of memory on any rank lowers rt.gen_batch_cap on all,
+    for the rest of the process; the dialogues left go on."""
+    autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, rt.dtype) else rt.autocast()
     memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
-    summaries, tried, met = [None] * len(prompts), [], None
-    while True:
-        todo = [i for i, summary in enumerate(summaries) if summary is None]
-        lowered = dataclasses.replace(cfg, gen_batch_size=min(cfg.gen_batch_size, rt.gen_batch_size or math.inf))
-        try:
-            autocast = contextlib.nullcontext() if held else rt.autocast()
-            mine = summarize_batches(model, [prompts[i] for i in todo], lowered, autocast, progress and rt.is_main,
-                                     rt.rank, rt.world_size, memory, rt.graphs)
-            failed = None
-        except Exception as e:  # told to every rank below: none waits for this one's shard
-            if not out_of_memory(e):
-                raise
-            mine, failed = e.summaries, (e.batch, f"rank {rt.rank}: {first_line(e)}")
-        shards = rt.all_gather_objects((mine, failed))
-        for i, column in zip(todo, zip(*(shard for shard, _ in shards), strict=True), strict=True):
+    summaries, todo = [None] * len(prompts), []
+
+    def attempt(size):
+        todo[:] = [i for i, summary in enumerate(summaries) if summary is None]
+        return summarize_batches(model, [prompts[i] for i in todo], dataclasses.replace(cfg, gen_batch_size=size),
+                                 autocast, progress and rt.is_main, rt.rank, rt.world_size, memory, rt.graphs)
+
+    def keep(shards):  # each rank's summaries of todo, None where another rank's batch
+        for i, column in zip(todo, zip(*shards, strict=True), strict=True):
             summaries[i] = next((summary for summary in column if summary is not None), None)
-        failures = [failure for _, failure in shards if failure]
-        if not failures:
-            if tried and rt.is_main:
-                print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): "
-                      f"went on in batches of at most {rt.gen_batch_size} (gen_batch_size={rt.gen_batch_size} "
-                      f"from now on in this process)", flush=True)
-            return summaries
-        batch, met = min(failures)
-        if batch == 1:  # no smaller batch: what else holds memory per dialogue
-            others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples")
-                      if getattr(cfg, key) > 1]
-            with out_of_memory_hint("summarizing 1 dialogue at a time",
-                                    " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others])):
-                raise torch.OutOfMemoryError(met)
-        tried.append(str(batch))
-        rt.gen_batch_size = batch // 2
+    others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples") if getattr(cfg, key) > 1]
+    hint = functools.partial(out_of_memory_hint, "summarizing 1 dialogue at a time",
+                             " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others]))
+    size, tried, met = halved_until_it_runs(rt, min(cfg.gen_batch_size, rt.gen_batch_cap or math.inf), attempt,
+                                            hint, keep)
+    if tried:
+        rt.gen_batch_cap = size
+        if rt.is_main:
+            print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): went on "
+                  f"in batches of at most {size} (gen_batch_size={size} from now on in this process)", flush=True)
+    return summaries
 
 
 def rouge_model(model, cfg, rt):
-    """The model that summarizes for ROUGE during training: a plain GPT in rt's dtype (greedy runs as CUDA graphs,
-    without autocast): the trained model where it is one, else a copy of its weights, gathered under FSDP (ranks
-    generating different lengths cannot keep its collectives in step) and LoRA-merged."""
+    """The model training's ROUGE decodes with: a plain GPT in rt's dtype (greedy as CUDA graphs, no autocast), a merged
+    copy for LoRA and FSDP (ranks decoding different lengths cannot keep FSDP's collectives in step)."""
     dtype = getattr(torch, rt.dtype)
     if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model
@@ -355,3 +325,54 @@ def rouge_model(model, cfg, rt):
     for key, value in merged_weights(weights, **lora_settings(cfg)) if cfg.lora_rank else weights.items():
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()
+
+
+# ---- ROUGE as the competition scores it (rouge-score F1, Porter stemmer on), and MBR's choice by it ------------
+
+def rouge_per_example(predictions, references):
+    """{type: [F1 of each (prediction, reference)]}, rouge-score with the stemmer, as the competition scores."""
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=StemCachedTokenizer())
+    results = [scorer.score(reference, prediction)
+               for prediction, reference in zip(predictions, references, strict=True)]
+    return {t: [result[t].fmeasure for result in results] for t in ROUGE_TYPES}
+
+
+def rouge(predictions, references):
+    return {t: sum(v) / max(1, len(v)) for t, v in rouge_per_example(predictions, references).items()}
+
+
+class StemCachedTokenizer(tokenizers.Tokenizer):
+    """rouge-score's tokenizer, each text and word stemmed once: MBR scores every candidate against every other."""
+
+    def __init__(self):
+        self.stem = functools.cache(porter.PorterStemmer().stem)
+        self.tokens = functools.cache(lambda text: tokenize.tokenize(text, self))
+
+    def tokenize(self, text):
+        return self.tokens(text)
+
+
+def mbr_pick(candidates, metric="rougeL"):
+    return mbr_select([data.summary_text(tokens) for tokens in candidates], metric)
+
+
+def agreement(candidates, metric="rougeL"):
+    """`metric` F1 of every candidate against every other; rougeL's LCS by rapidfuzz (rouge-score's: most of MBR's
+    time)."""
+    tokenizer = StemCachedTokenizer()
+    if metric == "rougeL":
+        tokens = [tokenizer.tokenize(c) for c in candidates]
+        lcs = process.cdist(tokens, tokens, scorer=LCSseq.similarity).tolist()
+        return [[fmeasure(n / len(prediction), n / len(reference)) if prediction and reference else 0.0
+                 for reference, n in zip(tokens, row, strict=True)]
+                for prediction, row in zip(tokens, lcs, strict=True)]
+    scorer = rouge_scorer.RougeScorer([metric], tokenizer=tokenizer)
+    return [[scorer.score(reference, prediction)[metric].fmeasure for reference in candidates]
+            for prediction in candidates]
+
+
+def mbr_select(candidates, metric="rougeL"):
+    """Index of the highest mean F1 against the others; ties go to the earlier."""
+    scores = agreement(candidates, metric)
+    utility = [(sum(row) - row[i]) / max(1, len(candidates) - 1) for i, row in enumerate(scores)]
+    return max(range(len(candidates)), key=lambda i: (utility[i], -i))

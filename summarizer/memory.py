@@ -1,21 +1,11 @@
-"""The T4 ledger: the bytes one GPU of a training run holds at the peak of each phase it goes through, counted
-before step 1 by running the project's own code on fake tensors (FakeTensorMode: the real shapes, no memory) and
-adding up the storages alive after every operator (LiveBytes). micro_batch_size=auto, fsdp_reduce_once=auto and
-bench --section=memory read it; generation batches are formed by its rule (generation_batches).
-- train: weights, AdamW's moments and DDP's buckets held, and the peak of a micro-batch's forward and backward in
-  the run's autocast (activations, gradients, backward's transient buffers, checkpointing's recompute; attention as
-  the fused kernels hold it, O(T) state). FSDP: a rank's shards and the units it gathers, or with reduce-once every
-  weight gathered and the fp32 gradients unsharded (reduce_once_bytes).
-- validation: what is held (gradients freed) and a forward without autograd.
-- rouge_build, rouge_decode: train.rouge_model's copy built beside what is held (FSDP: beside the gathered fp32
-  weights), then a generation batch's KV cache and logits beside the copy.
-- save: a LoRA run's merged weights for best.pt, on rank 0.
-- after: evaluate_after and predict_after: best.pt's weights in the run's dtype and a generation batch.
-- host: the ranks' fp32 weights while loading, or FSDP's gathered state on rank 0's CPU at a save.
-Not counted: the CUDA context (a plan's budget is the memory the GPU has free) and fragmentation (HEADROOM)."""
+"""The T4 ledger: the bytes one GPU of a run holds at the peak of each phase (train, validation, rouge_build,
+rouge_decode, save, after; host), counted before step 1 by running the project's own code on fake tensors at the real
+shapes (no second formula to drift from the code). micro_batch_size=auto, fsdp_reduce_once=auto, generation batches and
+bench --section=memory use it. Not counted: the CUDA context (a budget is free memory) and fragmentation (HEADROOM)."""
 import bisect
 import contextlib
 import copy
+import functools
 import math
 import os
 import resource
@@ -24,17 +14,22 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from command_line import UserError
+import data
+from command_line import UserError, first_line
 from config import Decoding, part, rows_per_rank
 from generate import greedy_slots, plain_greedy
 from model import GPT, GPTConfig, Targets
+from summarizer.backends import zero_gradients
+from summarizer.launch import out_of_memory, training_memory_hint
 from summarizer.loading import lora_settings, merged_weights
 from summarizer.run_folder import nbytes
+from summarizer.state import rng_restored
 
 HEADROOM = 0.9  # the share of a GPU's free memory a plan may fill: allocator fragmentation, rounding
 LOGITS_COPIES = 3  # float32 scores, their softmax and its cumulative sum, per row being decoded
@@ -51,9 +46,8 @@ def shard_bytes(tensors, world_size):
 
 
 def parameter_bytes(model, backend, world_size):
-    """(weights, gradients, AdamW's state) bytes on one GPU, from the model's tensors (meta ones will do): the
-    tied wte / lm_head weight once, a gradient and two float32 moments per trainable parameter (DDP's buckets are
-    the gradients: gradient_as_bucket_view). FSDP: a rank's shards, and the units it gathers (the root, two blocks)."""
+    """(weights, gradients, AdamW's state) bytes on one GPU; DDP's buckets are the gradients (gradient_as_bucket_view).
+    FSDP: a rank's shards and the units it gathers (the root, two blocks)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     moments = 2 * sum(p.numel() for p in trainable) * 4
@@ -66,8 +60,7 @@ def parameter_bytes(model, backend, world_size):
 
 
 class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages that the operators run inside it made and that are still alive, and their peak:
-    what the caching allocator would hold for them (fake tensors hold nothing themselves)."""
+    """The bytes of the storages made inside it and still alive, and their peak (fake tensors hold nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -91,9 +84,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 def twin(model, fake=None):
-    """`model`'s modules (adapters, checkpointing and all) on tensors that hold no memory, of its dtypes and tying,
-    requires_grad kept: fake CPU ones (`fake`: its FakeTensorMode), whose autocast and kernels are a GPU's, else meta
-    ones, on which code that builds modules on the meta device runs too."""
+    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, whose
+    autocast and kernels are a GPU's, else meta ones."""
     with fake or contextlib.nullcontext():
         memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
                                           t.requires_grad) if isinstance(t, torch.nn.Parameter) else
@@ -103,15 +95,13 @@ def twin(model, fake=None):
 
 
 def counted(fn, fake=None):
-    """(fn's result, the peak of the bytes it made alive, what of them is alive after)."""
     with fake or contextlib.nullcontext(), LiveBytes() as live:
         out = fn()
     return out, live.peak, live.now
 
 
 def pass_peak(model, fake, rows, length, targets, dtype, train):
-    """The peak of one micro-batch's forward (and backward, with `train`, gradients included) in `dtype`'s CPU
-    autocast, whose casts and fused attention (O(T) state: flash on a CPU, memory-efficient on a T4) are a GPU's."""
+    """The peak of a micro-batch's forward (backward with `train`) under CPU autocast: a GPU's casts and attention."""
     with fake:
         x = torch.zeros(rows, length, dtype=torch.long)
         found = Targets(x, torch.zeros(targets, dtype=torch.long))
@@ -128,9 +118,7 @@ def pass_peak(model, fake, rows, length, targets, dtype, train):
 
 @dataclass(frozen=True)
 class Workload:
-    """What a ledger needs of a run: its model (meta tensors will do), settings, processes, the dtype it trains and
-    decodes in, its longest training row, the most targets a row has, its longest prompt (tokens), and whether FSDP
-    reduces gradients once per optimizer step."""
+    """What a ledger needs of a run; lengths in tokens."""
     model: torch.nn.Module
     cfg: object
     backend: str
@@ -144,8 +132,6 @@ class Workload:
 
 @dataclass(frozen=True)
 class Ledger:
-    """Bytes on one GPU at the peak of each phase (train, validation, rouge_build, rouge_decode, save, after), and
-    on the host (host)."""
     phases: dict
     host: int
 
@@ -158,8 +144,7 @@ class Ledger:
 
 
 def ledger(run, rows, budget):
-    """The Ledger of `run` at micro-batches of `rows` (each as long as its longest row), on a GPU whose plan may
-    fill `budget` bytes (generation takes half of what the rest leaves, as generation_memory sizes it)."""
+    """The Ledger of `run` at micro-batches of `rows` of its longest row, where a plan may fill `budget` bytes."""
     cfg, model, fsdp = run.cfg, run.model, run.backend == "fsdp"
     fake = FakeTensorMode()
     faked, meta = twin(model, fake), twin(model)
@@ -192,51 +177,50 @@ def ledger(run, rows, budget):
 
 
 def batch_bytes(run, prompts, left):
-    """The KV cache and logits bytes of the first generation batch of `prompts` of the run's longest prompt, in
-    gen_memory_gb, else half of the `left` bytes (generation_memory's rule)."""
+    """KV cache and logits bytes of the first generation batch of `prompts` longest prompts."""
     room = run.cfg.gen_memory_gb * 2**30 or max(left, 0) / 2
     return sum(decoding_bytes(run.cfg, run.model.config, run.dtype, prompts, run.longest_prompt, room)[1:])
 
 
 def decoding_bytes(cfg, model_config, dtype, prompts, prompt_tokens, room):
-    """(prompts, KV cache bytes, logits bytes) of the first generation batch of `prompts` prompts of `prompt_tokens`
-    tokens in batches of `room` bytes (as generation_batches forms them)."""
+    """(prompts, KV cache bytes, logits bytes) of the first generation batch as generation_batches forms it."""
     kv, logits = dialogue_bytes(part(cfg, Decoding), prompt_tokens, model_config, dtype)
     batch = min(prompts, cfg.gen_batch_size, max(1, int(room // (kv + logits)))) if prompts else 0
     return batch, batch * kv, batch * logits
 
 
 def device_memory(device):
-    """Bytes a plan may fill on `device`: HEADROOM of a GPU's free memory, CPU_SHARE of what the host leaves."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * HEADROOM)
-    return int(host_memory() * CPU_SHARE)
+    return host_memory(CPU_SHARE)
 
 
-def host_memory():
-    """Bytes this process may still take on the host: its available memory (free, and the page cache the kernel
-    drops on demand), at most what RLIMIT_AS (`ulimit -v`) and its container's cgroup (CGROUP_FILES) leave."""
+def host_memory(share=1.0):
+    """Bytes this process may still take on the host: `share` of what the host and its cgroup have available (others use
+    them too), at most HEADROOM of what `ulimit -v` leaves its own address space."""
     meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
-    left = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB
-    if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
-        left.append(address_space - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    shared = [int(meminfo["MemAvailable"].split()[0]) * 1024]  # kB: free, and the page cache dropped on demand
     for limit, usage in CGROUP_FILES:
         with contextlib.suppress(OSError, ValueError):  # no such cgroup, or no limit (memory.max: "max")
-            left.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))
-    return max(min(left), 0)
+            shared.append(int(Path(limit).read_text()) - int(Path(usage).read_text()))
+    left = [share * min(shared)]
+    if (address_space := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
+        in_use = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        left.append(HEADROOM * (address_space - in_use))
+    return int(max(min(left), 0))
 
 
 def workload(cfg, rt, model, train_set, val_set):
-    """(the Workload of this run, the smallest budget of its ranks: device_memory), with fsdp_reduce_once=auto
-    decided: on where the ledger of one row with it fits (rank 0 says why not)."""
-    budget = min(rt.all_gather_objects(device_memory(rt.device)))
-    run = Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
-                   longest_row=int(train_set.lengths.max()),
-                   most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
-                   longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0,
-                   reduce_once=rt.backend == "fsdp" and cfg.fsdp_reduce_once is not False)
-    if rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto":
-        run = replace(run, reduce_once=(one := ledger(run, 1, budget)).peak <= budget)
+    """(the Workload of this run, the smallest budget of its ranks), fsdp_reduce_once=auto decided."""
+    # the plan counts the weights, so those already on the device (a CPU run's) are part of its budget
+    held = nbytes(p for p in model.parameters() if p.device.type == rt.device.type)
+    budget = min(rt.all_gather_objects(device_memory(rt.device) + held))
+    run, one = decide_reduce_once(Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
+                                           longest_row=int(train_set.lengths.max()),
+                                           most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
+                                           longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0),
+                                  budget)
+    if one is not None:
         rt.parallel.reduce_once = run.reduce_once
         if not run.reduce_once and rt.is_main:
             print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
@@ -245,8 +229,16 @@ def workload(cfg, rt, model, train_set, val_set):
     return run, budget
 
 
+def decide_reduce_once(run, budget):
+    """(run with reduce-once as fsdp_reduce_once says, auto: on where one row fits with it; that ledger)."""
+    run = replace(run, reduce_once=run.backend == "fsdp" and run.cfg.fsdp_reduce_once is not False)
+    if not run.reduce_once or run.cfg.fsdp_reduce_once != "auto":
+        return run, None
+    one = ledger(run, 1, budget)
+    return replace(run, reduce_once=one.peak <= budget), one
+
+
 def choose_micro_batch(run, budget):
-    """micro_batch_size=auto: (the rows every rank's micro-batches take, the words for the start line)."""
     rows, chosen = largest_micro_batch(run, budget)
     words = (f"micro_batch_size=auto: {rows} (the plan's peak {chosen.peak / 2**30:.1f} of {budget / 2**30:.1f} GiB "
              f"usable: {chosen.describe()})")
@@ -260,21 +252,71 @@ def choose_micro_batch(run, budget):
 
 
 def largest_micro_batch(run, budget):
-    """(rows, its Ledger): the largest micro-batch, up to a rank's rows per step, whose ledger fits `budget` bytes;
-    the smallest, 1, when none does. A ledger grows with its rows: a bisection."""
+    """(rows, its Ledger): the largest micro-batch, up to a rank's rows per step, that fits `budget` (else 1)."""
     counts = range(1, rows_per_rank(run.cfg.batch_size, run.world_size) + 1)
     rows = counts[max(bisect.bisect_right(counts, False, key=lambda n: ledger(run, n, budget).peak > budget) - 1, 0)]
     return rows, ledger(run, rows, budget)
 
 
 def reduce_once_bytes(model, world_size, dtype):
-    """(held, kept): bytes per rank that reducing gradients once per optimizer step holds between FSDP's
-    micro-steps (every weight gathered in `dtype`, an fp32 gradient per trainable parameter), and what FSDP keeps
-    anyway (its shards of the fp32 weights and gradients, and AdamW's two moments), from the unsharded model."""
+    """(held, kept) bytes per rank: reduce-once's gathered weights and fp32 gradients; FSDP's shards, moments."""
     params = list(model.parameters())  # tied weights once
     gradients = nbytes(p for p in params if p.requires_grad)  # fp32 like the weights, and each AdamW moment
     held = sum(p.numel() for p in params) * dtype.itemsize + gradients
     return held, (nbytes(params) + 3 * gradients) / world_size
+
+
+def halved_until_it_runs(rt, size, attempt, hint, keep=None):
+    """attempt(size) on every rank, `size` halved alike on all after an out-of-memory error on any (told to all: none
+    waits). An error may carry .size (where it ran out) and .done (its work, given to keep). Returns (size, the sizes
+    that ran out, the first error line); at size 1 raises inside hint()."""
+    tried, met = [], None
+    while True:
+        try:
+            mine, failed = attempt(size), None
+        except Exception as e:  # left here, the error frees what the attempt held
+            if not out_of_memory(e):
+                raise
+            mine, failed = getattr(e, "done", None), (getattr(e, "size", size), f"rank {rt.rank}: {first_line(e)}")
+        shards = rt.all_gather_objects((mine, failed))
+        if keep:
+            keep([shard for shard, _ in shards])
+        if not (failures := [failure for _, failure in shards if failure]):
+            return size, tried, met
+        size, met = min(failures)
+        if size == 1:
+            with hint():
+                raise torch.OutOfMemoryError(met)
+        tried.append(str(size))
+        size //= 2
+
+
+# ---- micro_batch_size=auto on the device, before step 1 ---------------------------------------------------------
+# The plan never met this GPU (and a compiled, checkpointed step may peak higher, pytorch#120381): the chosen
+# micro-batch's peak runs once; an out-of-memory error lowers it on every rank rather than ending the run at step 1.
+
+def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
+    rows, tried, met = halved_until_it_runs(
+        rt, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), rt, model, train_set),
+        functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), rt))
+    return replace(cfg, micro_batch_size=rows), chosen + (
+        f"; out of memory at {' and '.join(tried)} ({met}): lowered to {rows}" if tried else "")
+
+
+def peak_step(cfg, rt, model, train_set):
+    """A step's peak on `model`, unwrapped (no collective), beside AdamW's state; leaves no gradients or RNG change."""
+    rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
+    x, y = data.collate(train_set, rows, cfg.train_on_prompt)
+    held = torch.empty(parameter_bytes(model, rt.backend, rt.world_size)[2], dtype=torch.uint8, device=rt.device)
+    if rt.parallel.keeps_gradients:
+        zero_gradients(model)
+    try:
+        with rng_restored(), rt.autocast():
+            _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
+            loss.backward()
+    finally:
+        del held
+        model.zero_grad(set_to_none=True)
 
 
 # ---- a generation's batches -----------------------------------------------------------------------------------
@@ -283,9 +325,8 @@ CPU_GEN_MEMORY_GB = 2.0  # gen_memory_gb=0 on a CPU
 
 
 def generation_memory(cfg, device):
-    """Bytes the KV cache and logits of one generate() call may take: gen_memory_gb, else half the GPU's free memory
-    (counting what the caching allocator holds unused), else CPU_GEN_MEMORY_GB; never more than the device has
-    left (on a CPU: host_memory)."""
+    """Bytes one generate() call may take: gen_memory_gb, else half the GPU's free memory (its cache's unused bytes
+    counted), else CPU_GEN_MEMORY_GB; at most what the device has left."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         left = torch.cuda.mem_get_info(device)[0] + cached
@@ -294,11 +335,8 @@ def generation_memory(cfg, device):
 
 
 def cache_slots_per_prompt(decoding, prompt_tokens, block_size):
-    """KV-cache slots (one token's keys and values in every layer) that one prompt of P tokens holds at the peak of
-    generate(), M new tokens after it. Plain greedy: its static cache (greedy_slots) twice (the copy that drops
-    ended rows, or CUDA graphs' buffers). Else the prefill's P, shared by the prompt's rows (beams, samples, MBR's
-    candidate; 1 for greedy with processors), and their M own slots each, all twice at a copy (dropping ended
-    prompts, reordering beams). MBR's candidate decodes before its samples, over the same prefill."""
+    """KV-cache slots a prompt of P tokens holds at generate()'s peak, M new tokens after it: greedy's static cache
+    twice (a copy drops ended rows); else the prefill's P shared by the prompt's rows, M own slots each, twice."""
     d, P, M = decoding, prompt_tokens, decoding.max_new_tokens
     if plain_greedy(d) and not d.mbr_samples:
         return 2 * greedy_slots(P, M, block_size)
@@ -310,15 +348,14 @@ def kv_cache_bytes(model_config, slots, dtype):
 
 
 def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
-    """(KV cache bytes, logits bytes) that one dialogue of `prompt_tokens` tokens holds at the peak of generate()."""
     slots = cache_slots_per_prompt(decoding, prompt_tokens, model_config.block_size)
     rows = max(decoding.num_beams, decoding.mbr_samples, 1)
     return kv_cache_bytes(model_config, slots, dtype), LOGITS_COPIES * rows * model_config.vocab_size * 4
 
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
-    """UserError, before any allocation, where one dialogue of `prompt_tokens` tokens does not fit `memory` bytes,
-    naming the setting that multiplies what it holds and the largest value of it that fits."""
+    """UserError, before any allocation, where one dialogue does not fit `memory`, naming the largest value that
+    fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):
@@ -333,9 +370,7 @@ def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
 
 
 def generation_batches(prompts, decoding, batch_size, model_config, memory, dtype, rank=0, world_size=1):
-    """This rank's (every world_size-th) batches of prompt indices, length-sorted (left padding stays small): at most
-    batch_size prompts whose KV caches and logits fit `memory` bytes; UserError where the longest prompt alone does
-    not (check_one_dialogue)."""
+    """This rank's length-sorted batches of prompt indices: at most batch_size whose caches and logits fit `memory`."""
     order, batches = sorted(range(len(prompts)), key=lambda i: len(prompts[i])), []
     if order:
         check_one_dialogue(decoding, len(prompts[order[-1]]), model_config, memory, dtype)

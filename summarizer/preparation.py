@@ -24,10 +24,9 @@ from summarizer.loading import (
     resuming,
     start_checkpoint,
 )
-from summarizer.memory import choose_micro_batch, workload
-from summarizer.micro_batch import micro_batch_that_runs
+from summarizer.memory import choose_micro_batch, micro_batch_that_runs, workload
+from summarizer.report import check_against_sample
 from summarizer.state import TrainingState, rng_restored
-from summarizer.submission import check_against_sample
 from summarizer.tracking import Tracker, peak_flops, resumed_history
 
 WARM_RUNS = 2  # before step 1, a step and a batch of summaries are timed this many times warm

@@ -1,8 +1,8 @@
-"""eval_report.html: an evaluation as one self-contained page that a browser reads offline (Kaggle) and
-without JavaScript."""
+"""What the user reads: eval_report.html (one page, offline, without JavaScript) and submission.csv."""
 import base64
 import html
 import io
+import json
 import os
 import re
 import tempfile
@@ -12,10 +12,10 @@ import pandas as pd
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 
-from command_line import atomic_write
+import data
+from command_line import UserError, atomic_write
 from config import ROUGE_TYPES
-from summarizer import tracking
-from summarizer.scoring import StemCachedTokenizer
+from summarizer import inference, run_folder, tracking
 
 WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare
 LENGTH_BUCKETS = 5  # dialogue-length buckets of (about) equal size in the ROUGE-L-by-length figure
@@ -27,16 +27,14 @@ CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1d1d1f; margin: 0 auto;
        max-width: 1280px; padding: 0.5rem 2rem 3rem; }
 h1 { margin-bottom: 0.2rem; } h2 { margin-top: 2rem; border-bottom: 2px solid #e3e3e8; }
-nav a { margin-right: 1rem; } .muted { color: #6e6e73; }
-table { border-collapse: collapse; margin: 0.5rem 0; }
+nav a { margin-right: 1rem; } .muted { color: #6e6e73; } table { border-collapse: collapse; margin: 0.5rem 0; }
 th, td { border-bottom: 1px solid #e3e3e8; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }
 th { background: #f5f5f7; } td.num { white-space: nowrap; }
 .num { text-align: right; font-variant-numeric: tabular-nums; }
 table.examples { width: 100%; table-layout: fixed; } table.examples .num { width: 5.5rem; }
 table.examples .key { width: 9rem; } table.examples .text { overflow-wrap: anywhere; }
 tr.dialogue td { border-bottom: 2px solid #c7c7cc; padding-top: 0; }
-mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; }
-details summary { cursor: pointer; color: #0a58ca; }
+mark { background: #c9ecc4; padding: 0 1px; border-radius: 2px; } details summary { cursor: pointer; color: #0a58ca; }
 details pre { white-space: pre-wrap; font: inherit; background: #f5f5f7; padding: 0.5rem; margin: 0.3rem 0; }
 .figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1rem; }
 figure { margin: 0; } figure img { width: 100%; height: auto; } figcaption { color: #6e6e73; }
@@ -46,8 +44,7 @@ tr.picked td { background: #eef6ff; } .better { color: #1a7f37; } .worse { color
 
 
 def write_report(path, frame, report, curve="", comparison=None, sweep_rows=None):
-    """`frame`: evaluation.scored_frame's rows; `report`: eval_metrics.json's; `curve`: metrics.jsonl or ''."""
-    words = StemCachedTokenizer()
+    words = inference.StemCachedTokenizer()
     sections = [scored_section(report), scores_section(report), figures_section(frame, report, curve),
                 sweep_section(sweep_rows, report) if sweep_rows else "",
                 comparison_section(frame, comparison, words) if comparison else "", examples_section(frame, words)]
@@ -68,7 +65,7 @@ def esc(value):
 
 
 def table(head, rows, classes=None, attrs=""):
-    """Cells hold HTML already; head None: no header row; a row given as a string is a whole <tr>."""
+    """Cells hold HTML; head None: no header row; a row given as a string is a whole <tr>."""
     classes = classes or {}
 
     def cells(tag, values):
@@ -123,20 +120,24 @@ def share(count, n):
     return f"{count} of {n} ({100 * count / max(n, 1):.1f}%)"
 
 
+SWEEP_HEAD = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", "mean length (tokens)", "summaries/s",
+              "ROUGE-L - best's (paired 95%)", "within noise of the best"]
+
+
+def sweep_cells(row, picked=None):
+    interval = interval_text((row["rougeL_vs_best_low"], row["rougeL_vs_best_high"]), signed=True)
+    return [row["setting"], *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")), f"{row['mean_tokens']:.1f}",
+            f"{row['summaries_per_s']:.1f}", f"{row['rougeL_vs_best']:+.4f} {interval}",
+            "yes, recommended" if row["setting"] == picked else "yes" if row["within_best_ci95"] else ""]
+
+
 def sweep_section(rows, report):
-    head = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", "mean length (tokens)", "summaries/s",
-            "ROUGE-L - best's (paired 95%)", "within noise of the best"]
-    body = [[esc(row["setting"]), *(f"{row[t]:.4f}" for t in ("rouge1", "rouge2", "rougeL")),
-             f"{row['mean_tokens']:.1f}", f"{row['summaries_per_s']:.1f}",
-             f"{row['rougeL_vs_best']:+.4f} "
-             f"{interval_text((row['rougeL_vs_best_low'], row['rougeL_vs_best_high']), signed=True)}",
-             "yes, recommended" if row["setting"] == report["setting"] else "yes" if row["within_best_ci95"] else ""]
-            for row in rows]
+    body = [[esc(cell) for cell in sweep_cells(row, report["setting"])] for row in rows]
     return section("sweep", "Sweep",
                    note("Each setting's ROUGE-L minus the best's, paired over the same dialogues (95% bootstrap "
                         "interval). The recommended setting, which this report details, is the fastest whose "
                         "interval holds 0."),
-                   table(head, body, dict.fromkeys(range(1, 7), "num")))
+                   table(SWEEP_HEAD, body, dict.fromkeys(range(1, 7), "num")))
 
 
 def comparison_section(frame, comparison, words):
@@ -225,7 +226,6 @@ def figures_section(frame, report, curve):
 
 
 def figure(image, caption, kind=""):
-    """`image`: (MIME type, bytes), inlined as a data: URI."""
     mime, data = image
     uri = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     attrs = f' class="{kind}"' if kind else ""
@@ -281,3 +281,61 @@ def training_curve(jsonl_path):
         tracking.plot_metrics(jsonl_path, png, title=os.path.dirname(jsonl_path) or ".")
         with open(png, "rb") as f:
             return "image/png", f.read()
+
+
+# ---- submission.csv ---------------------------------------------------------------------------------------------
+
+def write_submission(ids, summaries, path):
+    """Summaries folded to one line each."""
+    frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
+    with atomic_write(path) as f:
+        frame.to_csv(f, index=False)
+
+
+def check_against_sample(ids, path):
+    """UserError unless the sample has columns id,summary and the test ids; a note where its order differs."""
+    _, sample = data.read_frame(path, "sample_submission_csv",
+                                "pass --sample_submission_csv=PATH, or --sample_submission_csv='' to skip the check")
+    skip = "--sample_submission_csv='' skips the check"
+    if list(sample.columns) != ["id", "summary"]:
+        raise UserError(f"sample_submission_csv {path} has columns {list(sample.columns)}, expected ['id', 'summary'] "
+                        f"(submission.csv's): pass the sample submission of test_csv's competition ({skip})")
+    sample_ids = set(sample["id"].str.strip())
+    missing, extra = sample_ids - set(ids), set(ids) - sample_ids
+    if missing or extra:  # examples from both sides: 0.0 against 0 shows only side by side
+        examples = "; ".join(f"{label} {sorted(ids)[:3]}" for label, ids in
+                             (("e.g. the sample's", missing), ("e.g. test_csv's", extra)) if ids)
+        raise UserError(f"test_csv ids differ from sample_submission_csv {path}: {len(missing)} of its ids are not "
+                        f"in test_csv, {len(extra)} test ids are not in it ({examples}): pass the test_csv and "
+                        f"sample_submission_csv of one competition ({skip})")
+    return ("" if list(sample["id"].str.strip()) == list(ids) else f"note: submission.csv lists the ids in "
+            f"test_csv's order, which differs from sample_submission_csv {path}'s")
+
+
+def predict(cfg, explicit, rt):
+    out = inference.output_dir(cfg)
+    summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
+    test = data.read_test(summarizer.cfg)
+    if (note := cfg.sample_submission_csv and check_against_sample(test.ids, cfg.sample_submission_csv)) and rt.is_main:
+        print(note)  # every rank checks: each stops alike
+    prompts, cut = summarizer.prompts(test.dialogues)
+    if rt.is_main and cut:
+        print(inference.cut_line(summarizer, cut, len(prompts)))
+    summaries = summarizer.summarize(prompts, rt)
+    if not rt.is_main:
+        return None
+    made_by = {"weights": summarizer.weights, "test_csv": summarizer.cfg.test_csv,
+               "decoding": inference.describe_decoding(summarizer.cfg, summarizer.overridden,
+                                                       summarizer.ckpt is not None)}
+    run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
+                                      run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
+    path = os.path.join(out, run_folder.SUBMISSION)
+    write_submission(test.ids, summaries, path)
+    with atomic_write(os.path.join(out, run_folder.SUBMISSION_RECORD)) as f:
+        json.dump(made_by, f, indent=2)
+    if test.empty:
+        print(f"{test.empty} test dialogue(s) are empty; they were summarized from the bare prompt")
+    empty = sum(not s.split() for s in summaries)
+    print(f"wrote {len(summaries)} summaries to {path}"
+          + (f" ({empty} empty: the model produced nothing for them)" if empty else ""))
+    return path

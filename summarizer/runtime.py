@@ -79,7 +79,7 @@ class Runtime:
         # greedy decoding as CUDA graphs where compile applies on a GPU (compile=False: eager, a way out)
         self.graphs = (StepGraphs(warn=functools.partial(tqdm.write, file=sys.stderr))  # a line of its own under a bar
                        if self.compile and self.device.type == "cuda" else None)
-        self.gen_batch_size = None  # lowered by a generation batch out of memory: every later one in this process
+        self.gen_batch_cap = None  # the most prompts a generation batch takes since one ran out of memory
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:
             print("warning: dtype=float16 on cpu is emulated and many times slower than float32: use "
                   "--dtype=float32 (or --dtype=auto, float32 on a CPU)", file=sys.stderr)

@@ -15,7 +15,7 @@ import train
 from command_line import UserError
 from config import load_config
 from conftest import HANG, REPO, save_csv, synthetic_rows, tiny, tiny_gpt, torchrun
-from summarizer import evaluation, inference, submission
+from summarizer import evaluation, inference, report
 
 # how evaluate.py and predict.py run the trained model (its shape comes from the checkpoint)
 RUNTIME = ["--device=cpu", "--dtype=float32", "--compile=False", "--max_new_tokens=20", "--gen_batch_size=4"]
@@ -211,7 +211,7 @@ def test_two_ranks_write_the_submission_one_process_writes(trained, tmp_path):
 
 def test_summaries_are_written_as_single_lines_and_read_back_unchanged(tmp_path):
     path = str(tmp_path / "submission.csv")
-    submission.write_submission(["1", "2", "3"], ["Tom will\ncome\r\n at 5.", "", 'A, "quoted" one'], path)
+    report.write_submission(["1", "2", "3"], ["Tom will\ncome\r\n at 5.", "", 'A, "quoted" one'], path)
     back = pd.read_csv(path, dtype=str, keep_default_na=False)
     assert back.values.tolist() == [["1", "Tom will come at 5."], ["2", ""], ["3", 'A, "quoted" one']]
     assert os.listdir(tmp_path) == ["submission.csv"]
@@ -234,16 +234,16 @@ def test_a_sample_submission_saved_by_excel_is_read_like_test_csv(tmp_path):
     # BOM, CRLF and Windows-1252 bytes: read as data.py reads the competition CSVs, so the ids compare equal
     sample = tmp_path / "sample_submission.csv"
     sample.write_bytes(b"\xef\xbb\xbfid,summary\r\n007,\r\ncaf\xe9,x\r\n")
-    submission.check_against_sample(["007", "café"], str(sample))
+    report.check_against_sample(["007", "café"], str(sample))
     with pytest.raises(UserError, match="1 of its ids are not in test_csv"):
-        submission.check_against_sample(["007", "cafe"], str(sample))
+        report.check_against_sample(["007", "cafe"], str(sample))
 
 
 def test_a_sample_submission_in_another_order_is_a_note_that_submission_csv_follows_test_csv(tmp_path):
     sample = tmp_path / "sample_submission.csv"
     sample.write_text("id,summary\n2,\n1,\n3,\n")
-    assert submission.check_against_sample(["2", "1", "3"], str(sample)) == ""
-    assert submission.check_against_sample(["1", "2", "3"], str(sample)) == (
+    assert report.check_against_sample(["2", "1", "3"], str(sample)) == ""
+    assert report.check_against_sample(["1", "2", "3"], str(sample)) == (
         f"note: submission.csv lists the ids in test_csv's order, which differs from sample_submission_csv {sample}'s")
 
 

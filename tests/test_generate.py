@@ -16,7 +16,7 @@ from conftest import mid_way_eos
 from data import summary_text
 from generate import generate
 from model import GPT, KVCache, prompt_slots
-from summarizer.scoring import agreement, mbr_pick, mbr_select
+from summarizer.inference import agreement, mbr_pick, mbr_select
 
 MAX_NEW = 24
 

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import resource
+import sys
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ import data
 import train
 from command_line import UserError
 from config import load_config
-from conftest import REPO, metrics, tiny, tiny_gpt
+from conftest import REPO, metrics, run, tiny, tiny_gpt
 from model import GPT, GPTConfig, Targets
 from summarizer import loading, memory, preparation
 
@@ -126,7 +127,8 @@ def test_reduce_once_is_decided_before_the_micro_batch_and_counted_in_it(monkeyp
     assert on.phases["train"] != off.phases["train"] and on.peak == on.phases["train"]
     train_set = SimpleNamespace(lengths=np.array([256]), target_counts=lambda _: np.array([60]))
     for budget, decided in ((on.peak + 2**20, True), (on.peak - 2**20, False)):
-        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cpu"),
+        # a T4 rank: the model is on the CPU until the run moves it, so `budget` is all the GPU leaves
+        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cuda"),
                              is_main=True, all_gather_objects=lambda mine: [mine] * RANKS,
                              parallel=SimpleNamespace(reduce_once="auto"))
         monkeypatch.setattr(memory, "device_memory", lambda device, budget=budget: int(budget))
@@ -159,7 +161,8 @@ def test_auto_trains_as_the_same_explicit_micro_batch(write_csv, tmp_path, monke
 def test_a_cpu_plan_fills_at_most_what_the_process_limits_leave(limit, tmp_path, monkeypatch):
     """The host's free memory is not all a process may take: RLIMIT_AS (`ulimit -v`) bounds its address space, and
     a container's cgroup (Kaggle's RAM) bounds what its processes use. Each limit, injected 1 GiB above what is in
-    use, bounds the host's memory, and a CPU plan fills at most CPU_SHARE of it."""
+    use, bounds the host's memory: a CPU plan fills at most CPU_SHARE of a cgroup's (shared), HEADROOM of an
+    address space's (the process's own)."""
     page, real = os.sysconf("SC_PAGE_SIZE"), resource.getrlimit
     in_use = int(Path("/proc/self/statm").read_text().split()[0]) * page
     cgroup = [tmp_path / name for name in ("max", "current", "v1_limit", "v1_usage")]
@@ -174,4 +177,41 @@ def test_a_cpu_plan_fills_at_most_what_the_process_limits_leave(limit, tmp_path,
         cgroup[0 if limit == "cgroup v2" else 2].write_text(f"{6 * 2**30}\n")
     monkeypatch.setattr(memory, "CGROUP_FILES", ((cgroup[0], cgroup[1]), (cgroup[2], cgroup[3])))
     assert 0 < memory.host_memory() <= 2**30 + 2**20  # the address space in use may have shrunk a little
-    assert memory.device_memory(torch.device("cpu")) <= memory.CPU_SHARE * (2**30 + 2**20)
+    share = memory.HEADROOM if limit == "ulimit -v" else memory.CPU_SHARE
+    assert memory.device_memory(torch.device("cpu")) <= share * (2**30 + 2**20)
+
+
+# train.py whose `ulimit -v` (RLIMIT_AS, set as the plan starts) leaves argv[1] x the ledger's peak of one row
+UNDER_ULIMIT = """
+import os, resource, sys
+import train
+from summarizer import memory, preparation
+
+def under_ulimit(*args):
+    run, budget = memory.workload(*args)
+    in_use = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    left = int(float(sys.argv[1]) * memory.ledger(run, 1, budget).peak)
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + left, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    return memory.workload(*args)
+preparation.workload = under_ulimit
+train.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share, trains", [(1.5, True), (0.3, False)])
+def test_under_ulimit_v_the_plan_warns_only_where_the_run_does_not_fit(share, trains, tmp_path):
+    """`ulimit -v` bounds this process's own address space: the plan takes what it leaves, not a share (CPU_SHARE
+    is of what the host has available, which others use too), and counts the weights the process holds already.
+    Leaving 1.5x the ledger's peak of one row, the run trains with no warning (it said "even one row does not fit
+    the plan" and trained); leaving 0.3x, it stops at one row in one line."""
+    done = run([sys.executable, "-c", UNDER_ULIMIT, str(share), *tiny(n_layer=2, n_head=4, n_embd=768),
+                "--train_csv=data/demo/train.csv", "--validation_csv=data/demo/validation.csv", "--test_csv=",
+                "--batch_size=2", "--micro_batch_size=auto", "--max_iters=1", "--eval_interval=1",
+                "--eval_val_batches=1", "--rouge_samples=0", "--best_metric=val_loss", "--evaluate_after=False",
+                "--predict_after=False", f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}"])
+    assert "does not fit" not in done.stdout + done.stderr
+    assert (tmp_path / "out" / "ckpt.pt").exists() is trains, done.stdout + done.stderr
+    if not trains:
+        assert done.stderr.strip().splitlines()[-1].startswith(
+            "error: out of memory while training on micro-batches of 1 sequence"), done.stderr

@@ -21,7 +21,7 @@ import train
 from config import Decoding, keys
 from conftest import REPO, metrics, one_error_line, run, tiny, torchrun
 from model import GPT, GPTConfig
-from summarizer import memory, micro_batch
+from summarizer import memory
 from summarizer.checkpoint import load_checkpoint
 
 
@@ -184,7 +184,7 @@ def test_a_micro_batch_size_the_user_set_stays_and_out_of_memory_ends_the_run_in
 def test_out_of_memory_at_one_row_names_what_is_left_to_lower(checkpointing, run_args, tmp_path, monkeypatch, capsys):
     """micro_batch_size=auto lowered to 1 row and still out of memory: not 'lower --micro_batch_size (now 1)', but
     block_size, the model's size, LoRA and, where it is off, gradient checkpointing."""
-    monkeypatch.setattr(micro_batch, "peak_step", lambda *args: run_out_of_memory("GPU"))  # at every micro-batch
+    monkeypatch.setattr(memory, "peak_step", lambda *args: run_out_of_memory("GPU"))  # at every micro-batch
     line = one_error_line(capsys, train.main, run_args(tmp_path / "out", "--micro_batch_size=auto",
                                                        f"--gradient_checkpointing={checkpointing}"), code=1)
     assert line.startswith("error: out of memory while training on micro-batches of 1 sequence: lower --block_size "
@@ -310,5 +310,5 @@ def test_the_micro_batch_check_leaves_the_rng_as_it_found_it(write_csv, tmp_path
                        f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={tmp_path / 'out'}"])
     model = GPT(GPTConfig(block_size=128, n_layer=1, n_head=2, n_embd=32, dropout=0.5)).train()
     before = torch.get_rng_state()
-    micro_batch.peak_step(cfg, Runtime(cfg), model, data.load_splits(cfg).train)
+    memory.peak_step(cfg, Runtime(cfg), model, data.load_splits(cfg).train)
     assert torch.equal(torch.get_rng_state(), before)

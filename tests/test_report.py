@@ -22,7 +22,7 @@ import evaluate
 import train
 from config import Config
 from conftest import HANG, REPO, one_error_line, synthetic_rows
-from summarizer import evaluation, report
+from summarizer import evaluation, inference, report
 
 DEMO = os.path.join(REPO, "data", "demo")
 PRESET = os.path.join(REPO, "config", "demo.py")
@@ -164,7 +164,7 @@ def test_the_report_fetches_and_runs_nothing(samsum_sized):
 
 
 def test_shared_words_are_marked_as_rouge_counts_them():
-    words = report.StemCachedTokenizer()
+    words = inference.StemCachedTokenizer()
     shared = report.words_of("Amanda bakes cookies for <Jerry>", words)
     assert (report.marked("They baked a cookie & <b>Jerry</b>", shared, words)
             == "They <mark>baked</mark> a <mark>cookie</mark> &amp; &lt;b&gt;<mark>Jerry</mark>&lt;/b&gt;")

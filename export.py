@@ -18,7 +18,7 @@ import data
 from command_line import UserError
 from config import Config, Decoding, flags_given, load_config, part
 from model import CONV1D_WEIGHTS, PRETRAINED
-from summarizer.inference import describe_validation, open_summarizer, training_note
+from summarizer.inference import describe_validation, open_summary_model, training_note
 from summarizer.launch import one_line_errors
 
 summarizer.imported(__name__)
@@ -188,18 +188,18 @@ def export(cfg, explicit=()):
     target = os.path.abspath(cfg.export_dir)
     check_target(target, cfg.overwrite)
     # what the card says of training is the run's: flags only repeat it
-    summarizer = open_summarizer(cfg, explicit, "export")
-    trained = Config(**summarizer.ckpt["config"])
-    hf = to_transformers(summarizer.model)
-    hf.generation_config = generation_config(part(summarizer.cfg, Decoding))
+    summary_model = open_summary_model(cfg, explicit, "export")
+    trained = Config(**summary_model.ckpt["config"])
+    hf = to_transformers(summary_model.model)
+    hf.generation_config = generation_config(part(summary_model.cfg, Decoding))
     tmp = f"{target}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         hf.save_pretrained(tmp)
-        save_tokenizer(tmp, summarizer.model.config.block_size)
+        save_tokenizer(tmp, summary_model.model.config.block_size)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(summarizer.ckpt, trained, summarizer.cfg, summarizer.prompt_format(),
+            f.write(model_card(summary_model.ckpt, trained, summary_model.cfg, summary_model.prompt_format(),
                                os.path.basename(target)))
         readable_as_umask_says(tmp)
         replace_folder(tmp, target)
@@ -207,9 +207,9 @@ def export(cfg, explicit=()):
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if note := training_note(summarizer.path):
+    if note := training_note(summary_model.path):
         print(note)
-    print(f"exported {summarizer.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
+    print(f"exported {summary_model.weights} to {target}: {', '.join(sorted(os.listdir(target)))}")
     return target
 
 

@@ -40,9 +40,9 @@ from summarizer.launch import (
     training_memory_hint,
 )
 from summarizer.loading import resume_path, resuming
-from summarizer.preparation import prepare, run_settings
+from summarizer.preparation import prepare, read_settings
+from summarizer.process import Process
 from summarizer.report import predict
-from summarizer.runtime import Runtime
 from summarizer.tracking import log_row, plot_metrics, progress_postfix
 
 summarizer.imported(__name__)
@@ -58,37 +58,37 @@ def main(argv=None):
     started = time.monotonic() - (process_age() if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        cfg, start_ckpt, from_run = run_settings(argv, __doc__)
+        cfg, start_ckpt, from_run = read_settings(argv, __doc__)
         # a resume that reads out_dir/ckpt.pt: another out_dir must name it
         reads = f"--resume_from={resume_path(cfg)}" if resuming(cfg) and not cfg.resume_from else None
         # an error's line comes before the process group's teardown: under torchrun, the launcher stops this rank
         # (SIGTERM) moments after another one failed
-        with Runtime(cfg) as rt, run_ending(cfg.out_dir, continue_command(argv, rt.world_size), rt) as signals, \
-                run_folder.claimed(cfg.out_dir, rt.is_main, rt.stop_if, reads):
-            if rt.is_main:
+        with Process(cfg) as proc, run_ending(cfg.out_dir, continue_command(argv, proc.world_size), proc) as signals, \
+                run_folder.claimed(cfg.out_dir, proc.is_main, proc.stop_if, reads):
+            if proc.is_main:
                 print(settings_report(argv, os.path.join(cfg.out_dir, run_folder.CONFIG), from_run))
-            trainer = Trainer(prepare(cfg, rt, start_ckpt, started, flags_given(argv)), rt, signals)
+            trainer = Trainer(prepare(cfg, proc, start_ckpt, started, flags_given(argv)), proc, signals)
             del start_ckpt  # its tensors map the file, whose disk space a save must be able to free
             try:
-                stopped_by, run = trainer.fit(), trainer.run
-                cfg, step, clock = run.cfg, run.state.step, run.clock
-                short = cut_short(run.state.schedule, step)
-            finally:  # its DDP module holds the process group, which must outlive it (Runtime's close)
-                trainer = run = None
-            say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, continue_command(argv, rt.world_size))
-            after_runs(cfg, rt, argv, clock)
+                stopped_by, setup = trainer.fit(), trainer.setup
+                cfg, step, clock = setup.cfg, setup.state.step, setup.clock
+                short = cut_short(setup.state.schedule, step)
+            finally:  # its DDP module holds the process group, which must outlive it (Process's close)
+                trainer = setup = None
+            say_why_it_stopped(stopped_by, cfg, proc, step, clock, short, continue_command(argv, proc.world_size))
+            after_runs(cfg, proc, argv, clock)
 
 
-def say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, go_on):
+def say_why_it_stopped(stopped_by, cfg, proc, step, clock, short, go_on):
     """Rank 0's lines for a run stopped before max_iters: by a signal (the process ends) or by max_time."""
     ckpt = os.path.join(cfg.out_dir, run_folder.CKPT)
     if stopped_by in STOP_SIGNALS:
-        if rt.is_main:
+        if proc.is_main:
             print(f"stopped by {signal.Signals(stopped_by).name} after iter {step}: {ckpt} holds it; continue with:"
                   f"\n  {go_on}")
         # under torchrun a non-zero status would add the launcher's failure report to a clean stop
-        sys.exit(0 if rt.distributed else 128 + stopped_by)
-    if stopped_by == OUT_OF_TIME and rt.is_main:
+        sys.exit(0 if proc.distributed else 128 + stopped_by)
+    if stopped_by == OUT_OF_TIME and proc.is_main:
         if short:
             print(short)
         print(f"max_time={cfg.max_time:g}: stopped after iter {step} of {cfg.max_iters} {clock.ending()}; {ckpt} "
@@ -96,19 +96,19 @@ def say_why_it_stopped(stopped_by, cfg, rt, step, clock, short, go_on):
               f"--resume_from=<the attached copy of {os.path.abspath(ckpt)}>")
 
 
-def after_runs(cfg, rt, argv, clock):
+def after_runs(cfg, proc, argv, clock):
     """The submission first; what cannot end within the budget is not started (rank 0's clock decides)."""
     took, best = {}, os.path.join(cfg.out_dir, run_folder.BEST)
     for key, after in (("predict_after", predict), ("evaluate_after", evaluate)):
-        later = continue_command(argv, rt.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
-        skip = getattr(cfg, key) and clock and rt.is_main and clock.after_run_problem(key, later)
-        if getattr(cfg, key) and not rt.all_gather_objects(skip)[0]:
+        later = continue_command(argv, proc.world_size, f"{key.split('_')[0]}.py", f"--ckpt={best}")
+        skip = getattr(cfg, key) and clock and proc.is_main and clock.after_run_problem(key, later)
+        if getattr(cfg, key) and not proc.all_gather_objects(skip)[0]:
             began = time.monotonic()
-            after(cfg, set(FIELDS), rt)  # this run's config is the contract: every key counts as given
+            after(cfg, set(FIELDS), proc)  # this run's config is the contract: every key counts as given
             took[key] = time.monotonic() - began
         elif skip:
             print(skip)
-    if clock and took and clock.left() < 0 and rt.is_main:
+    if clock and took and clock.left() < 0 and proc.is_main:
         print(clock.after_run_ending(took))  # max_time's last word
 
 # ---- the loop ------------------------------------------------------------------------------------------------
@@ -125,22 +125,22 @@ class StepDone(NamedTuple):
 
 
 class Trainer:
-    """The loop of a prepared Run (preparation.py's prepare); `signals`: the StopSignals that stop it after a step."""
+    """The loop of a prepared Setup (preparation.py's prepare); `signals`: the StopSignals that stop it after a step."""
 
-    def __init__(self, run, rt, signals=None):
-        self.run, self.rt, self.signals = run, rt, signals or StopSignals(distributed=rt.distributed)
+    def __init__(self, setup, proc, signals=None):
+        self.setup, self.proc, self.signals = setup, proc, signals or StopSignals(distributed=proc.distributed)
         self.upcoming = None  # (step, on_host(step)): the next step's micro-batches, built while a step computes
         self.skips, self.warned_at = collections.deque(maxlen=SKIP_WINDOW), -SKIP_WINDOW
 
     def fit(self):
         """Train to max_iters (None), or until a stop signal or the clock stops it (the signal, or OUT_OF_TIME)."""
-        cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
+        cfg, proc, state, clock = self.setup.cfg, self.proc, self.setup.state, self.setup.clock
         bad_steps = 0
         self.first_step = self.next_stop = state.step + 1  # next_stop: the step a stop signal received now stops after
         # closed by `with` also when an error ends the run, so the error starts on a line of its own
-        bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not rt.is_main, dynamic_ncols=True,
+        bar = tqdm(total=cfg.max_iters, initial=state.step, disable=not proc.is_main, dynamic_ncols=True,
                    desc="training", unit="it")
-        with self.run.tracker, self.signals.training(lambda: self.next_stop), training_memory_hint(cfg, rt), bar:
+        with self.setup.tracker, self.signals.training(lambda: self.next_stop), training_memory_hint(cfg, proc), bar:
             while state.step < cfg.max_iters:
                 start = time.perf_counter()
                 done = self.train_step(state.step)
@@ -161,10 +161,10 @@ class Trainer:
                     if clock:
                         clock.evaluated(time.perf_counter() - start)
                 elif done.stop_signal:
-                    state.save(cfg, rt, stats, best=False)
-                if rt.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
-                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-                if rt.is_main:
+                    state.save(cfg, proc, stats, best=False)
+                if proc.device.type == "cuda":  # after an evaluation: its KV cache and the save counted
+                    stats["peak_mem_gb"] = torch.cuda.max_memory_allocated(proc.device) / 2**30
+                if proc.is_main:
                     self.log(stats, bar, done.steps_left)
                     self.warn_of_skips(done.skipped, bar)
                 if done.stop_signal or out_of_time:
@@ -172,31 +172,31 @@ class Trainer:
         return None
 
     def stats(self, done, seconds):
-        run, state, batch = self.run, self.run.state, done.batch
+        setup, state, batch = self.setup, self.setup.state, done.batch
         stats = {"iter": state.step, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
                  "tokens_per_s": batch.tokens / seconds, "ms_per_iter": 1000 * seconds,
                  "padded_fraction": 1 - batch.tokens / batch.positions, "micro_batches": len(batch.micro_batches)}
-        if run.compiled_module:  # what compiling cost, and whether the steps still run compiled
+        if setup.compiled_module:  # what compiling cost, and whether the steps still run compiled
             if state.step == self.first_step:
                 stats["compile_s"] = seconds  # the first step's: its compile, unless start-up's checks ran it
-            if run.compiled_module.why:
-                stats["compile_fallback"] = run.compiled_module.why
+            if setup.compiled_module.why:
+                stats["compile_fallback"] = setup.compiled_module.why
         if state.scaler.is_enabled():
             stats.update(loss_scale=state.scaler.get_scale(), skipped_steps=state.skipped_steps)
-        if run.peak_flops:
+        if setup.peak_flops:
             flops = self.model.training_flops(batch.tokens, batch.targets, batch.attended)
-            stats["mfu"] = flops / seconds / self.rt.world_size / run.peak_flops
+            stats["mfu"] = flops / seconds / self.proc.world_size / setup.peak_flops
         return stats
 
     def diverged(self, loss, bad_steps):
-        cfg, step = self.run.cfg, self.run.state.step
+        cfg, step = self.setup.cfg, self.setup.state.step
         return (f"loss is {loss} for {bad_steps} iterations in a row (iter {step}); stopped: "
                 f"{saved_so_far(cfg.out_dir)}; lower learning_rate (now {cfg.learning_rate:g})"
-                + f", or {OTHER_DTYPE}" * (self.rt.dtype == "float16"))
+                + f", or {OTHER_DTYPE}" * (self.proc.dtype == "float16"))
 
     def warn_of_skips(self, skipped, bar):
         self.skips.append(skipped)
-        state = self.run.state
+        state = self.setup.state
         if sum(self.skips) > SKIP_WARN and state.step - self.warned_at >= SKIP_WINDOW:
             self.warned_at = state.step
             bar.write(f"warning: the fp16 GradScaler skipped {sum(self.skips)} of the last {SKIP_WINDOW} steps (loss "
@@ -204,21 +204,21 @@ class Trainer:
                       f"{OTHER_DTYPE}", file=sys.stderr)
 
     def train_step(self, step):
-        cfg, rt, state, clock = self.run.cfg, self.rt, self.run.state, self.run.clock
+        cfg, proc, state, clock = self.setup.cfg, self.proc, self.setup.state, self.setup.clock
         upcoming, self.upcoming = self.upcoming, None
         batch, micro_batches = upcoming[1] if upcoming and upcoming[0] == step else self.on_host(step)
         # Each micro-batch's loss is a sum over its targets divided by the target count of the *global* batch
         # (times world_size, which DDP's gradient averaging divides back out): the gradient is then the
         # per-token mean over the whole global batch, however it is split across ranks and micro-steps.
-        scale = rt.world_size / batch.targets
-        loss_sum = torch.zeros((), device=rt.device)
+        scale = proc.world_size / batch.targets
+        loss_sum = torch.zeros((), device=proc.device)
         steps_left = clock.steps_left(step, batch.tokens) if clock else None
         settled = steps_left == 0 or clock.settled(step, batch.tokens) if clock else True
         for i, (x, found) in enumerate(micro_batches):
-            x, found = x.to(rt.device, non_blocking=True), found.to(rt.device)
-            with rt.parallel.no_sync(self.run.module, sync=i == len(micro_batches) - 1):
-                with rt.autocast():
-                    _, loss = self.run.module(x, found)
+            x, found = x.to(proc.device, non_blocking=True), found.to(proc.device)
+            with proc.parallel.no_sync(self.setup.module, sync=i == len(micro_batches) - 1):
+                with proc.autocast():
+                    _, loss = self.setup.module(x, found)
                 loss = loss * len(found.index)  # summed over the micro-batch's targets
                 state.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach().float()
@@ -226,20 +226,20 @@ class Trainer:
         # 0's clock leaves after this one (-1: no budget) and whether its estimate is settled enough to cool down
         # by, and a slot per stop signal that a rank received until now (during this step too). Filled from Python
         # numbers: kernels, not host syncs.
-        stops = torch.zeros(2 + len(STOP_SIGNALS), device=rt.device)
-        if rt.is_main:
+        stops = torch.zeros(2 + len(STOP_SIGNALS), device=proc.device)
+        if proc.is_main:
             stops[0], stops[1] = -1 if steps_left is None else steps_left, settled
         self.next_stop = step + 2  # first: a signal handled from here on is too late for this step's reduction
         if self.signals.stop_after == step + 1:
             stops[2 + STOP_SIGNALS.index(self.signals.received)] = 1
         if step + 1 < cfg.max_iters:  # while the device computes the step's queued kernels, before the host waits
             self.upcoming = step + 1, self.on_host(step + 1)
-        reduced = rt.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
-        loss, steps_left = reduced[0] * scale / rt.world_size, int(reduced[1])
+        reduced = proc.all_reduce_sum(torch.cat([loss_sum[None], stops])).tolist()
+        loss, steps_left = reduced[0] * scale / proc.world_size, int(reduced[1])
         stop_signal = next((s for s, n in zip(STOP_SIGNALS, reduced[3:], strict=True) if n), None)
         budget = steps_left if steps_left >= 0 else None
         lr, state.schedule = advance(state.schedule, step, budget, bool(reduced[2]), steps_left == 0,
-                                     self.run.last_session)
+                                     self.setup.last_session)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = math.nan, True
@@ -250,51 +250,51 @@ class Trainer:
             state.scaler.step(state.optimizer)  # with fp16, skips the update if any gradient overflowed
             state.scaler.update()
             skipped = state.scaler.get_scale() < loss_scale
-        state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
+        state.optimizer.zero_grad(set_to_none=not proc.parallel.keeps_gradients)
         return StepDone(loss, grad_norm, skipped, stop_signal, steps_left, batch, lr)
 
     def on_host(self, step):
         """(global batch `step`, its micro-batches), pinned on CUDA: their copies wait for nothing the device does."""
-        batch = self.run.batches(step)
-        kept = (lambda t: t.pin_memory()) if self.rt.device.type == "cuda" else (lambda t: t)
+        batch = self.setup.batches(step)
+        kept = (lambda t: t.pin_memory()) if self.proc.device.type == "cuda" else (lambda t: t)
         return batch, [(kept(x), Targets(*map(kept, Targets.of(y)))) for x, y in batch.micro_batches]
 
     @torch.no_grad()
     def validate(self):
-        run, rt = self.run, self.rt
-        if not len(run.val_set):  # best_metric=last without validation rows: nothing to measure
+        setup, proc = self.setup, self.proc
+        if not len(setup.val_set):  # best_metric=last without validation rows: nothing to measure
             return {}
         self.model.eval()
-        metrics = {"val_loss": validation_loss(self.model, run.val_set, run.cfg, rt)}
-        if run.rouge_prompts:
+        metrics = {"val_loss": validation_loss(self.model, setup.val_set, setup.cfg, proc)}
+        if setup.rouge_prompts:
             start = time.perf_counter()
-            model = inference.rouge_model(self.model, run.cfg, rt)
-            predictions = inference.summarize_on_ranks(model, run.rouge_prompts, run.cfg, rt, progress=False)
-            if run.clock:
-                run.clock.summarized(time.perf_counter() - start, len(predictions))
-            metrics.update(inference.rouge(predictions, run.val_set.summaries[:len(predictions)]))
+            model = inference.rouge_model(self.model, setup.cfg, proc)
+            predictions = inference.summarize_on_ranks(model, setup.rouge_prompts, setup.cfg, proc, progress=False)
+            if setup.clock:
+                setup.clock.summarized(time.perf_counter() - start, len(predictions))
+            metrics.update(inference.rouge(predictions, setup.val_set.summaries[:len(predictions)]))
         self.model.train()
         return metrics
 
     def save(self, stats):
         """Diverged weights are not worth resuming from: a non-finite val_loss keeps the previous checkpoints."""
-        cfg, state = self.run.cfg, self.run.state
+        cfg, state = self.setup.cfg, self.setup.state
         if not math.isfinite(stats.get("val_loss", 0.0)):
-            if self.rt.is_main:
+            if self.proc.is_main:
                 print(f"warning: val_loss is {stats['val_loss']} at iter {state.step}; keeping the previous "
                       f"checkpoints", file=sys.stderr)
             return
         best = state.improved(stats, cfg.best_metric)
         if best and cfg.best_metric != "last":
             state.best_score, state.best_val_loss = stats[cfg.best_metric], stats["val_loss"]
-        state.save(cfg, self.rt, stats, best=best)
+        state.save(cfg, self.proc, stats, best=best)
 
     def log(self, stats, bar, steps_left):
         """Rank 0: metrics.jsonl and log_to, the progress bar, and after an evaluation its line and the plot."""
-        cfg, state = self.run.cfg, self.run.state
+        cfg, state = self.setup.cfg, self.setup.state
         if state.step % cfg.log_interval == 0 or "val_loss" in stats:
-            log_row(cfg.out_dir, stats, self.run.tracker)
-        clock = self.run.clock
+            log_row(cfg.out_dir, stats, self.setup.tracker)
+        clock = self.setup.clock
         bar.set_postfix(progress_postfix(stats, state.skipped_steps if state.scaler.is_enabled() else None,
                                          (clock.left(), steps_left) if clock else None))
         bar.update(1)
@@ -310,7 +310,7 @@ class Trainer:
 
     @property
     def model(self):
-        return self.run.state.model
+        return self.setup.state.model
 
 
 # ---- the command line ----------------------------------------------------------------------------------------

@@ -63,10 +63,10 @@ def train_quietly(argv):
     import train
     from config import load_config
     from summarizer.preparation import prepare
-    from summarizer.runtime import Runtime
+    from summarizer.process import Process
     cfg = load_config(argv)
-    with contextlib.redirect_stdout(sys.stderr), Runtime(cfg) as rt:
-        train.Trainer(prepare(cfg, rt), rt).fit()
+    with contextlib.redirect_stdout(sys.stderr), Process(cfg) as proc:
+        train.Trainer(prepare(cfg, proc), proc).fit()
     return cfg
 
 

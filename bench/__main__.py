@@ -31,7 +31,7 @@ from data import EOT_ID
 from generate import generate
 from model import GPT, SharedPromptCache
 from summarizer import inference
-from summarizer.inference import open_summarizer, rouge, summarize_batches
+from summarizer.inference import open_summary_model, rouge, summarize_batches
 from summarizer.memory import kv_cache_bytes
 
 
@@ -177,11 +177,11 @@ def predict_batch_parts(model, prompts, max_new, args, device):
     rest)."""
     dialogues = [data.get_tokenizer().decode(p[:400]) for p in prompts]
     cfg = load_config([f"--max_new_tokens={max_new}", f"--gen_batch_size={len(prompts)}", "--device=cpu"])
-    summarizer = inference.Summarizer(model, cfg)
+    summary_model = inference.SummaryModel(model, cfg)
     graphs = step_graphs(device)
 
     def batch():
-        summarize_batches(model, summarizer.prompts(dialogues)[0], cfg, contextlib.nullcontext(), graphs=graphs)
+        summarize_batches(model, summary_model.prompts(dialogues)[0], cfg, contextlib.nullcontext(), graphs=graphs)
     batch()  # warm-up (and captures)
     whole = statistics.median(timed(batch, device)[1] for _ in range(args.repeats))
     spent = dict.fromkeys(("tokenizing", "prefill", "decode_steps", "generate", "summarize"), 0.0)
@@ -192,7 +192,7 @@ def predict_batch_parts(model, prompts, max_new, args, device):
             spent[part] += seconds
             return output
         return run
-    patches = [(summarizer, "prompts", "tokenizing"), (model, "prefill", "prefill"),
+    patches = [(summary_model, "prompts", "tokenizing"), (model, "prefill", "prefill"),
                (generate_module.StepGraphs, "__call__", "decode_steps") if graphs else
                (generate_module, "static_step", "decode_steps"),
                (inference, "generate", "generate")]
@@ -457,21 +457,21 @@ def bench_decode(args, device):
 
 
 def compare_decodings(name, cfg, ckpt, device, repeats):
-    summarizer = open_summarizer(dataclasses.replace(cfg, ckpt=ckpt or ""))
-    model = summarizer.model.to(device).eval()
-    val = data.load_splits(summarizer.cfg).val
-    prompts, _ = summarizer.prompts(val.dialogues)
+    summary_model = open_summary_model(dataclasses.replace(cfg, ckpt=ckpt or ""))
+    model = summary_model.model.to(device).eval()
+    val = data.load_splits(summary_model.cfg).val
+    prompts, _ = summary_model.prompts(val.dialogues)
     # every prefill and decode step sends one hidden state per row through ln_f into lm_head: count them
     lm_head_rows, decoded = [], {}
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: lm_head_rows.append(out.size(0)))
-    # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_summarizer): greedy in it against
-    # float32. By compute capability: is_bf16_supported() is True on a T4, which only emulates bfloat16.
+    # evaluate.py and predict.py hold the weights in the run's dtype (inference.load_summary_model): greedy in it
+    # against float32. By compute capability: is_bf16_supported() is True on a T4, which only emulates bfloat16.
     half = (torch.bfloat16 if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 0)
             else torch.float16)
     half_greedy = f"greedy_{str(half).removeprefix('torch.')}"
     half_model = copy.deepcopy(model).to(half)  # the copy keeps the counting hook
-    runs = {method: (model, dataclasses.replace(summarizer.cfg, **options)) for method, options in DECODINGS.items()}
-    runs[half_greedy] = (half_model, summarizer.cfg)
+    runs = {method: (model, dataclasses.replace(summary_model.cfg, **options)) for method, options in DECODINGS.items()}
+    runs[half_greedy] = (half_model, summary_model.cfg)
 
     def decode(method):
         decoding_model, run_cfg = runs[method]

@@ -183,10 +183,10 @@ def bench_compile(args, device):
         # a demo model trained briefly: it ends its summaries with a real <|endoftext|>
         cfg = train_quietly([*demo_arguments(folder), f"--out_dir={folder}/demo", "--max_iters=60",
                              "--eval_interval=60", "--rouge_samples=0", "--best_metric=val_loss"])
-        summarizer = inference.open_summarizer(dataclasses.replace(cfg, ckpt=""))
-        prompts, _ = summarizer.prompts(data.load_splits(summarizer.cfg).val.dialogues)
-        syncs, casts, kv = decode_counts(summarizer.model.eval(), prompts,
-                                         dataclasses.replace(summarizer.cfg, gen_batch_size=64))
+        summary_model = inference.open_summary_model(dataclasses.replace(cfg, ckpt=""))
+        prompts, _ = summary_model.prompts(data.load_splits(summary_model.cfg).val.dialogues)
+        syncs, casts, kv = decode_counts(summary_model.model.eval(), prompts,
+                                         dataclasses.replace(summary_model.cfg, gen_batch_size=64))
     compilations = max(c["compilations"].get("train", 0) for c in counts.values())
     return [dict(figure="train:graph_breaks", value=max(c["graph_breaks"] for c in counts.values()), target="0"),
             dict(figure="train:compilations", value=compilations, target="<= 2"),

@@ -22,7 +22,7 @@ from config import Config, load_config, read_preset
 from model import PRETRAINED
 from summarizer.memory import reduce_once_bytes
 from summarizer.preparation import prepare
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.process import Process, choose_precision
 
 RANKS = 2
 TINY = ["--init_from=scratch", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--max_new_tokens=16",
@@ -59,7 +59,7 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def units(model, world_size=RANKS):
-    """{unit: {kind: numel}} of Runtime.shard's FSDP units, dim 0 padded (a DTensor has the full shape); n_layer."""
+    """{unit: {kind: numel}} of Process.shard's FSDP units, dim 0 padded (a DTensor has the full shape); n_layer."""
     def padded(params):
         return sum(math.ceil(p.shape[0] / world_size) * world_size * (p.numel() // p.shape[0]) for p in params)
 
@@ -74,17 +74,17 @@ def units(model, world_size=RANKS):
 def count_step(args, before, port):
     os.environ["MASTER_PORT"] = str(port)  # a fresh store: one re-created on the same port races
     shard = torch.distributed.fsdp.fully_shard
-    # before: Runtime.shard as it was, fp32 all-gathers
+    # before: Process.shard as it was, fp32 all-gathers
     with mock.patch.object(torch.distributed.fsdp, "fully_shard", (lambda module, mp_policy=None: shard(module))
                            if before else shard):
         cfg = load_config([*args, "--fsdp_reduce_once=False"] if before else args)
-        with Runtime(cfg) as rt:
-            trainer = train.Trainer(prepare(cfg, rt), rt)
+        with Process(cfg) as proc:
+            trainer = train.Trainer(prepare(cfg, proc), proc)
             with CollectiveBytes() as counted:
                 loss = trainer.train_step(0)[0]
             return {"ops": counted.ops, "units": units(trainer.model), "loss": loss,
-                    "reduce_once": bool(rt.parallel.reduce_once),
-                    "micro_steps": len(trainer.run.batches(0).micro_batches)}
+                    "reduce_once": bool(proc.parallel.reduce_once),
+                    "micro_steps": len(trainer.setup.batches(0).micro_batches)}
 
 
 def worker(spec_path, out_path):

@@ -36,7 +36,7 @@ from config import Decoding, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import memory
 from summarizer.preparation import prepare
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.process import Process, choose_precision
 
 PRESET = "config/kaggle_t4x2.py"
 REPORT = os.path.join(ROOT, "out-gpu-check", "gpu_check_report.json")  # git-ignored (out*/): never in the tree unasked
@@ -160,8 +160,8 @@ def train_case(args, dtype, compile, folder, csv):
         torch.cuda.reset_peak_memory_stats()
     bench_compile.fresh_compiles()
     # The Trainer's printout and progress bar would bury the table; a compile fallback shows in the row's note.
-    with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        trainer = train.Trainer(prepare(cfg, rt), rt)
+    with Process(cfg) as proc, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        trainer = train.Trainer(prepare(cfg, proc), proc)
         trainer.fit()
     breaks, graphs = bench_compile.graph_breaks(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
@@ -170,7 +170,7 @@ def train_case(args, dtype, compile, folder, csv):
     row = {f"train_{key}": statistics.median(s[key] for s in steps) if key in steps[0] else None
            for key in ("tokens_per_s", "mfu", "ms_per_iter", "peak_mem_gb")}
     row.update(loss=steps[-1]["loss"], losses=[s["loss"] for s in logged],
-               train_compiled=trainer.run.module is not trainer.model)
+               train_compiled=trainer.setup.module is not trainer.model)
     return dict(row, train_graph_breaks=breaks, train_compilations=graphs) if compile else row
 
 
@@ -252,9 +252,9 @@ def preset_row(name, device, total_gib, folder, csv):
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        with Runtime(cfg) as rt, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            trainer = train.Trainer(prepare(cfg, rt), rt)
-            batches = trainer.run.batches
+        with Process(cfg) as proc, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            trainer = train.Trainer(prepare(cfg, proc), proc)
+            batches = trainer.setup.batches
             widest = {step: max(batches(step).micro_batches, key=lambda xy: xy[0].numel())
                       for step in range(len(batches.examples) // cfg.batch_size)}
             step = max(widest, key=lambda s: widest[s][0].numel())

@@ -31,8 +31,8 @@ from summarizer import run_folder
 from summarizer.backends import NCCL_SETTINGS, end_process_group, meet, nccl_flags, nccl_in_effect
 from summarizer.launch import one_line_errors, process_age
 from summarizer.loading import add_adapters, lora_settings, resuming, trained_shape
-from summarizer.preparation import check_before_model, prepare, run_settings
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.preparation import check_before_model, prepare, read_settings
+from summarizer.process import Process, choose_precision
 
 SHM_BYTES = 512 * 2**20  # below this, NCCL's shared-memory transport can fail to set up (Docker's default: 64 MB)
 NOT_RUN = "not run"
@@ -114,10 +114,11 @@ def judged(cfg, start_ckpt, given, started):
     eager; with max_time under its start-up budget, a step and summaries timed. (What max_time buys, or '';
     the line of a thin margin, or None.)"""
     cfg = replace(cfg, compile=False, backend="none")
-    with Runtime(cfg) as rt:
-        run = prepare(cfg, rt, start_ckpt, started, given, verdict_only=True)
-    steps, thin = run.clock and 1 + run.clock.steps_left(run.state.step), run.clock and run.clock.thin_margin()
-    run = None
+    with Process(cfg) as proc:
+        setup = prepare(cfg, proc, start_ckpt, started, given, verdict_only=True)
+    clock = setup.clock
+    steps, thin = clock and 1 + clock.steps_left(setup.state.step), clock and clock.thin_margin()
+    setup = None
     gc.collect()  # what the run held on GPU 0, which the collective's processes share
     torch.cuda.empty_cache()
     return (f"; max_time={cfg.max_time:g}: about {steps} steps fit (timed eagerly in one process)" if steps else "",
@@ -127,7 +128,7 @@ def judged(cfg, start_ckpt, given, started):
 def collective(cfg, nproc, device, timeout):
     """One all-reduce of 64 MB (NCCL's shared-memory and network transports both set up) between nproc processes
     under torchrun, for each NCCL setting in turn until one works."""
-    base = {**(nccl_flags(cfg) if device == "cuda" else {}), **child_environ()}  # as Runtime: the user's own wins
+    base = {**(nccl_flags(cfg) if device == "cuda" else {}), **child_environ()}  # as Process: the user's own wins
     tries, tried = [base, *({**base, **setting} for setting in NCCL_SETTINGS  # those not in effect already
                             if device == "cuda" and setting.items() - base.items())], []
     for env in tries:
@@ -185,7 +186,7 @@ def main(argv=None):
             return run_collective(settings)
     checks, cfg, nproc, cuda = dict(versions=versions()), None, 1, False
     try:  # a wrong setting or a resume with nothing to resume: train.py's line, as the verdict
-        cfg, start_ckpt, _ = run_settings(settings, train.__doc__)
+        cfg, start_ckpt, _ = read_settings(settings, train.__doc__)
     except UserError as e:
         checks["train.py"] = check("failed", str(e))
     if cfg:

@@ -48,7 +48,7 @@ def used_up(budget, took, doing):
             f"budget well above that, e.g. --max_time={max(60, round(10 * took, -1)):g}")
 
 
-class RunClock:
+class Clock:
     """max_time's seconds for this process, from `started`. The pace is per token (steps differ in length);
     steps_left decides both the stop and the cooldown, so the LR reaches min_lr at the last step whatever the pace."""
 

@@ -24,47 +24,47 @@ TIMED_ROUNDS = 2  # a sweep's speeds: rounds through its settings, forward then 
 
 
 @torch.no_grad()
-def validation_loss(model, val_set, cfg, rt):
+def validation_loss(model, val_set, cfg, proc):
     """The mean loss per target token over eval_val_batches micro-batches (0 = all), the same on every rank."""
-    loss_sum, targets = torch.zeros((), device=rt.device), 0
-    batches = list(data.eval_batches(val_set, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.eval_val_batches,
+    loss_sum, targets = torch.zeros((), device=proc.device), 0
+    batches = list(data.eval_batches(val_set, cfg.micro_batch_size, proc.rank, proc.world_size, cfg.eval_val_batches,
                                      cfg.seed, cfg.train_on_prompt))
-    if rt.backend == "fsdp":  # each forward all-gathers weights with the other ranks: all run as many
+    if proc.backend == "fsdp":  # each forward all-gathers weights with the other ranks: all run as many
         no_rows = torch.zeros(0, data.PAD_MULTIPLE, dtype=torch.long)
-        batches += [(no_rows, no_rows - 1)] * (max(rt.all_gather_objects(len(batches))) - len(batches))
+        batches += [(no_rows, no_rows - 1)] * (max(proc.all_gather_objects(len(batches))) - len(batches))
     for x, y in batches:
         found = Targets.of(y)
-        with rt.autocast():
-            _, loss = model(x.to(rt.device), found.to(rt.device))
+        with proc.autocast():
+            _, loss = model(x.to(proc.device), found.to(proc.device))
         loss_sum += loss.float() * len(found.index)
         targets += len(found.index)
-    totals = rt.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=rt.device)]))
+    totals = proc.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), device=proc.device)]))
     return (totals[0] / totals[1]).item()  # callers have validation rows: no mean of none
 
 
-def prepare_scoring(cfg, explicit, rt):
+def prepare_scoring(cfg, explicit, proc):
     other = read_evaluation(cfg.compare) if cfg.compare else None  # a wrong path stops before any work
-    summarizer = inference.load_summarizer(cfg, explicit, rt, inference.describe_validation)
-    val, notes = inference.validation_set(summarizer, explicit, rt)
-    prompts, cut = summarizer.prompts(val.dialogues)
-    if rt.is_main:
-        for note in [*notes, inference.cut_line(summarizer, cut, len(val)) if cut else ""]:
+    summary_model = inference.load_summary_model(cfg, explicit, proc, inference.describe_validation)
+    val, notes = inference.validation_set(summary_model, explicit, proc)
+    prompts, cut = summary_model.prompts(val.dialogues)
+    if proc.is_main:
+        for note in [*notes, inference.cut_line(summary_model, cut, len(val)) if cut else ""]:
             if note:
                 print(note)
-    return summarizer, val, prompts, None if other is None else matched(other, val, cfg.compare)
+    return summary_model, val, prompts, None if other is None else matched(other, val, cfg.compare)
 
 
-def evaluate(cfg, explicit, rt):
+def evaluate(cfg, explicit, proc):
     """ROUGE of the run on its validation split, printed and written (write_evaluation); the report on rank 0."""
-    summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
-    predictions = summarizer.summarize(prompts, rt)
-    if not rt.is_main:
+    summary_model, val, prompts, other = prepare_scoring(cfg, explicit, proc)
+    predictions = summary_model.summarize(prompts, proc)
+    if not proc.is_main:
         return None
     frame = scored_frame(val, predictions)
-    report = scores_report(frame, summarizer, summarizer.cfg, summarizer.overridden)
+    report = scores_report(frame, summary_model, summary_model.cfg, summary_model.overridden)
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
-    write_evaluation(cfg, summarizer, frame, report, comparison)
+    write_evaluation(cfg, summary_model, frame, report, comparison)
     return report
 
 
@@ -77,11 +77,11 @@ def scored_frame(val, predictions):
                          "dialogue_tokens": token_counts(val.dialogues)})
 
 
-def scores_report(frame, summarizer, decoding_cfg, overridden):
+def scores_report(frame, summary_model, decoding_cfg, overridden):
     return {**{t: {"mean": float(frame[t].mean()), "ci95": bootstrap_interval(frame[t])} for t in ROUGE_TYPES},
-            "weights": summarizer.weights, "step": summarizer.ckpt["iter_num"] if summarizer.ckpt else None,
-            "decoding": inference.describe_decoding(decoding_cfg, overridden, summarizer.ckpt is not None),
-            "split": inference.describe_validation(summarizer.cfg), "n": len(frame),
+            "weights": summary_model.weights, "step": summary_model.ckpt["iter_num"] if summary_model.ckpt else None,
+            "decoding": inference.describe_decoding(decoding_cfg, overridden, summary_model.ckpt is not None),
+            "split": inference.describe_validation(summary_model.cfg), "n": len(frame),
             "mean_generated_tokens": float(frame["generated_tokens"].mean()),
             "mean_reference_tokens": float(frame["reference_tokens"].mean()),
             "diagnostics": diagnostics(frame, decoding_cfg.max_new_tokens)}
@@ -104,7 +104,7 @@ def repeats_ngram(text, n=REPEAT_N):
     return len(set(ngrams)) < len(ngrams)
 
 
-def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows=None):
+def write_evaluation(cfg, summary_model, frame, report, comparison=None, sweep_rows=None):
     """eval_predictions.csv, eval_metrics.json and eval_report.html, first moving aside another evaluation's."""
     out = inference.output_dir(cfg)
     made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
@@ -117,7 +117,7 @@ def write_evaluation(cfg, summarizer, frame, report, comparison=None, sweep_rows
         frame.to_csv(f, index=False)
     with atomic_write(paths[1]) as f:
         json.dump(report, f, indent=2)
-    curve = os.path.join(os.path.dirname(summarizer.path), run_folder.METRICS) if summarizer.path else ""
+    curve = os.path.join(os.path.dirname(summary_model.path), run_folder.METRICS) if summary_model.path else ""
     write_report(paths[2], frame, report, curve=curve if os.path.isfile(curve) else "", comparison=comparison,
                  sweep_rows=sweep_rows)
     if comparison is not None:
@@ -201,47 +201,47 @@ def compare(frame, other):
     return stats
 
 
-def interleaved_seconds(model, prompts, configs, rt):
+def interleaved_seconds(model, prompts, configs, proc):
     """Seconds each config takes on `prompts`, over TIMED_ROUNDS rounds in alternating order after a warm one: a
     changing load falls on every config alike (timed in turn, the speeds followed the settings' order)."""
     seconds = [0.0] * len(configs)
     for round_ in range(1 + TIMED_ROUNDS):
         for i in (range(len(configs)) if round_ % 2 else reversed(range(len(configs)))):
             start = time.perf_counter()
-            inference.summarize_on_ranks(model, prompts, configs[i], rt, progress=False)
+            inference.summarize_on_ranks(model, prompts, configs[i], proc, progress=False)
             seconds[i] += (time.perf_counter() - start) / TIMED_ROUNDS if round_ else 0.0
     return seconds
 
 
-def sweep(cfg, explicit, rt):
+def sweep(cfg, explicit, proc):
     """Every setting of cfg.sweep scored with one model: a table, and the fastest setting within noise of the best."""
     settings = sweep_settings(cfg.sweep)
     if cfg.baseline in inference.EXTRACTIVE:
         raise UserError(f"baseline={cfg.baseline} is extractive: it has no decoding settings to sweep")
     setting_configs(cfg, settings)  # before any work, as far as the command line tells
-    summarizer, val, prompts, other = prepare_scoring(cfg, explicit, rt)
-    configs, rows, frames = setting_configs(summarizer.cfg, settings), [], []
-    timed = prompts[:cfg.gen_batch_size * rt.world_size]
-    speeds = [len(timed) / seconds for seconds in interleaved_seconds(summarizer.model, timed, configs, rt)]
+    summary_model, val, prompts, other = prepare_scoring(cfg, explicit, proc)
+    configs, rows, frames = setting_configs(summary_model.cfg, settings), [], []
+    timed = prompts[:cfg.gen_batch_size * proc.world_size]
+    speeds = [len(timed) / seconds for seconds in interleaved_seconds(summary_model.model, timed, configs, proc)]
     for i, (setting, setting_cfg) in enumerate(zip(settings, configs, strict=True)):
         label = " ".join(f"{k}={v}" for k, v in setting.items())
-        if rt.is_main:
+        if proc.is_main:
             print(f"setting {i + 1}/{len(settings)}: {label}")
-        predictions = summarizer.summarize(prompts, rt, setting_cfg)
-        if rt.is_main:
+        predictions = summary_model.summarize(prompts, proc, setting_cfg)
+        if proc.is_main:
             frames.append(scored_frame(val, predictions))
             rows.append({"setting": label, **{t: float(frames[-1][t].mean()) for t in COMPARED},
                          "mean_tokens": float(frames[-1]["generated_tokens"].mean()), "summaries_per_s": speeds[i]})
-    if not rt.is_main:
+    if not proc.is_main:
         return None
     best, pick = against_the_best(rows, frames)
     table = format_sweep(rows)
     print(table)
-    report = scores_report(frames[pick], summarizer, configs[pick], [*summarizer.overridden, *settings[pick]])
+    report = scores_report(frames[pick], summary_model, configs[pick], [*summary_model.overridden, *settings[pick]])
     report["setting"], report["sweep"] = rows[pick]["setting"], cfg.sweep
     comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
     # first: it moves an earlier aside
-    write_evaluation(cfg, summarizer, frames[pick], report, comparison, sweep_rows=rows)
+    write_evaluation(cfg, summary_model, frames[pick], report, comparison, sweep_rows=rows)
     paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)

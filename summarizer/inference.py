@@ -35,7 +35,7 @@ from summarizer.loading import (
     model_from_checkpoint,
 )
 from summarizer.memory import generation_batches, generation_memory, halved_until_it_runs
-from summarizer.runtime import Runtime
+from summarizer.process import Process
 
 RUN_DECODING = (*keys(Decoding), "seed")  # what a trained run decodes with unless a flag says otherwise
 
@@ -53,7 +53,7 @@ EXTRACTIVE = {"first_line": (lambda lines: lines[:1], "the first line of each di
 
 
 @dataclass
-class Summarizer:
+class SummaryModel:
     """A model and the config that prompts and decodes it: the run's, with this command's decoding and data flags."""
     model: torch.nn.Module
     cfg: Config
@@ -87,23 +87,23 @@ class Summarizer:
         encoded = [fmt.encode(d) for d in dialogues]
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
-    def summarize(self, prompts, rt, cfg=None):
+    def summarize(self, prompts, proc, cfg=None):
         if self.extractive:
             return [" ".join(EXTRACTIVE[self.extractive][0](utterances(dialogue))) for dialogue in prompts]
         cfg = cfg or self.cfg
-        graphed = rt.graphs and plain_greedy(part(cfg, Decoding))  # whether they replayed is known after
-        if rt.is_main:
+        graphed = proc.graphs and plain_greedy(part(cfg, Decoding))  # whether they replayed is known after
+        if proc.is_main:
             print(f"summarizing {len(prompts)} dialogues" + ("" if graphed else ": eager decode steps"))
-        summaries = summarize_on_ranks(self.model, prompts, cfg, rt)
-        if rt.is_main and graphed:
-            print(f"summarized {len(prompts)} dialogues: {rt.graphs.describe()}")
+        summaries = summarize_on_ranks(self.model, prompts, cfg, proc)
+        if proc.is_main and graphed:
+            print(f"summarized {len(prompts)} dialogues: {proc.graphs.describe()}")
         return summaries
 
 
-def open_summarizer(cfg, explicit=(), use="inference"):
-    """The Summarizer that cfg names, on the CPU: a checkpoint's with its config resolved for `use`, or a baseline's."""
+def open_summary_model(cfg, explicit=(), use="inference"):
+    """The SummaryModel that cfg names, on the CPU: a checkpoint's, its config resolved for `use`; or a baseline's."""
     if cfg.baseline in EXTRACTIVE:
-        return Summarizer(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
+        return SummaryModel(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
     if cfg.baseline:
         check_named(cfg.baseline, "baseline", EXTRACTIVE)
@@ -111,36 +111,36 @@ def open_summarizer(cfg, explicit=(), use="inference"):
         check_shape(cfg, explicit, cfg.baseline, key="baseline")
         model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
-        summarizer = Summarizer(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
+        summary_model = SummaryModel(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = checkpoint_path(cfg)
         ckpt = load_checkpoint(path, "ckpt")  # read once, then down the layers: the model, the settings
         model = model_from_checkpoint(ckpt, path)
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
-        summarizer = Summarizer(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
+        summary_model = SummaryModel(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
                                 ckpt["config"]["max_new_tokens"], path=path)
-    summarizer.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
-    return summarizer
+    summary_model.prompt_format()  # a max_new_tokens too large for block_size stops here, before any work
+    return summary_model
 
 
-def load_summarizer(cfg, explicit, rt, describe_data):
-    """open_summarizer, its first line on rank 0, the model on rt's device cast once to rt's dtype."""
-    if rt.is_main:
+def load_summary_model(cfg, explicit, proc, describe_data):
+    """open_summary_model, its first line on rank 0, the model on proc's device cast once to proc's dtype."""
+    if proc.is_main:
         make_output_dir(cfg)
-    summarizer = open_summarizer(cfg, explicit)
-    run_cfg, model = summarizer.cfg, summarizer.model
-    if rt.is_main and model is None:  # an extractive baseline
-        print(f"weights: {summarizer.weights}; {describe_data(run_cfg)}")
-    elif rt.is_main:
-        print(f"weights: {summarizer.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
-              f"decoding: {describe_decoding(run_cfg, summarizer.overridden, summarizer.ckpt is not None)}")
-        for note in (summarizer.cut_warning(), training_note(summarizer.path)):
+    summary_model = open_summary_model(cfg, explicit)
+    run_cfg, model = summary_model.cfg, summary_model.model
+    if proc.is_main and model is None:  # an extractive baseline
+        print(f"weights: {summary_model.weights}; {describe_data(run_cfg)}")
+    elif proc.is_main:
+        print(f"weights: {summary_model.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
+              f"decoding: {describe_decoding(run_cfg, summary_model.overridden, summary_model.ckpt is not None)}")
+        for note in (summary_model.cut_warning(), training_note(summary_model.path)):
             if note:
                 print(note)
     if model is not None:
-        summarizer.model = model.to(rt.device, getattr(torch, rt.dtype)).eval()
-    return summarizer
+        summary_model.model = model.to(proc.device, getattr(torch, proc.dtype)).eval()
+    return summary_model
 
 
 def training_note(path):
@@ -181,43 +181,43 @@ def describe_validation(cfg):
     return f"validation {cfg.val_fraction:g} of {cfg.train_csv} held out (split_seed {cfg.split_seed})"
 
 
-def validation_set(summarizer, explicit, rt):
+def validation_set(summary_model, explicit, proc):
     """(validation examples, notes): rows the checkpoint trained on are refused, unless duplicates in its own split."""
-    if summarizer.ckpt is None and summarizer.cfg.validation_csv:  # a baseline trained on nothing: no train_csv to read
-        splits, (_, val, _) = None, data.validation_examples(summarizer.cfg, rt.is_main, rt.barrier)
+    if summary_model.ckpt is None and summary_model.cfg.validation_csv:  # a baseline trained on nothing: no train_csv
+        splits, (_, val, _) = None, data.validation_examples(summary_model.cfg, proc.is_main, proc.barrier)
     else:
-        splits = data.load_splits(summarizer.cfg, is_main=rt.is_main, barrier=rt.barrier)
+        splits = data.load_splits(summary_model.cfg, is_main=proc.is_main, barrier=proc.barrier)
         val = splits.val
     if not len(val):
-        raise UserError(f"no validation rows to score: {describe_validation(summarizer.cfg)} leaves none; pass "
+        raise UserError(f"no validation rows to score: {describe_validation(summary_model.cfg)} leaves none; pass "
                         f"--validation_csv=<a CSV with summaries>"
-                        + (" the run did not train on" if summarizer.ckpt else ""))
-    if summarizer.ckpt is None:  # a baseline trained on nothing here
+                        + (" the run did not train on" if summary_model.ckpt else ""))
+    if summary_model.ckpt is None:  # a baseline trained on nothing here
         return val, []
-    trained = summarizer.ckpt["train_rows"]
+    trained = summary_model.ckpt["train_rows"]
     seen = data.repeated_rows(val, trained)
     if not seen.any():
         return val, []
-    own = (all(getattr(summarizer.cfg, key) == summarizer.ckpt["config"][key] for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == summarizer.ckpt["validation_digest"])
+    own = (all(getattr(summary_model.cfg, key) == summary_model.ckpt["config"][key] for key in keys(Split))
+           and splits.train.digest == trained["digest"] and val.digest == summary_model.ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
-                     f"(duplicates in {summarizer.cfg.train_csv}, e.g. id {first}); scored as in training"]
+                     f"(duplicates in {summary_model.cfg.train_csv}, e.g. id {first}); scored as in training"]
     changed = [f"--{key}" for key in keys(Split) if key in explicit]
-    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summarizer.cfg)}) were "
-                    f"trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summary_model.cfg)}) "
+                    f"were trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
 
 
 def decoding_command(argv, usage, command, work):
-    """evaluate.py's and predict.py's main: `work(cfg, flags given, rt)`, errors in one line, no empty folder left."""
+    """evaluate.py's and predict.py's main: `work(cfg, flags given, proc)`, errors in one line, no empty folder left."""
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
         cfg = load_config(argv, usage, command)
-        with run_folder.no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Runtime(cfg) as rt:
-            work(cfg, flags_given(argv), rt)
+        with run_folder.no_empty_folder_left(cfg.out_dir, output_dir(cfg)), Process(cfg) as proc:
+            work(cfg, flags_given(argv), proc)
 
 
 def checkpoint_path(cfg):
@@ -235,8 +235,8 @@ def output_dir(cfg):
     return os.path.join(cfg.out_dir, f"baseline-{os.path.basename(os.path.normpath(cfg.baseline))}")
 
 
-def cut_line(summarizer, cut, total):
-    fmt, block_size = summarizer.prompt_format(), summarizer.model.config.block_size
+def cut_line(summary_model, cut, total):
+    fmt, block_size = summary_model.prompt_format(), summary_model.model.config.block_size
     template = len(fmt.head) + len(fmt.tail)
     return (f"cut the end of {cut} of {total} dialogue(s): a prompt keeps a dialogue's first {fmt.max_dialogue} "
             f"tokens (block_size {block_size} - {block_size - fmt.max_dialogue - template} summary tokens - "
@@ -284,17 +284,17 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     return summaries
 
 
-def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
-    """All of the summaries, in order, on every rank. A batch out of memory on any rank lowers rt.gen_batch_cap on all,
-    for the rest of the process; the dialogues left go on."""
-    autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, rt.dtype) else rt.autocast()
-    memory = min(rt.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
+def summarize_on_ranks(model, prompts, cfg, proc, progress=True):
+    """All of the summaries, in order, on every rank. A batch out of memory on any rank lowers proc.gen_batch_cap on
+    all, for the rest of the process; the dialogues left go on."""
+    autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, proc.dtype) else proc.autocast()
+    memory = min(proc.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, todo = [None] * len(prompts), []
 
     def attempt(size):
         todo[:] = [i for i, summary in enumerate(summaries) if summary is None]
         return summarize_batches(model, [prompts[i] for i in todo], dataclasses.replace(cfg, gen_batch_size=size),
-                                 autocast, progress and rt.is_main, rt.rank, rt.world_size, memory, rt.graphs)
+                                 autocast, progress and proc.is_main, proc.rank, proc.world_size, memory, proc.graphs)
 
     def keep(shards):  # each rank's summaries of todo, None where another rank's batch
         for i, column in zip(todo, zip(*shards, strict=True), strict=True):
@@ -302,25 +302,25 @@ def summarize_on_ranks(model, prompts, cfg, rt, progress=True):
     others = [f"--{key} (now {getattr(cfg, key)})" for key in ("num_beams", "mbr_samples") if getattr(cfg, key) > 1]
     hint = functools.partial(out_of_memory_hint, "summarizing 1 dialogue at a time",
                              " or ".join([f"--max_new_tokens (now {cfg.max_new_tokens})", *others]))
-    size, tried, met = halved_until_it_runs(rt, min(cfg.gen_batch_size, rt.gen_batch_cap or math.inf), attempt,
+    size, tried, met = halved_until_it_runs(proc, min(cfg.gen_batch_size, proc.gen_batch_cap or math.inf), attempt,
                                             hint, keep)
     if tried:
-        rt.gen_batch_cap = size
-        if rt.is_main:
+        proc.gen_batch_cap = size
+        if proc.is_main:
             print(f"out of memory while summarizing {' and then '.join(tried)} dialogues at a time ({met}): went on "
                   f"in batches of at most {size} (gen_batch_size={size} from now on in this process)", flush=True)
     return summaries
 
 
-def rouge_model(model, cfg, rt):
-    """The model training's ROUGE decodes with: a plain GPT in rt's dtype (greedy as CUDA graphs, no autocast), a merged
-    copy for LoRA and FSDP (ranks decoding different lengths cannot keep FSDP's collectives in step)."""
-    dtype = getattr(torch, rt.dtype)
-    if rt.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
+def rouge_model(model, cfg, proc):
+    """The model training's ROUGE decodes with: a plain GPT in proc's dtype (greedy as CUDA graphs, no autocast), a
+    merged copy for LoRA and FSDP (ranks decoding different lengths cannot keep FSDP's collectives in step)."""
+    dtype = getattr(torch, proc.dtype)
+    if proc.backend != "fsdp" and not cfg.lora_rank and model.lm_head.weight.dtype == dtype:
         return model
-    weights = rt.parallel.full_weights(model)
+    weights = proc.parallel.full_weights(model)
     copy = GPT.on_meta(GPTConfig(**asdict(model.config))).to(dtype)
-    copy.lm_head.weight = copy.transformer.to_empty(device=rt.device).wte.weight  # one tensor, as in the model
+    copy.lm_head.weight = copy.transformer.to_empty(device=proc.device).wte.weight  # one tensor, as in the model
     held = copy.state_dict()
     for key, value in merged_weights(weights, **lora_settings(cfg)) if cfg.lora_rank else weights.items():
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict

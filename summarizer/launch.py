@@ -81,9 +81,10 @@ def saved_so_far(out_dir):
 
 
 @contextlib.contextmanager
-def run_ending(out_dir, go_on, rt):
+def run_ending(out_dir, go_on, proc):
     """train.py's ending in one line, by an error or a stop signal; `go_on`: the command that continues the run."""
-    with one_line_errors(out_dir, go_on, rt.distributed), StopSignals(out_dir, rt.is_main, rt.distributed) as signals:
+    with (one_line_errors(out_dir, go_on, proc.distributed),
+          StopSignals(out_dir, proc.is_main, proc.distributed) as signals):
         yield signals
 
 
@@ -220,8 +221,8 @@ def out_of_memory_hint(doing, settings):
                                      + (f" ({detail})" if detail else "")) from None
 
 
-def training_memory_hint(cfg, rt):
-    n, reduce_once = cfg.micro_batch_size, getattr(rt.parallel, "reduce_once", False)
+def training_memory_hint(cfg, proc):
+    n, reduce_once = cfg.micro_batch_size, getattr(proc.parallel, "reduce_once", False)
     model = "--n_layer, --n_embd" if cfg.init_from == "scratch" else f"--init_from, now {cfg.init_from}"
     lower = (f"--micro_batch_size (now {n}; batch_size stays, with more accumulation steps)" if n > 1 else
              f"--block_size (now {cfg.block_size}) or the model's size ({model})"  # one row: what is left

@@ -210,19 +210,19 @@ def host_memory(share=1.0):
     return int(max(min(left), 0))
 
 
-def workload(cfg, rt, model, train_set, val_set):
+def workload(cfg, proc, model, train_set, val_set):
     """(the Workload of this run, the smallest budget of its ranks), fsdp_reduce_once=auto decided."""
     # the plan counts the weights, so those already on the device (a CPU run's) are part of its budget
-    held = nbytes(p for p in model.parameters() if p.device.type == rt.device.type)
-    budget = min(rt.all_gather_objects(device_memory(rt.device) + held))
-    run, one = decide_reduce_once(Workload(model, cfg, rt.backend, rt.world_size, getattr(torch, rt.dtype),
+    held = nbytes(p for p in model.parameters() if p.device.type == proc.device.type)
+    budget = min(proc.all_gather_objects(device_memory(proc.device) + held))
+    run, one = decide_reduce_once(Workload(model, cfg, proc.backend, proc.world_size, getattr(torch, proc.dtype),
                                            longest_row=int(train_set.lengths.max()),
                                            most_targets=int(train_set.target_counts(cfg.train_on_prompt).max()),
                                            longest_prompt=int(val_set.prompt_lens.max()) if len(val_set) else 0),
                                   budget)
     if one is not None:
-        rt.parallel.reduce_once = run.reduce_once
-        if not run.reduce_once and rt.is_main:
+        proc.parallel.reduce_once = run.reduce_once
+        if not run.reduce_once and proc.is_main:
             print(f"FSDP reduce-scatters gradients after every micro-step: reducing once per optimizer step would "
                   f"need {one.peak / 2**30:.1f} GiB ({one.describe()}), more than the {budget / 2**30:.1f} GiB "
                   f"usable (--fsdp_reduce_once=True tries anyway)")
@@ -266,7 +266,7 @@ def reduce_once_bytes(model, world_size, dtype):
     return held, (nbytes(params) + 3 * gradients) / world_size
 
 
-def halved_until_it_runs(rt, size, attempt, hint, keep=None):
+def halved_until_it_runs(proc, size, attempt, hint, keep=None):
     """attempt(size) on every rank, `size` halved alike on all after an out-of-memory error on any (told to all: none
     waits). An error may carry .size (where it ran out) and .done (its work, given to keep). Returns (size, the sizes
     that ran out, the first error line); at size 1 raises inside hint()."""
@@ -277,8 +277,8 @@ def halved_until_it_runs(rt, size, attempt, hint, keep=None):
         except Exception as e:  # left here, the error frees what the attempt held
             if not out_of_memory(e):
                 raise
-            mine, failed = getattr(e, "done", None), (getattr(e, "size", size), f"rank {rt.rank}: {first_line(e)}")
-        shards = rt.all_gather_objects((mine, failed))
+            mine, failed = getattr(e, "done", None), (getattr(e, "size", size), f"rank {proc.rank}: {first_line(e)}")
+        shards = proc.all_gather_objects((mine, failed))
         if keep:
             keep([shard for shard, _ in shards])
         if not (failures := [failure for _, failure in shards if failure]):
@@ -295,24 +295,24 @@ def halved_until_it_runs(rt, size, attempt, hint, keep=None):
 # The plan never met this GPU (and a compiled, checkpointed step may peak higher, pytorch#120381): the chosen
 # micro-batch's peak runs once; an out-of-memory error lowers it on every rank rather than ending the run at step 1.
 
-def micro_batch_that_runs(cfg, rt, model, train_set, chosen):
+def micro_batch_that_runs(cfg, proc, model, train_set, chosen):
     rows, tried, met = halved_until_it_runs(
-        rt, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), rt, model, train_set),
-        functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), rt))
+        proc, cfg.micro_batch_size, lambda rows: peak_step(replace(cfg, micro_batch_size=rows), proc, model, train_set),
+        functools.partial(training_memory_hint, replace(cfg, micro_batch_size=1), proc))
     return replace(cfg, micro_batch_size=rows), chosen + (
         f"; out of memory at {' and '.join(tried)} ({met}): lowered to {rows}" if tried else "")
 
 
-def peak_step(cfg, rt, model, train_set):
+def peak_step(cfg, proc, model, train_set):
     """A step's peak on `model`, unwrapped (no collective), beside AdamW's state; leaves no gradients or RNG change."""
     rows = np.argsort(train_set.lengths, kind="stable")[-cfg.micro_batch_size:]
     x, y = data.collate(train_set, rows, cfg.train_on_prompt)
-    held = torch.empty(parameter_bytes(model, rt.backend, rt.world_size)[2], dtype=torch.uint8, device=rt.device)
-    if rt.parallel.keeps_gradients:
+    held = torch.empty(parameter_bytes(model, proc.backend, proc.world_size)[2], dtype=torch.uint8, device=proc.device)
+    if proc.parallel.keeps_gradients:
         zero_gradients(model)
     try:
-        with rng_restored(), rt.autocast():
-            _, loss = model(x.to(rt.device), Targets.of(y).to(rt.device))
+        with rng_restored(), proc.autocast():
+            _, loss = model(x.to(proc.device), Targets.of(y).to(proc.device))
             loss.backward()
     finally:
         del held

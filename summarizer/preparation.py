@@ -1,4 +1,4 @@
-"""The one way into train.py's Trainer: run_settings (checked before any work), then prepare (what the loop needs)."""
+"""The one way into train.py's Trainer: read_settings (checked before any work), then prepare (what the loop needs)."""
 import os
 import sys
 import time
@@ -12,7 +12,7 @@ from config import config_json, flags_given, load_config, resolve, rows_per_rank
 from model import Targets
 from summarizer import inference, run_folder
 from summarizer.backends import CompiledModule
-from summarizer.clock import RunClock, decayed, sessions_done, used_up
+from summarizer.clock import Clock, decayed, sessions_done, used_up
 from summarizer.launch import training_memory_hint
 from summarizer.loading import (
     cast_base,
@@ -33,7 +33,7 @@ WARM_RUNS = 2  # before step 1, a step and a batch of summaries are timed this m
 
 
 @dataclass
-class Run:
+class Setup:
     """What the loop needs (last_session: of those the run is planned over, where max_time's cooldown comes)."""
     cfg: object
     state: TrainingState
@@ -43,79 +43,79 @@ class Run:
     val_set: object
     rouge_prompts: list
     tracker: Tracker
-    clock: RunClock | None
+    clock: Clock | None
     last_session: bool
     peak_flops: float | None
 
 
-def prepare(cfg, rt, start_ckpt=None, started=None, given=(), verdict_only=False):
-    """The Run; only once every check has passed is an earlier run set aside and the run announced: `verdict_only`
+def prepare(cfg, proc, start_ckpt=None, started=None, given=(), verdict_only=False):
+    """The Setup; only once every check has passed is an earlier run set aside and the run announced: `verdict_only`
     (bench/preflight.py's) stops before, leaving out_dir as it was."""
     started = time.monotonic() if started is None else started
-    tracker, splits, after = check_before_model(cfg, rt)
-    phase = StartUp(cfg.max_time, started, time.monotonic, rt)
+    tracker, splits, after = check_before_model(cfg, proc)
+    phase = StartUp(cfg.max_time, started, time.monotonic, proc)
     phase("building the model")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model, resumed = model_to_train(cfg, start_ckpt)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    lora_base = kept_lora_base(cfg, model, resumed) if rt.is_main else None  # its hash: of the base as loaded
-    if rt.backend != "fsdp":  # FSDP gathers its units in 16 bits anyway (and torch < 2.8 wants one dtype a unit)
-        cast_base(model, getattr(torch, rt.dtype))
-    compiled_module = CompiledModule(model) if rt.compile_training else None  # auto's check runs the run's step
-    cfg, chosen = auto_micro_batch(cfg, rt, model, splits, compiled_module or model, phase)
+    lora_base = kept_lora_base(cfg, model, resumed) if proc.is_main else None  # its hash: of the base as loaded
+    if proc.backend != "fsdp":  # FSDP gathers its units in 16 bits anyway (and torch < 2.8 wants one dtype a unit)
+        cast_base(model, getattr(torch, proc.dtype))
+    compiled_module = CompiledModule(model) if proc.compile_training else None  # auto's check runs the run's step
+    cfg, chosen = auto_micro_batch(cfg, proc, model, splits, compiled_module or model, phase)
     tracker.cfg = cfg  # the tracker logs the chosen settings
-    state, disk, notes = training_state(cfg, rt, model, resumed, splits, given, lora_base)
-    batches, val_set = data.TrainBatches(splits.train, cfg, rt.rank, rt.world_size), splits.val
-    summarizer = inference.Summarizer(state.model, cfg)
-    prompts, _ = summarizer.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
-    module = rt.parallel.wrap(compiled_module or state.model)
+    state, disk, notes = training_state(cfg, proc, model, resumed, splits, given, lora_base)
+    batches, val_set = data.TrainBatches(splits.train, cfg, proc.rank, proc.world_size), splits.val
+    summary_model = inference.SummaryModel(state.model, cfg)
+    prompts, _ = summary_model.prompts(val_set.dialogues[:min(cfg.rouge_samples, len(val_set))])
+    module = proc.parallel.wrap(compiled_module or state.model)
     clock = None
     if cfg.max_time is not None:  # counts from `started`: whatever start-up takes is inside the budget
-        clock = RunClock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
+        clock = Clock(cfg.max_time, started, time.monotonic, cfg.eval_interval, len(prompts), after,
                          step_tokens=cfg.batch_size * float((splits.train.lengths - 1).mean()),
                          validation_tokens=validation_tokens(cfg, val_set), save_bytes=disk.ckpt + disk.best)
         # the batch of summaries timed: the evaluations' prompts, else the after-run's kind, if any
-        timed = prompts or (summarizer.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after else [])
-        clock.prime(*time_step(cfg, rt, batches, state, module, phase), time_decoding(cfg, rt, state, timed, phase))
-        rt.stop_if(clock.start_up_problem() if rt.is_main else None)  # every rank stops with rank 0's verdict
+        timed = prompts or (summary_model.prompts(val_set.dialogues[:cfg.gen_batch_size])[0] if after else [])
+        clock.prime(*time_step(cfg, proc, batches, state, module, phase), time_decoding(cfg, proc, state, timed, phase))
+        proc.stop_if(clock.start_up_problem() if proc.is_main else None)  # every rank stops with rank 0's verdict
     # max_time's cooldown comes in the last of the sessions the run is planned over
-    run = Run(cfg, state, batches, module, compiled_module, val_set, prompts, tracker, clock,
+    setup = Setup(cfg, state, batches, module, compiled_module, val_set, prompts, tracker, clock,
               sessions_done(state.schedule) + 1 >= cfg.sessions,
-              peak_flops(rt.device_name, rt.dtype) if rt.device.type == "cuda" else None)
+              peak_flops(proc.device_name, proc.dtype) if proc.device.type == "cuda" else None)
     if verdict_only:
-        return run
-    if rt.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
+        return setup
+    if proc.is_main and not resuming(cfg) and (moved := run_folder.set_aside_earlier_run(cfg.out_dir)):
         print(moved)
-    announce(run, rt, notes, len(splits.train), chosen, disk)
-    return run
+    announce(setup, proc, notes, len(splits.train), chosen, disk)
+    return setup
 
 
-def auto_micro_batch(cfg, rt, model, splits, step, phase):
+def auto_micro_batch(cfg, proc, model, splits, step, phase):
     """(cfg with auto's choice, the choice in words); fsdp_reduce_once=auto first: the plan counts what it holds."""
     auto = cfg.micro_batch_size == "auto"
-    if not auto and not (rt.backend == "fsdp" and cfg.fsdp_reduce_once == "auto"):
+    if not auto and not (proc.backend == "fsdp" and cfg.fsdp_reduce_once == "auto"):
         return cfg, None
     phase("planning memory" + " for micro_batch_size=auto" * auto)
-    run, budget = workload(cfg, rt, model, splits.train, splits.val)
+    run, budget = workload(cfg, proc, model, splits.train, splits.val)
     if not auto:
         return cfg, None
     rows, chosen = choose_micro_batch(run, budget)
     cfg = replace(cfg, micro_batch_size=rows)
     # under FSDP the peak is a sharded model's, which runs only with the other ranks (a rank out of memory would
     # leave them waiting): the plan's choice stands
-    if rt.backend == "fsdp":
+    if proc.backend == "fsdp":
         return cfg, chosen
     phase("running a step on the longest rows")
-    return micro_batch_that_runs(cfg, rt, step.to(rt.device), splits.train, chosen)
+    return micro_batch_that_runs(cfg, proc, step.to(proc.device), splits.train, chosen)
 
 
-def announce(run, rt, notes, train_rows, chosen, disk):
-    if not rt.is_main:
+def announce(setup, proc, notes, train_rows, chosen, disk):
+    if not proc.is_main:
         return
-    cfg, state, clock = run.cfg, run.state, run.clock
+    cfg, state, clock = setup.cfg, setup.state, setup.clock
     # the backend trains eagerly (FSDP) where the runtime compiles but not the training step
-    runs = rt.describe("torch.compile (compiled at its first call)" if run.compiled_module else
-                       f"eager training ({rt.backend})" if rt.compile else "eager")
+    runs = proc.describe("torch.compile (compiled at its first call)" if setup.compiled_module else
+                         f"eager training ({proc.backend})" if proc.compile else "eager")
     trained = ""
     if cfg.lora_rank:
         count = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
@@ -124,8 +124,8 @@ def announce(run, rt, notes, train_rows, chosen, disk):
         print(f"warning: lora_rank={cfg.lora_rank} with init_from=scratch trains small adapters on frozen "
               f"random weights, which learns little: start from GPT-2 (init_from=gpt2) or train every "
               f"weight (lora_rank=0)", file=sys.stderr)
-    lines = [f"{train_rows} training and {len(run.val_set)} validation examples; {cfg.batch_size} sequences per "
-             f"step over {rt.world_size} process(es), cut by length into micro-batches of at most the positions of "
+    lines = [f"{train_rows} training and {len(setup.val_set)} validation examples; {cfg.batch_size} sequences per "
+             f"step over {proc.world_size} process(es), cut by length into micro-batches of at most the positions of "
              f"micro_batch_size={cfg.micro_batch_size} of the longest rows; {state.model.num_params() / 1e6:.1f}M "
              f"parameters{trained}; {runs}",
              *([chosen] if chosen else []),
@@ -141,64 +141,64 @@ def announce(run, rt, notes, train_rows, chosen, disk):
 class StartUp:
     """Start-up's phases, which a big model takes minutes over: rank 0 names each; a spent max_time stops there."""
 
-    def __init__(self, budget, started, now, rt):
-        self.budget, self.started, self.now, self.rt = budget, started, now, rt
+    def __init__(self, budget, started, now, proc):
+        self.budget, self.started, self.now, self.proc = budget, started, now, proc
         self.doing = "the imports and reading the data"
 
     def __call__(self, what):
         took = self.now() - self.started
         if self.budget is not None:
-            self.rt.stop_if(used_up(self.budget, took, f"so far (the last: {self.doing})") + ", or a smaller model "
-                            "or micro_batch_size" if took > self.budget and self.rt.is_main else None)
+            self.proc.stop_if(used_up(self.budget, took, f"so far (the last: {self.doing})") + ", or a smaller model "
+                            "or micro_batch_size" if took > self.budget and self.proc.is_main else None)
         self.doing = what
-        if self.rt.is_main:
+        if self.proc.is_main:
             print(f"start-up: {what} ...", flush=True)
 
 
-def training_state(cfg, rt, model, resumed, splits, given, base):
+def training_state(cfg, proc, model, resumed, splits, given, base):
     disk = run_folder.DiskPlan(model, cfg, small_lora=base is not None, train_rows=len(splits.train))
-    rt.stop_if(disk.problem(resumed is not None) if rt.is_main else None)
+    proc.stop_if(disk.problem(resumed is not None) if proc.is_main else None)
     path = resume_path(cfg) if resumed else None
-    state = TrainingState.start(rt.parallel.shard(model.to(rt.device)), cfg, rt,
+    state = TrainingState.start(proc.parallel.shard(model.to(proc.device)), cfg, proc,
                                 train_rows=splits.train.fingerprints(), validation_digest=splits.val.digest,
                                 lora_base=base, base=resumed["config"]["init_from"] if resumed else cfg.init_from)
-    torch.manual_seed(cfg.seed + rt.rank)  # dropout masks differ per rank
+    torch.manual_seed(cfg.seed + proc.rank)  # dropout masks differ per rank
     notes = list(splits.notes)
     if resumed:
-        notes += state.restore(resumed, cfg, rt, path, given)
-        if rt.is_main:
+        notes += state.restore(resumed, cfg, proc, path, given)
+        if proc.is_main:
             notes += filter(None, [resumed_history(path, cfg.out_dir, state.step)])
     return state, disk, notes
 
 
-def time_step(cfg, rt, batches, state, module, phase):
+def time_step(cfg, proc, batches, state, module, phase):
     """(a warm step's seconds, its tokens): the slowest warm run, as a busy machine's quiet moment must not mislead."""
     runs, batch = [], batches(state.step)
     x, y = batch.micro_batches[0]  # the step's longest
-    x, found = x.to(rt.device, non_blocking=True), Targets.of(y).to(rt.device)
+    x, found = x.to(proc.device, non_blocking=True), Targets.of(y).to(proc.device)
     phase("timing a training step (its first call pays the one-time costs)")
-    with training_memory_hint(cfg, rt), rng_restored():
+    with training_memory_hint(cfg, proc), rng_restored():
         for _ in range(1 + WARM_RUNS):
             start = time.perf_counter()
-            with rt.autocast():
+            with proc.autocast():
                 _, loss = module(x, found)
             loss.backward()
             runs.append(time.perf_counter() - start)
         phase("timing a training step (warm)")
-    state.optimizer.zero_grad(set_to_none=not rt.parallel.keeps_gradients)
+    state.optimizer.zero_grad(set_to_none=not proc.parallel.keeps_gradients)
     return max(runs[1:]) * len(batch.micro_batches), batch.tokens
 
 
-def time_decoding(cfg, rt, state, prompts, phase):
+def time_decoding(cfg, proc, state, prompts, phase):
     """[(seconds, summaries)]: untrained weights run to max_new_tokens, an upper bound."""
-    prompts, timed = prompts[:cfg.gen_batch_size * rt.world_size], []
+    prompts, timed = prompts[:cfg.gen_batch_size * proc.world_size], []
     if prompts:
         phase(f"timing a batch of {len(prompts)} summaries")
-        model = inference.rouge_model(state.model, cfg, rt)
+        model = inference.rouge_model(state.model, cfg, proc)
         with rng_restored():
             for _ in range(1 + WARM_RUNS):
                 start = time.perf_counter()
-                inference.summarize_on_ranks(model, prompts, cfg, rt, progress=False)
+                inference.summarize_on_ranks(model, prompts, cfg, proc, progress=False)
                 timed.append((time.perf_counter() - start, len(prompts)))
     return timed
 
@@ -209,7 +209,7 @@ def validation_tokens(cfg, val_set):
     return float((val_set.lengths - 1).sum()) * read
 
 
-def run_settings(argv, usage=None):
+def read_settings(argv, usage=None):
     """(Config, the checkpoint it starts from or None, FromRun). A resume continues the run: only a flag changes it;
     a new run from its weights repeats its recipe: a preset changes it too."""
     cfg, flags = load_config(argv, usage), flags_given(argv)
@@ -241,24 +241,24 @@ def validation_problem(cfg, rows):
     return None
 
 
-def check_before_model(cfg, rt):
+def check_before_model(cfg, proc):
     """(Tracker, Splits, {after-run: its dialogues}): train.py's and bench/preflight.py's checks before the model."""
-    rows_per_rank(cfg.batch_size, rt.world_size)
-    tracker = Tracker(cfg, rt.is_main)  # a missing package or login stops the run before any work
+    rows_per_rank(cfg.batch_size, proc.world_size)
+    tracker = Tracker(cfg, proc.is_main)  # a missing package or login stops the run before any work
     if not resuming(cfg):
         from_hub_cache(cfg.init_from)
-    splits, after = read_inputs(cfg, rt)
+    splits, after = read_inputs(cfg, proc)
     return tracker, splits, after
 
 
-def read_inputs(cfg, rt):
+def read_inputs(cfg, proc):
     """The files predict reads after hours of training are checked now."""
-    splits = data.load_splits(cfg, is_main=rt.is_main, barrier=rt.barrier)
+    splits = data.load_splits(cfg, is_main=proc.is_main, barrier=proc.barrier)
     if problem := validation_problem(cfg, len(splits.val)):
         raise UserError(problem)
-    if rt.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
+    if proc.is_main:  # the rule evaluate.py refuses a checkpoint's training rows by
         splits.notes += filter(None, [data.repeats_note(cfg, splits.train, splits.val)])
-    if rt.is_main and len(splits.train) < cfg.batch_size:  # a step's rows run over the end of an epoch
+    if proc.is_main and len(splits.train) < cfg.batch_size:  # a step's rows run over the end of an epoch
         splits.notes.append(f"note: {len(splits.train)} training rows for batch_size={cfg.batch_size}: each step "
                             f"trains on some rows more than once; lower batch_size or bring more rows")
     after = {"evaluate_after": len(splits.val)} if cfg.evaluate_after else {}

@@ -312,21 +312,22 @@ def check_against_sample(ids, path):
             f"test_csv's order, which differs from sample_submission_csv {path}'s")
 
 
-def predict(cfg, explicit, rt):
+def predict(cfg, explicit, proc):
     out = inference.output_dir(cfg)
-    summarizer = inference.load_summarizer(cfg, explicit, rt, lambda run_cfg: f"test {run_cfg.test_csv}")
-    test = data.read_test(summarizer.cfg)
-    if (note := cfg.sample_submission_csv and check_against_sample(test.ids, cfg.sample_submission_csv)) and rt.is_main:
+    summary_model = inference.load_summary_model(cfg, explicit, proc, lambda run_cfg: f"test {run_cfg.test_csv}")
+    test = data.read_test(summary_model.cfg)
+    note = cfg.sample_submission_csv and check_against_sample(test.ids, cfg.sample_submission_csv)
+    if note and proc.is_main:
         print(note)  # every rank checks: each stops alike
-    prompts, cut = summarizer.prompts(test.dialogues)
-    if rt.is_main and cut:
-        print(inference.cut_line(summarizer, cut, len(prompts)))
-    summaries = summarizer.summarize(prompts, rt)
-    if not rt.is_main:
+    prompts, cut = summary_model.prompts(test.dialogues)
+    if proc.is_main and cut:
+        print(inference.cut_line(summary_model, cut, len(prompts)))
+    summaries = summary_model.summarize(prompts, proc)
+    if not proc.is_main:
         return None
-    made_by = {"weights": summarizer.weights, "test_csv": summarizer.cfg.test_csv,
-               "decoding": inference.describe_decoding(summarizer.cfg, summarizer.overridden,
-                                                       summarizer.ckpt is not None)}
+    made_by = {"weights": summary_model.weights, "test_csv": summary_model.cfg.test_csv,
+               "decoding": inference.describe_decoding(summary_model.cfg, summary_model.overridden,
+                                                       summary_model.ckpt is not None)}
     run_folder.set_aside_other_output(out, run_folder.SUBMISSION_RECORD, (run_folder.SUBMISSION,
                                       run_folder.SUBMISSION_RECORD), "previous-submission", made_by)
     path = os.path.join(out, run_folder.SUBMISSION)

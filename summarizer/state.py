@@ -32,14 +32,14 @@ class TrainingState:
     skipped_steps: int = 0
 
     @classmethod
-    def start(cls, model, cfg, rt, **record):
+    def start(cls, model, cfg, proc, **record):
         """Step 0: AdamW with weight decay on 2-D weights only (not biases, LayerNorms), fused on CUDA."""
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                                      fused=rt.device.type == "cuda")
-        return cls(model, optimizer, torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler),
+                                      fused=proc.device.type == "cuda")
+        return cls(model, optimizer, torch.amp.GradScaler(proc.device.type, enabled=proc.use_scaler),
                    lr_schedule(asdict(cfg)), **record)
 
     def improved(self, stats, metric):
@@ -54,12 +54,12 @@ class TrainingState:
         best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
         return score > best or (score == best and stats["val_loss"] < best_val_loss)
 
-    def save(self, cfg, rt, metrics, best):
+    def save(self, cfg, proc, metrics, best):
         """Rank 0 writes ckpt.pt (and best.pt: a LoRA run's merged); a save the disk cannot hold stops all first."""
-        rng = rt.all_gather_objects(rng_state())
-        model_state, optimizer_state = rt.parallel.training_state(self.model, self.optimizer)
+        rng = proc.all_gather_objects(rng_state())
+        model_state, optimizer_state = proc.parallel.training_state(self.model, self.optimizer)
         writes = []
-        if rt.is_main:
+        if proc.is_main:
             model_args = asdict(self.model.config)
             config = {**asdict(cfg), "init_from": self.base or cfg.init_from, **shape_settings(model_args)}
             record = Record(format=FORMAT, model_args=model_args, config=config,
@@ -78,12 +78,12 @@ class TrainingState:
                     key: value if value is model_state.get(key) else value.cpu()
                     for key, value in merged_weights(model_state, **lora_settings(cfg))}
                 writes.append((os.path.join(cfg.out_dir, run_folder.BEST), {**record, "model": merged}))
-        rt.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if rt.is_main else None)
+        proc.stop_if(run_folder.save_problem(writes, self.step, run_folder.Quota.of(cfg)) if proc.is_main else None)
         for path, state in writes:
             save_checkpoint(state, path)
-        rt.barrier()
+        proc.barrier()
 
-    def restore(self, ckpt, cfg, rt, path, given=()):
+    def restore(self, ckpt, cfg, proc, path, given=()):
         """Continue the checkpoint's run with this config's changes (`given`: the flags); the lines that say so."""
         saved = ckpt["config"]
         if ckpt["iter_num"] >= cfg.max_iters:
@@ -93,15 +93,15 @@ class TrainingState:
             raise UserError(f"train_csv={cfg.train_csv} holds other rows than {path} was trained on (from "
                             f"{saved['train_csv']}): resume with that CSV, or train on this one in a new run that "
                             f"starts from its weights: --init_from={path} --out_dir=<a new folder>")
-        rt.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
+        proc.parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"], path)
         # the optimizer's state dict brings back the saved run's AdamW settings: this run's config decides
         for group, decay in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
             group.update(weight_decay=decay, betas=(cfg.beta1, cfg.beta2))
         if ckpt["scaler"]:  # {} from a run without fp16
             self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.skipped_steps = ckpt["iter_num"], ckpt["skipped_steps"]
-        if rt.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
-            set_rng_state(ckpt["rng"][rt.rank])
+        if proc.rank < len(ckpt["rng"]):  # a rank the saved run did not have keeps its fresh seed
+            set_rng_state(ckpt["rng"][proc.rank])
         self.schedule = resumed_schedule(ckpt["schedule"], saved, cfg, self.step, given)
         notes = [f"resuming {path} at iter {self.step}; "
                  + describe_schedule(self.schedule, self.step, cfg.max_iters, cfg.learning_rate,
@@ -109,7 +109,7 @@ class TrainingState:
         if ckpt["best_metric"] == cfg.best_metric:
             self.best_score, self.best_val_loss = ckpt["best_score"], ckpt["best_val_loss"]
         else:
-            kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if rt.is_main else None
+            kept = run_folder.keep_best_of_metric(cfg.out_dir, ckpt["best_metric"]) if proc.is_main else None
             notes.append(f"best_metric is now {cfg.best_metric} (was {ckpt['best_metric']}): best.pt follows "
                          f"{cfg.best_metric} from the next evaluation on"
                          + (f"; the best by {ckpt['best_metric']} is kept as {kept}" if kept else ""))

@@ -55,7 +55,7 @@ def metrics(out_dir):
 
 def run(cmd, env=None, timeout=None):
     """A command (a script, torchrun, python -c) in the repository as a user starts it: one thread per process,
-    no Accelerate or NCCL settings of the surrounding shell (nor of a Runtime this process made). Returns the
+    no Accelerate or NCCL settings of the surrounding shell (nor of a Process this process made). Returns the
     CompletedProcess."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "NCCL_"))} | dict(env or {})
     return subprocess.run(cmd, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1", PYTHONPATH=REPO), capture_output=True,

@@ -11,7 +11,7 @@ original_step = train.Trainer.train_step
 
 
 def faulty_step(self, step):
-    if self.rt.rank == FAILING_RANK and step == FAILING_STEP:
+    if self.proc.rank == FAILING_RANK and step == FAILING_STEP:
         raise RuntimeError(f"injected fault in step {step}")
     return original_step(self, step)
 

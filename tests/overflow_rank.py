@@ -13,17 +13,17 @@ import train
 original_init = train.Trainer.__init__
 
 
-def init_with_overflow(self, run, rt, *args):
-    original_init(self, run, rt, *args)
-    unscale = self.run.state.scaler.unscale_
+def init_with_overflow(self, run, proc, *args):
+    original_init(self, run, proc, *args)
+    unscale = self.setup.state.scaler.unscale_
 
     def unscale_with_overflow(optimizer):
-        if rt.rank == 1 and self.run.state.step == 0:
+        if proc.rank == 1 and self.setup.state.step == 0:
             grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
             grad.to_local().view(-1)[0] = torch.inf
         return unscale(optimizer)
 
-    self.run.state.scaler.unscale_ = unscale_with_overflow
+    self.setup.state.scaler.unscale_ = unscale_with_overflow
 
 
 train.Trainer.__init__ = init_with_overflow

@@ -97,8 +97,8 @@ def test_a_save_that_meets_a_full_disk_keeps_the_previous_checkpoints(args, tmp_
         out = small / "out"
         save = TrainingState.save
 
-        def save_then_fill(state, cfg, rt, metrics, best):
-            save(state, cfg, rt, metrics, best)
+        def save_then_fill(state, cfg, proc, metrics, best):
+            save(state, cfg, proc, metrics, best)
             if state.step == 2:
                 fill(small, 2**20)
         monkeypatch.setattr(TrainingState, "save", save_then_fill)
@@ -120,8 +120,8 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_leaves_ckpt_pt_loadable(
             pytest.skip("needs a size-limited tmpfs, which only root can mount")
         out, save = small / "out", TrainingState.save
 
-        def save_then_fill(state, cfg, rt, metrics, best):
-            save(state, cfg, rt, metrics, best)
+        def save_then_fill(state, cfg, proc, metrics, best):
+            save(state, cfg, proc, metrics, best)
             fill(small, 0)
         monkeypatch.setattr(TrainingState, "save", save_then_fill)
         with pytest.raises(SystemExit) as stopped:

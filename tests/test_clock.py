@@ -19,8 +19,8 @@ from summarizer import preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import (
     COOLDOWN,
+    Clock,
     Rate,
-    RunClock,
     advance,
     cut_short,
     decayed,
@@ -315,7 +315,7 @@ def test_a_run_that_ended_at_min_lr_is_told_so_by_its_budget_line():
     assert not decayed(300, schedule)
     _, ended = advance(schedule, 299, steps_left=0, ended=True)
     assert decayed(300, ended) and learning_rate(300, ended) == MIN_LR
-    clock = RunClock(60, started=0.0, now=lambda: 10.0)
+    clock = Clock(60, started=0.0, now=lambda: 10.0)
     clock.prime(1e-3, tokens=1)
     line = clock.budget_line(300, 100000, decayed(300, ended), 2, 1)
     assert line.endswith("not the 99700 to max_iters=100000: the learning rate stays at min_lr"), line
@@ -468,7 +468,7 @@ def test_a_budget_refusal_names_only_the_after_runs_that_are_on():
     """No after-run: neither is named nor advised off; evaluate_after alone: it alone."""
     lines = {}
     for after in ({}, {"evaluate_after": 82}, {"evaluate_after": 82, "predict_after": 819}):
-        clock = RunClock(60, started=0.0, now=lambda: 55.0, rouge_summaries=4, after=after)
+        clock = Clock(60, started=0.0, now=lambda: 55.0, rouge_summaries=4, after=after)
         clock.prime(1.0, tokens=1, decodings=[(32.0, 4), (8.0, 4), (8.0, 4)])  # 2 s a summary warm
         lines[len(after)] = clock.start_up_problem()
     # 2 x (55 s of start-up + a step of 1 s and the last evaluation's 4 summaries, 8 s), in tens of seconds
@@ -484,7 +484,7 @@ def test_an_after_run_starts_where_the_time_left_holds_half_of_what_the_slowest_
     """A new user's run (240 s, busy CPU): training stopped with 164 s left for predict_after, whose 819 summaries
     the slowest recent rate (340 ms) put at 280 s; it was not started, and then took 88.6 s by hand."""
     for left, started in ((164.0, True), (139.0, False)):
-        clock = RunClock(240, started=0.0, now=lambda left=left: 240 - left, after={"predict_after": 819})
+        clock = Clock(240, started=0.0, now=lambda left=left: 240 - left, after={"predict_after": 819})
         clock.prime(1.0, tokens=1, decodings=[(10.0, 1), (0.2, 1), (0.34, 1), (0.2, 1)])
         assert clock.after_run() == pytest.approx(819 * 0.34)
         assert (clock.after_run_problem("predict_after", "python predict.py") is None) == started, left
@@ -495,7 +495,7 @@ def test_within_a_factor_safe_of_the_need_either_verdict_says_its_margin_is_thin
     opposite verdicts for one budget, neither saying it was close. Start-up 20 s here, the step's need varied."""
 
     def clock(budget, step):
-        timed = RunClock(budget, started=0.0, now=lambda: 20.0)
+        timed = Clock(budget, started=0.0, now=lambda: 20.0)
         timed.prime(step, tokens=1)
         return timed
     assert clock(35, 10).start_up_problem() is None and "is thin" in clock(35, 10).thin_margin()  # 35 < 2 x 30
@@ -508,7 +508,7 @@ def test_within_a_factor_safe_of_the_need_either_verdict_says_its_margin_is_thin
 def test_one_quiet_batch_does_not_size_the_after_run():
     """Three warm batches timed before step 1, one of them 8x faster (a quiet moment on a busy machine): the
     after-run is sized by the slowest, not by that one."""
-    clock = RunClock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
+    clock = Clock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
     clock.prime(1.0, tokens=1, decodings=[(40.0, 16), (0.5, 16), (4.0, 16), (4.0, 16)])
     assert clock.after_run() == pytest.approx(800 * 0.25)
 

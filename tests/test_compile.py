@@ -101,7 +101,7 @@ def test_greedy_waits_once_per_8_steps_and_copies_few_cache_bytes(model, prompts
 
 
 def test_inference_holds_weights_in_its_dtype_and_casts_none_per_step(model, prompts, tmp_path):
-    """load_summarizer casts the weights once to the run's dtype (here bfloat16 on the CPU): no decode step casts a
+    """load_summary_model casts the weights once to the run's dtype (here bfloat16 on the CPU): no decode step casts a
     weight, where float32 weights under autocast are cast at every step."""
     cfg = load_config(["--gen_batch_size=16", "--max_new_tokens=8", "--dtype=bfloat16", "--device=cpu"])
     half = GPT(model.config)
@@ -116,17 +116,17 @@ def test_inference_holds_weights_in_its_dtype_and_casts_none_per_step(model, pro
 
 def test_load_summarizer_holds_the_weights_in_the_runtime_dtype(write_csv, tmp_path):
     from conftest import TINY
-    from summarizer.runtime import Runtime
+    from summarizer.process import Process
     out = tmp_path / "out"
     args = [*TINY, f"--train_csv={write_csv('train.csv', 40)}", f"--data_cache_dir={tmp_path / 'cache'}",
             "--max_iters=2", "--eval_interval=2", "--batch_size=4", "--micro_batch_size=4", "--rouge_samples=0",
             "--best_metric=val_loss", f"--out_dir={out}", "--sample_submission_csv="]
     train.main(args)
     cfg = load_config([*args, "--dtype=bfloat16"])
-    with Runtime(cfg) as rt:
-        summarizer = inference.load_summarizer(cfg, set(), rt, inference.describe_validation)
-    assert {p.dtype for p in summarizer.model.parameters()} == {torch.bfloat16}
-    assert dataclasses.asdict(summarizer.cfg)["dtype"] == "bfloat16"
+    with Process(cfg) as proc:
+        summary_model = inference.load_summary_model(cfg, set(), proc, inference.describe_validation)
+    assert {p.dtype for p in summary_model.model.parameters()} == {torch.bfloat16}
+    assert dataclasses.asdict(summary_model.cfg)["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

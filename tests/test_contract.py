@@ -144,7 +144,7 @@ def test_a_long_dialogue_is_cut_alike_by_predict_and_by_the_exported_models_card
     ours = pd.read_csv(tmp_path / "p" / "submission.csv", dtype=str, keep_default_na=False)["summary"].tolist()
     export.main([*preset, f"--export_dir={tmp_path / 'hf'}"])
     card = card_code(str(tmp_path / "hf"))
-    prompts, cut = inference.open_summarizer(load_config(preset)).prompts(dialogues)
+    prompts, cut = inference.open_summary_model(load_config(preset)).prompts(dialogues)
     assert cut == 1 and [card["prompt_ids"](d) for d in dialogues] == prompts and len(prompts[0]) == 128 - 12
     with torch.no_grad():  # no IndexError: the exported model gets a prompt that leaves room for the summary
         assert [card["summarize"](d) for d in dialogues] == ours

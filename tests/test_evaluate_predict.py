@@ -320,7 +320,7 @@ def test_a_max_new_tokens_that_leaves_dialogues_under_half_their_training_length
     block_size, the error's hint kept each dialogue's first token, with no warning."""
     def warning(max_new_tokens):
         cfg = load_config([f"--max_new_tokens={max_new_tokens}"])
-        return inference.Summarizer(tiny_gpt(block_size=256), cfg, trained_max_new_tokens=48).cut_warning()
+        return inference.SummaryModel(tiny_gpt(block_size=256), cfg, trained_max_new_tokens=48).cut_warning()
     line = warning(238)
     assert line.startswith("warning: max_new_tokens=238 leaves each dialogue its first ") and "\n" not in line
     fits = int(line.rsplit("--max_new_tokens=", 1)[1])

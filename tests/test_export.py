@@ -68,7 +68,7 @@ def test_transformers_generate_with_the_exported_settings_equals_ours(run, overr
         export.main([f"--ckpt={run.folder / 'out' / 'best.pt'}", f"--export_dir={path}", *overrides])
     dialogues = [row["dialogue"] for row in synthetic_rows(16, seed=7)]
     cfg = load_config([*run.args, *overrides])
-    prompts, _ = inference.Summarizer(run.model, cfg).prompts(dialogues)
+    prompts, _ = inference.SummaryModel(run.model, cfg).prompts(dialogues)
     ours = inference.summarize_batches(run.model, prompts, cfg, nullcontext())
     assert len(set(ours)) > 4, ours  # a model that learned something, not one repeated string
     assert hf_summaries(path, dialogues) == ours
@@ -189,7 +189,7 @@ def test_the_pipeline_recipe_cuts_dialogues_longer_than_the_positions_as_predict
     namespace = {}
     exec(recipe, namespace)
     assert namespace["summaries"][:2] == hf_summaries(run.hf_dir, long_dialogues)
-    summarizer = inference.Summarizer(run.model, run.cfg, trained_max_new_tokens=20)
-    prompts, cut = summarizer.prompts(long_dialogues)
+    summary_model = inference.SummaryModel(run.model, run.cfg, trained_max_new_tokens=20)
+    prompts, cut = summary_model.prompts(long_dialogues)
     ours = inference.summarize_batches(run.model, prompts, run.cfg, nullcontext())
     assert cut == 2 and namespace["summaries"][:2] == ours

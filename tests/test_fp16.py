@@ -12,7 +12,7 @@ from config import load_config
 from conftest import metrics, tiny
 from summarizer.checkpoint import load_checkpoint
 from summarizer.preparation import prepare
-from summarizer.runtime import Runtime
+from summarizer.process import Process
 
 # fp16 is emulated on a CPU, and slow: one micro-batch of 4 per step, one validation batch
 RUN = [*tiny(dtype="float16"), "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--batch_size=4",
@@ -28,11 +28,11 @@ def args(write_csv, tmp_path):
 
 def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(args, tmp_path, capsys):
     cfg = load_config([*args, "--max_iters=8", "--eval_interval=8"])
-    rt = Runtime(cfg)
-    trainer = train.Trainer(prepare(cfg, rt), rt)
-    scaler = trainer.run.state.scaler
-    assert rt.use_scaler and scaler.is_enabled()
-    with rt.autocast():
+    proc = Process(cfg)
+    trainer = train.Trainer(prepare(cfg, proc), proc)
+    scaler = trainer.setup.state.scaler
+    assert proc.use_scaler and scaler.is_enabled()
+    with proc.autocast():
         assert trainer.model.lm_head(torch.zeros(1, 32)).dtype == torch.float16
     # One step: a scale of 2**40 overflows fp16 gradients; backing off by 2**-30 makes the next step's scale 2**10.
     scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0**40, backoff_factor=2.0**-30))
@@ -61,13 +61,13 @@ def test_overflowing_steps_are_skipped_counted_and_warned_and_training_goes_on(a
 
 def test_checkpoint_carries_the_scaler_state_into_a_resumed_run(args):
     cfg = load_config([*args, "--max_iters=2"])
-    rt = Runtime(cfg)
-    trainer = train.Trainer(prepare(cfg, rt), rt)
-    scaler = trainer.run.state.scaler
+    proc = Process(cfg)
+    trainer = train.Trainer(prepare(cfg, proc), proc)
+    scaler = trainer.setup.state.scaler
     scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0**7, growth_interval=11))
     trainer.fit()
     saved = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"))["scaler"]
     assert (saved["scale"], saved["growth_interval"]) == (2.0**7, 11)
     resumed_cfg = load_config([*args, "--init_from=resume", "--max_iters=3"])
-    resumed = train.Trainer(prepare(resumed_cfg, rt), rt)
-    assert resumed.run.state.scaler.state_dict() == scaler.state_dict()
+    resumed = train.Trainer(prepare(resumed_cfg, proc), proc)
+    assert resumed.setup.state.scaler.state_dict() == scaler.state_dict()

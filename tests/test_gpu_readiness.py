@@ -27,7 +27,7 @@ from summarizer import preparation
 from summarizer.backends import use_compile
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import build_model
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.process import Process, choose_precision
 from summarizer.tracking import peak_flops
 
 # dtype and compile are each test's own; block_size=64 cuts every long dialogue (one compiled shape)
@@ -83,38 +83,38 @@ def fake_gpu(monkeypatch):
 ])
 def test_runtime_reads_precision_compile_and_peak_from_the_gpu(fake_gpu, name, capability, dtype, scaler, peak):
     fake_gpu(name, capability)
-    rt = Runtime(load_config(["--device=cuda", "--backend=none"]))
-    assert (rt.device.type, rt.dtype, rt.use_scaler, rt.compile) == ("cuda", dtype, scaler, True)
-    assert peak_flops(rt.device_name, rt.dtype) == peak
+    proc = Process(load_config(["--device=cuda", "--backend=none"]))
+    assert (proc.device.type, proc.dtype, proc.use_scaler, proc.compile) == ("cuda", dtype, scaler, True)
+    assert peak_flops(proc.device_name, proc.dtype) == peak
 
 
 def test_runtime_refuses_bfloat16_on_a_t4(fake_gpu):
     fake_gpu("Tesla T4", (7, 5))
     with pytest.raises(UserError, match="compute capability >= 8.0"):
-        Runtime(load_config(["--device=cuda", "--dtype=bfloat16"]))
+        Process(load_config(["--device=cuda", "--dtype=bfloat16"]))
 
 
 def test_cpu_is_float32_and_not_compiled_unless_asked():
-    rt = Runtime(load_config(["--device=cpu"]))
-    assert (rt.dtype, rt.use_scaler, rt.compile) == ("float32", False, False)
-    rt = Runtime(load_config(["--device=cpu", "--dtype=bfloat16", "--compile=True"]))
-    assert (rt.dtype, rt.use_scaler, rt.compile) == ("bfloat16", False, True)
+    proc = Process(load_config(["--device=cpu"]))
+    assert (proc.dtype, proc.use_scaler, proc.compile) == ("float32", False, False)
+    proc = Process(load_config(["--device=cpu", "--dtype=bfloat16", "--compile=True"]))
+    assert (proc.dtype, proc.use_scaler, proc.compile) == ("bfloat16", False, True)
 
 
 @pytest.mark.parametrize("preset", ["kaggle_t4x2", "kaggle_t4x2_gpt2-medium", "kaggle_t4x2_gpt2-large",
                                     "kaggle_t4x2_gpt2-xl"])
 def test_a_kaggle_preset_tried_on_a_cpu_trains_in_float32_and_chooses_float16_on_a_t4(preset, capsys):
     path = os.path.join(REPO, "config", f"{preset}.py")
-    rt = Runtime(load_config([path, "--device=cpu", "--backend=none"]))
-    assert (rt.dtype, rt.use_scaler, rt.compile) == ("float32", False, False)
+    proc = Process(load_config([path, "--device=cpu", "--backend=none"]))
+    assert (proc.dtype, proc.use_scaler, proc.compile) == ("float32", False, False)
     cfg = load_config([path])
     assert choose_precision(cfg.dtype, "cuda", (7, 5)) == ("float16", True) and cfg.compile == "auto"
     assert "float16" not in capsys.readouterr().err
 
 
 def test_float16_asked_for_on_a_cpu_says_in_one_line_that_it_is_emulated(capsys):
-    rt = Runtime(load_config(["--device=cpu", "--dtype=float16"]))
-    assert rt.dtype == "float16"
+    proc = Process(load_config(["--device=cpu", "--dtype=float16"]))
+    assert proc.dtype == "float16"
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "float16" in lines[0] and "emulated" in lines[0] and "--dtype=float32" in lines[0]
 
@@ -135,14 +135,14 @@ def test_the_cuda_allocator_uses_expandable_segments_unless_the_user_configured_
     for name in ALLOC_CONF:
         monkeypatch.delenv(name, raising=False)
     applied = fake_gpu("Tesla T4", (7, 5))
-    Runtime(load_config(["--device=cpu"]))
+    Process(load_config(["--device=cpu"]))
     assert applied == []
-    Runtime(load_config(["--device=cuda", "--backend=none"]))
+    Process(load_config(["--device=cuda", "--backend=none"]))
     assert applied == ["expandable_segments:True"] and not set(ALLOC_CONF) & os.environ.keys()
     for name in ALLOC_CONF:
         with monkeypatch.context() as patched:
             patched.setenv(name, "max_split_size_mb:128")
-            Runtime(load_config(["--device=cuda", "--backend=none"]))
+            Process(load_config(["--device=cuda", "--backend=none"]))
             assert applied == ["expandable_segments:True"] and os.environ[name] == "max_split_size_mb:128"
 
 
@@ -158,7 +158,7 @@ def test_the_allocator_setting_warns_on_no_release(fake_gpu, monkeypatch, recwar
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated)
     for name in ALLOC_CONF:
         monkeypatch.delenv(name, raising=False)
-    Runtime(load_config(["--device=cuda", "--backend=none"]))
+    Process(load_config(["--device=cuda", "--backend=none"]))
     assert applied == ["expandable_segments:True"] and not recwarn.list
 
 
@@ -166,18 +166,18 @@ def test_nccl_variables_are_set_only_when_asked(monkeypatch):
     """nccl_p2p_disable (every Kaggle preset's): no peer-to-peer path, and no cuMem host buffers for the shared-memory
     transport (NCCL >= 2.24 fails its first collective with them on GPUs without peer access, NVIDIA/nccl#1838)."""
     for name in ("NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE", "NCCL_IB_DISABLE"):
-        monkeypatch.setenv(name, "")  # restored as they were after the test, Runtime's setting included
+        monkeypatch.setenv(name, "")  # restored as they were after the test, Process's setting included
         monkeypatch.delenv(name)
-    Runtime(load_config(["--device=cpu"]))
+    Process(load_config(["--device=cpu"]))
     assert not {"NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE", "NCCL_IB_DISABLE"} & os.environ.keys()
-    Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
+    Process(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
     assert (os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_CUMEM_HOST_ENABLE"]) == ("1", "0")
     assert "NCCL_IB_DISABLE" not in os.environ  # across nodes: InfiniBand
-    Runtime(load_config(["--device=cpu", "--nccl_ib_disable=True"]))
+    Process(load_config(["--device=cpu", "--nccl_ib_disable=True"]))
     assert os.environ["NCCL_IB_DISABLE"] == "1"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own environment wins
     monkeypatch.setenv("NCCL_CUMEM_HOST_ENABLE", "1")
-    Runtime(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
+    Process(load_config(["--device=cpu", "--nccl_p2p_disable=True"]))
     assert (os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_CUMEM_HOST_ENABLE"]) == ("0", "1")
 
 

@@ -181,15 +181,15 @@ def test_the_note_counts_as_evaluate_does(tmp_path):
     other[0]["dialogue"] = "  " + synthetic_rows(10, seed=0)[3]["dialogue"].replace(" ", "  ")
     other[1]["id"] = "d0-7"
     val = save_csv(tmp_path / "val.csv", other)
-    rt = types.SimpleNamespace(is_main=True, barrier=data.no_op)
+    proc = types.SimpleNamespace(is_main=True, barrier=data.no_op)
     splits, _ = preparation.read_inputs(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
-                                            f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
+                                            f"--data_cache_dir={tmp_path / 'cache'}"]), proc)
     assert data.repeated_rows(splits.val, splits.train.fingerprints()).tolist() == [True, True, False, False]
     assert [note for note in splits.notes if "2 of 4 validation rows repeat training rows" in note
             and f"validation_csv {val} shares rows with train_csv {csv}" in note]
     pd.DataFrame([{"dialogue": r["dialogue"], "summary": r["summary"]} for r in other[1:]]).to_csv(val, index=False)
     splits, _ = preparation.read_inputs(load_config([f"--train_csv={csv}", f"--validation_csv={val}",
-                                            f"--data_cache_dir={tmp_path / 'cache'}"]), rt)
+                                            f"--data_cache_dir={tmp_path / 'cache'}"]), proc)
     assert not [note for note in splits.notes if "repeat" in note]  # ids count only where both CSVs have them
 
 

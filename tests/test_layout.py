@@ -90,13 +90,13 @@ def test_one_training_step_runs_code_in_at_most_six_project_files(tmp_path, writ
     from config import load_config
     from conftest import tiny
     from model import GPT
-    from summarizer.runtime import Runtime
+    from summarizer.process import Process
 
     argv = [*tiny(), f"--train_csv={write_csv('train.csv', 24)}", "--val_fraction=0.25", "--batch_size=2",
             "--micro_batch_size=2", "--max_iters=4", "--eval_interval=100", "--log_interval=1",
             "--rouge_samples=0", "--best_metric=val_loss", f"--out_dir={tmp_path / 'out'}"]
     cfg = load_config(argv)
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+    trainer = train.Trainer(prepare(cfg, proc := Process(cfg)), proc)
     forwards, files = [], set()
 
     def profile(frame, event, arg):
@@ -186,7 +186,7 @@ def test_no_circle_of_imports_between_modules():
 
 def test_runtime_needs_no_checkpoint_and_data_nothing_of_summarizer():
     graph = project_imports()
-    assert not {name for name in graph["summarizer.runtime"] if name.startswith("summarizer.checkpoint")}
+    assert not {name for name in graph["summarizer.process"] if name.startswith("summarizer.checkpoint")}
     assert not {name for name in graph["data"] if name.startswith("summarizer")}
 
 
@@ -285,10 +285,10 @@ def predict_reading(best_pt, out_dir, within=None):
 
 
 def test_predict_goes_down_from_a_checkpoints_path_to_the_model_once(best_pt, tmp_path):
-    """From the path to the model (inference.open_summarizer): each module entered at most twice, loading.py once
+    """From the path to the model (inference.open_summary_model): each module entered at most twice, loading.py once
     (nothing returns to it); and on the way to the model's forward, loading.py read in one go."""
     from summarizer import inference
-    loading = predict_reading(best_pt, tmp_path / "a", inference.open_summarizer).visits()
+    loading = predict_reading(best_pt, tmp_path / "a", inference.open_summary_model).visits()
     assert max(collections.Counter(loading).values()) <= 2 and loading.count("summarizer/loading.py") == 1, loading
     assert predict_reading(best_pt, tmp_path / "b").visits().count("summarizer/loading.py") == 1
 

@@ -25,7 +25,7 @@ from summarizer import inference, loading, memory
 from summarizer.checkpoint import load_checkpoint
 from summarizer.loading import model_from_checkpoint
 from summarizer.preparation import prepare
-from summarizer.runtime import Runtime
+from summarizer.process import Process
 
 ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -170,10 +170,10 @@ def test_the_rouge_copy_is_filled_one_merged_weight_at_a_time_and_tied(base_dtyp
             if ".lora_B." in name:
                 p.normal_(std=0.1)
     loading.cast_base(model, base_dtype)
-    rt = types.SimpleNamespace(dtype="bfloat16", backend="none", device=torch.device("cpu"),
+    proc = types.SimpleNamespace(dtype="bfloat16", backend="none", device=torch.device("cpu"),
                                parallel=types.SimpleNamespace(full_weights=lambda m: m.state_dict()))
     with NewBytes() as built:
-        rouge = inference.rouge_model(model, cfg, rt)
+        rouge = inference.rouge_model(model, cfg, proc)
     held = memory.nbytes(rouge.state_dict().values())
     assert rouge.lm_head.weight is rouge.transformer.wte.weight
     assert held == 2 * sum(p.numel() for p in rouge.parameters()) and held <= 0.52 * base
@@ -263,9 +263,9 @@ def test_a_16_bit_lora_run_holds_its_base_in_16_bits_and_resumes(lora_args, tmp_
     assert sha["fp16"] == sha["fp32"]
     cfg = load_config([*args, "--dtype=float16", "--max_iters=4", f"--out_dir={tmp_path / 'fp32'}",
                        "--init_from=resume"])
-    rt = Runtime(cfg)
-    trainer = train.Trainer(prepare(cfg, rt), rt)
-    state = trainer.run.state
+    proc = Process(cfg)
+    trainer = train.Trainer(prepare(cfg, proc), proc)
+    state = trainer.setup.state
     dtypes = {name: p.dtype for name, p in state.model.named_parameters()}
     assert {dtypes[n] for n in dtypes if ".base_layer." in n} == {torch.float16}
     assert {dtypes[n] for n in dtypes if ".base_layer." not in n} == {torch.float32}

@@ -128,12 +128,12 @@ def test_reduce_once_is_decided_before_the_micro_batch_and_counted_in_it(monkeyp
     train_set = SimpleNamespace(lengths=np.array([256]), target_counts=lambda _: np.array([60]))
     for budget, decided in ((on.peak + 2**20, True), (on.peak - 2**20, False)):
         # a T4 rank: the model is on the CPU until the run moves it, so `budget` is all the GPU leaves
-        rt = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cuda"),
+        proc = SimpleNamespace(backend="fsdp", world_size=RANKS, dtype="float16", device=torch.device("cuda"),
                              is_main=True, all_gather_objects=lambda mine: [mine] * RANKS,
                              parallel=SimpleNamespace(reduce_once="auto"))
         monkeypatch.setattr(memory, "device_memory", lambda device, budget=budget: int(budget))
-        planned, _ = memory.workload(cfg, rt, run.model, train_set, OneRow(prompt_lens=np.array([190])))
-        assert planned.reduce_once is decided and rt.parallel.reduce_once is decided
+        planned, _ = memory.workload(cfg, proc, run.model, train_set, OneRow(prompt_lens=np.array([190])))
+        assert planned.reduce_once is decided and proc.parallel.reduce_once is decided
         assert ("reducing once per optimizer step would need" in capsys.readouterr().out) is not decided
 
 

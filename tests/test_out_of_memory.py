@@ -305,10 +305,10 @@ def test_the_micro_batch_check_leaves_the_rng_as_it_found_it(write_csv, tmp_path
     """peak_step runs dropout on the side (state.rng_restored): the run's own draws come as they would without it."""
     import data
     from config import load_config
-    from summarizer.runtime import Runtime
+    from summarizer.process import Process
     cfg = load_config([*tiny(dropout=0.5), f"--train_csv={write_csv('train.csv', 12)}", "--micro_batch_size=4",
                        f"--data_cache_dir={tmp_path / 'c'}", f"--out_dir={tmp_path / 'out'}"])
     model = GPT(GPTConfig(block_size=128, n_layer=1, n_head=2, n_embd=32, dropout=0.5)).train()
     before = torch.get_rng_state()
-    memory.peak_step(cfg, Runtime(cfg), model, data.load_splits(cfg).train)
+    memory.peak_step(cfg, Process(cfg), model, data.load_splits(cfg).train)
     assert torch.equal(torch.get_rng_state(), before)

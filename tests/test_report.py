@@ -122,9 +122,9 @@ def samsum_sized(tmp_path_factory):
     predictions[10:16] = ["", "", "we will, we will, we will go", "a b c a b c", "yes no maybe yes no maybe",
                           " ".join(f"w{i}" for i in range(40))]
     cfg = Config(validation_csv="validation.csv", max_new_tokens=40)
-    summarizer = types.SimpleNamespace(weights="out/best.pt (iter 300)", ckpt={"iter_num": 300}, cfg=cfg)
+    summary_model = types.SimpleNamespace(weights="out/best.pt (iter 300)", ckpt={"iter_num": 300}, cfg=cfg)
     frame = evaluation.scored_frame(val, predictions)
-    metrics = evaluation.scores_report(frame, summarizer, cfg, [])
+    metrics = evaluation.scores_report(frame, summary_model, cfg, [])
     path = tmp_path_factory.mktemp("report") / "eval_report.html"
     report.write_report(path, frame, metrics)
     return frame, metrics, path.read_text(encoding="utf-8"), path
@@ -298,8 +298,8 @@ def test_one_dialogue_gives_no_interval_and_the_report_says_so(tmp_path):
     rows = synthetic_rows(1, seed=3)
     val = types.SimpleNamespace(ids=[rows[0]["id"]], dialogues=[rows[0]["dialogue"]], summaries=[rows[0]["summary"]])
     frame = evaluation.scored_frame(val, ["they will meet"])
-    summarizer = types.SimpleNamespace(weights="out/best.pt (iter 3)", ckpt={"iter_num": 3}, cfg=Config())
-    metrics = evaluation.scores_report(frame, summarizer, Config(), [])
+    summary_model = types.SimpleNamespace(weights="out/best.pt (iter 3)", ckpt={"iter_num": 3}, cfg=Config())
+    metrics = evaluation.scores_report(frame, summary_model, Config(), [])
     assert evaluation.bootstrap_interval([0.5]) is None and metrics["rougeL"]["ci95"] is None
     assert "(no interval: fewer than 2 dialogues)" in evaluation.format_report(metrics)
     comparison = evaluation.Comparison("other", frame.copy(), evaluation.compare(frame, frame.copy()))

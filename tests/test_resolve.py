@@ -15,7 +15,7 @@ from command_line import UserError
 from config import FIELDS, SCOPES, USES, flags_given, load_config, resolve, takes
 from conftest import ONE_STEP, one_error_line, save_csv, synthetic_rows, tiny
 from summarizer.checkpoint import load_checkpoint
-from summarizer.inference import open_summarizer
+from summarizer.inference import open_summary_model
 
 TEMPLATE = "Chat:\n{dialogue}\nSummary:"
 
@@ -104,9 +104,9 @@ def settings_taken(use, out, cache, argv):
     if use in ("resume", "weights"):
         start = ["--init_from=resume", f"--out_dir={out}"] if use == "resume" else \
             [f"--init_from={out / 'best.pt'}", f"--out_dir={out}-new"]
-        return train.run_settings([*start, cache, *argv])[0]
+        return train.read_settings([*start, cache, *argv])[0]
     args = [f"--ckpt={out / 'best.pt'}", f"--out_dir={out}", *argv]
-    return open_summarizer(load_config(args), flags_given(args), use).cfg
+    return open_summary_model(load_config(args), flags_given(args), use).cfg
 
 
 @pytest.mark.parametrize("scope, use", [(scope, use) for scope in SPEC for use in SPEC[scope]])
@@ -167,8 +167,8 @@ def test_a_new_run_from_the_weights_takes_a_presets_values_and_names_them(run, t
     preset = tmp_path / "recipe.py"
     preset.write_text("learning_rate = 5e-4\n")
     capsys.readouterr()
-    cfg, _, _ = train.run_settings([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", cache])
-    resumed, _, _ = train.run_settings([str(preset), "--init_from=resume", f"--out_dir={out}", cache])
+    cfg, _, _ = train.read_settings([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path}", cache])
+    resumed, _, _ = train.read_settings([str(preset), "--init_from=resume", f"--out_dir={out}", cache])
     assert (cfg.learning_rate, resumed.learning_rate) == (5e-4, 1e-3)
     train.main([str(preset), f"--init_from={out / 'best.pt'}", f"--out_dir={tmp_path / 'new'}", cache])
     assert f"changed from the run's by {preset}: learning_rate=0.001 -> 0.0005" in capsys.readouterr().out

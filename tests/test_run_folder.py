@@ -33,7 +33,7 @@ from conftest import (
 )
 from model import PRETRAINED
 from summarizer import run_folder
-from summarizer.clock import RunClock
+from summarizer.clock import Clock
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_a_rerun_its_budget_refuses_before_step_1_leaves_the_folder_as_it_found_
     out = tmp_path / "out"
     train.main(args(csvs, out, "--max_iters=4"))
     before = {path.name: path.read_bytes() for path in out.iterdir()}
-    monkeypatch.setattr(RunClock, "start_up_problem", lambda clock: f"max_time={clock.budget:g} leaves no step")
+    monkeypatch.setattr(Clock, "start_up_problem", lambda clock: f"max_time={clock.budget:g} leaves no step")
     err = one_error_line(capsys, train.main, args(csvs, out, "--max_iters=8", "--max_time=15"))
     assert err == "error: max_time=15 leaves no step"
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before

@@ -23,7 +23,7 @@ from summarizer.backends import use_compile
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import describe_schedule, learning_rate, lr_schedule
 from summarizer.preparation import prepare
-from summarizer.runtime import Runtime, choose_precision
+from summarizer.process import Process, choose_precision
 from summarizer.state import TrainingState
 
 # no --dtype: the precision tests decide it (auto, or Accelerate's mixed precision)
@@ -159,13 +159,13 @@ def test_a_decay_whose_last_step_shows_min_lr_says_one_end():
 def test_a_resume_under_max_time_promises_no_iter_the_budget_may_not_reach():
     """A resume at iter 150 of max_iters=300 whose budget may end sooner: its line says the decay's end by max_iters
     may come sooner, at min_lr; the max_time line names the iter (at the pace measured)."""
-    from summarizer.clock import RunClock
+    from summarizer.clock import Clock
     schedule = lr_schedule({"warmup_iters": 10, "learning_rate": 1e-2, "min_lr": 1e-3, "lr_decay_iters": 0,
                             "max_iters": 300})
     assert describe_schedule(schedule, 150, 300, 1e-2, by_clock=True).endswith(
         "; cosine decay to 1.00e-03 at iter 300; or sooner, to min_lr at the last step max_time leaves (the max_time "
         "line says which)")
-    clock = RunClock(50, started=0.0, now=lambda: 0.0)
+    clock = Clock(50, started=0.0, now=lambda: 0.0)
     clock.prime(1.0, tokens=1)  # a step a second: 50 steps, to iter 200
     assert clock.budget_line(150, 300, False, 1, 1).endswith(
         "cools down over the last 20% of them to min_lr at the last (iter 200 at this pace), by the clock")
@@ -222,7 +222,7 @@ def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, caps
     before = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))["optimizer"]["state"]
     resume = [*args, "--max_iters=4", "--eval_interval=4", "--init_from=resume"]
     cfg = load_config([*resume, "--weight_decay=0", "--grad_clip=0.5", "--beta2=0.9", "--dropout=0.25"])
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+    trainer = train.Trainer(prepare(cfg, proc := Process(cfg)), proc)
     assert "changed since the checkpoint, applied from iter 3: weight_decay 0.1 -> 0.0, beta2 0.95 -> 0.9, " \
            "dropout 0.0 -> 0.25, grad_clip 1.0 -> 0.5" in capsys.readouterr().out
     trainer.fit()
@@ -246,7 +246,7 @@ def test_hyperparameters_given_to_a_resumed_run_take_effect(args, tmp_path, caps
 def test_what_a_resumed_run_cannot_change_stops_it_with_one_line(args, change, message):
     train.main([*args, "--max_iters=2", "--eval_interval=2"])
     with pytest.raises(UserError, match=message):  # the settings are resolved against the run once, before any work
-        train.run_settings([*args, "--max_iters=4", "--init_from=resume", change])
+        train.read_settings([*args, "--max_iters=4", "--init_from=resume", change])
 
 
 # ---- out_dir: a fresh run never loses or mixes with an earlier one ----------------------------------------
@@ -309,16 +309,16 @@ def test_best_pt_is_weights_only_less_than_half_of_ckpt_pt_and_predict_loads_it(
     cfg = load_config([*args, "--max_iters=3", "--init_from=resume"])
     with pytest.raises(UserError, match="holds weights only .*: resume from the run's ckpt.pt, or train on from "
                                         f"these weights in a new run: --init_from={out / 'ckpt.pt'} --out_dir="):
-        train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+        train.Trainer(prepare(cfg, proc := Process(cfg)), proc)
 
 
 # ---- the gradient norm -----------------------------------------------------------------------------------
 
 def test_grad_norm_is_the_norm_before_clipping(args):
     cfg = load_config([*args, "--max_iters=1", "--grad_clip=1e-3", "--dtype=float32"])
-    trainer = train.Trainer(prepare(cfg, rt := Runtime(cfg)), rt)
+    trainer = train.Trainer(prepare(cfg, proc := Process(cfg)), proc)
     reference = copy.deepcopy(trainer.model)
-    batch = trainer.run.batches(0)
+    batch = trainer.setup.batches(0)
     scale = 1 / batch.targets
     for x, y in batch.micro_batches:
         _, loss = reference(x, y)
@@ -347,8 +347,8 @@ def test_the_next_steps_micro_batches_are_built_while_a_step_computes(args, monk
             trained.append(x)
         return forward(model, x, targets)
     monkeypatch.setattr(data.TrainBatches, "__call__", batch)
-    monkeypatch.setattr(backends.SingleProcess, "all_reduce_sum", lambda rt, t: events.append("reduce") or
-                        reduce(rt, t))
+    monkeypatch.setattr(backends.SingleProcess, "all_reduce_sum", lambda proc, t: events.append("reduce") or
+                        reduce(proc, t))
     monkeypatch.setattr(GPT, "forward", forward_of)
     train.main([*args, "--max_iters=3", "--eval_interval=3", "--micro_batch_size=2"])
     assert events[:6] == ["batch 0", "batch 1", "reduce", "batch 2", "reduce", "reduce"]

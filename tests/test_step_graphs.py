@@ -23,8 +23,8 @@ from conftest import mid_way_eos, tiny_gpt
 from generate import GreedyBatch, StepGraphs, capture_graph, generate, static_step
 from model import KVCache, attention_mask
 from summarizer import inference
-from summarizer.inference import Summarizer, summarize_batches
-from summarizer.runtime import Runtime
+from summarizer.inference import SummaryModel, summarize_batches
+from summarizer.process import Process
 
 MAX_NEW = 24
 HOST_READ = "CUDA error: operation not permitted when stream is capturing"
@@ -312,8 +312,8 @@ def test_greedy_under_autocast_is_not_replayed(model, prompts, eos):
               r"capturing\)")])
 def test_summarizing_says_after_the_fact_how_greedy_steps_ran(model, prompts, cuda, capfd, capture, said):
     cfg = load_config(["--device=cpu", "--dtype=float32", "--max_new_tokens=8"])
-    with Runtime(cfg) as rt:
-        rt.graphs = StepGraphs(capture=capture)
-        Summarizer(model, cfg).summarize(prompts, rt)
+    with Process(cfg) as proc:
+        proc.graphs = StepGraphs(capture=capture)
+        SummaryModel(model, cfg).summarize(prompts, proc)
     out = capfd.readouterr().out.splitlines()
     assert out[0] == "summarizing 20 dialogues" and re.fullmatch(f"summarized 20 dialogues: {said}", out[-1])

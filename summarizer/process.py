@@ -1,4 +1,4 @@
-"""Where the job runs: this process's Runtime (rank, device, precision, compile and CUDA graphs, its backend)."""
+"""Where the job runs: this process's Process (rank, device, precision, compile and CUDA graphs, its backend)."""
 import contextlib
 import functools
 import os
@@ -47,8 +47,8 @@ def expandable_segments():
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
-class Runtime:
-    """Rank, world size, device, precision and compile of this process; its backend (rt.parallel) and collectives."""
+class Process:
+    """Rank, world size, device, precision and compile of this process; its backend (proc.parallel) and collectives."""
 
     def __init__(self, cfg):
         self.backend = resolve_backend(cfg.backend, os.environ)

@@ -230,8 +230,8 @@ def test_samples_follow_the_model_distribution(ours):
 
 @pytest.mark.parametrize("settings", [dict(num_beams=4), dict(temperature=1.0, top_k=3, mbr_samples=6)])
 def test_beams_and_samples_read_their_prompts_keys_and_values_once(ours, prompts, eos, settings):
-    # every decode step attends each prompt's cache row once for all of its rows (the prompt's slots, then each
-    # row's generated ones); beam search reorders its beams without copying a cache
+    # every decode step attends each prompt's cache row once for all of its rows (the prompt's slots, then its rows'
+    # tokens so far); beam search reorders its beams without copying a cache
     steps = []
 
     def record(module, args):

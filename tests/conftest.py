@@ -9,13 +9,19 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One thread per process, as in the processes run() starts: on a small shared CPU, torch's default of a thread per
 # core makes a tiny model wait on its threads (tests/test_generate.py took 98 s instead of 12 s on 2 busy cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles in the process itself, here and in the processes tests start (they inherit it): its default pool
+# of compile workers starts Pythons that import torch, seconds of CPU for each compiling process, while pytest-xdist
+# keeps every core busy already. Set before torch is imported: inductor reads it once.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # A one-block model trained from scratch on the CPU in float32, eager: what most tests train; files add their keys.
 TINY = ["--init_from=scratch", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=128", "--max_new_tokens=16",
@@ -28,10 +34,18 @@ ONE_STEP = ["--batch_size=4", "--micro_batch_size=4", "--max_iters=1", "--eval_i
             "--rouge_samples=0", "--best_metric=val_loss", "--eval_val_batches=1"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
-    """Tests marked `minutes` first: pytest-xdist hands tests out in this order, and one that takes minutes started
-    last would run alone while the other workers idle."""
-    items.sort(key=lambda item: item.get_closest_marker("minutes") is None)
+    """The tests of a module with a module-scoped fixture (a trained model, a run) form one group that one worker
+    runs (--dist=loadgroup in pyproject.toml), so the fixture is built once, not once per worker. Then the order in
+    which pytest-xdist hands them out: `minutes` first, then the slow tests, then the groups: a long one started last
+    would run alone while the other workers idle."""
+    for item in items:
+        scopes = {fixture.scope for fixtures in item._fixtureinfo.name2fixturedefs.values() for fixture in fixtures}
+        if "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: (item.get_closest_marker("minutes") is None, item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("xdist_group") is None))
 
 
 def tiny(**overrides):

@@ -99,6 +99,7 @@ def test_a_compiler_error_in_the_backward_graph_after_step_1_trains_eagerly_to_t
     assert [row["iter"] for row in metrics(tmp_path / "out")] == [1, 2, 3]
 
 
+@pytest.mark.slow  # an inductor compile: half a minute on a busy 2-core CPU
 def test_the_compiled_module_falls_back_to_its_own_weights(capsys, fresh_dynamo):
     """Called on 2 rows, then given 1 (a size dynamo specializes): the recompile hits a limit of one graph, and the
     module goes on eagerly with the same parameters, computing what the model computes."""

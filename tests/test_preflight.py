@@ -171,6 +171,7 @@ def test_the_collective_tries_the_runs_nccl_settings_then_each_one_not_in_effect
         "NCCL_CUMEM_HOST_ENABLE=0 NCCL_P2P_DISABLE=1", "NCCL_CUMEM_HOST_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"]
 
 
+@pytest.mark.slow  # starts processes
 def test_two_processes_on_a_cpu_meet_in_a_gloo_collective_that_keeps_the_users_pythonpath(tmp_path):
     """Run as a user runs it, with a PYTHONPATH of the user's own: every child process (the launcher and the
     collective's ranks) keeps it (a site folder that records each process that starts with it); the report goes to

@@ -71,6 +71,7 @@ def test_ddp_holds_one_copy_of_the_gradients_its_buckets():
     assert memory.parameter_bytes(model, "accelerate", RANKS)[1] == memory.nbytes(model.parameters())
 
 
+@pytest.mark.slow  # a real bf16 step of a GPT-2-sized model: half a minute
 @pytest.mark.parametrize("lora_rank", [0, 8])
 def test_the_ledger_agrees_with_torchs_memory_tracker_on_real_tensors(lora_rank):
     """The ledger counts fake tensors; torch's MemTracker counts a real step of the same model on the CPU (its

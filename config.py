@@ -19,12 +19,7 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
 
 
-@dataclass(frozen=True)
-class Bound:  # a range rule: ok(value), else the problem is '<key>=<value> <text>'
-    ok: typing.Callable
-    text: str
-
-
+Bound = typing.NamedTuple("Bound", [("ok", typing.Callable), ("text", str)])  # ok(value), else '<key>=<value> <text>'
 POSITIVE = Bound(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 FRACTION = Bound(lambda v: 0 <= v < 1, "must be in [0, 1)")
@@ -166,8 +161,7 @@ class RowFormat:
             problems.append(f"block_size={self.block_size} must be a multiple of 8 (batches are padded to multiples "
                             f"of 8)")
         try:
-            ok = (self.prompt_template.count("{dialogue}") == 1
-                  and self.prompt_template.format(dialogue="") is not None)
+            ok = self.prompt_template.format(dialogue="") is not None and self.prompt_template.count("{dialogue}") == 1
         except (KeyError, IndexError, ValueError):
             ok = False
         if not ok:
@@ -415,8 +409,7 @@ GROUPS = (Split, Submission, RowFormat, Paths, ModelShape, Training, AdamW, Lora
 
 @dataclass
 class Config(*reversed(GROUPS)):
-    """Every setting, flat (--key=value, config.json, a checkpoint's config); the groups name those that belong
-    together."""
+    """Every setting, flat (--key=value, config.json, a checkpoint's config); groups name those that belong together."""
 
     def __post_init__(self):
         if problems := self.problems():
@@ -467,13 +460,9 @@ READS = {"train.py": TRAINING_KEYS,
          "predict.py": (*keys(Submission), *DECODING_KEYS),
          "export.py": ("out_dir", "ckpt", *keys(Decoding), *keys(Export))}
 
-# ---- what a later command takes from a run ----------------------------------------------------------------------
-
-# What a later command takes from a run: a row per scope (each setting has one), a column per command that uses a
-# run's checkpoint. "run": the run's value, a flag against it refused; "given": the run's unless given (a flag; for a
-# new run from the weights, a preset too: a resume changes only what a flag gives, since a preset would silently
-# change the run it continues); "own": the command's own (defaults, presets, flags), never the run's. resolve()
-# applies it; docs/config.md prints it.
+# What a later command takes from a run: a row per scope (each setting has one), a column per use of a run's
+# checkpoint, an entry per TAKES ("given": by a flag, and for a new run from the weights a preset too: a preset would
+# silently change the run a resume continues). resolve() applies it; docs/config.md prints it.
 USES = {"resume": "a resume (`--init_from=resume`): continues the run",
         "weights": "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe",
         "inference": "evaluate.py, predict.py: decode the run's model on its data",
@@ -499,8 +488,7 @@ def takes(key, use):
 
 
 def resolve(cfg, given, saved, path, use):
-    """(the Config command `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed):
-    `cfg`'s values over the run's `saved` ones, as SCOPES says."""
+    """(the Config `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed)."""
     values, changed = {}, []
     for key in FIELDS:
         mine, take = getattr(cfg, key), takes(key, use)
@@ -575,12 +563,11 @@ def type_name(f):
     return " or ".join("None" if kind is type(None) else kind.__name__ for kind in types_of(f))
 
 
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+YES_NO = {**dict.fromkeys(("true", "yes", "on", "1"), True), **dict.fromkeys(("false", "no", "off", "0"), False)}
 
 
 def as_bool(value):  # True or False for a yes/no word (any case), a bool or 1/0; None for anything else
-    word = str(value).strip().lower() if type(value) in (bool, int, str) else None
-    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+    return YES_NO.get(str(value).strip().lower()) if type(value) in (bool, int, str) else None
 
 
 def typed(key, value, source):
@@ -605,10 +592,6 @@ def typed(key, value, source):
 
 def config_json(cfg):
     return json.dumps(asdict(cfg), indent=2) + "\n"
-
-
-def as_json(cfg):
-    return json.loads(config_json(cfg))
 
 
 def changed_values(given):

@@ -158,14 +158,6 @@ def check_target(path, overwrite):
                         f"model.safetensors), so --overwrite=True will not delete it: choose another folder")
 
 
-def readable_as_umask_says(folder):
-    """safetensors writes 0600, unreadable to the others: the files get a new file's mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
-
-
 def replace_folder(tmp, target):
     """An earlier target is moved aside, and deleted only once tmp is in its place."""
     old = f"{target}.old{os.getpid()}"
@@ -201,7 +193,8 @@ def export(cfg, explicit=()):
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(summary_model.ckpt, trained, summary_model.cfg, summary_model.prompt_format(),
                                os.path.basename(target)))
-        readable_as_umask_says(tmp)
+        for name in os.listdir(tmp):  # safetensors writes 0600, unreadable to the others: a new file's mode
+            shutil.copymode(os.path.join(tmp, "README.md"), os.path.join(tmp, name))
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None

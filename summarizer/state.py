@@ -47,10 +47,8 @@ class TrainingState:
         if metric == "last":
             return True
         score, best = stats[metric], self.best_score
-        if not math.isfinite(score):
-            return False
-        if best is None or metric == "val_loss":
-            return best is None or score < best
+        if not math.isfinite(score) or best is None or metric == "val_loss":
+            return math.isfinite(score) and (best is None or score < best)
         best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
         return score > best or (score == best and stats["val_loss"] < best_val_loss)
 

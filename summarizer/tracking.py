@@ -39,8 +39,6 @@ class Tracker:
                                 "(on Kaggle from a secret), or set WANDB_MODE=offline to log locally")
 
     def log(self, row):
-        if not self.destinations:
-            return
         step = row["iter"]
         scalars = {k: v for k, v in row.items() if k != "iter" and isinstance(v, (int, float))}
         if "tensorboard" in self.destinations:

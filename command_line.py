@@ -137,8 +137,6 @@ def print_help(usage, settings):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 
 
-# ---- the one way a file is written ----------------------------------------------------------------------------
-
 class DiskFull(UserError):  # no space left, or the quota used up: what was saved is intact
     pass
 
@@ -154,8 +152,7 @@ def disk_full(path, error):
 
 @contextlib.contextmanager
 def atomic_write(path, mode="w"):
-    """A temp file beside `path`, fsync'd and renamed over it: a crash or a full disk never leaves a half-written
-    file under the real name. Text is UTF-8, newlines as written."""
+    """A temp file beside `path`, fsync'd and renamed over it: a crash or a full disk never leaves half a file."""
     tmp = f"{path}.tmp{os.getpid()}"  # the writer's pid: see run_folder.left_by_a_dead_process
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:

@@ -229,8 +229,7 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule, for training, inference and the model card alike: head + the first `max_dialogue`
-    tokens of the dialogue + tail, so a summary of max_new_tokens fits block_size (training: its reference's)."""
+    """The one truncation rule (training, inference, the model card): so a summary of max_new_tokens fits."""
     head: list
     tail: list
     max_dialogue: int
@@ -574,8 +573,7 @@ class TrainBatches:  # the GlobalBatch of any step
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
-    """Rank `rank`'s share of the length-sorted micro-batches (ranks may differ by one: sum, then all-reduce once);
-    max_batches > 0: a fixed random subset."""
+    """Rank `rank`'s share of the length-sorted micro-batches (counts may differ by one: sum, then all-reduce)."""
     indices = np.arange(len(examples))
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
@@ -583,8 +581,6 @@ def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0
     for start in range(rank * micro_batch_size, len(by_length), world_size * micro_batch_size):
         yield collate(examples, by_length[start:start + micro_batch_size], train_on_prompt)
 
-
-# ---- what a file holds, by its first bytes --------------------------------------------------------------------
 
 # The other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
 # space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a free CSV name beside it, {key}

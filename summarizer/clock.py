@@ -212,8 +212,6 @@ class Clock:
                 f"(iter {step + fit} at this pace), by the clock{few}")
 
 
-# ---- the learning rate: warmup, cosine decay, the budget's cooldown, saved in ckpt.pt and continued on resume ----
-
 def lr_schedule(c):  # c: a run's config, as a dict
     return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
             "decay_iters": c["lr_decay_iters"] or c["max_iters"]}

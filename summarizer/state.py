@@ -1,5 +1,4 @@
 """What ckpt.pt holds of a run in progress and a resume restores; the file's record is summarizer.checkpoint's."""
-import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -134,11 +133,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-@contextlib.contextmanager
 def rng_restored():
     """Side work (a timing, a memory probe) leaves the RNG as it found it: the run's dropout draws what it would."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else [])

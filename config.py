@@ -37,8 +37,6 @@ def option(default, help, scope, choices=None, bound=None, parse=None, why=None,
     return field(**{"default_factory" if callable(default) else "default": default}, metadata=metadata)
 
 
-# ---- values given as text ------------------------------------------------------------------------------------
-
 NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 
 
@@ -111,8 +109,6 @@ def sweep_settings(sweep):
     """Every combination of a sweep's values, as [{key: value}, ...] (the last key varies fastest); [] for {}."""
     return [dict(zip(sweep, values, strict=True)) for values in itertools.product(*sweep.values())] if sweep else []
 
-
-# ---- the settings, by group ------------------------------------------------------------------------------------
 
 @dataclass
 class Split:
@@ -504,8 +500,6 @@ def resolve(cfg, given, saved, path, use):
     return Config(**values), changed
 
 
-# ---- a command line, read --------------------------------------------------------------------------------------
-
 def load_config(argv, usage=None, command="train.py"):
     """The Config of presets in their order, then --key=value flags, which beat any preset whatever the order."""
     if "-h" in argv or "--help" in argv:  # the keys the command reads, with their defaults
@@ -587,8 +581,6 @@ def typed(key, value, source):
         raise UserError(f"{key} expects {type_name(f)}, got {value!r} ({type(value).__name__}) in {source}")
     return os.path.expanduser(value) if f.metadata["path"] else value
 
-
-# ---- what a command says of its settings ------------------------------------------------------------------------
 
 def config_json(cfg):
     return json.dumps(asdict(cfg), indent=2) + "\n"

@@ -82,7 +82,6 @@ def model_card(ckpt, trained, cfg, fmt, name):
             else f"{trained.init_from} (init_from)")
     decoding = "beam search" if cfg.num_beams > 1 else "sampling" if cfg.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
-    head, tail = data.template_text(cfg.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
                        *([f"base_model: {trained.init_from}"] if trained.init_from in PRETRAINED else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
@@ -110,7 +109,7 @@ The model has {block_size} positions and generates up to {cfg.max_new_tokens} to
 evaluation (a longer prompt would not fit: transformers raises an IndexError). The summary ends with
 `<|endoftext|>`. `prompt_ids` below builds a prompt exactly so.
 
-{usage(name, head, tail, fmt.max_dialogue)}"""
+{usage(name, *data.template_text(cfg.prompt_template), fmt.max_dialogue)}"""
 
 
 def usage(name, head, tail, max_dialogue):

@@ -41,8 +41,7 @@ NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 
 
 def parse_duration(text):
-    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s'; None from '' or None. A number after a
-    unit needs its own: '1h30' is refused (1h30m or 1h30s?)."""
+    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s' ('1h30' is ambiguous); None from ''."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
     compact = re.sub(r"\s", "", str(text))

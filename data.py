@@ -76,8 +76,6 @@ def summary_text(tokens):
     return get_tokenizer().decode(tokens).strip()
 
 
-# ---- CSV -> rows of text ----------------------------------------------------------------------------------
-
 DIALOGUE_COLUMNS = ("dialogue", "article", "document", "text")
 SUMMARY_COLUMNS = ("summary", "highlights", "abstract")
 ID_COLUMNS = ("id",)
@@ -215,8 +213,6 @@ def rows_with_no_id(frame, ids, key, path):
     lines = ", ".join(str(starts[i]) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
     return f"{key} {path} has {len(missing)} row(s) with no id (line {lines})"
 
-
-# ---- rows of text -> token sequences ----------------------------------------------------------------------
 
 def template_text(template):  # the prompt's text before and after the dialogue
     return tuple(template.format(dialogue="\0").split("\0"))
@@ -451,8 +447,6 @@ def validation_examples(cfg, is_main=True, barrier=no_op):
 def read_test(cfg):
     return read_table(cfg.test_csv, "test_csv", cfg, test=True)
 
-
-# ---- token sequences -> batches ---------------------------------------------------------------------------
 
 def collate(examples, indices, train_on_prompt=False):
     """x = seq[:-1] padded with EOT_ID, y = seq[1:] with -1 at prompt tokens and padding; width a multiple of 8."""

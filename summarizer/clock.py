@@ -54,8 +54,7 @@ class Clock:
                  step_tokens=1, validation_tokens=0, save_bytes=0):
         self.budget, self.now, self.started = budget, now, now() if started is None else started
         self.eval_interval, self.step_tokens, self.longest = eval_interval, step_tokens, step_tokens
-        # what an evaluation's validation loss reads and its saves write, for the guess before one is timed
-        self.validation_tokens, self.save_bytes = validation_tokens, save_bytes
+        self.validation_tokens, self.save_bytes = validation_tokens, save_bytes  # an untimed evaluation's guess
         self.rouge_summaries = rouge_summaries  # summarized at every evaluation
         self.after = after or {}  # {'evaluate_after' and/or 'predict_after': the dialogues it summarizes}
         self.steps, self.evaluations, self.summaries = Rate(), Rate(), Rate()

@@ -156,8 +156,7 @@ def plot_metrics(jsonl_path, png_path, title=""):
         fig.savefig(f, format="png")
 
 
-# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
-# more specific names first.
+# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), the more specific names first.
 PEAK_TFLOPS = {
     "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
     "H100 PCIE": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},

@@ -225,7 +225,7 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule (training, inference, the model card): so a summary of max_new_tokens fits."""
+    """The one truncation rule, for training, inference and the model card: head + the dialogue's start + tail."""
     head: list
     tail: list
     max_dialogue: int

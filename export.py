@@ -64,9 +64,8 @@ def save_tokenizer(folder, block_size):
     """GPT-2's BPE files and the transformers tokenizer: <|endoftext|> is end and left padding, in a text just text."""
     for source, name in zip(data.bpe_files(), ("vocab.json", "merges.txt"), strict=True):
         shutil.copy(source, os.path.join(folder, name))
-    tokenizer = GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size, pad_token=data.EOT_TOKEN,
-                                                  padding_side="left", split_special_tokens=True)
-    tokenizer.save_pretrained(folder)
+    GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size, pad_token=data.EOT_TOKEN,
+                                      padding_side="left", split_special_tokens=True).save_pretrained(folder)
 
 
 def model_card(ckpt, trained, cfg, fmt, name):

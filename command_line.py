@@ -48,19 +48,17 @@ def arguments(argv):
     """(presets, flags as '--key=value'); `--max_iters 5` is `--max_iters=5`, whatever the next word looks like."""
     presets, flags, words, two_words = [], [], list(argv), None
     while words:
-        word = words.pop(0)
+        word, follows, two_words = words.pop(0), two_words, None
         if not word.startswith("--"):
-            if two_words and not os.path.isfile(word):  # `--max_time 1h 30m`: the shell split one value in two
-                raise UserError(f"{word!r} follows {two_words[0]} {two_words[1]}: a value with a space must be one "
-                                f"word: {two_words[0]}='{two_words[1]} {word}'")
+            if follows and not os.path.isfile(word):  # `--max_time 1h 30m`: the shell split one value in two
+                raise UserError(f"{word!r} follows {follows[0]} {follows[1]}: a value with a space must be one "
+                                f"word: {follows[0]}='{follows[1]} {word}'")
             presets.append(word)
         elif "=" not in word and word not in ("-h", "--help") and words and not words[0].startswith("--"):
             two_words = (word, words.pop(0))
-            flags.append(f"{word}={two_words[1]}")
-            continue
+            flags.append("=".join(two_words))
         else:
             flags.append(word)
-        two_words = None
     return presets, flags
 
 
@@ -121,13 +119,11 @@ def near_preset(path):
     """The existing preset a missing path most likely means, or None."""
     if found := next((path + ext for ext in (".py", ".json") if os.path.isfile(path + ext)), None):
         return found
-    shipped = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config"))
     files = {}  # name: its path, the path's own folder first
-    for folder in dict.fromkeys([os.path.dirname(path), shipped]):
-        if folder and os.path.isdir(folder):
-            for name in sorted(os.listdir(folder)):
-                if name.endswith((".py", ".json")):
-                    files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
+    for folder in dict.fromkeys([os.path.dirname(path), os.path.relpath(os.path.join(REPO, "config"))]):
+        for name in sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else ():
+            if name.endswith((".py", ".json")):
+                files.setdefault(name, os.path.normpath(os.path.join(folder, name)))
     wanted = os.path.basename(path if path.endswith((".py", ".json")) else path + ".py")
     close = difflib.get_close_matches(wanted, files, n=1)
     return files[close[0]] if close else None
@@ -140,8 +136,6 @@ def print_help(usage, settings):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
 
-
-# ---- the one way a file is written ----------------------------------------------------------------------------
 
 class DiskFull(UserError):  # no space left, or the quota used up: what was saved is intact
     pass
@@ -158,8 +152,7 @@ def disk_full(path, error):
 
 @contextlib.contextmanager
 def atomic_write(path, mode="w"):
-    """A temp file beside `path`, fsync'd and renamed over it: a crash or a full disk never leaves a half-written
-    file under the real name. Text is UTF-8, newlines as written."""
+    """A temp file beside `path`, fsync'd and renamed over it: a crash or a full disk never leaves half a file."""
     tmp = f"{path}.tmp{os.getpid()}"  # the writer's pid: see run_folder.left_by_a_dead_process
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:

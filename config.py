@@ -19,12 +19,7 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 BOOL_FORMS = "true/false, yes/no, on/off or 1/0, in any case"
 
 
-@dataclass(frozen=True)
-class Bound:  # a range rule: ok(value), else the problem is '<key>=<value> <text>'
-    ok: typing.Callable
-    text: str
-
-
+Bound = typing.NamedTuple("Bound", [("ok", typing.Callable), ("text", str)])  # ok(value), else '<key>=<value> <text>'
 POSITIVE = Bound(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 FRACTION = Bound(lambda v: 0 <= v < 1, "must be in [0, 1)")
@@ -42,14 +37,11 @@ def option(default, help, scope, choices=None, bound=None, parse=None, why=None,
     return field(**{"default_factory" if callable(default) else "default": default}, metadata=metadata)
 
 
-# ---- values given as text ------------------------------------------------------------------------------------
-
 NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 
 
 def parse_duration(text):
-    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s'; None from '' or None. A number after a
-    unit needs its own: '1h30' is refused (1h30m or 1h30s?)."""
+    """max_time's seconds from 5400, '5400s', '1.5h', '11h30m' or '1h30m15s' ('1h30' is ambiguous); None from ''."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
     compact = re.sub(r"\s", "", str(text))
@@ -117,8 +109,6 @@ def sweep_settings(sweep):
     return [dict(zip(sweep, values, strict=True)) for values in itertools.product(*sweep.values())] if sweep else []
 
 
-# ---- the settings, by group ------------------------------------------------------------------------------------
-
 @dataclass
 class Split:
     """Which rows train and which validate: inference takes them from the checkpoint."""
@@ -166,8 +156,7 @@ class RowFormat:
             problems.append(f"block_size={self.block_size} must be a multiple of 8 (batches are padded to multiples "
                             f"of 8)")
         try:
-            ok = (self.prompt_template.count("{dialogue}") == 1
-                  and self.prompt_template.format(dialogue="") is not None)
+            ok = self.prompt_template.format(dialogue="") is not None and self.prompt_template.count("{dialogue}") == 1
         except (KeyError, IndexError, ValueError):
             ok = False
         if not ok:
@@ -415,8 +404,7 @@ GROUPS = (Split, Submission, RowFormat, Paths, ModelShape, Training, AdamW, Lora
 
 @dataclass
 class Config(*reversed(GROUPS)):
-    """Every setting, flat (--key=value, config.json, a checkpoint's config); the groups name those that belong
-    together."""
+    """Every setting, flat (--key=value, config.json, a checkpoint's config); groups name those that belong together."""
 
     def __post_init__(self):
         if problems := self.problems():
@@ -467,13 +455,9 @@ READS = {"train.py": TRAINING_KEYS,
          "predict.py": (*keys(Submission), *DECODING_KEYS),
          "export.py": ("out_dir", "ckpt", *keys(Decoding), *keys(Export))}
 
-# ---- what a later command takes from a run ----------------------------------------------------------------------
-
-# What a later command takes from a run: a row per scope (each setting has one), a column per command that uses a
-# run's checkpoint. "run": the run's value, a flag against it refused; "given": the run's unless given (a flag; for a
-# new run from the weights, a preset too: a resume changes only what a flag gives, since a preset would silently
-# change the run it continues); "own": the command's own (defaults, presets, flags), never the run's. resolve()
-# applies it; docs/config.md prints it.
+# What a later command takes from a run: a row per scope (each setting has one), a column per use of a run's
+# checkpoint, an entry per TAKES ("given": by a flag, and for a new run from the weights a preset too: a preset would
+# silently change the run a resume continues). resolve() applies it; docs/config.md prints it.
 USES = {"resume": "a resume (`--init_from=resume`): continues the run",
         "weights": "a new run from its weights (`--init_from=<a checkpoint>`): the same recipe",
         "inference": "evaluate.py, predict.py: decode the run's model on its data",
@@ -499,8 +483,7 @@ def takes(key, use):
 
 
 def resolve(cfg, given, saved, path, use):
-    """(the Config command `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed):
-    `cfg`'s values over the run's `saved` ones, as SCOPES says."""
+    """(the Config `use` runs with, [(key, the run's value, this command's)] that the `given` keys changed)."""
     values, changed = {}, []
     for key in FIELDS:
         mine, take = getattr(cfg, key), takes(key, use)
@@ -515,8 +498,6 @@ def resolve(cfg, given, saved, path, use):
         values[key] = mine
     return Config(**values), changed
 
-
-# ---- a command line, read --------------------------------------------------------------------------------------
 
 def load_config(argv, usage=None, command="train.py"):
     """The Config of presets in their order, then --key=value flags, which beat any preset whatever the order."""
@@ -575,12 +556,11 @@ def type_name(f):
     return " or ".join("None" if kind is type(None) else kind.__name__ for kind in types_of(f))
 
 
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+YES_NO = {**dict.fromkeys(("true", "yes", "on", "1"), True), **dict.fromkeys(("false", "no", "off", "0"), False)}
 
 
 def as_bool(value):  # True or False for a yes/no word (any case), a bool or 1/0; None for anything else
-    word = str(value).strip().lower() if type(value) in (bool, int, str) else None
-    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+    return YES_NO.get(str(value).strip().lower()) if type(value) in (bool, int, str) else None
 
 
 def typed(key, value, source):
@@ -601,14 +581,8 @@ def typed(key, value, source):
     return os.path.expanduser(value) if f.metadata["path"] else value
 
 
-# ---- what a command says of its settings ------------------------------------------------------------------------
-
 def config_json(cfg):
     return json.dumps(asdict(cfg), indent=2) + "\n"
-
-
-def as_json(cfg):
-    return json.loads(config_json(cfg))
 
 
 def changed_values(given):

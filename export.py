@@ -62,12 +62,10 @@ def generation_config(d):
 
 def save_tokenizer(folder, block_size):
     """GPT-2's BPE files and the transformers tokenizer: <|endoftext|> is end and left padding, in a text just text."""
-    encoder_json, vocab_bpe = data.bpe_files()
-    shutil.copy(encoder_json, os.path.join(folder, "vocab.json"))
-    shutil.copy(vocab_bpe, os.path.join(folder, "merges.txt"))
-    tokenizer = GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size, pad_token=data.EOT_TOKEN,
-                                                  padding_side="left", split_special_tokens=True)
-    tokenizer.save_pretrained(folder)
+    for source, name in zip(data.bpe_files(), ("vocab.json", "merges.txt"), strict=True):
+        shutil.copy(source, os.path.join(folder, name))
+    GPT2TokenizerFast.from_pretrained(folder, model_max_length=block_size, pad_token=data.EOT_TOKEN,
+                                      padding_side="left", split_special_tokens=True).save_pretrained(folder)
 
 
 def model_card(ckpt, trained, cfg, fmt, name):
@@ -83,7 +81,6 @@ def model_card(ckpt, trained, cfg, fmt, name):
             else f"{trained.init_from} (init_from)")
     decoding = "beam search" if cfg.num_beams > 1 else "sampling" if cfg.temperature > 0 else "greedy"
     block_size = ckpt["model_args"]["block_size"]
-    head, tail = data.template_text(cfg.prompt_template)
     front = "\n".join(["---", "library_name: transformers", "pipeline_tag: text-generation",
                        *([f"base_model: {trained.init_from}"] if trained.init_from in PRETRAINED else []),
                        "tags:", "- summarization", "- dialogue", "- gpt2", "---"])
@@ -111,7 +108,7 @@ The model has {block_size} positions and generates up to {cfg.max_new_tokens} to
 evaluation (a longer prompt would not fit: transformers raises an IndexError). The summary ends with
 `<|endoftext|>`. `prompt_ids` below builds a prompt exactly so.
 
-{usage(name, head, tail, fmt.max_dialogue)}"""
+{usage(name, *data.template_text(cfg.prompt_template), fmt.max_dialogue)}"""
 
 
 def usage(name, head, tail, max_dialogue):
@@ -158,14 +155,6 @@ def check_target(path, overwrite):
                         f"model.safetensors), so --overwrite=True will not delete it: choose another folder")
 
 
-def readable_as_umask_says(folder):
-    """safetensors writes 0600, unreadable to the others: the files get a new file's mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
-
-
 def replace_folder(tmp, target):
     """An earlier target is moved aside, and deleted only once tmp is in its place."""
     old = f"{target}.old{os.getpid()}"
@@ -201,7 +190,8 @@ def export(cfg, explicit=()):
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(summary_model.ckpt, trained, summary_model.cfg, summary_model.prompt_format(),
                                os.path.basename(target)))
-        readable_as_umask_says(tmp)
+        for name in os.listdir(tmp):  # safetensors writes 0600, unreadable to the others: a new file's mode
+            shutil.copymode(os.path.join(tmp, "README.md"), os.path.join(tmp, name))
         replace_folder(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write export_dir {target} ({e.strerror or e}); it was left as it was") from None

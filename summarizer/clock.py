@@ -9,9 +9,7 @@ from collections import deque
 from config import describe_duration
 
 WINDOW = 5  # a rate is the median of this many recent warm samples: a slowdown shows within 3, a lone spike never
-# the budget suggested: SAFE times start-up and a step with the reserve (a busy machine may double either, so the
-# preflight's verdict and train.py's, seconds apart, may differ within SAFE: either verdict there says it is thin)
-SAFE = 2
+SAFE = 2  # the budget suggested over start-up and a step with the reserve: a busy machine may double either
 # Before an evaluation was timed, its validation loss is guessed from the training pace (a forward costs about a
 # third of a forward and backward) and its save from its bytes at a modest disk's speed.
 FORWARD_SHARE, SAVE_BYTES_PER_S = 1 / 3, 200e6
@@ -56,8 +54,7 @@ class Clock:
                  step_tokens=1, validation_tokens=0, save_bytes=0):
         self.budget, self.now, self.started = budget, now, now() if started is None else started
         self.eval_interval, self.step_tokens, self.longest = eval_interval, step_tokens, step_tokens
-        # what an evaluation's validation loss reads and its saves write, for the guess before one is timed
-        self.validation_tokens, self.save_bytes = validation_tokens, save_bytes
+        self.validation_tokens, self.save_bytes = validation_tokens, save_bytes  # an untimed evaluation's guess
         self.rouge_summaries = rouge_summaries  # summarized at every evaluation
         self.after = after or {}  # {'evaluate_after' and/or 'predict_after': the dialogues it summarizes}
         self.steps, self.evaluations, self.summaries = Rate(), Rate(), Rate()
@@ -214,10 +211,7 @@ class Clock:
                 f"(iter {step + fit} at this pace), by the clock{few}")
 
 
-# ---- the learning rate: warmup, cosine decay, the budget's cooldown, saved in ckpt.pt and continued on resume ----
-
-def lr_schedule(run_config):
-    c = run_config
+def lr_schedule(c):  # c: a run's config, as a dict
     return {"start": 0, "warmup_iters": c["warmup_iters"], "peak_lr": c["learning_rate"], "min_lr": c["min_lr"],
             "decay_iters": c["lr_decay_iters"] or c["max_iters"]}
 
@@ -276,8 +270,7 @@ def cut_short(schedule, steps):
             f"follow (a slower pace or evaluation near the end)")
 
 
-def stepped_rate(it, schedule):
-    s = schedule
+def stepped_rate(it, s):
     if it < s["warmup_iters"]:
         return s["peak_lr"] * (it - s["start"] + 1) / (s["warmup_iters"] - s["start"] + 1)
     if it >= s["decay_iters"]:
@@ -291,9 +284,8 @@ def sessions_done(schedule):
 
 
 def resumed_schedule(schedule, saved, cfg, it, given=()):
-    """Unchanged settings continue the saved schedule (a larger max_iters does not stretch it). A changed
-    lr_decay_iters or min_lr decays from the current LR, a changed (or, once decayed, given) learning_rate from it:
-    a peak asked for is the peak the run trains at."""
+    """Unchanged settings continue the saved schedule (a larger max_iters does not stretch it); a changed min_lr or
+    lr_decay_iters decays from the current LR, a changed (or, once decayed, given) learning_rate from its value."""
     changed = {k for k in ("learning_rate", "min_lr", "lr_decay_iters") if getattr(cfg, k) != saved[k]
                or (k == "learning_rate" and k in given and decayed(it, schedule))}
     warming_up = it < schedule["warmup_iters"]

@@ -1,5 +1,4 @@
 """What ckpt.pt holds of a run in progress and a resume restores; the file's record is summarizer.checkpoint's."""
-import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -47,10 +46,8 @@ class TrainingState:
         if metric == "last":
             return True
         score, best = stats[metric], self.best_score
-        if not math.isfinite(score):
-            return False
-        if best is None or metric == "val_loss":
-            return best is None or score < best
+        if not math.isfinite(score) or best is None or metric == "val_loss":
+            return math.isfinite(score) and (best is None or score < best)
         best_val_loss = math.inf if self.best_val_loss is None else self.best_val_loss
         return score > best or (score == best and stats["val_loss"] < best_val_loss)
 
@@ -136,11 +133,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-@contextlib.contextmanager
 def rng_restored():
     """Side work (a timing, a memory probe) leaves the RNG as it found it: the run's dropout draws what it would."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else [])

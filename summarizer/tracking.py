@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict
 
 from command_line import UserError, atomic_write, disk_full
-from config import as_json, describe_duration
+from config import config_json, describe_duration
 from summarizer.run_folder import METRICS
 
 HPARAM_METRICS = ("val_loss", "rouge1", "rouge2", "rougeL")  # the columns TensorBoard's HPARAMS tab shows
@@ -39,8 +39,6 @@ class Tracker:
                                 "(on Kaggle from a secret), or set WANDB_MODE=offline to log locally")
 
     def log(self, row):
-        if not self.destinations:
-            return
         step = row["iter"]
         scalars = {k: v for k, v in row.items() if k != "iter" and isinstance(v, (int, float))}
         if "tensorboard" in self.destinations:
@@ -52,7 +50,8 @@ class Tracker:
         if "wandb" in self.destinations:
             if self.wandb is None:
                 self.wandb = self.wandb_module.init(project=self.cfg.wandb_project, dir=self.cfg.out_dir,
-                                                   name=self.cfg.wandb_run_name or None, config=as_json(self.cfg))
+                                                   name=self.cfg.wandb_run_name or None,
+                                                   config=json.loads(config_json(self.cfg)))
             self.wandb.log(scalars, step=step)
 
     def open_tensorboard(self, first_step):
@@ -79,13 +78,6 @@ class Tracker:
             self.wandb.finish(exit_code=0 if exc[0] is None else 1)
 
 
-def rows_by(jsonl_path, step):
-    """(the rows logged by `step`, how many there were): a resumed run logs the later steps again."""
-    with open(jsonl_path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    return [line.rstrip("\n") + "\n" for line in lines if step_of(line) <= step], len(lines)
-
-
 def step_of(row):
     try:
         return json.loads(row)["iter"]
@@ -101,14 +93,16 @@ def resumed_history(ckpt_path, out_dir, step):
         return None if source == path else (
             f"note: no {METRICS} beside {ckpt_path}: this folder's {METRICS}, metrics.png and report start at iter "
             f"{step + 1}; the history of the steps before is where those sessions wrote it")
-    rows, total = rows_by(source, step)
-    if source != path or len(rows) < total:
+    with open(source, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    rows = [line.rstrip("\n") + "\n" for line in lines if step_of(line) <= step]  # a resumed run logs them again
+    if source != path or len(rows) < len(lines):
         with atomic_write(path) as f:
             f.writelines(rows)
     if source != path:
         return f"{METRICS}: the earlier sessions' {len(rows)} row(s), to iter {step}, carried over from {earlier}"
-    return (f"{METRICS}: {total - len(rows)} row(s) logged after iter {step} were dropped; those steps run and are "
-            f"logged again") if len(rows) < total else None
+    return (f"{METRICS}: {len(lines) - len(rows)} row(s) logged after iter {step} were dropped; those steps run and "
+            f"are logged again") if len(rows) < len(lines) else None
 
 
 def log_row(out_dir, row, tracker):
@@ -162,8 +156,7 @@ def plot_metrics(jsonl_path, png_path, title=""):
         fig.savefig(f, format="png")
 
 
-# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), matched on whole words of the device name,
-# more specific names first.
+# Dense peak TFLOPS per GPU by dtype (vendor datasheets, no sparsity), the more specific names first.
 PEAK_TFLOPS = {
     "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
     "H100 PCIE": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},

@@ -1,5 +1,6 @@
 """A run scored on its validation split: ROUGE with bootstrap intervals and diagnostics (evaluate) or several decoding
 settings side by side (sweep), either against another evaluation by a paired bootstrap (--compare)."""
+import collections
 import dataclasses
 import json
 import os
@@ -148,11 +149,7 @@ def token_counts(texts):
     return [len(enc.encode_ordinary(text)) for text in texts]
 
 
-@dataclasses.dataclass
-class Comparison:
-    label: str
-    other: pd.DataFrame
-    stats: dict
+Comparison = collections.namedtuple("Comparison", "label other stats")  # --compare's label, its frame, compare()
 
 
 def read_evaluation(where):

@@ -6,7 +6,6 @@ import functools
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -23,17 +22,9 @@ from command_line import UserError
 from config import ROUGE_TYPES, Config, Decoding, Split, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import run_folder
+from summarizer import loading, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.launch import one_line_errors, out_of_memory_hint
-from summarizer.loading import (
-    build_model,
-    check_named,
-    check_shape,
-    lora_settings,
-    merged_weights,
-    model_from_checkpoint,
-)
 from summarizer.memory import generation_batches, generation_memory, halved_until_it_runs
 from summarizer.process import Process
 
@@ -106,16 +97,16 @@ def open_summary_model(cfg, explicit=(), use="inference"):
         return SummaryModel(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
     if cfg.baseline:
-        check_named(cfg.baseline, "baseline", EXTRACTIVE)
+        loading.check_named(cfg.baseline, "baseline", EXTRACTIVE)
         torch.manual_seed(cfg.seed)
-        check_shape(cfg, explicit, cfg.baseline, key="baseline")
-        model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
+        loading.check_shape(cfg, explicit, cfg.baseline, key="baseline")
+        model, _ = loading.build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         summary_model = SummaryModel(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = checkpoint_path(cfg)
         ckpt = load_checkpoint(path, "ckpt")  # read once, then down the layers: the model, the settings
-        model = model_from_checkpoint(ckpt, path)
+        model = loading.model_from_checkpoint(ckpt, path)
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         summary_model = SummaryModel(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
@@ -127,7 +118,7 @@ def open_summary_model(cfg, explicit=(), use="inference"):
 def load_summary_model(cfg, explicit, proc, describe_data):
     """open_summary_model, its first line on rank 0, the model on proc's device cast once to proc's dtype."""
     if proc.is_main:
-        make_output_dir(cfg)
+        run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
     summary_model = open_summary_model(cfg, explicit)
     run_cfg, model = summary_model.cfg, summary_model.model
     if proc.is_main and model is None:  # an extractive baseline
@@ -224,10 +215,6 @@ def checkpoint_path(cfg):
     return cfg.ckpt or os.path.join(cfg.out_dir, run_folder.BEST)
 
 
-def make_output_dir(cfg):
-    run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
-
-
 def output_dir(cfg):
     """out_dir, or out_dir/baseline-<name>, so that a baseline never replaces a run's files."""
     if not cfg.baseline:
@@ -260,8 +247,8 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     was_training = model.training
     model.eval()
     # every rank's progress, as this rank's share of the batches times world_size shows it
-    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
-    start = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True,
+               smoothing=0)  # the rate since the start
     try:  # an out-of-memory error leaves the model as it was too: summarize_on_ranks tries again
         for batch in batches:
             try:
@@ -274,7 +261,6 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
             bar.update(min(len(batch) * world_size, bar.total - bar.n))
-            bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
         bar.update(bar.total - bar.n)  # this rank is done: so, within a batch, are the others
     finally:
         bar.close()
@@ -322,7 +308,8 @@ def rouge_model(model, cfg, proc):
     copy = GPT.on_meta(GPTConfig(**asdict(model.config))).to(dtype)
     copy.lm_head.weight = copy.transformer.to_empty(device=proc.device).wte.weight  # one tensor, as in the model
     held = copy.state_dict()
-    for key, value in merged_weights(weights, **lora_settings(cfg)) if cfg.lora_rank else weights.items():
+    merged = loading.merged_weights(weights, **loading.lora_settings(cfg)) if cfg.lora_rank else weights.items()
+    for key, value in merged:
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()
 

@@ -84,8 +84,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def twin(model, fake=None):
-    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, whose
-    autocast and kernels are a GPU's, else meta ones."""
+    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, or meta."""
     with fake or contextlib.nullcontext():
         memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
                                           t.requires_grad) if isinstance(t, torch.nn.Parameter) else
@@ -150,9 +149,10 @@ def ledger(run, rows, budget):
     faked, meta = twin(model, fake), twin(model)
     full, grads = nbytes(model.parameters()), nbytes(p for p in model.parameters() if p.requires_grad)
     weights, grad_held, moments = parameter_bytes(model, run.backend, run.world_size)
+    pass_of = functools.partial(pass_peak, faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype)
     # DDP's gradients are its buckets, kept between steps (backends.DDP.keeps_gradients); the pass counts them once
     held = weights + moments + (grads if run.backend in ("ddp", "accelerate") and run.world_size > 1 else 0)
-    train = weights + moments + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype, True)
+    train = weights + moments + pass_of(True)
     if fsdp:  # the pass's gradients are a rank's shards once each unit's backward ends; reduce-once keeps them whole
         train += grad_held - grads + (reduce_once_bytes(model, run.world_size, run.dtype)[0] - 2 * (
             weights - shard_bytes(model.parameters(), run.world_size)) if run.reduce_once else 0)
@@ -165,8 +165,7 @@ def ledger(run, rows, budget):
         if cfg.lora_rank else 0
     prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
     phases = dict(train=train,
-                  validation=held + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype,
-                                              False),
+                  validation=held + pass_of(False),
                   rouge_build=held + (full if fsdp else 0) + merged + copied,  # FSDP: every rank's gathered weights
                   rouge_decode=held + copied + batch_bytes(run, prompts, budget - held - copied),
                   save=held + (merged if not fsdp else 0))
@@ -354,8 +353,7 @@ def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
 
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
-    """UserError, before any allocation, where one dialogue does not fit `memory`, naming the largest value that
-    fits."""
+    """UserError, before any allocation, when one dialogue does not fit `memory`, naming the largest value that fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):

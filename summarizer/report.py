@@ -286,7 +286,6 @@ def training_curve(jsonl_path):
 # ---- submission.csv ---------------------------------------------------------------------------------------------
 
 def write_submission(ids, summaries, path):
-    """Summaries folded to one line each."""
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
     with atomic_write(path) as f:
         frame.to_csv(f, index=False)

@@ -32,8 +32,7 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and write a file there, before any work whose results would be lost. `reads`: the flag that
-    names the checkpoint the command takes from out_dir, which another out_dir must then give."""
+    """Create the folder and write a file there, before any work whose results would be lost."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -78,8 +77,7 @@ def remove_left_temp_files(folder):
 
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
-    """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
-    another run holds stops every rank before any write."""
+    """Rank 0 makes out_dir and flocks it until the body ends; a folder another run holds stops every rank."""
     handle, problem = None, None
     with no_empty_folder_left(out_dir if is_main else None):
         if is_main:
@@ -207,8 +205,7 @@ def move_aside(out_dir, names, prefix):
 
 
 def keep_best_of_metric(out_dir, metric):
-    """best.pt renamed best-<metric>.pt, so a run that now picks its best by another metric loses nothing; its path,
-    or None."""
+    """best.pt moved to best-<metric>.pt (its path, or None): a run now best by another metric loses nothing."""
     best = os.path.join(out_dir, BEST)
     if not os.path.exists(best):
         return None
@@ -218,8 +215,7 @@ def keep_best_of_metric(out_dir, metric):
 
 
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: the copy that exists (the repository's, an earlier run's moved
-    into previous-run-*/) and the flag `use` that takes it; '' where none does."""
+    """A 'does not exist' line's end: the repository's or an earlier run's copy and the flag `use` that takes it."""
     if repository := repository_copy_hint(path, use):
         return repository
     folder, name = os.path.split(os.path.abspath(path))
@@ -363,8 +359,7 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 
 def save_problem(writes, iter_num, quota):
-    """None if the (path, state) checkpoints fit, written one after the other beside the files they replace, else the
-    line that says which cannot and what is kept."""
+    """None if the (path, state) checkpoints fit, each written beside the file it replaces; else the one line."""
     (free, limit), disk = room(writes[0][0], quota), free_bytes(writes[0][0])
     for path, state in writes:
         need = checkpoint_bytes(state)

@@ -143,7 +143,6 @@ NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
 
 
 def nccl_flags(cfg):
-    """The NCCL variables the config's flags ask for."""
     return {key: value for key, value, on in (("NCCL_P2P_DISABLE", "1", cfg.nccl_p2p_disable),
                                                ("NCCL_CUMEM_HOST_ENABLE", "0", cfg.nccl_p2p_disable),
                                                ("NCCL_IB_DISABLE", "1", cfg.nccl_ib_disable)) if on}
@@ -238,8 +237,7 @@ class Accelerate(DDP):
 
     def close(self, clean):
         self.accelerator.free_memory()  # it keeps the models it prepared: its DDP module holds the group
-        if dist.is_initialized():  # end_training skips the group under notebook_launcher's forked workers
-            end_process_group(self.device, clean, self.rank)
+        super().close(clean)  # a group there: end_training skips it under notebook_launcher's forked workers
 
     def wrap(self, model):
         return self.accelerator.prepare_model(zero_gradients(model))

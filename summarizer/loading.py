@@ -304,7 +304,6 @@ ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (.
 
 
 def lora_settings(config):
-    """The Lora settings of a Config or of a checkpoint's config dict, as keywords."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
     return {key: get(key) for key in keys(Lora)}
 

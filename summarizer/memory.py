@@ -93,26 +93,18 @@ def twin(model, fake=None):
     return copy.deepcopy(model, memo)
 
 
-def counted(fn, fake=None):
-    with fake or contextlib.nullcontext(), LiveBytes() as live:
-        out = fn()
-    return out, live.peak, live.now
-
-
 def pass_peak(model, fake, rows, length, targets, dtype, train):
     """The peak of a micro-batch's forward (backward with `train`) under CPU autocast: a GPU's casts and attention."""
     with fake:
         x = torch.zeros(rows, length, dtype=torch.long)
         found = Targets(x, torch.zeros(targets, dtype=torch.long))
-
-    def run():
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), torch.set_grad_enabled(train):
-            loss = model.train(train)(x, found)[1]
-            if train:
-                loss.backward()
-    peak = counted(run, fake)[1]
+    with (fake, LiveBytes() as live, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
+          torch.set_grad_enabled(train)):
+        loss = model.train(train)(x, found)[1]
+        if train:
+            loss.backward()
     model.zero_grad(set_to_none=True)
-    return peak
+    return live.peak
 
 
 @dataclass(frozen=True)
@@ -160,9 +152,10 @@ def ledger(run, rows, budget):
         copied = nbytes(GPT(GPTConfig(**asdict(model.config))).to(run.dtype).parameters())
     if not fsdp and not cfg.lora_rank and run.dtype == torch.float32:
         copied = 0  # rouge_model decodes with the trained model itself
-    # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
-    merged = counted(lambda: deque(merged_weights(meta.state_dict(), **lora_settings(cfg)), maxlen=0))[1] \
-        if cfg.lora_rank else 0
+    with LiveBytes() as merging:  # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
+        if cfg.lora_rank:
+            deque(merged_weights(meta.state_dict(), **lora_settings(cfg)), maxlen=0)
+    merged = merging.peak
     prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
     phases = dict(train=train,
                   validation=held + pass_of(False),

@@ -183,7 +183,6 @@ def set_aside_other_output(out, record, names, prefix, made_by):
 
 
 def free_path(path, suffix=""):
-    """`path + suffix`, or the first of path-2, path-3, ... that does not exist."""
     candidate, n = path + suffix, 1
     while os.path.exists(candidate):
         n += 1
@@ -266,7 +265,6 @@ def free_bytes(path):
 
 
 def file_bytes(path):
-    """Bytes of a file, or of everything under a folder."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)

@@ -314,8 +314,7 @@ BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accel
 # ---- the training step compiled (decoding is not: greedy's steps replay as CUDA graphs, generate.StepGraphs) ----
 
 def use_compile(requested, device_type, accelerate_dynamo="no"):
-    """'auto' compiles on CUDA only (on CPU a short run spends more time compiling than it saves), as Accelerate's
-    dynamo backend 'inductor' asks (we compile, with our fallback)."""
+    """'auto' compiles on CUDA only (on CPU a short run spends more compiling than it saves), or as Accelerate asks."""
     if accelerate_dynamo not in ("no", "inductor"):
         raise UserError(f"Accelerate's dynamo_backend={accelerate_dynamo} is not supported: this trainer compiles with "
                         f"inductor (--compile=True); set accelerate's dynamo_backend to no or inductor")

@@ -1,12 +1,11 @@
 """A trained run's model and contract, read from its checkpoint, and the summaries it writes (evaluate.py, predict.py,
 export.py, training's ROUGE); ROUGE, by which MBR chooses. A --baseline has no run: the command line is its config."""
 import contextlib
-import dataclasses
 import functools
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -100,7 +99,7 @@ def open_summary_model(cfg, explicit=(), use="inference"):
         loading.check_named(cfg.baseline, "baseline", EXTRACTIVE)
         torch.manual_seed(cfg.seed)
         loading.check_shape(cfg, explicit, cfg.baseline, key="baseline")
-        model, _ = loading.build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
+        model, _ = loading.build_model(cfg.baseline, replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         summary_model = SummaryModel(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
@@ -279,7 +278,7 @@ def summarize_on_ranks(model, prompts, cfg, proc, progress=True):
 
     def attempt(size):
         todo[:] = [i for i, summary in enumerate(summaries) if summary is None]
-        return summarize_batches(model, [prompts[i] for i in todo], dataclasses.replace(cfg, gen_batch_size=size),
+        return summarize_batches(model, [prompts[i] for i in todo], replace(cfg, gen_batch_size=size),
                                  autocast, progress and proc.is_main, proc.rank, proc.world_size, memory, proc.graphs)
 
     def keep(shards):  # each rank's summaries of todo, None where another rank's batch
@@ -344,8 +343,7 @@ def mbr_pick(candidates, metric="rougeL"):
 
 
 def agreement(candidates, metric="rougeL"):
-    """`metric` F1 of every candidate against every other; rougeL's LCS by rapidfuzz (rouge-score's: most of MBR's
-    time)."""
+    """`metric` F1 of every candidate against every other; rougeL's LCS by rapidfuzz (rouge-score's took MBR's time)."""
     tokenizer = StemCachedTokenizer()
     if metric == "rougeL":
         tokens = [tokenizer.tokenize(c) for c in candidates]

@@ -126,8 +126,7 @@ def lock(out_dir):
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
         handle.close()
-    handle.seek(0)
-    handle.truncate()
+    handle.truncate(0)  # "a+" writes at the end, wherever the position
     handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "since": datetime.datetime.now().isoformat(timespec="seconds"),
                              "command": " ".join(sys.argv)}))
@@ -158,8 +157,7 @@ def training_in(out_dir):
 
 
 def set_aside_earlier_run(out_dir):
-    """A fresh run neither appends to an earlier run's metrics nor overwrites its checkpoints: they move into
-    out_dir/previous-run-<its time>/. A line saying so, or None. Call it once every check has passed."""
+    """An earlier run's files moved into out_dir/previous-run-<its time>/ once every check passed: a line, or None."""
     best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
     if not found:
@@ -235,8 +233,7 @@ ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 has
 
 @dataclass(frozen=True)
 class Quota:
-    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB, the rest lost at "Save
-    Version", after the GPU hours are spent)."""
+    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB at "Save Version")."""
     folder: str
     gb: float
 

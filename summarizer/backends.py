@@ -35,8 +35,6 @@ def accelerate_settings(environ):
             environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
 
 
-# ---- the backends ----------------------------------------------------------------------------------------
-
 class SingleProcess:
     """One process: the model as it is."""
 

@@ -63,9 +63,8 @@ def evaluate(cfg, explicit, proc):
         return None
     frame = scored_frame(val, predictions)
     report = scores_report(frame, summary_model, summary_model.cfg, summary_model.overridden)
-    comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
-    write_evaluation(cfg, summary_model, frame, report, comparison)
+    write_evaluation(cfg, summary_model, frame, report, other)
     return report
 
 
@@ -105,12 +104,13 @@ def repeats_ngram(text, n=REPEAT_N):
     return len(set(ngrams)) < len(ngrams)
 
 
-def write_evaluation(cfg, summary_model, frame, report, comparison=None, sweep_rows=None):
-    """eval_predictions.csv, eval_metrics.json and eval_report.html, first moving aside another evaluation's."""
+def write_evaluation(cfg, summary_model, frame, report, other=None, sweep_rows=None):
+    """eval_predictions.csv, eval_metrics.json and eval_report.html (`other`: --compare's), another's moved aside."""
     out = inference.output_dir(cfg)
     made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
     run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES, run_folder.SWEEP_CSV,
                                       run_folder.SWEEP_MD), "previous-eval", made_by)
+    comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     if comparison is not None:
         report["compare"] = {"with": comparison.label, **comparison.stats}
     paths = [os.path.join(out, name) for name in run_folder.EVAL_FILES]
@@ -236,9 +236,7 @@ def sweep(cfg, explicit, proc):
     print(table)
     report = scores_report(frames[pick], summary_model, configs[pick], [*summary_model.overridden, *settings[pick]])
     report["setting"], report["sweep"] = rows[pick]["setting"], cfg.sweep
-    comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
-    # first: it moves an earlier aside
-    write_evaluation(cfg, summary_model, frames[pick], report, comparison, sweep_rows=rows)
+    write_evaluation(cfg, summary_model, frames[pick], report, other, sweep_rows=rows)  # first: moves earlier aside
     paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)

@@ -229,8 +229,6 @@ def cut_line(summary_model, cut, total):
             f"{template} template tokens)")
 
 
-# ---- summarizing ------------------------------------------------------------------------------------------------
-
 def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
                       graphs=None):
     """One summary per prompt, in order, None for other ranks' batches (every world_size-th is this rank's, the same

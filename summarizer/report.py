@@ -210,8 +210,6 @@ def marked(text, shared, words):
     return "".join(parts) + esc(text[end:])
 
 
-# ---- figures --------------------------------------------------------------------------------------------------
-
 def figures_section(frame, report, curve):
     with rc_context(SVG_STYLE):
         figures = [figure(svg(rouge_histogram, frame), "Per-dialogue ROUGE-L: where the mean comes from."),
@@ -277,8 +275,6 @@ def training_curve(jsonl_path):
         with open(png, "rb") as f:
             return "image/png", f.read()
 
-
-# ---- submission.csv ---------------------------------------------------------------------------------------------
 
 def write_submission(ids, summaries, path):
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})

@@ -192,9 +192,9 @@ def compare(frame, other):
     stats = {}
     for t in COMPARED:
         differences = frame[t].to_numpy(dtype=float) - other[t].to_numpy(dtype=float)
-        mean, ci95 = paired_bootstrap(frame[t], other[t])
-        stats[t] = {"mean_diff": mean, "ci95": ci95, "better": int((differences > TIE).sum()),
-                    "worse": int((differences < -TIE).sum()), "same": int((abs(differences) <= TIE).sum())}
+        stats[t] = {"mean_diff": float(differences.mean()), "ci95": bootstrap_interval(differences),
+                    "better": int((differences > TIE).sum()), "worse": int((differences < -TIE).sum()),
+                    "same": int((abs(differences) <= TIE).sum())}
     return stats
 
 

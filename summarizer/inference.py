@@ -229,8 +229,7 @@ def cut_line(summary_model, cut, total):
             f"{template} template tokens)")
 
 
-def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
-                      graphs=None):
+def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, graphs=None):
     """One summary per prompt, in order, None for other ranks' batches (every world_size-th is this rank's, the same
     batches whatever the ranks: sharded output is single-process output). graphs released at the end."""
     memory = generation_memory(cfg, model.lm_head.weight.device) if memory is None else memory

@@ -288,8 +288,7 @@ def checkpoint_bytes(state):
 
 
 class DiskPlan:
-    """ckpt.pt, best.pt and, while a save replaces one, its second copy (which an output quota does not count), sized
-    from the model's tensors."""
+    """ckpt.pt, best.pt and a save's second copy (which no output quota counts), sized from the model's tensors."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once
@@ -326,8 +325,7 @@ class DiskPlan:
         return f"{gb(left)} {limit}"
 
     def problem(self, resuming):
-        """None, or the one line that says what to change. A resumed run replaces the ckpt.pt and best.pt there; a
-        fresh one keeps them, moved aside."""
+        """None, or the line that says what to change (a resumed run replaces ckpt.pt and best.pt, a fresh one not)."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
         (free, limit), disk = self.space, free_bytes(out_dir)

@@ -145,8 +145,7 @@ def paired_bootstrap(ours, theirs, samples=1000, seed=0):
 
 
 def token_counts(texts):
-    enc = data.get_tokenizer()
-    return [len(enc.encode_ordinary(text)) for text in texts]
+    return [len(tokens) for tokens in data.get_tokenizer().encode_ordinary_batch(list(texts))]
 
 
 Comparison = collections.namedtuple("Comparison", "label other stats")  # --compare's label, its frame, compare()

@@ -73,8 +73,7 @@ class SummaryModel:
         """(prompt tokens per dialogue, how many were cut); an extractive baseline reads the dialogues."""
         if self.extractive:
             return list(dialogues), 0
-        fmt = self.prompt_format()
-        encoded = [fmt.encode(d) for d in dialogues]
+        encoded = list(map(self.prompt_format().encode, dialogues))
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
     def summarize(self, prompts, proc, cfg=None):
@@ -173,29 +172,26 @@ def describe_validation(cfg):
 
 def validation_set(summary_model, explicit, proc):
     """(validation examples, notes): rows the checkpoint trained on are refused, unless duplicates in its own split."""
-    if summary_model.ckpt is None and summary_model.cfg.validation_csv:  # a baseline trained on nothing: no train_csv
-        splits, (_, val, _) = None, data.validation_examples(summary_model.cfg, proc.is_main, proc.barrier)
+    cfg, ckpt = summary_model.cfg, summary_model.ckpt
+    if ckpt is None and cfg.validation_csv:  # a baseline trained on nothing: no train_csv
+        splits, (_, val, _) = None, data.validation_examples(cfg, proc.is_main, proc.barrier)
     else:
-        splits = data.load_splits(summary_model.cfg, is_main=proc.is_main, barrier=proc.barrier)
+        splits = data.load_splits(cfg, is_main=proc.is_main, barrier=proc.barrier)
         val = splits.val
     if not len(val):
-        raise UserError(f"no validation rows to score: {describe_validation(summary_model.cfg)} leaves none; pass "
-                        f"--validation_csv=<a CSV with summaries>"
-                        + (" the run did not train on" if summary_model.ckpt else ""))
-    if summary_model.ckpt is None:  # a baseline trained on nothing here
+        raise UserError(f"no validation rows to score: {describe_validation(cfg)} leaves none; pass "
+                        f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if ckpt else ""))
+    seen = data.repeated_rows(val, ckpt["train_rows"]) if ckpt is not None else None
+    if seen is None or not seen.any():  # a baseline trained on nothing here
         return val, []
-    trained = summary_model.ckpt["train_rows"]
-    seen = data.repeated_rows(val, trained)
-    if not seen.any():
-        return val, []
-    own = (all(getattr(summary_model.cfg, key) == summary_model.ckpt["config"][key] for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == summary_model.ckpt["validation_digest"])
+    own = (all(getattr(cfg, key) == ckpt["config"][key] for key in keys(Split))
+           and splits.train.digest == ckpt["train_rows"]["digest"] and val.digest == ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
-                     f"(duplicates in {summary_model.cfg.train_csv}, e.g. id {first}); scored as in training"]
+                     f"(duplicates in {cfg.train_csv}, e.g. id {first}); scored as in training"]
     changed = [f"--{key}" for key in keys(Split) if key in explicit]
-    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summary_model.cfg)}) "
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(cfg)}) "
                     f"were trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
@@ -267,8 +263,7 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
 
 
 def summarize_on_ranks(model, prompts, cfg, proc, progress=True):
-    """All of the summaries, in order, on every rank. A batch out of memory on any rank lowers proc.gen_batch_cap on
-    all, for the rest of the process; the dialogues left go on."""
+    """All of the summaries, in order, on every rank; a batch out of memory on any lowers proc.gen_batch_cap on all."""
     autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, proc.dtype) else proc.autocast()
     memory = min(proc.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, todo = [None] * len(prompts), []

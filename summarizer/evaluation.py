@@ -49,9 +49,8 @@ def prepare_scoring(cfg, explicit, proc):
     val, notes = inference.validation_set(summary_model, explicit, proc)
     prompts, cut = summary_model.prompts(val.dialogues)
     if proc.is_main:
-        for note in [*notes, inference.cut_line(summary_model, cut, len(val)) if cut else ""]:
-            if note:
-                print(note)
+        for note in [*notes, inference.cut_line(summary_model, cut, len(val))] if cut else notes:
+            print(note)
     return summary_model, val, prompts, None if other is None else matched(other, val, cfg.compare)
 
 

@@ -124,9 +124,8 @@ def load_summary_model(cfg, explicit, proc, describe_data):
     elif proc.is_main:
         print(f"weights: {summary_model.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
               f"decoding: {describe_decoding(run_cfg, summary_model.overridden, summary_model.ckpt is not None)}")
-        for note in (summary_model.cut_warning(), training_note(summary_model.path)):
-            if note:
-                print(note)
+        for note in filter(None, (summary_model.cut_warning(), training_note(summary_model.path))):
+            print(note)
     if model is not None:
         summary_model.model = model.to(proc.device, getattr(torch, proc.dtype)).eval()
     return summary_model

@@ -86,10 +86,9 @@ class LiveBytes(TorchDispatchMode):
 def twin(model, fake=None):
     """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, or meta."""
     with fake or contextlib.nullcontext():
-        memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
-                                          t.requires_grad) if isinstance(t, torch.nn.Parameter) else
-                torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta")
+        memo = {id(t): torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta")
                 for t in (*model.parameters(), *model.buffers())}
+        memo |= {id(p): torch.nn.Parameter(memo[id(p)], p.requires_grad) for p in model.parameters()}
     return copy.deepcopy(model, memo)
 
 

@@ -35,8 +35,6 @@ def accelerate_settings(environ):
             environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
 
 
-# ---- the backends ----------------------------------------------------------------------------------------
-
 class SingleProcess:
     """One process: the model as it is."""
 
@@ -128,8 +126,7 @@ class DDP(SingleProcess):
 
 
 def zero_gradients(model):
-    """Gradients that DDP (gradient_as_bucket_view) makes views of its buckets as it is built: the first backward too
-    accumulates into the buckets, with no second copy."""
+    """Gradients there as DDP is built, which makes them views of its buckets: the first backward makes no copy."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -144,7 +141,6 @@ NCCL_SETTINGS = ({"NCCL_CUMEM_HOST_ENABLE": "0"}, {"NCCL_SHM_DISABLE": "1"})
 
 
 def nccl_flags(cfg):
-    """The NCCL variables the config's flags ask for."""
     return {key: value for key, value, on in (("NCCL_P2P_DISABLE", "1", cfg.nccl_p2p_disable),
                                                ("NCCL_CUMEM_HOST_ENABLE", "0", cfg.nccl_p2p_disable),
                                                ("NCCL_IB_DISABLE", "1", cfg.nccl_ib_disable)) if on}
@@ -159,8 +155,7 @@ def nccl_in_effect(environ):
 
 
 def meet(cfg, device, world_size):
-    """Start the process group and run one collective within dist_start_timeout: a rank that never arrives or a
-    transport that fails stops every rank in one line."""
+    """Start the process group and run one collective within dist_start_timeout: a failure stops every rank."""
     nccl = device.type == "cuda"
     bound = min((cfg.dist_start_timeout, "dist_start_timeout"), (cfg.dist_timeout, "dist_timeout"))
     start = datetime.timedelta(seconds=bound[0])
@@ -177,11 +172,10 @@ def meet(cfg, device, world_size):
         fix = ""
         if nccl:
             setting = next_nccl_setting(os.environ)
-            fix = (f" (NCCL ran with {nccl_in_effect(os.environ)}): set "
-                   + (" ".join(f"{k}={v}" for k, v in setting.items()) + " in the environment and run again "
-                      "(a notebook: os.environ[...] before the training cell); docs/troubleshooting.md"
-                      if setting else "see docs/troubleshooting.md (NCCL settings) and run python -m "
-                                      "bench.preflight"))
+            fix = f" (NCCL ran with {nccl_in_effect(os.environ)}): " + (
+                f"set {' '.join(f'{k}={v}' for k, v in setting.items())} in the environment and run again (a "
+                f"notebook: os.environ[...] before the training cell); docs/troubleshooting.md" if setting else
+                "see docs/troubleshooting.md (NCCL settings) and run python -m bench.preflight")
         raise UserError(f"{what} ({detail}){fix}") from None
     if bound[0] != cfg.dist_timeout:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.dist_timeout))
@@ -217,8 +211,7 @@ def end_process_group(device, clean, rank):
 
 
 def watch_exit(seconds, line):
-    """A process (a thread needs the GIL, which a hung teardown may hold) that writes `line` and kills this one if it
-    is alive `seconds` from now."""
+    """A process (not a thread: a hung teardown may hold the GIL) that kills this one, saying `line`, in `seconds`."""
     read, write = os.pipe()  # not inherited by later children (PEP 446): only this process holds `write`
     subprocess.Popen([sys.executable, "-S", "-c", WATCHDOG, str(read), str(os.getpid()), str(seconds), line],
                      pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -242,8 +235,7 @@ class Accelerate(DDP):
 
     def close(self, clean):
         self.accelerator.free_memory()  # it keeps the models it prepared: its DDP module holds the group
-        if dist.is_initialized():  # end_training skips the group under notebook_launcher's forked workers
-            end_process_group(self.device, clean, self.rank)
+        super().close(clean)  # a group there: end_training skips it under notebook_launcher's forked workers
 
     def wrap(self, model):
         return self.accelerator.prepare_model(zero_gradients(model))
@@ -320,8 +312,7 @@ BACKENDS = {"none": SingleProcess, "ddp": DDP, "fsdp": FSDP, "accelerate": Accel
 # ---- the training step compiled (decoding is not: greedy's steps replay as CUDA graphs, generate.StepGraphs) ----
 
 def use_compile(requested, device_type, accelerate_dynamo="no"):
-    """'auto' compiles on CUDA only (on CPU a short run spends more time compiling than it saves), as Accelerate's
-    dynamo backend 'inductor' asks (we compile, with our fallback)."""
+    """'auto' compiles on CUDA only (on CPU a short run spends more compiling than it saves), or as Accelerate asks."""
     if accelerate_dynamo not in ("no", "inductor"):
         raise UserError(f"Accelerate's dynamo_backend={accelerate_dynamo} is not supported: this trainer compiles with "
                         f"inductor (--compile=True); set accelerate's dynamo_backend to no or inductor")
@@ -334,8 +325,7 @@ def use_compile(requested, device_type, accelerate_dynamo="no"):
 
 
 def compiler_error(error):
-    """Whether `error` is the compiler's: only then is running eagerly a fallback (eager would meet the program's own,
-    an out-of-memory too)."""
+    """Whether `error` is the compiler's: only then is eager a fallback (it would meet the program's own errors)."""
     import torch._inductor.exc as inductor  # loaded only when something failed
 
     causes = (error, getattr(error, "inner_exception", None), error.__cause__, error.__context__)

@@ -1,5 +1,6 @@
 """A run scored on its validation split: ROUGE with bootstrap intervals and diagnostics (evaluate) or several decoding
 settings side by side (sweep), either against another evaluation by a paired bootstrap (--compare)."""
+import collections
 import dataclasses
 import json
 import os
@@ -48,9 +49,8 @@ def prepare_scoring(cfg, explicit, proc):
     val, notes = inference.validation_set(summary_model, explicit, proc)
     prompts, cut = summary_model.prompts(val.dialogues)
     if proc.is_main:
-        for note in [*notes, inference.cut_line(summary_model, cut, len(val)) if cut else ""]:
-            if note:
-                print(note)
+        for note in [*notes, inference.cut_line(summary_model, cut, len(val))] if cut else notes:
+            print(note)
     return summary_model, val, prompts, None if other is None else matched(other, val, cfg.compare)
 
 
@@ -62,9 +62,8 @@ def evaluate(cfg, explicit, proc):
         return None
     frame = scored_frame(val, predictions)
     report = scores_report(frame, summary_model, summary_model.cfg, summary_model.overridden)
-    comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     print(format_report(report))
-    write_evaluation(cfg, summary_model, frame, report, comparison)
+    write_evaluation(cfg, summary_model, frame, report, other)
     return report
 
 
@@ -104,12 +103,13 @@ def repeats_ngram(text, n=REPEAT_N):
     return len(set(ngrams)) < len(ngrams)
 
 
-def write_evaluation(cfg, summary_model, frame, report, comparison=None, sweep_rows=None):
-    """eval_predictions.csv, eval_metrics.json and eval_report.html, first moving aside another evaluation's."""
+def write_evaluation(cfg, summary_model, frame, report, other=None, sweep_rows=None):
+    """eval_predictions.csv, eval_metrics.json and eval_report.html (`other`: --compare's), another's moved aside."""
     out = inference.output_dir(cfg)
     made_by = {key: report.get(key) for key in ("weights", "split", "decoding", "sweep")}  # as eval_metrics.json has
     run_folder.set_aside_other_output(out, run_folder.EVAL_METRICS, (*run_folder.EVAL_FILES, run_folder.SWEEP_CSV,
                                       run_folder.SWEEP_MD), "previous-eval", made_by)
+    comparison = None if other is None else Comparison(cfg.compare, other, compare(frame, other))
     if comparison is not None:
         report["compare"] = {"with": comparison.label, **comparison.stats}
     paths = [os.path.join(out, name) for name in run_folder.EVAL_FILES]
@@ -144,15 +144,10 @@ def paired_bootstrap(ours, theirs, samples=1000, seed=0):
 
 
 def token_counts(texts):
-    enc = data.get_tokenizer()
-    return [len(enc.encode_ordinary(text)) for text in texts]
+    return [len(tokens) for tokens in data.get_tokenizer().encode_ordinary_batch(list(texts))]
 
 
-@dataclasses.dataclass
-class Comparison:
-    label: str
-    other: pd.DataFrame
-    stats: dict
+Comparison = collections.namedtuple("Comparison", "label other stats")  # --compare's label, its frame, compare()
 
 
 def read_evaluation(where):
@@ -195,9 +190,9 @@ def compare(frame, other):
     stats = {}
     for t in COMPARED:
         differences = frame[t].to_numpy(dtype=float) - other[t].to_numpy(dtype=float)
-        mean, ci95 = paired_bootstrap(frame[t], other[t])
-        stats[t] = {"mean_diff": mean, "ci95": ci95, "better": int((differences > TIE).sum()),
-                    "worse": int((differences < -TIE).sum()), "same": int((abs(differences) <= TIE).sum())}
+        stats[t] = {"mean_diff": float(differences.mean()), "ci95": bootstrap_interval(differences),
+                    "better": int((differences > TIE).sum()), "worse": int((differences < -TIE).sum()),
+                    "same": int((abs(differences) <= TIE).sum())}
     return stats
 
 
@@ -239,9 +234,7 @@ def sweep(cfg, explicit, proc):
     print(table)
     report = scores_report(frames[pick], summary_model, configs[pick], [*summary_model.overridden, *settings[pick]])
     report["setting"], report["sweep"] = rows[pick]["setting"], cfg.sweep
-    comparison = None if other is None else Comparison(cfg.compare, other, compare(frames[pick], other))
-    # first: it moves an earlier aside
-    write_evaluation(cfg, summary_model, frames[pick], report, comparison, sweep_rows=rows)
+    write_evaluation(cfg, summary_model, frames[pick], report, other, sweep_rows=rows)  # first: moves earlier aside
     paths = [os.path.join(inference.output_dir(cfg), name) for name in (run_folder.SWEEP_CSV, run_folder.SWEEP_MD)]
     with atomic_write(paths[0]) as f:
         pd.DataFrame(rows).to_csv(f, index=False)

@@ -1,13 +1,11 @@
 """A trained run's model and contract, read from its checkpoint, and the summaries it writes (evaluate.py, predict.py,
 export.py, training's ROUGE); ROUGE, by which MBR chooses. A --baseline has no run: the command line is its config."""
 import contextlib
-import dataclasses
 import functools
 import math
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -23,17 +21,9 @@ from command_line import UserError
 from config import ROUGE_TYPES, Config, Decoding, Split, flags_given, keys, load_config, part, resolve
 from generate import generate, greedy_slots, plain_greedy
 from model import GPT, GPTConfig
-from summarizer import run_folder
+from summarizer import loading, run_folder
 from summarizer.checkpoint import load_checkpoint
 from summarizer.launch import one_line_errors, out_of_memory_hint
-from summarizer.loading import (
-    build_model,
-    check_named,
-    check_shape,
-    lora_settings,
-    merged_weights,
-    model_from_checkpoint,
-)
 from summarizer.memory import generation_batches, generation_memory, halved_until_it_runs
 from summarizer.process import Process
 
@@ -83,8 +73,7 @@ class SummaryModel:
         """(prompt tokens per dialogue, how many were cut); an extractive baseline reads the dialogues."""
         if self.extractive:
             return list(dialogues), 0
-        fmt = self.prompt_format()
-        encoded = [fmt.encode(d) for d in dialogues]
+        encoded = list(map(self.prompt_format().encode, dialogues))
         return [prompt or [data.EOT_ID] for prompt, _ in encoded], sum(cut for _, cut in encoded)
 
     def summarize(self, prompts, proc, cfg=None):
@@ -106,16 +95,16 @@ def open_summary_model(cfg, explicit=(), use="inference"):
         return SummaryModel(None, cfg, f"baseline={cfg.baseline} (extractive, no model: "
                                      f"{EXTRACTIVE[cfg.baseline][1]})", extractive=cfg.baseline)
     if cfg.baseline:
-        check_named(cfg.baseline, "baseline", EXTRACTIVE)
+        loading.check_named(cfg.baseline, "baseline", EXTRACTIVE)
         torch.manual_seed(cfg.seed)
-        check_shape(cfg, explicit, cfg.baseline, key="baseline")
-        model, _ = build_model(cfg.baseline, dataclasses.replace(cfg, dropout=0.0), key="baseline")
+        loading.check_shape(cfg, explicit, cfg.baseline, key="baseline")
+        model, _ = loading.build_model(cfg.baseline, replace(cfg, dropout=0.0), key="baseline")
         what = (f"untrained, {cfg.n_layer} layers x {cfg.n_embd}" if cfg.baseline == "scratch" else "not fine-tuned")
         summary_model = SummaryModel(model, cfg, f"baseline={cfg.baseline} ({what})", None, [], cfg.max_new_tokens)
     else:
         path = checkpoint_path(cfg)
         ckpt = load_checkpoint(path, "ckpt")  # read once, then down the layers: the model, the settings
-        model = model_from_checkpoint(ckpt, path)
+        model = loading.model_from_checkpoint(ckpt, path)
         run_cfg, changed = resolve(cfg, explicit, ckpt["config"], path, use)
         overridden = [key for key, _, _ in changed if key in RUN_DECODING]
         summary_model = SummaryModel(model, run_cfg, f"{path} ({describe_checkpoint(ckpt)})", ckpt, overridden,
@@ -127,7 +116,7 @@ def open_summary_model(cfg, explicit=(), use="inference"):
 def load_summary_model(cfg, explicit, proc, describe_data):
     """open_summary_model, its first line on rank 0, the model on proc's device cast once to proc's dtype."""
     if proc.is_main:
-        make_output_dir(cfg)
+        run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
     summary_model = open_summary_model(cfg, explicit)
     run_cfg, model = summary_model.cfg, summary_model.model
     if proc.is_main and model is None:  # an extractive baseline
@@ -135,9 +124,8 @@ def load_summary_model(cfg, explicit, proc, describe_data):
     elif proc.is_main:
         print(f"weights: {summary_model.weights}; template {run_cfg.prompt_template!r}; {describe_data(run_cfg)}; "
               f"decoding: {describe_decoding(run_cfg, summary_model.overridden, summary_model.ckpt is not None)}")
-        for note in (summary_model.cut_warning(), training_note(summary_model.path)):
-            if note:
-                print(note)
+        for note in filter(None, (summary_model.cut_warning(), training_note(summary_model.path))):
+            print(note)
     if model is not None:
         summary_model.model = model.to(proc.device, getattr(torch, proc.dtype)).eval()
     return summary_model
@@ -183,29 +171,26 @@ def describe_validation(cfg):
 
 def validation_set(summary_model, explicit, proc):
     """(validation examples, notes): rows the checkpoint trained on are refused, unless duplicates in its own split."""
-    if summary_model.ckpt is None and summary_model.cfg.validation_csv:  # a baseline trained on nothing: no train_csv
-        splits, (_, val, _) = None, data.validation_examples(summary_model.cfg, proc.is_main, proc.barrier)
+    cfg, ckpt = summary_model.cfg, summary_model.ckpt
+    if ckpt is None and cfg.validation_csv:  # a baseline trained on nothing: no train_csv
+        splits, (_, val, _) = None, data.validation_examples(cfg, proc.is_main, proc.barrier)
     else:
-        splits = data.load_splits(summary_model.cfg, is_main=proc.is_main, barrier=proc.barrier)
+        splits = data.load_splits(cfg, is_main=proc.is_main, barrier=proc.barrier)
         val = splits.val
     if not len(val):
-        raise UserError(f"no validation rows to score: {describe_validation(summary_model.cfg)} leaves none; pass "
-                        f"--validation_csv=<a CSV with summaries>"
-                        + (" the run did not train on" if summary_model.ckpt else ""))
-    if summary_model.ckpt is None:  # a baseline trained on nothing here
+        raise UserError(f"no validation rows to score: {describe_validation(cfg)} leaves none; pass "
+                        f"--validation_csv=<a CSV with summaries>" + (" the run did not train on" if ckpt else ""))
+    seen = data.repeated_rows(val, ckpt["train_rows"]) if ckpt is not None else None
+    if seen is None or not seen.any():  # a baseline trained on nothing here
         return val, []
-    trained = summary_model.ckpt["train_rows"]
-    seen = data.repeated_rows(val, trained)
-    if not seen.any():
-        return val, []
-    own = (all(getattr(summary_model.cfg, key) == summary_model.ckpt["config"][key] for key in keys(Split))
-           and splits.train.digest == trained["digest"] and val.digest == summary_model.ckpt["validation_digest"])
+    own = (all(getattr(cfg, key) == ckpt["config"][key] for key in keys(Split))
+           and splits.train.digest == ckpt["train_rows"]["digest"] and val.digest == ckpt["validation_digest"])
     first = val.ids[int(np.argmax(seen))]
     if own:
         return val, [f"note: {int(seen.sum())} validation row(s) of the run's own split repeat a training row "
-                     f"(duplicates in {summary_model.cfg.train_csv}, e.g. id {first}); scored as in training"]
+                     f"(duplicates in {cfg.train_csv}, e.g. id {first}); scored as in training"]
     changed = [f"--{key}" for key in keys(Split) if key in explicit]
-    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(summary_model.cfg)}) "
+    raise UserError(f"{int(seen.sum())} of the {len(val)} validation rows ({describe_validation(cfg)}) "
                     f"were trained on by this checkpoint (same dialogue or id, e.g. id {first}): its score would be "
                     f"inflated; score a CSV the run did not train on"
                     + (f", or drop {', '.join(changed)} to use the run's own validation split" if changed else ""))
@@ -224,10 +209,6 @@ def checkpoint_path(cfg):
     return cfg.ckpt or os.path.join(cfg.out_dir, run_folder.BEST)
 
 
-def make_output_dir(cfg):
-    run_folder.make(output_dir(cfg), reads=None if cfg.ckpt or cfg.baseline else f"--ckpt={checkpoint_path(cfg)}")
-
-
 def output_dir(cfg):
     """out_dir, or out_dir/baseline-<name>, so that a baseline never replaces a run's files."""
     if not cfg.baseline:
@@ -243,10 +224,7 @@ def cut_line(summary_model, cut, total):
             f"{template} template tokens)")
 
 
-# ---- summarizing ------------------------------------------------------------------------------------------------
-
-def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None,
-                      graphs=None):
+def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, world_size=1, memory=None, graphs=None):
     """One summary per prompt, in order, None for other ranks' batches (every world_size-th is this rank's, the same
     batches whatever the ranks: sharded output is single-process output). graphs released at the end."""
     memory = generation_memory(cfg, model.lm_head.weight.device) if memory is None else memory
@@ -260,8 +238,8 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
     was_training = model.training
     model.eval()
     # every rank's progress, as this rank's share of the batches times world_size shows it
-    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True)
-    start = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc="summarizing", unit="summary", disable=not progress, dynamic_ncols=True,
+               smoothing=0)  # the rate since the start
     try:  # an out-of-memory error leaves the model as it was too: summarize_on_ranks tries again
         for batch in batches:
             try:
@@ -274,7 +252,6 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
             for i, tokens in zip(batch, new_tokens, strict=True):
                 summaries[i] = data.summary_text(tokens)
             bar.update(min(len(batch) * world_size, bar.total - bar.n))
-            bar.set_postfix(summaries_per_s=f"{bar.n / (time.perf_counter() - start):.1f}")
         bar.update(bar.total - bar.n)  # this rank is done: so, within a batch, are the others
     finally:
         bar.close()
@@ -285,15 +262,14 @@ def summarize_batches(model, prompts, cfg, autocast, progress=False, rank=0, wor
 
 
 def summarize_on_ranks(model, prompts, cfg, proc, progress=True):
-    """All of the summaries, in order, on every rank. A batch out of memory on any rank lowers proc.gen_batch_cap on
-    all, for the rest of the process; the dialogues left go on."""
+    """All of the summaries, in order, on every rank; a batch out of memory on any lowers proc.gen_batch_cap on all."""
     autocast = contextlib.nullcontext() if model.lm_head.weight.dtype == getattr(torch, proc.dtype) else proc.autocast()
     memory = min(proc.all_gather_objects(generation_memory(cfg, model.lm_head.weight.device)))  # the same batches
     summaries, todo = [None] * len(prompts), []
 
     def attempt(size):
         todo[:] = [i for i, summary in enumerate(summaries) if summary is None]
-        return summarize_batches(model, [prompts[i] for i in todo], dataclasses.replace(cfg, gen_batch_size=size),
+        return summarize_batches(model, [prompts[i] for i in todo], replace(cfg, gen_batch_size=size),
                                  autocast, progress and proc.is_main, proc.rank, proc.world_size, memory, proc.graphs)
 
     def keep(shards):  # each rank's summaries of todo, None where another rank's batch
@@ -322,7 +298,8 @@ def rouge_model(model, cfg, proc):
     copy = GPT.on_meta(GPTConfig(**asdict(model.config))).to(dtype)
     copy.lm_head.weight = copy.transformer.to_empty(device=proc.device).wte.weight  # one tensor, as in the model
     held = copy.state_dict()
-    for key, value in merged_weights(weights, **lora_settings(cfg)) if cfg.lora_rank else weights.items():
+    merged = loading.merged_weights(weights, **loading.lora_settings(cfg)) if cfg.lora_rank else weights.items()
+    for key, value in merged:
         held[key].copy_(value)  # cast as it copies: one merged float32 weight at a time, never a whole dict
     return copy.eval()
 
@@ -357,8 +334,7 @@ def mbr_pick(candidates, metric="rougeL"):
 
 
 def agreement(candidates, metric="rougeL"):
-    """`metric` F1 of every candidate against every other; rougeL's LCS by rapidfuzz (rouge-score's: most of MBR's
-    time)."""
+    """`metric` F1 of every candidate against every other; rougeL's LCS by rapidfuzz (rouge-score's took MBR's time)."""
     tokenizer = StemCachedTokenizer()
     if metric == "rougeL":
         tokens = [tokenizer.tokenize(c) for c in candidates]

@@ -29,8 +29,7 @@ def is_checkpoint(source):
 
 def build_model(source, cfg=None, keep_adapters=False, key="init_from", lora_base=None, ckpt=None):
     """(model, checkpoint or None) from `source`: scratch, a GPT-2 name or transformers folder (cut to cfg.block_size),
-    or a checkpoint (a LoRA run's adapters merged, or kept with keep_adapters). Errors name the config key `key`;
-    `ckpt`: the checkpoint at `source`, if loaded already."""
+    or a checkpoint (`ckpt` if loaded already; LoRA adapters merged unless keep_adapters). Errors name `key`."""
     if is_checkpoint(source):
         ckpt = load_checkpoint(source, key) if ckpt is None else ckpt
         model = model_from_checkpoint(ckpt, source, keep_adapters, lora_base)
@@ -244,12 +243,11 @@ def start_checkpoint(cfg):
     """(path, Checkpoint) of the checkpoint the run continues or starts from, else (None, None)."""
     if resuming(cfg):
         path = resume_path(cfg)
-        running = None if cfg.resume_from else run_folder.training_in(cfg.out_dir)
-        if not os.path.isfile(path) and running:
-            raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that has "
-                            f"not saved a checkpoint ({running}): wait for its first save (every eval_interval "
-                            f"steps) or its end, or train into another folder with --out_dir=...")
         if not os.path.isfile(path):
+            if not cfg.resume_from and (running := run_folder.training_in(cfg.out_dir)):
+                raise UserError(f"{path} does not exist yet: out_dir {cfg.out_dir} is in use by a training run that "
+                                f"has not saved a checkpoint ({running}): wait for its first save (every "
+                                f"eval_interval steps) or its end, or train into another folder with --out_dir=...")
             raise UserError(f"{path} does not exist: nothing to resume; continue another run's with "
                             f"--resume_from=<its ckpt.pt>, or start afresh without --init_from=resume"
                             + run_folder.missing_file_hint(path, "--resume_from"))
@@ -306,7 +304,6 @@ ADAPTER = "default"  # peft's adapter name: it appears in the state dict keys (.
 
 
 def lora_settings(config):
-    """The Lora settings of a Config or of a checkpoint's config dict, as keywords."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
     return {key: get(key) for key in keys(Lora)}
 
@@ -321,8 +318,7 @@ def add_adapters(model, lora_rank, lora_alpha, lora_dropout, lora_targets):
 
 
 def merged_weights(state_dict, lora_rank, lora_alpha, **_):
-    """(key, float32 tensor) of the plain GPT state dict, one weight at a time: W + B @ A * lora_alpha / lora_rank
-    (peft's merge)."""
+    """(key, float32 tensor) of the plain GPT state dict, one weight at a time: W + B @ A * alpha / rank (peft's)."""
     scaling = lora_alpha / lora_rank
     for key, value in state_dict.items():
         if ".lora_" in key:
@@ -335,8 +331,7 @@ def merged_weights(state_dict, lora_rank, lora_alpha, **_):
 
 
 def cast_base(model, dtype):
-    """The frozen Linear layers in the compute dtype: half the bytes, and autocast uses them without casting them
-    again at every forward. Adapters, embeddings and LayerNorms stay float32."""
+    """The frozen Linear layers in the compute dtype: half the bytes, and no cast at each forward; the rest float32."""
     for module in model.transformer.h.modules():
         if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
             module.to(dtype)

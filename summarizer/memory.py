@@ -84,20 +84,12 @@ class LiveBytes(TorchDispatchMode):
 
 
 def twin(model, fake=None):
-    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, whose
-    autocast and kernels are a GPU's, else meta ones."""
+    """`model` (adapters, checkpointing, tying) on tensors that hold no memory: fake CPU ones under `fake`, or meta."""
     with fake or contextlib.nullcontext():
-        memo = {id(t): torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta"),
-                                          t.requires_grad) if isinstance(t, torch.nn.Parameter) else
-                torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta")
+        memo = {id(t): torch.empty(t.shape, dtype=t.dtype, device="cpu" if fake else "meta")
                 for t in (*model.parameters(), *model.buffers())}
+        memo |= {id(p): torch.nn.Parameter(memo[id(p)], p.requires_grad) for p in model.parameters()}
     return copy.deepcopy(model, memo)
-
-
-def counted(fn, fake=None):
-    with fake or contextlib.nullcontext(), LiveBytes() as live:
-        out = fn()
-    return out, live.peak, live.now
 
 
 def pass_peak(model, fake, rows, length, targets, dtype, train):
@@ -105,15 +97,13 @@ def pass_peak(model, fake, rows, length, targets, dtype, train):
     with fake:
         x = torch.zeros(rows, length, dtype=torch.long)
         found = Targets(x, torch.zeros(targets, dtype=torch.long))
-
-    def run():
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), torch.set_grad_enabled(train):
-            loss = model.train(train)(x, found)[1]
-            if train:
-                loss.backward()
-    peak = counted(run, fake)[1]
+    with (fake, LiveBytes() as live, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
+          torch.set_grad_enabled(train)):
+        loss = model.train(train)(x, found)[1]
+        if train:
+            loss.backward()
     model.zero_grad(set_to_none=True)
-    return peak
+    return live.peak
 
 
 @dataclass(frozen=True)
@@ -150,9 +140,10 @@ def ledger(run, rows, budget):
     faked, meta = twin(model, fake), twin(model)
     full, grads = nbytes(model.parameters()), nbytes(p for p in model.parameters() if p.requires_grad)
     weights, grad_held, moments = parameter_bytes(model, run.backend, run.world_size)
+    pass_of = functools.partial(pass_peak, faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype)
     # DDP's gradients are its buckets, kept between steps (backends.DDP.keeps_gradients); the pass counts them once
     held = weights + moments + (grads if run.backend in ("ddp", "accelerate") and run.world_size > 1 else 0)
-    train = weights + moments + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype, True)
+    train = weights + moments + pass_of(True)
     if fsdp:  # the pass's gradients are a rank's shards once each unit's backward ends; reduce-once keeps them whole
         train += grad_held - grads + (reduce_once_bytes(model, run.world_size, run.dtype)[0] - 2 * (
             weights - shard_bytes(model.parameters(), run.world_size)) if run.reduce_once else 0)
@@ -160,13 +151,13 @@ def ledger(run, rows, budget):
         copied = nbytes(GPT(GPTConfig(**asdict(model.config))).to(run.dtype).parameters())
     if not fsdp and not cfg.lora_rank and run.dtype == torch.float32:
         copied = 0  # rouge_model decodes with the trained model itself
-    # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
-    merged = counted(lambda: deque(merged_weights(meta.state_dict(), **lora_settings(cfg)), maxlen=0))[1] \
-        if cfg.lora_rank else 0
+    with LiveBytes() as merging:  # a LoRA run's merge, one weight at a time (rouge_model's copy, best.pt's save)
+        if cfg.lora_rank:
+            deque(merged_weights(meta.state_dict(), **lora_settings(cfg)), maxlen=0)
+    merged = merging.peak
     prompts = min(cfg.rouge_samples, cfg.gen_batch_size)
     phases = dict(train=train,
-                  validation=held + pass_peak(faked, fake, rows, run.longest_row, rows * run.most_targets, run.dtype,
-                                              False),
+                  validation=held + pass_of(False),
                   rouge_build=held + (full if fsdp else 0) + merged + copied,  # FSDP: every rank's gathered weights
                   rouge_decode=held + copied + batch_bytes(run, prompts, budget - held - copied),
                   save=held + (merged if not fsdp else 0))
@@ -354,8 +345,7 @@ def dialogue_bytes(decoding, prompt_tokens, model_config, dtype):
 
 
 def check_one_dialogue(decoding, prompt_tokens, model_config, memory, dtype):
-    """UserError, before any allocation, where one dialogue does not fit `memory`, naming the largest value that
-    fits."""
+    """UserError, before any allocation, when one dialogue does not fit `memory`, naming the largest value that fits."""
     key = next((key for key in ("mbr_samples", "num_beams") if getattr(decoding, key) > 1), "max_new_tokens")
 
     def needs(value):

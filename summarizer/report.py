@@ -19,7 +19,7 @@ from summarizer import inference, run_folder, tracking
 
 WORST, BEST, CHANGED = 20, 10, 20  # examples shown: lowest and highest ROUGE-L, largest change against --compare
 LENGTH_BUCKETS = 5  # dialogue-length buckets of (about) equal size in the ROUGE-L-by-length figure
-WORD = re.compile(r"[A-Za-z0-9]+")  # a word as ROUGE's tokenizer cuts text (before lowercasing and stemming)
+WORD = re.compile(r"([A-Za-z0-9]+)")  # a word as ROUGE's tokenizer cuts text (before lowercasing and stemming)
 # text stays text (smaller, sharp, the browser's fonts); a fixed salt makes the same evaluation the same file
 SVG_STYLE = {"svg.fonttype": "none", "svg.hashsalt": "eval-report", "font.size": 9}
 
@@ -202,22 +202,17 @@ def words_of(text, words):
 
 
 def marked(text, shared, words):
-    parts, end = [], 0
-    for match in WORD.finditer(text):
-        word = match.group()
-        parts += [esc(text[end:match.start()]), f"<mark>{word}</mark>" if shared & words_of(word, words) else word]
-        end = match.end()
-    return "".join(parts) + esc(text[end:])
+    parts = WORD.split(text)  # the words at odd places
+    return "".join(f"<mark>{part}</mark>" if i % 2 and shared & words_of(part, words) else esc(part)
+                   for i, part in enumerate(parts))
 
-
-# ---- figures --------------------------------------------------------------------------------------------------
 
 def figures_section(frame, report, curve):
     with rc_context(SVG_STYLE):
-        figures = [figure(rouge_histogram(frame), "Per-dialogue ROUGE-L: where the mean comes from."),
-                   figure(rouge_by_length(frame), "ROUGE-L by dialogue length: long dialogues are cut to fit "
-                                                  "block_size and are harder to summarize."),
-                   figure(lengths_scatter(frame, report["diagnostics"]["max_new_tokens"]),
+        figures = [figure(svg(rouge_histogram, frame), "Per-dialogue ROUGE-L: where the mean comes from."),
+                   figure(svg(rouge_by_length, frame), "ROUGE-L by dialogue length: long dialogues are cut to fit "
+                                                       "block_size and are harder to summarize."),
+                   figure(svg(lengths_scatter, frame, report["diagnostics"]["max_new_tokens"]),
                           "Generated against reference length: points above the diagonal run long, points on the "
                           "dashed line were cut off.")]
     if curve:
@@ -232,39 +227,35 @@ def figure(image, caption, kind=""):
     return f'<figure{attrs}><img alt="{esc(caption)}" src="{uri}"><figcaption>{caption}</figcaption></figure>'
 
 
-def svg(fig):
+def svg(draw, *args):
+    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
+    draw(ax, *args)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})
+    ax.figure.savefig(buffer, format="svg", metadata={"Date": None})
     return "image/svg+xml", buffer.getvalue()
 
 
-def rouge_histogram(frame):
-    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
+def rouge_histogram(ax, frame):
     values = frame["rougeL"]
     ax.hist(values, bins=np.linspace(0, 1, 21), color="#4c72b0", edgecolor="white")
     ax.axvline(values.mean(), color="#c62828", linestyle="--", label=f"mean {values.mean():.4f}")
     ax.set(xlabel="ROUGE-L F1 of one summary", ylabel="dialogues", title="Per-dialogue ROUGE-L", xlim=(0, 1))
     ax.legend()
-    return svg(ax.figure)
 
 
-def rouge_by_length(frame):
-    lengths = frame["dialogue_tokens"]
-    buckets = pd.qcut(lengths.rank(method="first"), min(LENGTH_BUCKETS, len(frame)), labels=False)
+def rouge_by_length(ax, frame):
+    buckets = pd.qcut(frame["dialogue_tokens"].rank(method="first"), min(LENGTH_BUCKETS, len(frame)), labels=False)
     groups = frame.groupby(buckets).agg(low=("dialogue_tokens", "min"), high=("dialogue_tokens", "max"),
                                         rouge=("rougeL", "mean"), n=("rougeL", "size"))
-    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
     bars = ax.bar([f"{g.low}-{g.high}" for g in groups.itertuples()], groups["rouge"], color="#55a868")
     ax.bar_label(bars, labels=[f"n={n}" for n in groups["n"]], fontsize=8)
     ax.axhline(frame["rougeL"].mean(), color="#c62828", linestyle="--", label="all dialogues")
     ax.set(xlabel="dialogue length (tokens)", ylabel="mean ROUGE-L", title="ROUGE-L by dialogue length",
            ylim=(0, 1.3 * max(groups["rouge"].max(), 0.01)))  # room above the bars for their labels and the legend
     ax.legend(loc="upper left")
-    return svg(ax.figure)
 
 
-def lengths_scatter(frame, max_new_tokens):
-    ax = Figure(figsize=(6, 3.6), layout="tight").subplots()
+def lengths_scatter(ax, frame, max_new_tokens):
     ax.scatter(frame["reference_tokens"], frame["generated_tokens"], s=14, alpha=0.5, color="#4c72b0", linewidths=0)
     top = max(frame["reference_tokens"].max(), frame["generated_tokens"].max(), max_new_tokens) + 2
     ax.plot([0, top], [0, top], color="#6e6e73", linewidth=1, label="same length")
@@ -272,7 +263,6 @@ def lengths_scatter(frame, max_new_tokens):
     ax.set(xlabel="reference length (tokens)", ylabel="generated length (tokens)", xlim=(0, top), ylim=(0, top),
            title="Generated against reference length")
     ax.legend(loc="upper left")
-    return svg(ax.figure)
 
 
 def training_curve(jsonl_path):
@@ -283,10 +273,7 @@ def training_curve(jsonl_path):
             return "image/png", f.read()
 
 
-# ---- submission.csv ---------------------------------------------------------------------------------------------
-
 def write_submission(ids, summaries, path):
-    """Summaries folded to one line each."""
     frame = pd.DataFrame({"id": ids, "summary": [" ".join(s.split()) for s in summaries]})
     with atomic_write(path) as f:
         frame.to_csv(f, index=False)

@@ -32,8 +32,7 @@ EARLIER_RUN = "previous-run"  # the prefix of the folders earlier runs' files ar
 
 
 def make(path, reads=None):
-    """Create the folder and write a file there, before any work whose results would be lost. `reads`: the flag that
-    names the checkpoint the command takes from out_dir, which another out_dir must then give."""
+    """Create the folder and write a file there, before any work whose results would be lost."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test{os.getpid()}")
@@ -78,8 +77,7 @@ def remove_left_temp_files(folder):
 
 @contextlib.contextmanager
 def claimed(out_dir, is_main, stop_if, reads=None):
-    """Rank 0 makes out_dir and holds its lock (flock: a crashed run leaves none) until the body ends; a folder
-    another run holds stops every rank before any write."""
+    """Rank 0 makes out_dir and flocks it until the body ends; a folder another run holds stops every rank."""
     handle, problem = None, None
     with no_empty_folder_left(out_dir if is_main else None):
         if is_main:
@@ -128,8 +126,7 @@ def lock(out_dir):
             if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                 break
         handle.close()
-    handle.seek(0)
-    handle.truncate()
+    handle.truncate(0)  # "a+" writes at the end, wherever the position
     handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "since": datetime.datetime.now().isoformat(timespec="seconds"),
                              "command": " ".join(sys.argv)}))
@@ -160,8 +157,7 @@ def training_in(out_dir):
 
 
 def set_aside_earlier_run(out_dir):
-    """A fresh run neither appends to an earlier run's metrics nor overwrites its checkpoints: they move into
-    out_dir/previous-run-<its time>/. A line saying so, or None. Call it once every check has passed."""
+    """An earlier run's files moved into out_dir/previous-run-<its time>/ once every check passed: a line, or None."""
     best = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(out_dir), "best-*.pt")))
     found, folder = move_aside(out_dir, [*RUN_FILES, *best], EARLIER_RUN)
     if not found:
@@ -185,7 +181,6 @@ def set_aside_other_output(out, record, names, prefix, made_by):
 
 
 def free_path(path, suffix=""):
-    """`path + suffix`, or the first of path-2, path-3, ... that does not exist."""
     candidate, n = path + suffix, 1
     while os.path.exists(candidate):
         n += 1
@@ -207,8 +202,7 @@ def move_aside(out_dir, names, prefix):
 
 
 def keep_best_of_metric(out_dir, metric):
-    """best.pt renamed best-<metric>.pt, so a run that now picks its best by another metric loses nothing; its path,
-    or None."""
+    """best.pt moved to best-<metric>.pt (its path, or None): a run now best by another metric loses nothing."""
     best = os.path.join(out_dir, BEST)
     if not os.path.exists(best):
         return None
@@ -218,8 +212,7 @@ def keep_best_of_metric(out_dir, metric):
 
 
 def missing_file_hint(path, use):
-    """The clause that ends a 'does not exist' line: the copy that exists (the repository's, an earlier run's moved
-    into previous-run-*/) and the flag `use` that takes it; '' where none does."""
+    """A 'does not exist' line's end: the repository's or an earlier run's copy and the flag `use` that takes it."""
     if repository := repository_copy_hint(path, use):
         return repository
     folder, name = os.path.split(os.path.abspath(path))
@@ -240,8 +233,7 @@ ROW_BYTES = 16  # the training rows' fingerprints in a checkpoint: two int64 has
 
 @dataclass(frozen=True)
 class Quota:
-    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB, the rest lost at "Save
-    Version", after the GPU hours are spent)."""
+    """A folder that keeps at most `gb` GB, whatever its free space (/kaggle/working: 20 GB at "Save Version")."""
     folder: str
     gb: float
 
@@ -270,7 +262,6 @@ def free_bytes(path):
 
 
 def file_bytes(path):
-    """Bytes of a file, or of everything under a folder."""
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
@@ -297,8 +288,7 @@ def checkpoint_bytes(state):
 
 
 class DiskPlan:
-    """ckpt.pt, best.pt and, while a save replaces one, its second copy (which an output quota does not count), sized
-    from the model's tensors."""
+    """ckpt.pt, best.pt and a save's second copy (which no output quota counts), sized from the model's tensors."""
 
     def __init__(self, model, cfg, small_lora=False, train_rows=0):
         params = dict(model.named_parameters())  # tied weights once
@@ -335,8 +325,7 @@ class DiskPlan:
         return f"{gb(left)} {limit}"
 
     def problem(self, resuming):
-        """None, or the one line that says what to change. A resumed run replaces the ckpt.pt and best.pt there; a
-        fresh one keeps them, moved aside."""
+        """None, or the line that says what to change (a resumed run replaces ckpt.pt and best.pt, a fresh one not)."""
         out_dir = self.cfg.out_dir
         here = sum(file_bytes(os.path.join(out_dir, name)) for name in (CKPT, BEST)) if resuming else 0
         (free, limit), disk = self.space, free_bytes(out_dir)
@@ -363,8 +352,7 @@ GO_ON = ("free some space and continue (--init_from=resume), or continue in a la
 
 
 def save_problem(writes, iter_num, quota):
-    """None if the (path, state) checkpoints fit, written one after the other beside the files they replace, else the
-    line that says which cannot and what is kept."""
+    """None if the (path, state) checkpoints fit, each written beside the file it replaces; else the one line."""
     (free, limit), disk = room(writes[0][0], quota), free_bytes(writes[0][0])
     for path, state in writes:
         need = checkpoint_bytes(state)

@@ -40,24 +40,12 @@ def pytest_collection_modifyitems(items):
     runs (--dist=loadgroup in pyproject.toml), so the fixture is built once, not once per worker. Then the order in
     which pytest-xdist hands them out: `minutes` first, then the slow tests, then the groups: a long one started last
     would run alone while the other workers idle."""
-    grouped = set()
     for item in items:
         scopes = {fixture.scope for fixtures in item._fixtureinfo.name2fixturedefs.values() for fixture in fixtures}
         if "module" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-            grouped.add(item.module.__name__)
-
-    def rank(item):
-        return item.get_closest_marker("minutes") is None, item.get_closest_marker("slow") is None
-
-    # a group's tests stay together, at its most urgent test's place: apart, their module's fixture is built again
-    first = {}
-    for item in items:
-        if item.module.__name__ in grouped:
-            first[item.module.__name__] = min(first.get(item.module.__name__, (True, True)), rank(item))
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (*first[item.module.__name__], False, item.module.__name__, order[id(item)])
-               if item.module.__name__ in grouped else (*rank(item), True, "", order[id(item)]))
+    items.sort(key=lambda item: (item.get_closest_marker("minutes") is None, item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("xdist_group") is None))
 
 
 def tiny(**overrides):

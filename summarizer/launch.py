@@ -111,22 +111,27 @@ def one_line_errors(out_dir=None, go_on=None, distributed=False):
 
 def expected_error(e, out_dir, go_on, distributed):
     """(the line, the exit status) of an error the user can act on, with what out_dir keeps, else None."""
-    intact = intact_in(out_dir) if out_dir else []
-    kept = f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
     if isinstance(e, DiskFull) and out_dir:
-        return f"{e}; {kept}" + (f": {run_folder.GO_ON}" if intact else ""), 2
+        intact = intact_in(out_dir)
+        return f"{e}; {kept(intact)}" + (f": {run_folder.GO_ON}" if intact else ""), 2
     if isinstance(e, UserError):
         return str(e), 2
     if out_of_memory(e):
         return first_line(e), 1
     if distributed and lost_peer(e):  # this rank cannot save: its collectives have no peer
+        intact = intact_in(out_dir) if out_dir else []
         resumable = any(path.startswith(f"{os.path.join(out_dir, run_folder.CKPT)} (") for path in intact)
-        return (f"another rank of this run is gone ({type(e).__name__}: {first_line(e)}); {kept}"
+        return (f"another rank of this run is gone ({type(e).__name__}: {first_line(e)}); {kept(intact)}"
                 + (f"; continue with: {go_on}" if resumable else ": start the run again")), 2
     if out_dir and FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
         return ("CUDA cannot start in a process forked from this notebook: train with the notebook's torchrun cell "
                 "(python -m torch.distributed.run ... train.py) instead of notebook_main"), 1
     return None
+
+
+def kept(intact):
+    # read only where the line names them: loading each checkpoint is no work for a settings error
+    return f"intact: {', '.join(intact)}" if intact else "no checkpoint was written yet"
 
 
 def lost_peer(e):

@@ -44,6 +44,11 @@ def first_line(error):
     return str(error).strip().partition("\n")[0]
 
 
+def error_line(error):
+    """An exception as one line: its type and its text's first line."""
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
 def arguments(argv):
     """(presets, flags as '--key=value'); `--max_iters 5` is `--max_iters=5`, whatever the next word looks like."""
     presets, flags, words, two_words = [], [], list(argv), None

@@ -461,10 +461,13 @@ def replay_disagrees(replayed, eager):
 
 class StepGraphs:
     """A CUDA graph of greedy's step per (model, rows, slots), captured at first use, replayed over fixed buffers (one
-    KV storage a layer). A failed capture or replay turns graphs off for good (both would recur), with one line."""
+    KV storage a layer). A failed capture or replay turns graphs off for good (both would recur), with one line.
+    error_line: how that line names a failed capture's exception (the caller's one rule; this module needs the model
+    alone)."""
 
-    def __init__(self, capture=capture_graph, warn=None):
-        self.capture, self.warn = capture, warn or (lambda line: print(line, file=sys.stderr))
+    def __init__(self, capture=capture_graph, warn=None, error_line=lambda error: type(error).__name__):
+        self.capture, self.error_line = capture, error_line
+        self.warn = warn or (lambda line: print(line, file=sys.stderr))
         self.eager_why, self.capture_seconds = None, {}  # eager_why: None while the steps replay as graphs
         self.release()
 
@@ -515,7 +518,7 @@ class StepGraphs:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # the step's own errors meet the eager step again below
-            why = f"capture failed ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+            why = f"capture failed ({self.error_line(e)})"
         if why:
             self.warn(f"warning: CUDA graph {why}; decoding eagerly from now on")
             self.eager_why = why

@@ -26,6 +26,7 @@ from bench import MODELS, ROOT, SAMSUM_CSV, demo_arguments, progress, synchroniz
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.compile import Waits, decoding_steps, summary_end_token
+from command_line import error_line
 from config import PROMPT_TEMPLATE, Config, Decoding, load_config
 from data import EOT_ID
 from generate import generate
@@ -133,7 +134,7 @@ def bench_generate(args, device):
 
 def step_graphs(device):
     """How the benchmark runs greedy steps: as CUDA graphs on a GPU (generate.StepGraphs), eagerly on a CPU."""
-    return generate_module.StepGraphs() if device.type == "cuda" else None
+    return generate_module.StepGraphs(error_line=error_line) if device.type == "cuda" else None
 
 
 def graph_figures(graphs, device):

@@ -31,7 +31,7 @@ from bench import GIB, MODELS, PRESETS, ROOT, SAMSUM_CSV, child_environ, synchro
 from bench import compile as bench_compile
 from bench import memory as bench_memory
 from bench.preflight import NOT_RUN, check
-from command_line import UserError, atomic_write
+from command_line import UserError, atomic_write, error_line
 from config import Decoding, load_config, read_preset
 from model import GPT, PRETRAINED, GPTConfig
 from summarizer import memory
@@ -338,12 +338,12 @@ def graph_checks(model, batches, device):
                 for prompts in batches]
     eager, before = decode(), torch.cuda.current_stream()
     fallback_kept, kept, captured = [], [], []
-    failing = generate_module.StepGraphs(capture=recording([], fallback_kept, reading_host))
+    failing = generate_module.StepGraphs(capture=recording([], fallback_kept, reading_host), error_line=error_line)
     fell_back = decode(failing)
     found = [dict(figure="graphs: a capture that reads the host falls back, the stream kept", value=failing.eager_why,
                   passed=failing.eager_why is not None and fell_back == eager and all(fallback_kept) and
                   torch.cuda.current_stream() == before)]
-    graphs = generate_module.StepGraphs(capture=recording(captured, kept))
+    graphs = generate_module.StepGraphs(capture=recording(captured, kept), error_line=error_line)
     graphed = decode(graphs)
     buckets = [f"{rows}x{slots}" for rows, slots in graphs.capture_seconds]
     found += [dict(figure="graphs: captured after it, every bucket", value=graphs.eager_why or buckets,

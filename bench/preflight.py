@@ -24,7 +24,7 @@ import torch
 import data
 import train
 from bench import child_environ, torchrun
-from command_line import UserError, atomic_write
+from command_line import UserError, atomic_write, first_line
 from config import Config, flags_given, load_config, settings_given
 from model import GPT, GPTConfig
 from summarizer import run_folder
@@ -198,7 +198,7 @@ def main(argv=None):
                 fit, checks["train.py"]["thin"] = judged(cfg, start_ckpt, flags_given(settings), started)
                 checks["train.py"]["detail"] += fit
         except (UserError, torch.OutOfMemoryError) as e:
-            checks["train.py"].update(status="failed", detail=str(e).strip().partition("\n")[0])
+            checks["train.py"].update(status="failed", detail=first_line(e))
     print("\n".join(f"{name:<14}{c['status']}: {c['detail']}" for name, c in checks.items()), flush=True)
     failed = any(c["status"] == "failed" for c in checks.values())  # what the run cannot start with: no GPU time spent
     checks["collective"] = (check(NOT_RUN, "one process") if nproc == 1 else check(NOT_RUN, "the run cannot start")

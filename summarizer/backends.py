@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from command_line import UserError, first_line
+from command_line import UserError, error_line
 from summarizer.launch import out_of_memory
 
 
@@ -364,7 +364,7 @@ class CompiledModule(torch.nn.Module):
                 if not compiler_error(e):
                     raise
                 error = getattr(e, "inner_exception", None) or e  # dynamo wraps the backend's exception
-                self.why = f"{type(error).__name__}: {first_line(error)}"
+                self.why = error_line(error)
                 tqdm.write(f"warning: torch.compile failed ({self.why}); training eagerly from now on (tokens_per_s "
                            f"and mfu are eager's)", file=sys.stderr)  # a line of its own under a bar
         return self.compiled._orig_mod(*args)

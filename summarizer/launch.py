@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from command_line import DiskFull, UserError, first_line
+from command_line import DiskFull, UserError, error_line, first_line
 from config import load_config
 from summarizer import run_folder
 from summarizer.checkpoint import intact_in
@@ -103,7 +103,7 @@ def one_line_errors(out_dir=None, go_on=None, distributed=False):
         said = expected_error(e, out_dir, go_on, distributed)
         if said is None and out_dir is None:
             raise
-        line, status = said or (f"{type(e).__name__}: {first_line(e)}{traceback_kept(out_dir, where)}", 1)
+        line, status = said or (f"{error_line(e)}{traceback_kept(out_dir, where)}", 1)
         # the unexpected under torchrun on a line of its own, whatever another rank's progress bar left unended
         print(f"{chr(10) * bool(where and not said)}error{where}: {line}", file=sys.stderr)
         sys.exit(status)
@@ -121,7 +121,7 @@ def expected_error(e, out_dir, go_on, distributed):
     if distributed and lost_peer(e):  # this rank cannot save: its collectives have no peer
         intact = intact_in(out_dir) if out_dir else []
         resumable = any(path.startswith(f"{os.path.join(out_dir, run_folder.CKPT)} (") for path in intact)
-        return (f"another rank of this run is gone ({type(e).__name__}: {first_line(e)}); {kept(intact)}"
+        return (f"another rank of this run is gone ({error_line(e)}); {kept(intact)}"
                 + (f"; continue with: {go_on}" if resumable else ": start the run again")), 2
     if out_dir and FORKED_CUDA in str(e):  # notebook_launcher's forked workers (accelerate issue 3524)
         return ("CUDA cannot start in a process forked from this notebook: train with the notebook's torchrun cell "

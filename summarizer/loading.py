@@ -174,7 +174,7 @@ def model_from_checkpoint(ckpt, path, keep_adapters=False, lora_base=None):
         model = GPT.on_meta(GPTConfig(**ckpt["model_args"]))  # no memory until the weights are assigned
     except (TypeError, AssertionError) as e:  # model_args from another version of model.py, or inconsistent
         raise UserError(f"{path} has model_args {ckpt['model_args']} that this model.py cannot build: "
-                        f"{str(e) or type(e).__name__}") from None
+                        f"{first_line(e) or type(e).__name__}") from None
     if "lora_base" in ckpt:  # adapters only: the base comes from where the run took it
         state = {**base_weights(ckpt, path, lora_base, model, keep_adapters), **state}
     if adapters and keep_adapters:

@@ -9,7 +9,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
-from command_line import UserError
+from command_line import UserError, error_line
 from generate import StepGraphs
 from summarizer.backends import BACKENDS, accelerate_settings, nccl_flags, resolve_backend, use_compile
 
@@ -77,7 +77,8 @@ class Process:
         # on a gathered copy of the weights, is graphed as any other)
         self.compile_training = self.compile and self.backend != "fsdp"
         # greedy decoding as CUDA graphs where compile applies on a GPU (compile=False: eager, a way out)
-        self.graphs = (StepGraphs(warn=functools.partial(tqdm.write, file=sys.stderr))  # a line of its own under a bar
+        self.graphs = (StepGraphs(warn=functools.partial(tqdm.write, file=sys.stderr),  # a line of its own under a bar
+                                  error_line=error_line)
                        if self.compile and self.device.type == "cuda" else None)
         self.gen_batch_cap = None  # the most prompts a generation batch takes since one ran out of memory
         if self.dtype == "float16" and self.device.type == "cpu" and self.is_main:

@@ -519,8 +519,8 @@ class StepGraphs:
     """generate.StepGraphs' API, one bucket a call: the prompts' forward as the step, captured at its first use by
     `capture`; a capture that raises decodes eagerly from then on, eager_why says why."""
 
-    def __init__(self, capture):
-        self.capture, self.eager_why, self.capture_seconds = capture, None, {}
+    def __init__(self, capture, error_line):
+        self.capture, self.error_line, self.eager_why, self.capture_seconds = capture, error_line, None, {}
 
     def decode(self, model, prompts):
         bucket = (len(prompts), 64 * -(-len(prompts[0]) // 64))
@@ -529,7 +529,7 @@ class StepGraphs:
                 self.capture(lambda: model(torch.tensor(prompts))[0])
                 self.capture_seconds[bucket] = 0.25
             except RuntimeError as e:
-                self.eager_why = f"capture failed (RuntimeError: {e})"
+                self.eager_why = f"capture failed ({self.error_line(e)})"
 
 
 @pytest.fixture

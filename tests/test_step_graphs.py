@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import generate as generate_module
+from command_line import error_line
 from config import Decoding, load_config
 from conftest import mid_way_eos, tiny_gpt
 from generate import GreedyBatch, StepGraphs, capture_graph, generate, static_step
@@ -206,7 +207,7 @@ def test_a_step_that_reads_the_host_fails_its_capture_and_decodes_eagerly(model,
     first error, and decoding goes on eagerly with the same summaries."""
     monkeypatch.setattr(generate_module, "static_step", host_reading_step)
     eager = generate(model, prompts, Decoding(MAX_NEW), eos_token_id=eos)
-    graphs = StepGraphs()
+    graphs = StepGraphs(error_line=error_line)
     assert generate(model, prompts, Decoding(MAX_NEW), eos_token_id=eos, graphs=graphs) == eager
     why = f"capture failed (RuntimeError: {HOST_READ})"
     assert capfd.readouterr().err.splitlines() == [f"warning: CUDA graph {why}; decoding eagerly from now on"]
@@ -276,7 +277,7 @@ def disagreeing(step):
     (disagreeing, r"its first replay differs from the eager step by up to [\d.]+")])
 def test_a_failed_or_disagreeing_capture_decodes_eagerly_from_then_on_with_one_line(model, prompts, eos, capfd,
                                                                                    cuda, capture, why):
-    graphs = StepGraphs(capture=capture)
+    graphs = StepGraphs(capture=capture, error_line=error_line)
     eager = generate(model, prompts, Decoding(MAX_NEW), eos_token_id=eos)
     for _ in range(2):
         assert generate(model, prompts, Decoding(MAX_NEW), eos_token_id=eos, graphs=graphs) == eager
@@ -313,7 +314,7 @@ def test_greedy_under_autocast_is_not_replayed(model, prompts, eos):
 def test_summarizing_says_after_the_fact_how_greedy_steps_ran(model, prompts, cuda, capfd, capture, said):
     cfg = load_config(["--device=cpu", "--dtype=float32", "--max_new_tokens=8"])
     with Process(cfg) as proc:
-        proc.graphs = StepGraphs(capture=capture)
+        proc.graphs = StepGraphs(capture=capture, error_line=error_line)
         SummaryModel(model, cfg).summarize(prompts, proc)
     out = capfd.readouterr().out.splitlines()
     assert out[0] == "summarizing 20 dialogues" and re.fullmatch(f"summarized 20 dialogues: {said}", out[-1])

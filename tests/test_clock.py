@@ -15,7 +15,7 @@ from bench import preflight
 from config import load_config
 from conftest import metrics, one_error_line, tiny
 from model import GPT
-from summarizer import preparation
+from summarizer import backends, preparation
 from summarizer.checkpoint import load_checkpoint
 from summarizer.clock import (
     COOLDOWN,
@@ -511,6 +511,32 @@ def test_one_quiet_batch_does_not_size_the_after_run():
     clock = Clock(600, started=0.0, now=lambda: 10.0, after={"predict_after": 800})
     clock.prime(1.0, tokens=1, decodings=[(40.0, 16), (0.5, 16), (4.0, 16), (4.0, 16)])
     assert clock.after_run() == pytest.approx(800 * 0.25)
+
+
+def test_a_compiling_runs_preflight_counts_its_compile_as_train_py_does(run, virtual, capsys, monkeypatch, tmp_path):
+    """A compile is most of a compiling run's start-up (76 s, cold, on an H200): on a virtual clock where the compiled
+    step's first call costs 200 s, a budget of 100 s is train.py's refusal and the preflight's no-go in its line (an
+    eager preflight timed a step of a tenth of a second and said go)."""
+    argv = [*run, "--compile=True", "--max_time=100"]
+    compiled = set()
+
+    def install():
+        clock = virtual()
+
+        def forward(module, *args):  # the compile's cost, once a module; then the step, eagerly
+            if id(module) not in compiled:
+                compiled.add(id(module))
+                clock.now += 200.0
+            return module.compiled._orig_mod(*args)
+        monkeypatch.setattr(backends.CompiledModule, "forward", forward)
+        return clock
+    monkeypatch.setattr(preflight, "time", install())
+    capsys.readouterr()
+    preflight.main([*argv, f"--report={tmp_path / 'report.json'}"])
+    verdict = capsys.readouterr().out.splitlines()[-2]
+    install()
+    assert verdict == "no-go: train.py: " + one_error_line(capsys, train.main, argv)[7:]
+    assert "max_time=100 is used up before the first step: start-up took 202 s" in verdict
 
 
 @pytest.mark.slow

@@ -172,17 +172,21 @@ def training_state(cfg, proc, model, resumed, splits, given, base):
 
 
 def time_step(cfg, proc, batches, state, module, phase):
-    """(a warm step's seconds, its tokens): the slowest warm run, as a busy machine's quiet moment must not mislead."""
+    """(a warm step's seconds, its tokens): the slowest warm run of the step's longest micro-batch, as a busy
+    machine's quiet moment must not mislead. The first run is step 1's every micro-batch: a compiler specializes on
+    ranges of sizes, and what their sizes compile is paid here, not in step 1, which the budget would not hold (an
+    H200's step 1 recompiled for 40 s and ended its run 27 s past max_time)."""
     runs, batch = [], batches(state.step)
-    x, y = batch.micro_batches[0]  # the step's longest
-    x, found = x.to(proc.device, non_blocking=True), Targets.of(y).to(proc.device)
+    micro_batches = [(x.to(proc.device, non_blocking=True), Targets.of(y).to(proc.device))
+                     for x, y in batch.micro_batches]  # the longest first
     phase("timing a training step (its first call pays the one-time costs)")
     with training_memory_hint(cfg, proc), rng_restored():
-        for _ in range(1 + WARM_RUNS):
+        for run in range(1 + WARM_RUNS):
             start = time.perf_counter()
-            with proc.autocast():
-                _, loss = module(x, found)
-            loss.backward()
+            for x, found in micro_batches[:None if run == 0 else 1]:
+                with proc.autocast():
+                    _, loss = module(x, found)
+                loss.backward()
             runs.append(time.perf_counter() - start)
         phase("timing a training step (warm)")
     state.optimizer.zero_grad(set_to_none=not proc.parallel.keeps_gradients)

@@ -13,7 +13,7 @@ import train
 from bench import compile as bench_compile
 from bench.compile import Waits, counted_compiles, decode_counts
 from config import Decoding, load_config
-from conftest import mid_way_eos, tiny_gpt
+from conftest import mid_way_eos, tiny, tiny_gpt
 from generate import generate
 from model import GPT, GPTConfig, Targets
 from summarizer import inference, loading
@@ -64,6 +64,32 @@ def test_training_step_is_one_graph_over_varied_widths(checkpointing):
             _, expected = model(x, y)
             assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert compiled.why is None and breaks() == 0 and counter.compilations["train"] <= 2
+
+
+def test_under_a_budget_step_1_meets_no_size_that_start_up_did_not_compile(write_csv, tmp_path, monkeypatch):
+    """A compiler specializes on ranges of sizes: on an H200, step 1's micro-batches recompiled for 40 s that start-up
+    had not timed, and the run ended 27 s past max_time. Every micro-batch shape of step 1 reaches the compiled step
+    before the budget's verdict (recorded on a stand-in that runs the step eagerly)."""
+    shapes = {"start-up": set(), "step 1": set(), "after": set()}
+    phase = ["start-up"]
+
+    def forward(module, x, targets):
+        shapes[phase[0]].add(tuple(x.shape))
+        return module.compiled._orig_mod(x, targets)
+
+    def step(trainer, it):
+        phase[0] = "step 1"
+        try:
+            return train_step(trainer, it)
+        finally:
+            phase[0] = "after"
+    train_step = train.Trainer.train_step
+    monkeypatch.setattr(CompiledModule, "forward", forward)
+    monkeypatch.setattr(train.Trainer, "train_step", step)
+    train.main([*tiny(), f"--train_csv={write_csv('train.csv', 40)}", "--val_fraction=0.25", "--batch_size=8",
+                "--micro_batch_size=2", "--max_iters=1", "--compile=True", "--max_time=600", "--rouge_samples=2",
+                f"--out_dir={tmp_path / 'out'}", f"--data_cache_dir={tmp_path / 'cache'}"])
+    assert len(shapes["step 1"]) > 1 and shapes["step 1"] <= shapes["start-up"], shapes
 
 
 @pytest.mark.slow
@@ -161,7 +187,6 @@ def test_gradient_checkpointing_with_lora_compiles_and_matches_eager():
 def test_nothing_compiles_after_a_bf16_run_ends_its_training(write_csv, tmp_path, monkeypatch):
     """train.py --dtype=bfloat16 --compile=True with evaluate_after and predict_after: the after-run compiles
     nothing (decoding is not compiled)."""
-    from conftest import tiny
     at_end = {}
 
     def after_training(command):

@@ -286,6 +286,20 @@ def test_a_failed_or_disagreeing_capture_decodes_eagerly_from_then_on_with_one_l
                                                    f"from now on"]
 
 
+@pytest.mark.parametrize("dtype, graphed", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)])
+def test_a_logit_near_zero_off_by_the_rounding_of_the_logits_scale_keeps_the_graphs(model, dtype, graphed):
+    """An H200 in bfloat16 replayed a step 0.0156 from the eager one, a step of a logit near 3 but far beyond an
+    elementwise tolerance for a logit near 0, and decoded eagerly from then on; a T4's float16 rounds at 1/1024."""
+    eager = torch.tensor([[3.0, 0.0]], dtype=dtype)
+    replayed = eager + torch.tensor([[0.0, 0.0156 if dtype == torch.bfloat16 else 0.002]], dtype=dtype)
+
+    def cancelled(step):
+        return types.SimpleNamespace(replay=lambda: None), replayed, eager
+    graphs = StepGraphs(capture=cancelled, warn=lambda line: None)
+    with torch.inference_mode():
+        assert (graphs(model, prefilled(model)) is replayed) == graphed and (graphs.eager_why is None) == graphed
+
+
 @pytest.mark.parametrize("dtype, graphed", [(torch.bfloat16, True), (torch.float32, False)])
 def test_a_near_tie_within_the_dtypes_tolerance_keeps_the_graphs(model, dtype, graphed):
     """Replayed logits one bfloat16 step (1/128) from the eager step's, their argmax flipped: bfloat16 rounding, so

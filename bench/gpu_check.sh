@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): its sections one by one, each within its time, the report written after each.
-#     bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]   within 6 minutes on an H100/H200 or a T4
+#     bash bench/gpu_check.sh --quick [--samsum_csv=PATH] [--report=PATH]   within 8 minutes on an H100/H200
 #     bash bench/gpu_check.sh [--iters=30 --presets= ...]                  every section; extra flags go to gpu_check.py
 # The report is out-gpu-check/gpu_check_report.json in the repository (git-ignored), or --report=PATH, the
 # preflight's preflight_report.json beside it: attach them to an issue. Exits non-zero if a section fails or runs out

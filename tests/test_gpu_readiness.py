@@ -409,14 +409,14 @@ def test_the_report_is_written_after_each_section_and_keeps_what_finished(tmp_pa
     assert figures["decode ms a step"]["value"] is None  # a figure no section gave
 
 
-def test_the_quick_plan_fits_seven_minutes_and_runs_graphs_the_readmes_path_then_bench(tmp_path):
+def test_the_quick_plan_fits_eight_minutes_and_runs_graphs_the_readmes_path_then_bench(tmp_path):
     from bench import gpu_check
     args = argparse.Namespace(quick=True, samsum_csv="/data/samsum.csv", device="cuda", report=str(tmp_path / "r.json"),
                               model="gpt2", dtypes="float32", compile="False", iters=3, micro_batch_size=8, presets="")
     sections = gpu_check.plan(args, "/tmp/run")
     assert [name for name, *_ in sections] == ["graphs", "preflight", "train", "evaluate", "predict", "bench train",
                                               "bench generate"]
-    assert sum(limit for _, _, limit, _ in sections) <= 360  # with the start, within 7 minutes
+    assert sum(limit for _, _, limit, _ in sections) <= 450  # with the start, within 8 minutes
     argv = {name: " ".join(argv) for name, argv, *_ in sections}
     assert "train.py config/kaggle_t4x2.py --init_from=scratch --train_csv=/data/samsum.csv" in argv["train"]
     assert f"--max_time={gpu_check.QUICK_MAX_TIME}" in argv["train"]

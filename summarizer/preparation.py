@@ -183,7 +183,7 @@ def time_step(cfg, proc, batches, state, module, phase):
     with training_memory_hint(cfg, proc), rng_restored():
         for run in range(1 + WARM_RUNS):
             start = time.perf_counter()
-            for x, found in micro_batches[:None if run == 0 else 1]:
+            for x, found in micro_batches if run == 0 else micro_batches[:1]:
                 with proc.autocast():
                     _, loss = module(x, found)
                 loss.backward()

@@ -300,6 +300,20 @@ def test_a_logit_near_zero_off_by_the_rounding_of_the_logits_scale_keeps_the_gra
         assert (graphs(model, prefilled(model)) is replayed) == graphed and (graphs.eager_why is None) == graphed
 
 
+def test_an_infinite_logit_sets_no_scale_for_the_others(model):
+    """The logits' scale is their largest finite size: an overflowed logit (float16 past 65504) would else pass any
+    gap in the rest."""
+    eager = torch.tensor([[float("inf"), 3.0, 0.0]], dtype=torch.float16)
+    replayed = torch.tensor([[float("inf"), 3.0, 5.0]], dtype=torch.float16)
+
+    def overflowed(step):
+        return types.SimpleNamespace(replay=lambda: None), replayed, eager
+    graphs = StepGraphs(capture=overflowed, warn=lambda line: None)
+    with torch.inference_mode():
+        graphs(model, prefilled(model))
+    assert graphs.eager_why.startswith("its first replay differs from the eager step by up to")
+
+
 @pytest.mark.parametrize("dtype, graphed", [(torch.bfloat16, True), (torch.float32, False)])
 def test_a_near_tie_within_the_dtypes_tolerance_keeps_the_graphs(model, dtype, graphed):
     """Replayed logits one bfloat16 step (1/128) from the eager step's, their argmax flipped: bfloat16 rounding, so
